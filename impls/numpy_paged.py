@@ -1,0 +1,316 @@
+"""NumPy paged KV cache: a real block pool with block tables, fill and reference counts as arrays.
+
+Pool layout ``[num_blocks, block_size, 2, layers, kv_heads, head_dim]``: one token's K and V for
+every layer are one contiguous row, so a decode step over a batch is a single fancy-indexed write
+into the flat slot view (slot = block * block_size + offset), as vLLM's ``reshape_and_cache`` does.
+Sequences live in rows of a 2-D block table (``-1`` past the end), indexed by a row map.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+
+POLICIES = ("lru", "lfu", "fair")
+
+
+class NumpyPaged(Backend):
+    name = "numpy"
+    capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
+                                eviction=POLICIES, devices=("cpu",))
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        n, B = config.num_blocks, config.block_size
+        self.B = B
+        if config.policy is not None and config.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
+        m = config.model
+        self.token_shape = (2, m.layers, m.kv_heads, m.head_dim)
+        self.pool = (np.zeros((n, B) + self.token_shape, dtype=config.kv_dtype)
+                     if config.store_kv else None)
+        self.refcount = np.zeros(n, dtype=np.int32)
+        self.fill = np.zeros(n, dtype=np.int32)
+        # Free blocks as a stack; popping from the top hands out low ids first.
+        self.free_stack = np.arange(n - 1, -1, -1, dtype=np.int32)
+        self.free_top = n
+        rows = 64
+        self.table = np.full((rows, 16), -1, dtype=np.int32)
+        self.nblocks = np.zeros(rows, dtype=np.int32)
+        self.tokens = np.zeros(rows, dtype=np.int64)
+        self.final = np.zeros(rows, dtype=np.int64)
+        self.last_access = np.zeros(rows, dtype=np.int64)
+        self.use_count = np.zeros(rows, dtype=np.int64)
+        self.tenant_idx = np.zeros(rows, dtype=np.int32)
+        self.live = np.zeros(rows, dtype=bool)
+        self.seq_of_row = np.full(rows, -1, dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self.tenants: list[str] = []
+
+    # --- bookkeeping -----------------------------------------------------------------------
+
+    def _grow_rows(self):
+        old = len(self.nblocks)
+        extra = old
+        self.table = np.vstack([self.table, np.full((extra, self.table.shape[1]), -1, np.int32)])
+        for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx"):
+            arr = getattr(self, name)
+            setattr(self, name, np.concatenate([arr, np.zeros(extra, arr.dtype)]))
+        self.live = np.concatenate([self.live, np.zeros(extra, bool)])
+        self.seq_of_row = np.concatenate([self.seq_of_row, np.full(extra, -1, np.int64)])
+
+    def _grow_cols(self, width: int):
+        cols = self.table.shape[1]
+        while cols < width:
+            cols *= 2
+        if cols > self.table.shape[1]:
+            pad = np.full((self.table.shape[0], cols - self.table.shape[1]), -1, np.int32)
+            self.table = np.hstack([self.table, pad])
+
+    def _new_row(self, seq: int) -> int:
+        free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
+        if len(free_rows) == 0:
+            self._grow_rows()
+            free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
+        r = int(free_rows[0])
+        self.row_of[seq] = r
+        self.seq_of_row[r] = seq
+        self.live[r] = True
+        return r
+
+    def _row(self, seq: int) -> int:
+        try:
+            return self.row_of[seq]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown sequence {seq}") from None
+
+    def _tenant(self, tenant: str) -> int:
+        if tenant not in self.tenants:
+            self.tenants.append(tenant)
+        return self.tenants.index(tenant)
+
+    def _take(self, n: int) -> np.ndarray:
+        ids = self.free_stack[self.free_top - n:self.free_top][::-1].copy()
+        self.free_top -= n
+        self.refcount[ids] = 1
+        return ids
+
+    def _release_row(self, r: int) -> None:
+        """Drop one reference per block of the row; blocks at zero go back to the pool."""
+        blocks = self.table[r, :self.nblocks[r]]
+        self.refcount[blocks] -= 1
+        dead = blocks[self.refcount[blocks] == 0]
+        self.fill[dead] = 0
+        self.free_stack[self.free_top:self.free_top + len(dead)] = dead[::-1]
+        self.free_top += len(dead)
+        self.table[r, :self.nblocks[r]] = -1
+        self.nblocks[r] = 0
+        self.live[r] = False
+        self.seq_of_row[r] = -1
+
+    def _drop_row(self, r: int) -> None:
+        seq = int(self.seq_of_row[r])
+        self._release_row(r)
+        del self.row_of[seq]
+
+    # --- block arithmetic, vectorized over a batch ----------------------------------------
+
+    def _append_plan(self, rows: np.ndarray, dts: np.ndarray, refcount: np.ndarray):
+        """Per writer: free slots in its tail, whether it copies the tail, new blocks it takes."""
+        tails = self.table[rows, self.nblocks[rows] - 1]
+        free_last = self.B - self.fill[tails]
+        writes_tail = (free_last > 0) & (dts > 0)
+        # Writers sharing one tail copy it in batch order until one reference is left.
+        order = np.argsort(tails, kind="stable")
+        sorted_tails = tails[order]
+        first = np.searchsorted(sorted_tails, sorted_tails, side="left")
+        w_sorted = writes_tail[order].astype(np.int64)
+        before = np.cumsum(w_sorted) - w_sorted
+        rank = np.empty_like(before)
+        rank[order] = before - before[first]  # tail writers ahead of me on the same block
+        cow = writes_tail & (refcount[tails] - rank > 1)
+        spill = np.maximum(0, dts - free_last)
+        new = -(-spill // self.B)
+        return tails, free_last, cow, new
+
+    def _victim(self, candidates: np.ndarray) -> int:
+        """The row the policy evicts among candidate rows (SPEC §5)."""
+        policy = self.config.policy
+        seqs = self.seq_of_row[candidates]
+        la = self.last_access[candidates]
+        if policy == "lfu":
+            return int(candidates[np.lexsort((seqs, la, self.use_count[candidates]))[0]])
+        if policy == "fair":
+            r = self._fair_victim(candidates)
+            if r is not None:
+                return r
+        return int(candidates[np.lexsort((seqs, la))[0]])
+
+    def _fair_victim(self, candidates: np.ndarray):
+        """LRU row of the most over-quota tenant that has a candidate; None if none is over."""
+        live = np.flatnonzero(self.live)
+        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live],
+                            minlength=len(self.tenants)).astype(np.int64)
+        present = {self.tenants[i] for i in self.tenant_idx[live].tolist()}
+        # Decimal text, not binary: weight 0.1 is exactly 1/10.
+        weights = {t: Fraction(str(self.config.tenant_weights.get(t, 1)))
+                   for t in present | set(self.config.tenant_weights)}
+        total_w = sum(weights.values())
+        budget = self.config.num_blocks
+        over = []
+        for t in present:
+            u = int(usage[self.tenants.index(t)])
+            if u * total_w > weights[t] * budget:
+                over.append((u - weights[t] / total_w * budget, t))
+        for _, t in sorted(over, reverse=True):
+            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
+            if len(mine):
+                return int(mine[np.lexsort((self.seq_of_row[mine], self.last_access[mine]))[0]])
+        return None
+
+    def _make_room(self, need_fn, protect_rows: np.ndarray) -> list:
+        """Evict until ``need_fn(refcount)`` blocks are free; atomic OOM when impossible."""
+        if need_fn(self.refcount) <= self.free_top:
+            return []
+        cand = np.flatnonzero(self.live)
+        cand = cand[~np.isin(cand, protect_rows)]
+        if self.config.policy is None or len(cand) == 0:
+            raise OutOfMemory(f"{self.name}: needs {need_fn(self.refcount)} blocks, "
+                              f"{self.free_top} free")
+        # Would evicting every candidate be enough? If not, fail before touching anything.
+        blocks = np.concatenate([self.table[r, :self.nblocks[r]] for r in cand])
+        drop = np.bincount(blocks, minlength=len(self.refcount)).astype(np.int32)
+        after = self.refcount - drop
+        if need_fn(after) > self.free_top + int(np.count_nonzero((after == 0) & (self.refcount > 0))):
+            raise OutOfMemory(f"{self.name}: needs {need_fn(self.refcount)} blocks, "
+                              f"{self.free_top} free even after evicting every candidate")
+        victims = []
+        while need_fn(self.refcount) > self.free_top:
+            cand = np.flatnonzero(self.live)
+            cand = cand[~np.isin(cand, protect_rows)]
+            r = self._victim(cand)
+            victims.append(int(self.seq_of_row[r]))
+            self._drop_row(r)
+        return victims
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        if seq in self.row_of:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        n = -(-tokens // self.B)
+        protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
+        victims = self._make_room(lambda rc: n, protect_rows)
+        r = self._new_row(seq)
+        self._grow_cols(n)
+        ids = self._take(n)
+        self.table[r, :n] = ids
+        self.nblocks[r] = n
+        self.fill[ids] = self.B
+        self.fill[ids[-1]] = tokens - (n - 1) * self.B
+        self.tokens[r] = tokens
+        self.final[r] = final_tokens if final_tokens is not None else tokens
+        self.last_access[r], self.use_count[r] = step, 1
+        self.tenant_idx[r] = self._tenant(tenant)
+        if self.pool is not None:
+            flat = self.pool.reshape((-1,) + self.token_shape)
+            slots = (ids[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
+            flat[slots] = kv
+        return tuple(victims)
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        rows = np.array([self._row(s) for s in seqs], dtype=np.int64)
+        dts = np.asarray(tokens, dtype=np.int64)
+
+        def need(refcount):
+            _, _, cow, new = self._append_plan(rows, dts, refcount)
+            return int(cow.sum() + new.sum())
+
+        victims = self._make_room(need, rows)
+        tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount)
+        ids = self._take(int(cow.sum() + new.sum()))
+        # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
+        n_cow = int(cow.sum())
+        if n_cow:
+            src, dst = tails[cow], ids[:n_cow]
+            np.subtract.at(self.refcount, src, 1)
+            self.fill[dst] = self.fill[src]
+            if self.pool is not None:
+                self.pool[dst] = self.pool[src]
+            self.table[rows[cow], self.nblocks[rows[cow]] - 1] = dst
+        # New blocks go to the end of each writer's table.
+        fresh = ids[n_cow:]
+        nb_old = self.nblocks[rows]
+        self._grow_cols(int((nb_old + new).max()))
+        owner = np.repeat(np.arange(len(rows)), new)
+        starts = np.cumsum(new) - new
+        logical = nb_old[owner] + np.arange(len(fresh)) - starts[owner]
+        self.table[rows[owner], logical] = fresh
+        self.nblocks[rows] = nb_old + new
+        # Every new token: its position, its block, its offset.
+        writer = np.repeat(np.arange(len(rows)), dts)
+        tstarts = np.cumsum(dts) - dts
+        pos = self.tokens[rows][writer] + np.arange(int(dts.sum())) - tstarts[writer]
+        phys = self.table[rows[writer], pos // self.B]
+        off = pos % self.B
+        end = self.tokens[rows] + dts
+        last_in_block = (off == self.B - 1) | (pos == end[writer] - 1)
+        self.fill[phys[last_in_block]] = off[last_in_block] + 1
+        if self.pool is not None:
+            self.pool.reshape((-1,) + self.token_shape)[phys * self.B + off] = kv
+        self.tokens[rows] = end
+        self.last_access[rows] = step
+        self.use_count[rows] += 1
+        return tuple(victims)
+
+    def fork(self, seq, src, *, final_tokens=None, step=0):
+        if seq in self.row_of:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        rs = self._row(src)
+        r = self._new_row(seq)
+        nb = self.nblocks[rs]
+        self.table[r, :nb] = self.table[rs, :nb]
+        self.nblocks[r] = nb
+        self.refcount[self.table[rs, :nb]] += 1
+        self.tokens[r] = self.tokens[rs]
+        self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
+        self.last_access[r], self.use_count[r] = step, 1
+        self.tenant_idx[r] = self.tenant_idx[rs]
+        return ()
+
+    def free(self, seq, *, step=0):
+        self._drop_row(self._row(seq))
+
+    def ledger(self) -> Ledger:
+        B = self.B
+        used = self.refcount > 0
+        n_used = int(used.sum())
+        cap = n_used * B
+        free_slots = int((B - self.fill[used]).sum())
+        rows = np.flatnonzero(self.live)
+        tails = self.table[rows, self.nblocks[rows] - 1]
+        private = self.refcount[tails] == 1
+        reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
+        reservation = int(reserve[private].sum())
+        seqs = self.seq_of_row[rows].tolist()
+        return Ledger(
+            blocks_used=n_used, blocks_free=int(self.free_top),
+            tokens=dict(zip(seqs, self.tokens[rows].tolist())),
+            seq_blocks=dict(zip(seqs, self.nblocks[rows].tolist())),
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=n_used * B * self.config.model.bytes_per_token,
+            shared_blocks=int((self.refcount > 1).sum()),
+            token_states=cap - free_slots, reservation=reservation,
+            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+            free=int(self.free_top) * B)
+
+    def gather(self, seq) -> np.ndarray:
+        if self.pool is None:
+            raise NotImplementedError(f"{self.name} was built with store_kv=False")
+        r = self._row(seq)
+        blocks = self.table[r, :self.nblocks[r]]
+        return self.pool[blocks].reshape((-1,) + self.token_shape)[:self.tokens[r]]

@@ -1,0 +1,367 @@
+"""The oracle: a pure model of what a KV cache's ledger must be, derived from the formulas alone.
+
+It imports no backend code. ``Oracle.apply(op)`` advances the model by one backend call and either
+returns the victims it evicted or raises ``ModelOOM`` having changed nothing; ``expected_ledger()``
+gives the ledger every correct backend of that layout reports. ``step(state, op)`` is the same as a
+pure function over a copied state, for tests and property checks.
+
+Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on-write) and
+``contiguous`` (SPEC §3: one slab per sequence in a first-fit arena). Eviction follows SPEC §5.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from . import formulas as F
+from .protocol import CacheConfig, Ledger
+
+
+class ModelOOM(Exception):
+    """The model cannot serve the call even after evicting every candidate."""
+
+
+@dataclass
+class SeqState:
+    tenant: str
+    tokens: int
+    final: int
+    table: list = field(default_factory=list)  # paged: model block ids
+    slab: tuple | None = None  # contiguous: (start, size)
+    segments: list = field(default_factory=list)  # [(writer, start, count)]: who wrote each position
+    last_access: int = 0
+    use_count: int = 0
+
+
+@dataclass
+class TenantStats:
+    evictions: int = 0
+    recomputed_tokens: int = 0
+
+
+class Oracle:
+    def __init__(self, config: CacheConfig, layout: str = "paged"):
+        if layout not in ("paged", "contiguous"):
+            raise ValueError(f"unknown layout {layout!r}")
+        self.config = config
+        self.layout = layout
+        self.B = config.block_size
+        self.seqs: dict[int, SeqState] = {}
+        self.preempted: dict[int, SeqState] = {}  # evicted, content kept for the recompute
+        # paged model: block id -> [refcount, fill]
+        self.blocks: dict[int, list] = {}
+        self._next_block = 0
+        self.tenant_stats: dict[str, TenantStats] = {}
+
+    # --- capacity --------------------------------------------------------------------------
+
+    @property
+    def blocks_used(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def blocks_free(self) -> int:
+        return self.config.num_blocks - len(self.blocks)
+
+    def _new_block(self, fill: int) -> int:
+        b = self._next_block
+        self._next_block += 1
+        self.blocks[b] = [1, fill]
+        return b
+
+    def _drop_ref(self, b: int) -> None:
+        self.blocks[b][0] -= 1
+        if self.blocks[b][0] == 0:
+            del self.blocks[b]
+
+    # --- what a call needs -----------------------------------------------------------------
+
+    def _append_need(self, seqs, tokens) -> int:
+        """Blocks a batched append takes, copy-on-write copies included, writers in batch order."""
+        ref_delta: dict[int, int] = {}
+        need = 0
+        for s, dt in zip(seqs, tokens):
+            st = self.seqs[s]
+            free_last = 0
+            if st.table:
+                tail = st.table[-1]
+                ref, fill = self.blocks[tail]
+                free_last = self.B - fill
+                if free_last > 0 and dt > 0 and ref + ref_delta.get(tail, 0) > 1:
+                    need += 1  # the writer gets its own copy of the shared tail
+                    ref_delta[tail] = ref_delta.get(tail, 0) - 1
+            need += F.append_new_blocks(dt, free_last, self.B)
+        return need
+
+    def _slab_size(self, final: int) -> int:
+        policy = self.config.reservation
+        if policy == "max":
+            if final > self.config.max_context:
+                raise ValueError(f"sequence reaches {final} tokens, beyond max_context "
+                                 f"{self.config.max_context} of the `max` reservation")
+            return self.config.max_context
+        if policy == "pow2":
+            return F.next_pow2(final)
+        if policy == "oracle":
+            return final
+        raise ValueError(f"unknown reservation policy {policy!r} (max, pow2, oracle)")
+
+    def _first_fit(self, size: int, exclude=(), placed=()) -> int | None:
+        """Lowest arena offset with ``size`` free slots, ignoring ``exclude``, counting ``placed``."""
+        slabs = sorted([st.slab for s, st in self.seqs.items() if st.slab and s not in exclude]
+                       + list(placed))
+        pos = 0
+        for start, sz in slabs:
+            if start - pos >= size:
+                return pos
+            pos = max(pos, start + sz)
+        return pos if self.config.arena_slots - pos >= size else None
+
+    def _fits(self, call, exclude=()) -> bool:
+        """Would the call fit if the sequences in ``exclude`` were gone?"""
+        kind = call[0]
+        if self.layout == "contiguous":
+            sizes = call[-1]
+            placed = []
+            for size in sizes:
+                pos = self._first_fit(size, exclude, placed)
+                if pos is None:
+                    return False
+                placed.append((pos, size))
+            return True
+        need = call[1]() if not exclude else self._need_without(call, exclude)
+        freed = self._blocks_freed_by(exclude)
+        return need <= self.blocks_free + freed
+
+    def _blocks_freed_by(self, victims) -> int:
+        drop: dict[int, int] = {}
+        for v in victims:
+            for b in self.seqs[v].table:
+                drop[b] = drop.get(b, 0) + 1
+        return sum(1 for b, d in drop.items() if self.blocks[b][0] == d)
+
+    def _need_without(self, call, exclude) -> int:
+        saved = copy.deepcopy((self.seqs, self.blocks))
+        try:
+            for v in exclude:
+                for b in self.seqs[v].table:
+                    self._drop_ref(b)
+                del self.seqs[v]
+            return call[1]()
+        finally:
+            self.seqs, self.blocks = saved
+
+    # --- eviction (SPEC §5) ----------------------------------------------------------------
+
+    def _candidates(self, protect) -> list:
+        return [s for s in self.seqs if s not in protect]
+
+    def _pick_victim(self, candidates) -> int:
+        policy = self.config.policy
+        if policy == "lru":
+            return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
+        if policy == "lfu":
+            return min(candidates, key=lambda s: (self.seqs[s].use_count, self.seqs[s].last_access, s))
+        if policy == "fair":
+            return self._pick_fair(candidates)
+        raise ValueError(f"unknown eviction policy {policy!r} (lru, lfu, fair)")
+
+    def tenant_usage(self) -> dict:
+        usage: dict[str, int] = {}
+        for st in self.seqs.values():
+            usage[st.tenant] = usage.get(st.tenant, 0) + (
+                len(st.table) if self.layout == "paged" else st.slab[1])
+        return usage
+
+    def weights(self) -> dict:
+        tenants = {st.tenant for st in self.seqs.values()} | set(self.config.tenant_weights)
+        # Decimal text, not binary: weight 0.1 is exactly 1/10.
+        return {t: Fraction(str(self.config.tenant_weights.get(t, 1))) for t in tenants}
+
+    def _pick_fair(self, candidates) -> int:
+        w = self.weights()
+        total_w = sum(w.values())
+        budget = self.config.num_blocks if self.layout == "paged" else self.config.arena_slots
+        usage = self.tenant_usage()
+        # quota_t = w_t / W * B_total, compared exactly.
+        excess = {t: Fraction(u) - w[t] / total_w * budget for t, u in usage.items()}
+        over = [t for t in usage if usage[t] * total_w > w[t] * budget]
+        for t in sorted(over, key=lambda t: (excess[t], t), reverse=True):
+            mine = [s for s in candidates if self.seqs[s].tenant == t]
+            if mine:
+                return min(mine, key=lambda s: (self.seqs[s].last_access, s))
+        return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
+
+    def _evict(self, victim: int) -> None:
+        st = self.seqs.pop(victim)
+        for b in st.table:
+            self._drop_ref(b)
+        st.table, st.slab = [], None
+        self.preempted[victim] = st
+        self.tenant_stats.setdefault(st.tenant, TenantStats()).evictions += 1
+
+    def _make_room(self, call, protect) -> list:
+        """Evict until the call fits; raise ModelOOM (changing nothing) when it cannot."""
+        if self._fits(call):
+            return []
+        candidates = self._candidates(protect) if self.config.policy else []
+        if not candidates or not self._fits(call, exclude=candidates):
+            raise ModelOOM()
+        victims = []
+        while not self._fits(call):
+            v = self._pick_victim(self._candidates(protect))
+            self._evict(v)
+            victims.append(v)
+        return victims
+
+    # --- the operations --------------------------------------------------------------------
+
+    def prefill(self, seq, tokens, tenant, final, step, protect=(), segments=None) -> list:
+        """A new sequence of ``tokens`` tokens; with ``segments`` it is a recompute of a victim."""
+        n = F.blocks_needed(tokens, self.B)
+        sizes = [self._slab_size(final)] if self.layout == "contiguous" else None
+        call = ("prefill", lambda: n, sizes)
+        victims = self._make_room(call, set(protect) | {seq})
+        st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
+                      segments=list(segments) if segments else [(seq, 0, tokens)])
+        if self.layout == "paged":
+            st.table = [self._new_block(min(self.B, tokens - i * self.B)) for i in range(n)]
+        else:
+            st.slab = (self._first_fit(sizes[0]), sizes[0])
+        self.seqs[seq] = st
+        self.tenant_stats.setdefault(tenant, TenantStats())
+        return victims
+
+    def recompute(self, seq, step, protect=()) -> list:
+        """Re-prefill an evicted sequence to its current length, with the content it had."""
+        st = self.preempted[seq]
+        victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, st.segments)
+        del self.preempted[seq]
+        self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
+        return victims
+
+    def append(self, seqs, tokens, step) -> list:
+        for s, dt in zip(seqs, tokens):
+            st = self.seqs[s]
+            if self.layout == "contiguous" and st.tokens + dt > st.slab[1]:
+                raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
+                                 f"{st.slab[1]}-slot reservation")
+        call = ("append", lambda: self._append_need(seqs, tokens), [])
+        victims = self._make_room(call, set(seqs))
+        for s, dt in zip(seqs, tokens):
+            st = self.seqs[s]
+            if self.layout == "paged":
+                self._paged_write(st, dt)
+            st.segments.append((s, st.tokens, dt))
+            st.tokens += dt
+            st.last_access = step
+            st.use_count += 1
+        return victims
+
+    def _paged_write(self, st: SeqState, dt: int) -> None:
+        if st.table:
+            tail = st.table[-1]
+            ref, fill = self.blocks[tail]
+            if fill < self.B:
+                if ref > 1:  # copy-on-write: the writer gets a private copy of the tail
+                    self._drop_ref(tail)
+                    tail = self._new_block(fill)
+                    st.table[-1] = tail
+                take = min(dt, self.B - fill)
+                self.blocks[tail][1] += take
+                dt -= take
+        while dt > 0:
+            take = min(dt, self.B)
+            st.table.append(self._new_block(take))
+            dt -= take
+
+    def fork(self, seq, src, final, step) -> list:
+        parent = self.seqs[src]
+        if self.layout == "contiguous":
+            size = self._slab_size(final)
+            call = ("fork", None, [size])
+            victims = self._make_room(call, {seq, src})
+        else:
+            victims = []
+        child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
+                         segments=list(parent.segments), last_access=step, use_count=1)
+        if self.layout == "paged":
+            child.table = list(parent.table)
+            for b in child.table:
+                self.blocks[b][0] += 1
+        else:
+            child.slab = (self._first_fit(size), size)
+        self.seqs[seq] = child
+        return victims
+
+    def free(self, seq) -> None:
+        if seq in self.preempted:
+            del self.preempted[seq]
+            return
+        st = self.seqs.pop(seq)
+        for b in st.table:
+            self._drop_ref(b)
+
+    # --- the expected ledger ---------------------------------------------------------------
+
+    def expected_ledger(self) -> Ledger:
+        B = self.B
+        bpt = self.config.model.bytes_per_token
+        tokens = {s: st.tokens for s, st in self.seqs.items()}
+        if self.layout == "paged":
+            cap = len(self.blocks) * B
+            free_slots = sum(B - fill for _, fill in self.blocks.values())
+            token_states = cap - free_slots
+            reservation = 0
+            for st in self.seqs.values():
+                if st.table:
+                    ref, fill = self.blocks[st.table[-1]]
+                    if ref == 1:
+                        reservation += min(B - fill, max(0, st.final - st.tokens))
+            return Ledger(
+                blocks_used=len(self.blocks), blocks_free=self.blocks_free, tokens=tokens,
+                seq_blocks={s: len(st.table) for s, st in self.seqs.items()},
+                capacity_slots=cap, free_slots=free_slots,
+                fragmentation=F.fragmentation(free_slots, cap),
+                bytes_in_use=len(self.blocks) * B * bpt,
+                shared_blocks=sum(1 for ref, _ in self.blocks.values() if ref > 1),
+                token_states=token_states, reservation=reservation,
+                internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+                free=self.blocks_free * B)
+        slabs = sorted(st.slab for st in self.seqs.values())
+        cap = sum(size for _, size in slabs)
+        token_states = sum(tokens.values())
+        reservation = sum(min(st.slab[1], st.final) - st.tokens for st in self.seqs.values())
+        high = max((start + size for start, size in slabs), default=0)
+        external = high - cap
+        return Ledger(
+            blocks_used=None, blocks_free=None, tokens=tokens,
+            seq_blocks={s: st.slab[1] for s, st in self.seqs.items()},
+            capacity_slots=cap, free_slots=cap - token_states,
+            fragmentation=F.fragmentation(cap - token_states, cap),
+            bytes_in_use=cap * bpt, shared_blocks=None,
+            token_states=token_states, reservation=reservation,
+            internal_fragmentation=cap - token_states - reservation,
+            external_fragmentation=external, free=self.config.arena_slots - high)
+
+    def expected_content(self, seq) -> list:
+        """[(writer, start, count)] segments whose K/V the sequence must read back."""
+        return list(self.seqs[seq].segments)
+
+    def family_of(self, seq) -> set:
+        """Live sequences that share a block with ``seq`` (whose reads a bad write could change)."""
+        if self.layout != "paged":
+            return {seq}
+        mine = set(self.seqs[seq].table)
+        return {s for s, st in self.seqs.items() if mine.intersection(st.table)} | {seq}
+
+
+def step(oracle: Oracle, call: tuple) -> tuple[Oracle, list | None]:
+    """Pure form: a new model after ``call`` = (method, kwargs), and its victims (None on OOM)."""
+    nxt = copy.deepcopy(oracle)
+    method, kwargs = call
+    try:
+        return nxt, getattr(nxt, method)(**kwargs)
+    except ModelOOM:
+        return oracle, None

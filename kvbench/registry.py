@@ -1,0 +1,96 @@
+"""Backends by name: the built-ins, those other packages register, and ``module:Factory`` ad hoc.
+
+Another package registers a backend through the entry-point group ``kvbench.backends``::
+
+    [project.entry-points."kvbench.backends"]
+    my-pool = "my_pkg.pool:MyPool"
+
+A factory is a :class:`~kvbench.protocol.Backend` subclass (or any callable taking a
+``CacheConfig`` and returning a Backend). Classes are imported only when used, so a backend whose
+dependencies are missing is still listed, with the reason it cannot run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from .protocol import Backend, CacheConfig
+
+ENTRY_POINT_GROUP = "kvbench.backends"
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    target: str  # "package.module:Factory"
+    origin: str = "built-in"
+    overrides: dict = field(default_factory=dict)  # CacheConfig fields this entry fixes
+
+    def load(self):
+        module, _, attr = self.target.partition(":")
+        if not attr:
+            raise ValueError(f"backend target {self.target!r} must look like 'package.module:Factory'")
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            factory = self.load()
+        except Exception as e:  # an optional dependency that is missing, a typo in a plug-in
+            return False, f"cannot import {self.target}: {type(e).__name__}: {e}"
+        check = getattr(factory, "available", None)
+        return check() if callable(check) else (True, "")
+
+    def create(self, config: CacheConfig) -> Backend:
+        factory = self.load()
+        if self.overrides:
+            config = dataclasses.replace(config, **self.overrides)
+        backend = factory(config)
+        if not isinstance(backend, Backend):
+            raise TypeError(f"{self.target} made a {type(backend).__name__}, not a kvbench Backend")
+        if backend.name == Backend.name:
+            backend.name = self.name
+        return backend
+
+
+BUILTIN = [
+    BackendEntry("numpy", "impls.numpy_paged:NumpyPaged"),
+    BackendEntry("torch", "impls.torch_paged:TorchPaged"),
+    BackendEntry("contiguous-max", "impls.contiguous:Contiguous", overrides={"reservation": "max"}),
+    BackendEntry("contiguous-pow2", "impls.contiguous:Contiguous", overrides={"reservation": "pow2"}),
+    BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
+                 overrides={"reservation": "oracle"}),
+    BackendEntry("vllm-blockpool", "impls.vllm_blockpool:VllmBlockPool"),
+]
+
+# What `kvbench run` replays by default: one of each design, plus torch where it can run.
+DEFAULT_BACKENDS = ("numpy", "torch", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+
+
+def entries() -> dict[str, BackendEntry]:
+    """Every known backend: built-ins first, then installed plug-ins."""
+    found = {e.name: e for e in BUILTIN}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        origin = f"plug-in {dist.name} {dist.version}" if dist is not None else "plug-in"
+        found.setdefault(ep.name, BackendEntry(ep.name, ep.value, origin=origin))
+    return found
+
+
+def resolve(name: str) -> BackendEntry:
+    """A registered name, or an ad hoc ``package.module:Factory``."""
+    known = entries()
+    if name in known:
+        return known[name]
+    if ":" in name:
+        return BackendEntry(name, name, origin="ad hoc")
+    raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)} "
+                     f"(or give one as package.module:Factory)")
+
+
+def create(name: str, config: CacheConfig) -> Backend:
+    return resolve(name).create(config)

@@ -1,0 +1,378 @@
+"""The one trace format every backend, generator, loader and test shares (SPEC section 6).
+
+Canonical form is JSONL: line 1 is the header, then one operation per line::
+
+    {"kvbench_trace": 1, "family": "fork", "generator": "...", "params": {...}, "seed": 0, ...}
+    {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40}
+    {"step": 1, "op": "append", "seqs": [0], "tokens": [1]}
+    {"step": 2, "op": "fork", "seq": 1, "src": 0}
+    {"step": 3, "op": "free", "seq": 0}
+
+A fork's child inherits the tenant of its source. ``block_hashes`` on a prefill (optional) names
+the prompt's full blocks for prefix caching. Large traces can be stored as CSV (one row per
+sequence and step; a batched append is several rows with one step; the header is the first line,
+``# {json}``).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Union
+
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed: names the file, the line and the reason."""
+
+    def __init__(self, reason: str, path: str | None = None, line: int | None = None):
+        self.reason, self.path, self.line = reason, path, line
+        where = f"{path or '<trace>'}:{line}" if line is not None else (path or "<trace>")
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class Prefill:
+    step: int
+    seq: int
+    tenant: str
+    tokens: int
+    block_hashes: tuple | None = None
+    kind = "prefill"
+
+
+@dataclass(frozen=True)
+class Append:
+    """One decode step over a batch: seqs[i] gains tokens[i] tokens."""
+
+    step: int
+    seqs: tuple
+    tokens: tuple
+    kind = "append"
+
+
+@dataclass(frozen=True)
+class Fork:
+    step: int
+    seq: int
+    src: int
+    kind = "fork"
+
+
+@dataclass(frozen=True)
+class Free:
+    step: int
+    seq: int
+    kind = "free"
+
+
+Op = Union[Prefill, Append, Fork, Free]
+
+
+@dataclass
+class Header:
+    family: str
+    generator: str = ""
+    params: dict = field(default_factory=dict)
+    seed: int | None = None
+    tenants: dict = field(default_factory=dict)  # tenant -> weight (for Fair eviction)
+    settings: dict = field(default_factory=dict)  # defaults for a run: block_size, budget, model
+    version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        d = {"kvbench_trace": self.version, "family": self.family, "generator": self.generator,
+             "params": self.params, "seed": self.seed}
+        if self.tenants:
+            d["tenants"] = self.tenants
+        if self.settings:
+            d["settings"] = self.settings
+        return d
+
+
+@dataclass
+class Trace:
+    header: Header
+    ops: list
+    name: str = "trace"
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def to_jsonl(self) -> str:
+        lines = [json.dumps(self.header.to_dict())]
+        lines += [json.dumps(op_to_dict(op)) for op in self.ops]
+        return "\n".join(lines) + "\n"
+
+    def final_lengths(self) -> dict:
+        """Each sequence's length when it is freed or the trace ends: what the trace knows."""
+        return final_lengths(self.ops)
+
+    def tenant_of(self) -> dict:
+        tenant = {}
+        for op in self.ops:
+            if isinstance(op, Prefill):
+                tenant[op.seq] = op.tenant
+            elif isinstance(op, Fork):
+                tenant[op.seq] = tenant[op.src]
+        return tenant
+
+
+def op_to_dict(op: Op) -> dict:
+    if isinstance(op, Prefill):
+        d = {"step": op.step, "op": "prefill", "seq": op.seq, "tenant": op.tenant, "tokens": op.tokens}
+        if op.block_hashes is not None:
+            d["block_hashes"] = list(op.block_hashes)
+        return d
+    if isinstance(op, Append):
+        return {"step": op.step, "op": "append", "seqs": list(op.seqs), "tokens": list(op.tokens)}
+    if isinstance(op, Fork):
+        return {"step": op.step, "op": "fork", "seq": op.seq, "src": op.src}
+    return {"step": op.step, "op": "free", "seq": op.seq}
+
+
+def final_lengths(ops: Iterable[Op]) -> dict:
+    length, final = {}, {}
+    for op in ops:
+        if isinstance(op, Prefill):
+            length[op.seq] = op.tokens
+        elif isinstance(op, Append):
+            for s, t in zip(op.seqs, op.tokens):
+                length[s] += t
+        elif isinstance(op, Fork):
+            length[op.seq] = length[op.src]
+        else:
+            final[op.seq] = length.pop(op.seq)
+    final.update(length)
+    return final
+
+
+# --- parsing and validation -------------------------------------------------------------------
+
+def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
+    if key not in d:
+        fail(f"missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        fail(f"field {key!r} must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        fail(f"field {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def parse_op(d: dict, fail) -> Op:
+    if not isinstance(d, dict):
+        fail(f"an operation must be a JSON object, got {type(d).__name__}")
+    kind = d.get("op")
+    step = _int(d, "step", fail, minimum=0)
+    if kind == "prefill":
+        tenant = d.get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            fail(f"prefill needs a non-empty string 'tenant', got {tenant!r}")
+        hashes = d.get("block_hashes")
+        if hashes is not None:
+            if not isinstance(hashes, list):
+                fail("'block_hashes' must be a list")
+            hashes = tuple(hashes)
+        return Prefill(step, _int(d, "seq", fail, 0), tenant, _int(d, "tokens", fail, 1), hashes)
+    if kind == "append":
+        seqs, tokens = d.get("seqs"), d.get("tokens")
+        if not isinstance(seqs, list) or not isinstance(tokens, list):
+            fail("append needs lists 'seqs' and 'tokens'")
+        if not seqs:
+            fail("append with an empty batch")
+        if len(seqs) != len(tokens):
+            fail(f"append has {len(seqs)} seqs but {len(tokens)} token counts")
+        for i, (s, t) in enumerate(zip(seqs, tokens)):
+            _int({"seq": s}, "seq", fail, 0)
+            _int({f"tokens[{i}]": t}, f"tokens[{i}]", fail, 1)
+        if len(set(seqs)) != len(seqs):
+            fail("append names a sequence twice in one batch")
+        return Append(step, tuple(seqs), tuple(tokens))
+    if kind == "fork":
+        return Fork(step, _int(d, "seq", fail, 0), _int(d, "src", fail, 0))
+    if kind == "free":
+        return Free(step, _int(d, "seq", fail, 0))
+    fail(f"unknown op {kind!r} (known: prefill, append, fork, free)")
+
+
+class _Validator:
+    """Checks the history: ids live and unique, steps strictly increasing."""
+
+    def __init__(self):
+        self.live: set = set()
+        self.seen: set = set()
+        self.last_step = -1
+
+    def check(self, op: Op, fail) -> None:
+        if op.step <= self.last_step:
+            fail(f"step {op.step} is out of order (previous step {self.last_step})")
+        if isinstance(op, (Prefill, Fork)):
+            if op.seq in self.seen:
+                fail(f"duplicate sequence id {op.seq}")
+            if isinstance(op, Fork) and op.src not in self.live:
+                fail(f"fork from {'freed' if op.src in self.seen else 'unknown'} sequence {op.src}")
+        elif isinstance(op, Append):
+            for s in op.seqs:
+                if s not in self.live:
+                    fail(f"append to {'freed' if s in self.seen else 'unknown'} sequence {s}")
+        elif op.seq not in self.live:
+            fail(f"free of {'freed' if op.seq in self.seen else 'unknown'} sequence {op.seq}")
+        self.last_step = op.step
+        if isinstance(op, (Prefill, Fork)):
+            self.live.add(op.seq)
+            self.seen.add(op.seq)
+        elif isinstance(op, Free):
+            self.live.discard(op.seq)
+
+
+def parse_header(d, fail) -> Header:
+    if not isinstance(d, dict) or "kvbench_trace" not in d:
+        fail("the first line must be a header object with 'kvbench_trace' (the format version)")
+    version = d["kvbench_trace"]
+    if version not in SUPPORTED_VERSIONS:
+        fail(f"trace format version {version!r} is not known (this kvbench reads {SUPPORTED_VERSIONS})")
+    family = d.get("family")
+    if not isinstance(family, str) or not family:
+        fail("header needs a non-empty 'family'")
+    tenants = d.get("tenants", {}) or {}
+    for t, w in tenants.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+            fail(f"tenant {t!r} weight must be a positive number, got {w!r}")
+    return Header(family=family, generator=d.get("generator", ""), params=d.get("params", {}) or {},
+                  seed=d.get("seed"), tenants=tenants, settings=d.get("settings", {}) or {},
+                  version=version)
+
+
+def validate(trace: Trace, path: str | None = None) -> Trace:
+    """Validate an in-memory trace (ops built by code); line numbers count the header as 1."""
+    v = _Validator()
+    for i, op in enumerate(trace.ops):
+        def fail(reason, _line=i + 2):
+            raise TraceError(reason, path or trace.name, _line)
+        v.check(op, fail)
+    return trace
+
+
+def loads(text: str, path: str | None = None) -> Trace:
+    """Parse and validate a JSONL trace; the first bad line raises TraceError."""
+    header, ops, v = None, [], _Validator()
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        def fail(reason, _line=lineno):
+            raise TraceError(reason, path, _line)
+        if not raw.strip():
+            continue
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            fail(f"not valid JSON: {e.msg}")
+        if header is None:
+            header = parse_header(d, fail)
+            continue
+        op = parse_op(d, fail)
+        v.check(op, fail)
+        ops.append(op)
+    if header is None:
+        raise TraceError("empty trace: no header line", path, 1)
+    name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
+    return Trace(header, ops, name=name)
+
+
+# --- CSV (flat, for large traces) -------------------------------------------------------------
+
+CSV_COLUMNS = ["step", "op", "seq", "tenant", "tokens", "src"]
+
+
+def to_csv(trace: Trace) -> str:
+    out = io.StringIO()
+    out.write("# " + json.dumps(trace.header.to_dict()) + "\n")
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for op in trace.ops:
+        if isinstance(op, Prefill):
+            w.writerow([op.step, "prefill", op.seq, op.tenant, op.tokens, ""])
+        elif isinstance(op, Append):
+            for s, t in zip(op.seqs, op.tokens):
+                w.writerow([op.step, "append", s, "", t, ""])
+        elif isinstance(op, Fork):
+            w.writerow([op.step, "fork", op.seq, "", "", op.src])
+        else:
+            w.writerow([op.step, "free", op.seq, "", "", ""])
+    return out.getvalue()
+
+
+def loads_csv(text: str, path: str | None = None) -> Trace:
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("#"):
+        raise TraceError("the first line must be '# {header json}'", path, 1)
+
+    def fail_at(line):
+        def fail(reason):
+            raise TraceError(reason, path, line)
+        return fail
+
+    try:
+        header = parse_header(json.loads(lines[0][1:]), fail_at(1))
+    except json.JSONDecodeError as e:
+        raise TraceError(f"header is not valid JSON: {e.msg}", path, 1) from None
+    reader = csv.DictReader(lines[1:])
+    if reader.fieldnames is None or set(CSV_COLUMNS) - set(reader.fieldnames):
+        raise TraceError(f"columns must be {CSV_COLUMNS}", path, 2)
+    ops, v = [], _Validator()
+    batch: dict | None = None
+    batch_line = 0
+
+    def flush():
+        nonlocal batch
+        if batch is not None:
+            fail = fail_at(batch_line)
+            op = parse_op(batch, fail)
+            v.check(op, fail)
+            ops.append(op)
+            batch = None
+
+    for i, row in enumerate(reader, start=3):
+        fail = fail_at(i)
+        try:
+            rec = {k: (int(row[k]) if row[k] not in ("", None) and k in ("step", "seq", "tokens", "src")
+                       else row[k]) for k in CSV_COLUMNS}
+        except ValueError as e:
+            fail(f"not an integer: {e}")
+        if rec["op"] == "append":
+            if batch is not None and batch["step"] == rec["step"]:
+                batch["seqs"].append(rec["seq"])
+                batch["tokens"].append(rec["tokens"])
+                continue
+            flush()
+            batch = {"step": rec["step"], "op": "append", "seqs": [rec["seq"]], "tokens": [rec["tokens"]]}
+            batch_line = i
+            continue
+        flush()
+        d = {k: v_ for k, v_ in rec.items() if v_ not in ("", None)}
+        op = parse_op(d, fail)
+        v.check(op, fail)
+        ops.append(op)
+    flush()
+    name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
+    return Trace(header, ops, name=name)
+
+
+def load(path: str) -> Trace:
+    """Load a trace file: .jsonl (canonical) or .csv."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".csv"):
+        return loads_csv(text, path)
+    return loads(text, path)
+
+
+def save(trace: Trace, path: str) -> None:
+    text = to_csv(trace) if path.endswith(".csv") else trace.to_jsonl()
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
