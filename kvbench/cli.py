@@ -1,0 +1,154 @@
+"""The `kvbench` command: run, check, gen, list, compare."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+from . import registry, results, suite
+from .trace import TraceError
+
+RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
+               "final_fragmentation", "evictions", "recomputed_tokens", "backend_ms", "ops_per_s"]
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache settings (default: the trace header's, else tiny model, B=16, 256 blocks)")
+    g.add_argument("--model", help="model preset (kvbench list shows them)")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--budget", help="budget in blocks ('1024') or bytes ('12GiB')")
+    g.add_argument("--max-context", type=int, help="contiguous `max` reservation (default: next pow2 of the longest sequence)")
+    g.add_argument("--device", default="cpu", help="device for the torch backend: cpu or cuda")
+    g.add_argument("--policy", default="auto",
+                   help="eviction policy: lru, lfu, fair, all, none, auto (all three for tenant mixes)")
+    g.add_argument("--gather", default="touched", choices=["touched", "all", "end", "none"],
+                   help="which sequences' K/V to verify after each operation")
+
+
+def settings(args) -> dict:
+    return dict(model=args.model, block_size=args.block_size, budget=args.budget,
+                max_context=args.max_context, device=args.device)
+
+
+def default_backends() -> list[str]:
+    return [n for n in registry.DEFAULT_BACKENDS if registry.resolve(n).available()[0]]
+
+
+def print_table(df: pd.DataFrame, columns) -> None:
+    cols = [c for c in columns if c in df.columns]
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500,
+                           "display.float_format", "{:.4g}".format):
+        print(df[cols].to_string(index=False))
+
+
+def cmd_run(args) -> int:
+    paths = args.traces or suite.committed_workloads()
+    if not paths:
+        print("no workloads: run `kvbench gen` first", file=sys.stderr)
+        return 2
+    traces = suite.load_traces(paths)
+    backends = args.backend or default_backends()
+    rows = suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
+                           gather=args.gather, **settings(args))
+    df = pd.DataFrame(rows)
+    print_table(df, RUN_COLUMNS)
+    failed = df[df.status == "FAIL"]
+    for _, r in failed.iterrows():
+        print(f"FAIL {r.backend} on {r.workload}: {r.divergence}")
+    na = df[df.status == "n/a"]
+    for _, r in na.drop_duplicates(["backend", "not_applicable"]).iterrows():
+        print(f"n/a  {r.backend} on {r.workload}: {r.not_applicable}")
+    rec = results.record("run", rows, {"traces": [str(p) for p in paths], "backends": backends,
+                                       **{k: v for k, v in settings(args).items()},
+                                       "policy": args.policy}, device=args.device)
+    path = results.write(rec, args.output)
+    print(f"{len(df)} runs: {int((df.status == 'pass').sum())} pass, {len(failed)} fail, "
+          f"{len(na)} n/a; results in {path}")
+    return 1 if len(failed) else 0
+
+
+def cmd_check(args) -> int:
+    trace = suite.load_traces([args.trace])[0]
+    code = 0
+    for name in args.backend or default_backends():
+        for pol in suite.policies_for(trace, args.policy):
+            cfg = suite.config_for(trace, policy=pol, **settings(args))
+            row = suite.run_one(trace, name, cfg, args.gather)
+            line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
+            if row["divergence"]:
+                line += f"\n     first divergence: {row['divergence']}"
+            if row["not_applicable"]:
+                line += f"\n     not applicable: {row['not_applicable']}"
+            if row["skipped"]:
+                line += f"\n     not checked: {row['skipped']}"
+            print(line)
+            code = max(code, 1 if row["status"] == "FAIL" else 0)
+    return code
+
+
+def cmd_gen(args) -> int:
+    from . import generators
+    if args.family:
+        trace = generators.generate(args.family, seed=args.seed)
+        out = args.out or f"{args.family}-{args.seed}.jsonl"
+        from .trace import save
+        save(trace, out)
+        print(f"wrote {out} ({len(trace)} ops)")
+        return 0
+    written = generators.write_canonical(args.out or suite.WORKLOADS_DIR)
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    rows = []
+    for name, e in registry.entries().items():
+        ok, why = e.available()
+        rows.append({"backend": name, "from": e.origin, "target": e.target,
+                     "available": "yes" if ok else "no", "why not": why})
+    print_table(pd.DataFrame(rows), ["backend", "from", "available", "why not", "target"])
+    from .formulas import PRESETS
+    print("\nmodels: " + ", ".join(f"{m.name} ({m.bytes_per_token} B/token)" for m in PRESETS.values()))
+    print("workloads: " + ", ".join(p.stem for p in suite.committed_workloads()))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="check every workload on every backend and time them")
+    p.add_argument("traces", nargs="*", help="trace files (default: every committed workload)")
+    p.add_argument("--backend", action="append", help="backend name or package.module:Factory (repeatable)")
+    p.add_argument("--output", help="results file (default results/runs/run-<time>-<commit>.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_cache_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="check one trace, print the first divergence")
+    p.add_argument("trace")
+    p.add_argument("--backend", action="append")
+    add_cache_args(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("gen", help="regenerate the committed workloads (or one family)")
+    p.add_argument("--family")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    p.set_defaults(func=cmd_gen)
+
+    p = sub.add_parser("list", help="backends (with where they come from and whether they run here)")
+    p.set_defaults(func=cmd_list)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (TraceError, ValueError, KeyError) as e:
+        print(f"kvbench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Run workloads through backends under the checker: the engine behind `kvbench run` and `check`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import formulas as F
+from . import registry
+from .checker import Verdict, check
+from .protocol import CacheConfig
+from .trace import Trace, load
+
+WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
+POLICIES = ("lru", "lfu", "fair")
+
+
+def committed_workloads() -> list[Path]:
+    return sorted(WORKLOADS_DIR.glob("*.jsonl"))
+
+
+def config_for(trace: Trace, *, model: str | None = None, block_size: int | None = None,
+               budget: str | None = None, max_context: int | None = None, device: str = "cpu",
+               policy: str | None = None, store_kv: bool = True) -> CacheConfig:
+    """Settings: command line first, then the trace header's suggestions, then defaults.
+
+    The default ``max_context`` of the contiguous baseline is the next power of two of the
+    trace's longest sequence, so that `max` reservation can run every trace.
+    """
+    s = trace.header.settings
+    spec = F.get_model(model or s.get("model", "tiny"))
+    bs = int(block_size or s.get("block_size", 16))
+    if budget is not None:
+        blocks = F.budget_blocks(budget, bs, spec)
+    else:
+        blocks = int(s.get("num_blocks", 256))
+    finals = trace.final_lengths().values()
+    mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
+    return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
+                       device=device, max_context=int(mc), policy=policy,
+                       tenant_weights=dict(trace.header.tenants))
+
+
+def policies_for(trace: Trace, policy: str | None) -> list:
+    """'auto': all three policies for a tenant mix (a trace that names tenant weights), else none."""
+    if policy in (None, "auto"):
+        return list(POLICIES) if trace.header.tenants else [None]
+    if policy == "none":
+        return [None]
+    if policy == "all":
+        return list(POLICIES)
+    return [policy]
+
+
+def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict) -> dict:
+    series = v.series
+    n = len(series) or 1
+    mean = {k: sum(r[k] for r in series) / n for k in
+            ("fragmentation", "token_states", "reservation", "internal_fragmentation",
+             "external_fragmentation", "free")} if series else {}
+    return {
+        "workload": trace.name, "family": trace.header.family, "backend": backend_name,
+        "policy": config.policy or "-", "device": config.device, "model": config.model.name,
+        "block_size": config.block_size, "num_blocks": config.num_blocks,
+        "status": v.status, "ops": v.ops,
+        "divergence": str(v.divergence) if v.divergence else "",
+        "not_applicable": v.not_applicable, "skipped": "; ".join(f"{k}: {r}" for k, r in v.skipped.items()),
+        "ooms": v.ooms, "evictions": v.evictions, "recomputed_tokens": v.recomputed_tokens,
+        "peak_blocks": max((r["blocks_used"] or 0 for r in series), default=0),
+        "final_fragmentation": v.final_ledger.get("fragmentation"),
+        **{f"mean_{k}": val for k, val in mean.items()},
+        "backend_ms": v.backend_seconds * 1e3,
+        "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
+    }
+
+
+def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched") -> dict:
+    entry = registry.resolve(backend_name)
+    ok, why = entry.available()
+    if not ok:
+        v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=why)
+        return verdict_row(trace, backend_name, config, v)
+    backend = entry.create(config)
+    try:
+        v = check(trace, backend, gather=gather, series=True)
+    finally:
+        backend.close()
+    return verdict_row(trace, backend_name, backend.config, v)
+
+
+def run_suite(traces: list, backends: list, *, policy: str | None = "auto", progress: bool = False,
+              gather: str = "touched", **settings) -> list[dict]:
+    jobs = []
+    for trace in traces:
+        for pol in policies_for(trace, policy):
+            cfg = config_for(trace, policy=pol, **settings)
+            for name in backends:
+                jobs.append((trace, name, cfg))
+    if progress:
+        from tqdm import tqdm
+        jobs = tqdm(jobs, desc="replaying", unit="run", leave=False)
+    return [run_one(t, n, c, gather) for t, n, c in jobs]
+
+
+def load_traces(paths) -> list[Trace]:
+    return [load(str(p)) for p in paths]
+
+
+__all__ = ["committed_workloads", "config_for", "policies_for", "run_suite", "run_one",
+           "load_traces"]
