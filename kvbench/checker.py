@@ -52,6 +52,9 @@ class Verdict:
     evictions: int = 0
     recomputed_tokens: int = 0
     gathers: int = 0
+    hits: int = 0  # operations that found the sequence they touch still resident
+    misses: int = 0  # ... that found it evicted, and recomputed it
+    tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens}
     backend_seconds: float = 0.0
     final_ledger: dict = field(default_factory=dict)
     series: list = field(default_factory=list)  # ledger figures after each operation
@@ -110,7 +113,6 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
     fields_checked = [f for f in LEDGER_FIELDS if caps.layout == "paged" or f not in BLOCK_FIELDS]
     model, dtype = backend.config.model, backend.config.kv_dtype
     final = trace.final_lengths()
-    tenant = trace.tenant_of()
     refused: set = set()
     index = -1
     op = None
@@ -188,6 +190,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                 seqs = [s for s, _ in pairs]
                 ok = True
                 for s in seqs:
+                    verdict.misses += s in oracle.preempted
+                    verdict.hits += s not in oracle.preempted
                     if s in oracle.preempted:
                         got = restore(s, set(seqs))
                         if got is None:
@@ -212,6 +216,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                     refused.add(op.seq)
                 else:
                     ok = True
+                    verdict.misses += op.src in oracle.preempted
+                    verdict.hits += op.src not in oracle.preempted
                     if op.src in oracle.preempted:
                         got = restore(op.src, {op.src, op.seq})
                         ok = got is not None
@@ -263,13 +269,15 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             if series:
                 verdict.series.append({"step": op.step, **{f: getattr(expected, f) for f in
                                        ("blocks_used", "fragmentation", "token_states", "reservation",
-                                        "internal_fragmentation", "external_fragmentation", "free")}})
+                                        "internal_fragmentation", "external_fragmentation", "free")},
+                                       "usage": oracle.tenant_usage()})
             verdict.ops = index + 1
             if progress is not None:
                 progress.update(1)
     except _Stop as stop:
         verdict.valid = False
         verdict.divergence = stop.divergence
+    verdict.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
     final_ledger = oracle.expected_ledger() if verdict.valid else backend.ledger()
     verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                             if k not in ("tokens", "seq_blocks")}
