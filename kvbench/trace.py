@@ -256,6 +256,7 @@ def validate(trace: Trace, path: str | None = None) -> Trace:
     for i, op in enumerate(trace.ops):
         def fail(reason, _line=i + 2):
             raise TraceError(reason, path or trace.name, _line)
+        parse_op(op_to_dict(op), fail)  # field values: lengths >= 1, ids >= 0, ...
         v.check(op, fail)
     return trace
 
