@@ -19,7 +19,7 @@ POLICIES = ("lru", "lfu", "fair")
 class NumpyPaged(Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                eviction=POLICIES, devices=("cpu",))
+                                prefix_caching=True, eviction=POLICIES, devices=("cpu",))
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -48,6 +48,16 @@ class NumpyPaged(Backend):
         self.seq_of_row = np.full(rows, -1, dtype=np.int64)
         self.row_of: dict[int, int] = {}
         self.tenants: list[str] = []
+        # Prefix caching: hash -> block; freed hashed blocks wait in `evictable` (oldest first)
+        # and are reused only when the uncached free blocks run out.
+        self.by_hash: dict = {}
+        self.hash_of: dict = {}
+        self.evictable: dict = {}
+        self.hit_blocks = 0
+
+    @property
+    def n_free(self) -> int:
+        return self.free_top + len(self.evictable)
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -92,8 +102,15 @@ class NumpyPaged(Backend):
         return self.tenants.index(tenant)
 
     def _take(self, n: int) -> np.ndarray:
-        ids = self.free_stack[self.free_top - n:self.free_top][::-1].copy()
-        self.free_top -= n
+        k = min(n, self.free_top)
+        ids = self.free_stack[self.free_top - k:self.free_top][::-1].copy()
+        self.free_top -= k
+        if n > k:  # reuse the least recently freed cached blocks
+            old = list(self.evictable)[:n - k]
+            for b in old:
+                del self.evictable[b]
+                del self.by_hash[self.hash_of.pop(b)]
+            ids = np.concatenate([ids, np.array(old, dtype=np.int32)])
         self.refcount[ids] = 1
         return ids
 
@@ -102,6 +119,11 @@ class NumpyPaged(Backend):
         blocks = self.table[r, :self.nblocks[r]]
         self.refcount[blocks] -= 1
         dead = blocks[self.refcount[blocks] == 0]
+        if self.hash_of:
+            cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
+            for b in dead[cached][::-1].tolist():  # tail first: a prefix's tail is evicted first
+                self.evictable[b] = None
+            dead = dead[~cached]
         self.fill[dead] = 0
         self.free_stack[self.free_top:self.free_top + len(dead)] = dead[::-1]
         self.free_top += len(dead)
@@ -172,22 +194,22 @@ class NumpyPaged(Backend):
 
     def _make_room(self, need_fn, protect_rows: np.ndarray) -> list:
         """Evict until ``need_fn(refcount)`` blocks are free; atomic OOM when impossible."""
-        if need_fn(self.refcount) <= self.free_top:
+        if need_fn(self.refcount) <= self.n_free:
             return []
         cand = np.flatnonzero(self.live)
         cand = cand[~np.isin(cand, protect_rows)]
         if self.config.policy is None or len(cand) == 0:
             raise OutOfMemory(f"{self.name}: needs {need_fn(self.refcount)} blocks, "
-                              f"{self.free_top} free")
+                              f"{self.n_free} free")
         # Would evicting every candidate be enough? If not, fail before touching anything.
         blocks = np.concatenate([self.table[r, :self.nblocks[r]] for r in cand])
         drop = np.bincount(blocks, minlength=len(self.refcount)).astype(np.int32)
         after = self.refcount - drop
-        if need_fn(after) > self.free_top + int(np.count_nonzero((after == 0) & (self.refcount > 0))):
+        if need_fn(after) > self.n_free + int(np.count_nonzero((after == 0) & (self.refcount > 0))):
             raise OutOfMemory(f"{self.name}: needs {need_fn(self.refcount)} blocks, "
-                              f"{self.free_top} free even after evicting every candidate")
+                              f"{self.n_free} free even after evicting every candidate")
         victims = []
-        while need_fn(self.refcount) > self.free_top:
+        while need_fn(self.refcount) > self.n_free:
             cand = np.flatnonzero(self.live)
             cand = cand[~np.isin(cand, protect_rows)]
             r = self._victim(cand)
@@ -202,11 +224,34 @@ class NumpyPaged(Backend):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         n = -(-tokens // self.B)
+        hashes = list(block_hashes or ())[:tokens // self.B] if self.config.prefix_caching else []
+
+        def hits():
+            found = []
+            for h in hashes:
+                if h not in self.by_hash:
+                    break
+                found.append(self.by_hash[h])
+            return np.array(found, dtype=np.int32)
+
+        def need(refcount):  # new blocks, plus cached blocks taken back from the free pool
+            h = hits()
+            return n - len(h) + int(np.count_nonzero(refcount[h] == 0))
+
         protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
-        victims = self._make_room(lambda rc: n, protect_rows)
+        victims = self._make_room(need, protect_rows)
         r = self._new_row(seq)
         self._grow_cols(n)
-        ids = self._take(n)
+        hit = hits()
+        for b in hit[self.refcount[hit] == 0].tolist():
+            del self.evictable[b]
+        self.refcount[hit] += 1
+        self.hit_blocks += len(hit)
+        ids = np.concatenate([hit, self._take(n - len(hit))])
+        for i in range(len(hit), len(hashes)):
+            if hashes[i] not in self.by_hash:
+                self.by_hash[hashes[i]] = int(ids[i])
+                self.hash_of[int(ids[i])] = hashes[i]
         self.table[r, :n] = ids
         self.nblocks[r] = n
         self.fill[ids] = self.B
@@ -215,10 +260,11 @@ class NumpyPaged(Backend):
         self.final[r] = final_tokens if final_tokens is not None else tokens
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self._tenant(tenant)
-        if self.pool is not None:
+        if self.pool is not None:  # cached blocks already hold their prefix's K/V
             flat = self.pool.reshape((-1,) + self.token_shape)
             slots = (ids[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
-            flat[slots] = kv
+            skip = len(hit) * self.B
+            flat[slots[skip:]] = kv[skip:]
         return tuple(victims)
 
     def append(self, seqs, tokens, kv=None, *, step=0):
@@ -297,7 +343,7 @@ class NumpyPaged(Backend):
         reservation = int(reserve[private].sum())
         seqs = self.seq_of_row[rows].tolist()
         return Ledger(
-            blocks_used=n_used, blocks_free=int(self.free_top),
+            blocks_used=n_used, blocks_free=self.n_free,
             tokens=dict(zip(seqs, self.tokens[rows].tolist())),
             seq_blocks=dict(zip(seqs, self.nblocks[rows].tolist())),
             capacity_slots=cap, free_slots=free_slots,
@@ -306,7 +352,8 @@ class NumpyPaged(Backend):
             shared_blocks=int((self.refcount > 1).sum()),
             token_states=cap - free_slots, reservation=reservation,
             internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=int(self.free_top) * B)
+            free=self.n_free * B, cached_blocks=len(self.evictable),
+            prefix_hit_blocks=self.hit_blocks)
 
     def gather(self, seq) -> np.ndarray:
         if self.pool is None:

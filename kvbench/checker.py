@@ -11,6 +11,7 @@ memory leaves its sequence refused, and later operations on it are dropped, on b
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -109,7 +110,11 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.skipped["blocks"] = f"{caps.layout} layout has no blocks"
     if not caps.copy_on_write and caps.layout == "paged":
         verdict.skipped["copy-on-write"] = "declared unsupported"
-    oracle = Oracle(backend.config, layout="paged" if caps.layout == "paged" else "contiguous")
+    caching = backend.config.prefix_caching and caps.prefix_caching
+    if backend.config.prefix_caching and not caps.prefix_caching:
+        verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
+    oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
+                    layout="paged" if caps.layout == "paged" else "contiguous")
     fields_checked = [f for f in LEDGER_FIELDS if caps.layout == "paged" or f not in BLOCK_FIELDS]
     model, dtype = backend.config.model, backend.config.kv_dtype
     final = trace.final_lengths()
@@ -163,7 +168,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         kv = content(seq, st.segments) if do_gather else None
         got = call("recompute",
                    lambda: backend.prefill(seq, st.tokens, kv, tenant=st.tenant, final_tokens=st.final,
-                                           step=op.step, protect=tuple(protect)),
+                                           step=op.step, protect=tuple(protect),
+                                           block_hashes=st.hashes or None),
                    lambda: oracle.recompute(seq, op.step, protect))
         if got is not None:
             verdict.recomputed_tokens += st.tokens
@@ -174,12 +180,15 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             touched: set = set()
             victims: list = []
             if isinstance(op, Prefill):
-                kv = content(op.seq, [(op.seq, 0, op.tokens)]) if do_gather else None
+                # The prompt's K/V as the oracle sees them (a hashed block holds its prefix's).
+                kv = (lambda: content(op.seq, oracle.seqs[op.seq].segments)
+                      if do_gather and op.seq in oracle.seqs else None)
                 got = call("prefill",
-                           lambda: backend.prefill(op.seq, op.tokens, kv, tenant=op.tenant,
+                           lambda: backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
                                                    final_tokens=final[op.seq], step=op.step,
                                                    block_hashes=op.block_hashes),
-                           lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step))
+                           lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step,
+                                                  hashes=op.block_hashes))
                 if got is None:
                     refused.add(op.seq)
                 else:

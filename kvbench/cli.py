@@ -22,13 +22,16 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="device for the torch backend: cpu or cuda")
     g.add_argument("--policy", default="auto",
                    help="eviction policy: lru, lfu, fair, all, none, auto (all three for tenant mixes)")
+    g.add_argument("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
+                   help="reuse cached blocks by block hash (default: on when the trace has hashes)")
     g.add_argument("--gather", default="touched", choices=["touched", "all", "end", "none"],
                    help="which sequences' K/V to verify after each operation")
 
 
 def settings(args) -> dict:
     return dict(model=args.model, block_size=args.block_size, budget=args.budget,
-                max_context=args.max_context, device=args.device)
+                max_context=args.max_context, device=args.device,
+                prefix_caching=args.prefix_caching)
 
 
 def default_backends() -> list[str]:

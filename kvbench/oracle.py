@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from . import formulas as F
-from .protocol import CacheConfig, Ledger
+from .protocol import CacheConfig, Ledger, hash_writer
 
 
 class ModelOOM(Exception):
@@ -32,6 +32,7 @@ class SeqState:
     segments: list = field(default_factory=list)  # [(writer, start, count)]: who wrote each position
     last_access: int = 0
     use_count: int = 0
+    hashes: tuple = ()  # block hashes of the prompt (prefix caching)
 
 
 @dataclass
@@ -53,6 +54,13 @@ class Oracle:
         self.blocks: dict[int, list] = {}
         self._next_block = 0
         self.tenant_stats: dict[str, TenantStats] = {}
+        # Prefix caching: full blocks registered by hash; a freed one stays cached (evictable,
+        # first in first evicted) until its space is needed.
+        self.caching = bool(config.prefix_caching) and layout == "paged"
+        self.by_hash: dict = {}
+        self.hash_of: dict = {}
+        self.evictable: dict = {}  # block -> None, in eviction order
+        self.hit_blocks = 0
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -65,6 +73,10 @@ class Oracle:
         return self.config.num_blocks - len(self.blocks)
 
     def _new_block(self, fill: int) -> int:
+        if self.config.num_blocks - len(self.blocks) - len(self.evictable) == 0:
+            old = next(iter(self.evictable))  # reuse the least recently freed cached block
+            del self.evictable[old]
+            del self.by_hash[self.hash_of.pop(old)]
         b = self._next_block
         self._next_block += 1
         self.blocks[b] = [1, fill]
@@ -74,6 +86,22 @@ class Oracle:
         self.blocks[b][0] -= 1
         if self.blocks[b][0] == 0:
             del self.blocks[b]
+            if b in self.hash_of:
+                self.evictable[b] = None
+
+    def _release(self, table) -> None:
+        """Drop a table's references tail first, so a freed prefix's tail is evicted first."""
+        for b in reversed(table):
+            self._drop_ref(b)
+
+    def _hits(self, hashes) -> list:
+        """Cached blocks for the leading run of ``hashes`` (a prefix hit stops at the first miss)."""
+        hits = []
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            hits.append(self.by_hash[h])
+        return hits
 
     # --- what a call needs -----------------------------------------------------------------
 
@@ -141,16 +169,17 @@ class Oracle:
                 drop[b] = drop.get(b, 0) + 1
         return sum(1 for b, d in drop.items() if self.blocks[b][0] == d)
 
+    _STATE = ("seqs", "blocks", "by_hash", "hash_of", "evictable")
+
     def _need_without(self, call, exclude) -> int:
-        saved = copy.deepcopy((self.seqs, self.blocks))
+        saved = copy.deepcopy([getattr(self, k) for k in self._STATE])
         try:
             for v in exclude:
-                for b in self.seqs[v].table:
-                    self._drop_ref(b)
-                del self.seqs[v]
+                self._release(self.seqs.pop(v).table)
             return call[1]()
         finally:
-            self.seqs, self.blocks = saved
+            for k, v in zip(self._STATE, saved):
+                setattr(self, k, v)
 
     # --- eviction (SPEC §5) ----------------------------------------------------------------
 
@@ -195,8 +224,7 @@ class Oracle:
 
     def _evict(self, victim: int) -> None:
         st = self.seqs.pop(victim)
-        for b in st.table:
-            self._drop_ref(b)
+        self._release(st.table)
         st.table, st.slab = [], None
         self.preempted[victim] = st
         self.tenant_stats.setdefault(st.tenant, TenantStats()).evictions += 1
@@ -217,16 +245,35 @@ class Oracle:
 
     # --- the operations --------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, tenant, final, step, protect=(), segments=None) -> list:
-        """A new sequence of ``tokens`` tokens; with ``segments`` it is a recompute of a victim."""
+    def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=()) -> list:
+        """A new sequence of ``tokens`` tokens; ``hashes`` name its full blocks."""
         n = F.blocks_needed(tokens, self.B)
+        hashes = tuple(hashes or ())[:tokens // self.B]
+        lookup = hashes if self.caching else ()
         sizes = [self._slab_size(final)] if self.layout == "contiguous" else None
-        call = ("prefill", lambda: n, sizes)
-        victims = self._make_room(call, set(protect) | {seq})
+
+        def need():  # new blocks, plus cached blocks it takes back from the free pool
+            hits = self._hits(lookup)
+            return n - len(hits) + sum(1 for b in hits if b not in self.blocks)
+
+        victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
-                      segments=list(segments) if segments else [(seq, 0, tokens)])
+                      segments=content_segments(seq, tokens, hashes, self.B), hashes=hashes)
         if self.layout == "paged":
-            st.table = [self._new_block(min(self.B, tokens - i * self.B)) for i in range(n)]
+            hits = self._hits(lookup)
+            for b in hits:
+                if b in self.blocks:
+                    self.blocks[b][0] += 1
+                else:
+                    del self.evictable[b]
+                    self.blocks[b] = [1, self.B]
+            self.hit_blocks += len(hits)
+            st.table = hits + [self._new_block(min(self.B, tokens - i * self.B))
+                               for i in range(len(hits), n)]
+            for i in range(len(hits), len(lookup)):
+                if lookup[i] not in self.by_hash:
+                    self.by_hash[lookup[i]] = st.table[i]
+                    self.hash_of[st.table[i]] = lookup[i]
         else:
             st.slab = (self._first_fit(sizes[0]), sizes[0])
         self.seqs[seq] = st
@@ -236,7 +283,8 @@ class Oracle:
     def recompute(self, seq, step, protect=()) -> list:
         """Re-prefill an evicted sequence to its current length, with the content it had."""
         st = self.preempted[seq]
-        victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, st.segments)
+        victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, st.hashes)
+        self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
         self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
         return victims
@@ -299,9 +347,7 @@ class Oracle:
         if seq in self.preempted:
             del self.preempted[seq]
             return
-        st = self.seqs.pop(seq)
-        for b in st.table:
-            self._drop_ref(b)
+        self._release(self.seqs.pop(seq).table)
 
     # --- the expected ledger ---------------------------------------------------------------
 
@@ -328,7 +374,8 @@ class Oracle:
                 shared_blocks=sum(1 for ref, _ in self.blocks.values() if ref > 1),
                 token_states=token_states, reservation=reservation,
                 internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-                free=self.blocks_free * B)
+                free=self.blocks_free * B, cached_blocks=len(self.evictable),
+                prefix_hit_blocks=self.hit_blocks)
         slabs = sorted(st.slab for st in self.seqs.values())
         cap = sum(size for _, size in slabs)
         token_states = sum(tokens.values())
@@ -355,6 +402,16 @@ class Oracle:
             return {seq}
         mine = set(self.seqs[seq].table)
         return {s for s, st in self.seqs.items() if mine.intersection(st.table)} | {seq}
+
+
+def content_segments(seq: int, tokens: int, hashes, block_size: int) -> list:
+    """Who "wrote" each position of a prefill: a hashed full block holds what its prefix
+    determines (the same for every sequence with that hash), the rest is the sequence's own."""
+    segments = [(hash_writer(h), i * block_size, block_size) for i, h in enumerate(hashes)]
+    done = len(hashes) * block_size
+    if tokens > done:
+        segments.append((seq, done, tokens - done))
+    return segments
 
 
 def step(oracle: Oracle, call: tuple) -> tuple[Oracle, list | None]:

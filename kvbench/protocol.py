@@ -8,6 +8,7 @@ Backends from other packages implement this class and register themselves (see r
 """
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 
@@ -35,6 +36,7 @@ class CacheConfig:
     reservation: str = "max"  # contiguous baseline: max | pow2 | oracle
     max_context: int = 2048  # contiguous baseline's `max` reservation
     policy: str | None = None  # eviction policy under the block budget: lru | lfu | fair
+    prefix_caching: bool = False  # reuse full blocks by the prefill's block hashes
     tenant_weights: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -89,6 +91,8 @@ class Ledger:
     internal_fragmentation: int
     external_fragmentation: int
     free: int
+    cached_blocks: int = 0  # free blocks that still hold a cached prefix (counted in free)
+    prefix_hit_blocks: int = 0  # prompt blocks found in the prefix cache so far
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -161,6 +165,15 @@ def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndar
     p = np.asarray(positions, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
     vals = (w * 7919 + p * 131 + elem * 17 + 3) % 2003 - 1001
     return vals.astype(dtype)
+
+
+def hash_writer(block_hash) -> int:
+    """The pseudo-writer of a hashed block's K/V: equal hashes mean equal prefixes, equal K/V."""
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+        key = block_hash
+    else:
+        key = zlib.crc32(str(block_hash).encode())
+    return -1 - (key % (1 << 31))
 
 
 def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.float16) -> np.ndarray:

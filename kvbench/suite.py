@@ -19,8 +19,11 @@ def committed_workloads() -> list[Path]:
 
 def config_for(trace: Trace, *, model: str | None = None, block_size: int | None = None,
                budget: str | None = None, max_context: int | None = None, device: str = "cpu",
-               policy: str | None = None, store_kv: bool = True) -> CacheConfig:
+               policy: str | None = None, store_kv: bool = True,
+               prefix_caching: bool | None = None) -> CacheConfig:
     """Settings: command line first, then the trace header's suggestions, then defaults.
+
+    Prefix caching is on by default for a trace whose prefills carry block hashes.
 
     The default ``max_context`` of the contiguous baseline is the next power of two of the
     trace's longest sequence, so that `max` reservation can run every trace.
@@ -34,9 +37,15 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
         blocks = int(s.get("num_blocks", 256))
     finals = trace.final_lengths().values()
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
+    hashed = any(getattr(op, "block_hashes", None) for op in trace.ops)
+    if prefix_caching is None:
+        prefix_caching = hashed
+    if prefix_caching and hashed and s.get("block_size", bs) != bs:
+        raise ValueError(f"{trace.name}: block hashes are for block size {s['block_size']}, "
+                         f"not {bs}")
     return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
                        device=device, max_context=int(mc), policy=policy,
-                       tenant_weights=dict(trace.header.tenants))
+                       tenant_weights=dict(trace.header.tenants), prefix_caching=prefix_caching)
 
 
 def policies_for(trace: Trace, policy: str | None) -> list:

@@ -1,0 +1,444 @@
+"""Eviction metrics (SPEC §5): per-run and per-tenant figures, Belady's offline policy, the plot.
+
+Everything here reads a :class:`~kvbench.checker.Verdict` made with ``series=True`` (each
+operation's ``usage``: tenant -> blocks in its sequences' tables, or slab slots for the contiguous
+layout) and its trace. Definitions, as a serving engineer reads them:
+
+- ``quota_t = w_t / sum_j w_j * B_total``, exact (Fractions), over the header's weighted tenants
+  plus any other tenant with a resident sequence (weight 1): the very set the Fair policy
+  compares against at that step. ``B_total`` is blocks (paged) or arena slots (contiguous).
+- A tenant is *present* at a step when it has a sequence the trace started and has not freed
+  yet (resident or evicted, even refused): it has demand. Means over time are over the steps
+  where the tenant is present; a tenant with no request is not starved.
+- ``jain``: Jain's index ``(sum x)^2 / (n sum x^2)`` of ``x_t = usage_t / quota_t`` over the
+  tenants present at a step, averaged over the steps where two or more are present (one tenant
+  alone is trivially fair). Instantaneous, then averaged: a tenant starved early and one starved
+  late do not cancel out, as they would in the index of time-averaged usage. Caveat (SPEC's
+  metric, kept as written): a tenant whose demand is below its quota lowers the index even when
+  every request of it is served.
+- Hit rate: re-touches (an append or a fork of an existing sequence) that found the sequence
+  resident, ``hits / (hits + misses)``; NaN when nothing was re-touched.
+
+Belady's policy (evict the sequence whose next touch is farthest in the future, never-touched-
+again first, ties on the sequence id) is replayed offline over the oracle. Farthest-next-use is
+provably optimal only for classic paging, which a trace is when :func:`unit_paging_reason`
+returns ``''`` (paged layout, every sequence one block all its life, one sequence per append, no
+fork). Only there is "an online policy's hit rate never exceeds Belady's" asserted
+(:func:`belady_violations`); elsewhere Belady is a reference, labelled as not a bound.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from fractions import Fraction
+
+import pandas as pd
+
+from .checker import Verdict
+from .formulas import jain_index
+from .oracle import ModelOOM, Oracle
+from .protocol import CacheConfig
+from .trace import Append, Fork, Free, Prefill, Trace
+
+ONLINE_POLICIES = ("lru", "lfu", "fair")
+
+
+# --- Belady's offline policy ----------------------------------------------------------------
+
+class BeladyOracle(Oracle):
+    """The oracle model with Belady's victim choice: it knows when each sequence is next touched.
+
+    A touch is what the checker counts as a hit or a miss: an append naming the sequence, or a
+    fork from it. A free is not a touch: a sequence freed before its next touch is never touched
+    again, and goes first.
+    """
+
+    def __init__(self, config: CacheConfig, layout: str = "paged", *, trace: Trace):
+        super().__init__(config, layout)
+        self.touches: dict[int, list] = {}  # seq -> sorted steps that touch it
+        for op in trace.ops:
+            if isinstance(op, Append):
+                for s in op.seqs:
+                    self.touches.setdefault(s, []).append(op.step)
+            elif isinstance(op, Fork):
+                self.touches.setdefault(op.src, []).append(op.step)
+        self.now = -1
+
+    def next_touch(self, seq: int) -> float:
+        """Step of the first touch after the current step; inf if none."""
+        steps = self.touches.get(seq, [])
+        i = bisect.bisect_right(steps, self.now)
+        return steps[i] if i < len(steps) else math.inf
+
+    def _pick_victim(self, candidates) -> int:
+        return min(candidates, key=lambda s: (-self.next_touch(s), s))
+
+    # Every call that can evict learns the step first (recompute goes through prefill).
+    def prefill(self, seq, tokens, tenant, final, step, protect=(), segments=None) -> list:
+        self.now = step
+        return super().prefill(seq, tokens, tenant, final, step, protect, segments)
+
+    def append(self, seqs, tokens, step) -> list:
+        self.now = step
+        return super().append(seqs, tokens, step)
+
+    def fork(self, seq, src, final, step) -> list:
+        self.now = step
+        return super().fork(seq, src, final, step)
+
+
+def replay_model(trace: Trace, config: CacheConfig, layout: str = "paged",
+                 model: Oracle | None = None) -> Verdict:
+    """Replay ``trace`` through the oracle alone (no backend): its evictions, hits and usage.
+
+    The same rules as :func:`kvbench.checker.check` (an evicted sequence is recomputed before the
+    operation touches it; a refused prefill or fork drops later operations on its sequence), so
+    the figures compare one for one with a checker's verdict; tests/test_eviction.py pins the two
+    together. ``model``: the oracle to drive (default ``Oracle(config, layout)``, whose victims
+    follow ``config.policy``); pass a :class:`BeladyOracle` for the offline optimum.
+    """
+    oracle = model if model is not None else Oracle(config, layout)
+    v = Verdict(trace=trace.name, backend=f"model:{type(oracle).__name__}", valid=True)
+    final, tenant_of = trace.final_lengths(), trace.tenant_of()
+    refused: set = set()
+    touched: dict = {}  # tenant -> [hits, misses]
+
+    def call(fn):
+        try:
+            got = fn()
+        except ModelOOM:
+            v.ooms += 1
+            return None
+        v.evictions += len(got)
+        return got
+
+    def touch(seq, protect, step) -> bool:
+        """Count a re-touch; recompute the sequence if it was evicted. False if that failed."""
+        miss = seq in oracle.preempted
+        v.misses += miss
+        v.hits += not miss
+        touched.setdefault(tenant_of[seq], [0, 0])[miss] += 1
+        if not miss:
+            return True
+        tokens = oracle.preempted[seq].tokens
+        if call(lambda: oracle.recompute(seq, step, protect)) is None:
+            return False
+        v.recomputed_tokens += tokens
+        return True
+
+    for index, op in enumerate(trace.ops):
+        if isinstance(op, Prefill):
+            if call(lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step)) is None:
+                refused.add(op.seq)
+        elif isinstance(op, Append):
+            pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in refused]
+            seqs = [s for s, _ in pairs]
+            if seqs and all(touch(s, set(seqs), op.step) for s in seqs):
+                call(lambda: oracle.append(seqs, [t for _, t in pairs], op.step))
+        elif isinstance(op, Fork):
+            if op.src in refused or not touch(op.src, {op.src, op.seq}, op.step) or call(
+                    lambda: oracle.fork(op.seq, op.src, final[op.seq], op.step)) is None:
+                refused.add(op.seq)
+        elif isinstance(op, Free) and op.seq not in refused:
+            oracle.free(op.seq)
+        v.series.append({"step": op.step, "usage": oracle.tenant_usage()})
+        v.ops = index + 1
+    v.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
+    for t, (hits, misses) in touched.items():
+        v.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(hits=hits, misses=misses)
+    v.final_ledger = {k: val for k, val in oracle.expected_ledger().as_dict().items()
+                      if k not in ("tokens", "seq_blocks")}
+    return v
+
+
+def belady(trace: Trace, config: CacheConfig, layout: str = "paged") -> Verdict:
+    """Belady's offline replay of ``trace`` under ``config``'s budget (its policy is ignored)."""
+    config = dataclasses.replace(config, policy="belady")  # any name: eviction on, victims ours
+    return replay_model(trace, config, layout, BeladyOracle(config, layout, trace=trace))
+
+
+def unit_paging_reason(trace: Trace, config: CacheConfig, layout: str = "paged") -> str:
+    """'' when farthest-next-use is provably optimal on this trace, else the first reason why not.
+
+    The theorem (Belady 1966; Mattson et al. 1970) is about classic paging: items of one size,
+    one request at a time, an eviction frees exactly what a miss needs. A trace is that when
+    the layout is paged, every sequence stays within one block all its life (so each miss needs
+    one block and each eviction frees one), every append names one sequence (a batch pins its
+    members together: several requests at once), and nothing forks (a shared block frees
+    nothing when one of its owners is evicted, and a copy-on-write needs a block on a hit).
+    Frees are allowed: a freed sequence is one never requested again.
+    """
+    if layout != "paged":
+        return f"{layout} layout: slabs of different sizes in a first-fit arena"
+    B = config.block_size
+    for index, op in enumerate(trace.ops):
+        where = f"op #{index} (step {op.step})"
+        if isinstance(op, Fork):
+            return f"{where} forks: shared blocks, an eviction may free nothing"
+        if isinstance(op, Append) and len(op.seqs) > 1:
+            return f"{where} appends to {len(op.seqs)} sequences at once, pinned together"
+    for seq, tokens in sorted(trace.final_lengths().items()):
+        if tokens > B:
+            return (f"sequence {seq} reaches {tokens} tokens, {-(-tokens // B)} blocks of {B}: "
+                    f"items of different sizes")
+    return ""
+
+
+def hit_rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else math.nan
+
+
+def belady_violations(trace: Trace, config: CacheConfig, verdicts: dict,
+                      reference: Verdict | None = None) -> list[str]:
+    """The checker-side bound: online hit rates above Belady's, where the theorem applies.
+
+    ``verdicts``: policy -> Verdict of the paged layout under ``config``'s budget. Returns one
+    message per violation; empty when the bound holds or does not apply (see
+    :func:`unit_paging_reason`: then Belady is only a reference).
+    """
+    if unit_paging_reason(trace, config):
+        return []
+    best = reference if reference is not None else belady(trace, config)
+    out = []
+    for policy, v in verdicts.items():
+        # h/(h+m) > H/(H+M), compared in integers.
+        if v.hits * (best.hits + best.misses) > best.hits * (v.hits + v.misses):
+            out.append(f"{trace.name}: {policy} hit rate {v.hits}/{v.hits + v.misses} exceeds "
+                       f"Belady's {best.hits}/{best.hits + best.misses}, the optimum on a unit-size "
+                       f"trace: its victims or its hit count are wrong")
+    return out
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+def _budget(verdict: Verdict) -> int:
+    """B_total from the final ledger: blocks (paged) or arena slots (the five categories' sum)."""
+    led = verdict.final_ledger
+    if not led:
+        raise ValueError(f"{verdict.backend} on {verdict.trace}: the verdict has no ledger "
+                         f"({verdict.not_applicable or 'not run'})")
+    if led.get("blocks_used") is not None:
+        return led["blocks_used"] + led["blocks_free"]
+    return sum(led[k] for k in ("token_states", "reservation", "internal_fragmentation",
+                                "external_fragmentation", "free"))
+
+
+def _weights(trace: Trace) -> dict:
+    # Decimal text, not binary: weight 0.1 is exactly 1/10 (as the oracle reads it).
+    return {t: Fraction(str(w)) for t, w in trace.header.tenants.items()}
+
+
+def _present(trace: Trace, n_ops: int) -> list[set]:
+    """Per operation, the tenants with a started and not yet freed sequence after it."""
+    tenant_of, live, out = trace.tenant_of(), {}, []
+    for op in trace.ops[:n_ops]:
+        if isinstance(op, (Prefill, Fork)):
+            live[op.seq] = tenant_of[op.seq]
+        elif isinstance(op, Free):
+            live.pop(op.seq, None)
+        out.append(set(live.values()))
+    return out
+
+
+def usage_frame(trace: Trace, verdict: Verdict) -> pd.DataFrame:
+    """One row per (operation, tenant present): step, usage, exact quota, usage/quota, over."""
+    if not verdict.series or "usage" not in verdict.series[0]:
+        raise ValueError(f"{verdict.backend} on {verdict.trace}: no usage series; "
+                         f"make the verdict with check(..., series=True)")
+    budget, weights = _budget(verdict), _weights(trace)
+    rows = []
+    for index, (point, present) in enumerate(zip(verdict.series, _present(trace, len(verdict.series)))):
+        usage = point["usage"]
+        w = {t: weights.get(t, Fraction(1)) for t in set(weights) | set(usage)}
+        total = sum(w.values())
+        for t in sorted(present | set(usage)):
+            wt = w.get(t, Fraction(1))
+            quota = wt / (total if t in w else total + wt) * budget
+            u = usage.get(t, 0)
+            rows.append({"index": index, "step": point["step"], "tenant": t, "usage": u,
+                         "quota": quota, "ratio": u / quota, "over": u > quota})
+    return pd.DataFrame(rows, columns=["index", "step", "tenant", "usage", "quota", "ratio", "over"])
+
+
+def jain_over_time(trace: Trace, verdict: Verdict) -> pd.Series:
+    """Jain's index of usage/quota over the tenants present, per step with two or more present."""
+    frame = usage_frame(trace, verdict)
+    per_step = frame.groupby("step")["ratio"].agg(list)
+    per_step = per_step[per_step.map(len) >= 2]
+    return per_step.map(jain_index).astype(float).rename("jain")
+
+
+def run_metrics(trace: Trace, verdict: Verdict) -> dict:
+    """Per-run figures: evictions, recomputed tokens, re-touch hit rate, mean Jain index."""
+    jain = jain_over_time(trace, verdict)
+    return {"evictions": verdict.evictions, "recomputed_tokens": verdict.recomputed_tokens,
+            "hits": verdict.hits, "misses": verdict.misses,
+            "hit_rate": hit_rate(verdict.hits, verdict.misses), "ooms": verdict.ooms,
+            "jain": float(jain.mean()) if len(jain) else math.nan}
+
+
+def tenant_metrics(trace: Trace, verdict: Verdict) -> list[dict]:
+    """Per tenant: weight, quota, evictions, recomputed tokens, usage against quota, hits.
+
+    ``quota`` is the tenant's quota with every tenant of the trace counted (constant when the
+    header weights them all, as tenant mixes do). ``mean_usage`` and ``mean_ratio`` (usage /
+    quota, per step, then averaged) are over the steps where the tenant is present;
+    ``over_quota`` is the share of those steps with usage strictly above quota. ``hits`` and
+    ``misses`` are per tenant where the verdict has them (None otherwise).
+    """
+    frame = usage_frame(trace, verdict)
+    weights, budget = _weights(trace), _budget(verdict)
+    tenants = sorted(set(trace.tenant_of().values()) | set(weights))
+    w = {t: weights.get(t, Fraction(1)) for t in tenants}
+    total = sum(w.values())
+    out = []
+    for t in tenants:
+        mine = frame[frame.tenant == t]
+        stats = verdict.tenants.get(t, {})
+        hits, misses = stats.get("hits"), stats.get("misses")
+        out.append({
+            "tenant": t, "weight": float(w[t]), "quota": float(w[t] / total * budget),
+            "evictions": stats.get("evictions", 0),
+            "recomputed_tokens": stats.get("recomputed_tokens", 0),
+            "steps_present": len(mine),
+            "mean_usage": float(mine.usage.mean()) if len(mine) else math.nan,
+            "peak_usage": int(mine.usage.max()) if len(mine) else 0,
+            "mean_ratio": float(mine.ratio.map(float).mean()) if len(mine) else math.nan,
+            "over_quota": float(mine.over.mean()) if len(mine) else math.nan,
+            "hits": hits, "misses": misses,
+            "hit_rate": hit_rate(hits, misses) if hits is not None else math.nan,
+        })
+    return out
+
+
+TENANT_COLUMNS = ["workload", "backend", "policy", "tenant", "weight", "quota", "evictions",
+                  "recomputed_tokens", "mean_usage", "peak_usage", "mean_ratio", "over_quota",
+                  "hits", "misses", "hit_rate"]
+
+
+def tenant_table(trace: Trace, runs) -> pd.DataFrame:
+    """Rows tenant x policy, for `kvbench run` to print on a tenant-mix trace.
+
+    ``runs``: a dict ``{policy: Verdict}`` (series=True), or rows of
+    :func:`kvbench.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
+    skipped).
+    """
+    rows = []
+    if isinstance(runs, dict):
+        for policy, v in runs.items():
+            for m in tenant_metrics(trace, v):
+                rows.append({"workload": trace.name, "backend": v.backend, "policy": policy, **m})
+    else:
+        for r in runs:
+            if r.get("workload") != trace.name:
+                continue
+            for m in r.get("tenant_metrics") or []:
+                rows.append({"workload": r["workload"], "backend": r["backend"],
+                             "policy": r["policy"], **m})
+    return pd.DataFrame(rows, columns=TENANT_COLUMNS)
+
+
+def policy_table(trace: Trace, config: CacheConfig, layout: str = "paged") -> pd.DataFrame:
+    """LRU, LFU, Fair and Belady replayed by the oracle on one budget, one row each.
+
+    The ``belady`` column says whether Belady's hit rate is a bound on this trace or only a
+    reference (and why).
+    """
+    reason = unit_paging_reason(trace, config, layout)
+    rows = []
+    for policy in (*ONLINE_POLICIES, "belady"):
+        if policy == "belady":
+            v = belady(trace, config, layout)
+        else:
+            v = replay_model(trace, dataclasses.replace(config, policy=policy), layout)
+        rows.append({"workload": trace.name, "layout": layout, "budget": _budget(v),
+                     "policy": policy, **run_metrics(trace, v)})
+    df = pd.DataFrame(rows)
+    df["belady"] = "bound (unit-size paging)" if not reason else f"reference, not a bound: {reason}"
+    return df
+
+
+# --- the plot -------------------------------------------------------------------------------
+
+def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
+    """Per-tenant usage (solid) against quota (dashed) over the replay, one panel per policy.
+
+    ``verdicts_by_policy``: {policy: Verdict made with series=True}, drawn left to right.
+    Writes a PNG at ``path`` (headless: Agg backend) and returns the path.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(verdicts_by_policy)
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.4), sharey=True, squeeze=False)
+    tenants = sorted(set(trace.tenant_of().values()) | set(trace.header.tenants))
+    colors = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(tenants)}
+    unit = "blocks"
+    for ax, (policy, v) in zip(axes[0], verdicts_by_policy.items()):
+        frame = usage_frame(trace, v)
+        unit = "blocks" if v.final_ledger.get("blocks_used") is not None else "slots"
+        steps = [p["step"] for p in v.series]
+        for t in tenants:
+            mine = frame[frame.tenant == t].set_index("step").reindex(steps)
+            usage = mine.usage.fillna(0)
+            quota = mine.quota.map(lambda q: float(q) if isinstance(q, Fraction) else math.nan)
+            ax.step(steps, usage, where="post", color=colors[t], lw=1.4,
+                    label=f"{t} (w={trace.header.tenants.get(t, 1)})")
+            ax.step(steps, quota, where="post", color=colors[t], lw=1.2, ls="--")
+        m = run_metrics(trace, v)
+        ax.set_title(f"{policy.upper() if len(policy) <= 3 else policy.capitalize()}: "
+                     f"{m['evictions']} evictions, hit rate {m['hit_rate']:.2f}, "
+                     f"Jain {m['jain']:.2f}", fontsize=10)
+        ax.set_xlabel("trace step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"{unit} held by the tenant")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    from matplotlib.lines import Line2D
+    handles.append(Line2D([], [], color="gray", ls="--"))
+    labels.append("quota (dashed)")
+    axes[0][0].legend(handles, labels, fontsize=8, loc="upper left")
+    budget = _budget(next(iter(verdicts_by_policy.values())))
+    fig.suptitle(f"{trace.name}: usage against quota per tenant, budget {budget} {unit}", fontsize=12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None) -> int:
+    """python -m kvbench.eviction TRACE [--backend numpy] [--out results/eviction]:
+    replay under LRU, LFU and Fair, print the tables, write <out>/<trace>-usage.png."""
+    import argparse
+    import os
+
+    from . import registry, suite
+    from .checker import check
+    from .trace import load
+
+    p = argparse.ArgumentParser(prog="python -m kvbench.eviction", description=main.__doc__)
+    p.add_argument("trace")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--out", default=str(suite.WORKLOADS_DIR.parent / "results" / "eviction"))
+    args = p.parse_args(argv)
+    trace = load(args.trace)
+    verdicts = {}
+    for policy in ONLINE_POLICIES:
+        config = suite.config_for(trace, policy=policy)
+        v = check(trace, registry.create(args.backend, config), series=True)
+        if not v.valid:
+            raise SystemExit(f"{args.backend} {policy}: {v.divergence or v.not_applicable}")
+        verdicts[policy] = v
+    with pd.option_context("display.width", 200, "display.max_columns", 30,
+                           "display.float_format", "{:.3g}".format):
+        print(tenant_table(trace, verdicts).to_string(index=False))
+        print()
+        print(policy_table(trace, suite.config_for(trace)).to_string(index=False))
+    os.makedirs(args.out, exist_ok=True)
+    print(plot_usage(trace, verdicts, os.path.join(args.out, f"{trace.name}-usage.png")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
