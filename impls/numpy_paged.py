@@ -47,6 +47,7 @@ class NumpyPaged(Backend):
         self.live = np.zeros(rows, dtype=bool)
         self.seq_of_row = np.full(rows, -1, dtype=np.int64)
         self.row_of: dict[int, int] = {}
+        self.row_index = np.full(1024, -1, dtype=np.int64)  # seq id -> row, for batch lookups
         self.tenants: list[str] = []
         # Prefix caching: hash -> block; freed hashed blocks wait in `evictable` (oldest first)
         # and are reused only when the uncached free blocks run out.
@@ -86,6 +87,11 @@ class NumpyPaged(Backend):
             free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
         r = int(free_rows[0])
         self.row_of[seq] = r
+        if seq >= len(self.row_index):
+            grown = np.full(max(2 * len(self.row_index), seq + 1), -1, dtype=np.int64)
+            grown[:len(self.row_index)] = self.row_index
+            self.row_index = grown
+        self.row_index[seq] = r
         self.seq_of_row[r] = seq
         self.live[r] = True
         return r
@@ -136,6 +142,7 @@ class NumpyPaged(Backend):
         seq = int(self.seq_of_row[r])
         self._release_row(r)
         del self.row_of[seq]
+        self.row_index[seq] = -1
 
     # --- block arithmetic, vectorized over a batch ----------------------------------------
 
@@ -144,6 +151,11 @@ class NumpyPaged(Backend):
         tails = self.table[rows, self.nblocks[rows] - 1]
         free_last = self.B - self.fill[tails]
         writes_tail = (free_last > 0) & (dts > 0)
+        spill = np.maximum(0, dts - free_last)
+        new = -(-spill // self.B)
+        shared = writes_tail & (refcount[tails] > 1)
+        if not shared.any():  # the common decode step: nothing to copy
+            return tails, free_last, shared, new
         # Writers sharing one tail copy it in batch order until one reference is left.
         order = np.argsort(tails, kind="stable")
         sorted_tails = tails[order]
@@ -153,8 +165,6 @@ class NumpyPaged(Backend):
         rank = np.empty_like(before)
         rank[order] = before - before[first]  # tail writers ahead of me on the same block
         cow = writes_tail & (refcount[tails] - rank > 1)
-        spill = np.maximum(0, dts - free_last)
-        new = -(-spill // self.B)
         return tails, free_last, cow, new
 
     def _victim(self, candidates: np.ndarray) -> int:
@@ -267,16 +277,31 @@ class NumpyPaged(Backend):
             flat[slots[skip:]] = kv[skip:]
         return tuple(victims)
 
+    def _rows(self, seqs) -> np.ndarray:
+        ids = np.asarray(seqs, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.row_index)):
+            bad = ids[(ids < 0) | (ids >= len(self.row_index))]
+            raise KeyError(f"{self.name}: unknown sequence {int(bad[0])}")
+        rows = self.row_index[ids]
+        if (rows < 0).any():
+            raise KeyError(f"{self.name}: unknown sequence {int(ids[rows < 0][0])}")
+        return rows
+
     def append(self, seqs, tokens, kv=None, *, step=0):
-        rows = np.array([self._row(s) for s in seqs], dtype=np.int64)
+        rows = self._rows(seqs)
         dts = np.asarray(tokens, dtype=np.int64)
+        if self._decode_one(rows, dts, kv, step):
+            return ()
 
         def need(refcount):
             _, _, cow, new = self._append_plan(rows, dts, refcount)
             return int(cow.sum() + new.sum())
 
-        victims = self._make_room(need, rows)
         tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount)
+        victims = []
+        if int(cow.sum() + new.sum()) > self.n_free:
+            victims = self._make_room(need, rows)
+            tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount)
         ids = self._take(int(cow.sum() + new.sum()))
         # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
         n_cow = int(cow.sum())
@@ -311,6 +336,39 @@ class NumpyPaged(Backend):
         self.last_access[rows] = step
         self.use_count[rows] += 1
         return tuple(victims)
+
+    def _decode_one(self, rows, dts, kv, step) -> bool:
+        """The common decode step (one token each, no shared tail, room free): few array ops.
+
+        Returns False, having changed nothing, when the general path is needed.
+        """
+        if dts.max() != 1 or dts.min() != 1:
+            return False
+        nb = self.nblocks[rows]
+        tails = self.table[rows, nb - 1]
+        fill = self.fill[tails]
+        full = fill == self.B
+        if (self.refcount[tails][~full] > 1).any():
+            return False
+        n_new = int(full.sum())
+        if n_new:
+            if n_new > self.n_free:
+                return False
+            if int(nb.max()) >= self.table.shape[1]:
+                self._grow_cols(int(nb.max()) + 1)
+            ids = self._take(n_new)
+            grow = rows[full]
+            self.table[grow, nb[full]] = ids
+            self.nblocks[grow] += 1
+            tails[full] = ids
+            fill[full] = 0
+        if self.pool is not None:
+            self.pool.reshape((-1,) + self.token_shape)[tails * self.B + fill] = kv
+        self.fill[tails] = fill + 1
+        self.tokens[rows] += 1
+        self.last_access[rows] = step
+        self.use_count[rows] += 1
+        return True
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
         if seq in self.row_of:
