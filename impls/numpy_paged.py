@@ -14,6 +14,7 @@ import numpy as np
 from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 POLICIES = ("lru", "lfu", "fair")
+DENSE_IDS = 1 << 20  # sequence ids below this are looked up in an array, others in a dict
 
 
 class NumpyPaged(Backend):
@@ -87,11 +88,12 @@ class NumpyPaged(Backend):
             free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
         r = int(free_rows[0])
         self.row_of[seq] = r
-        if seq >= len(self.row_index):
+        if len(self.row_index) <= seq < DENSE_IDS:
             grown = np.full(max(2 * len(self.row_index), seq + 1), -1, dtype=np.int64)
             grown[:len(self.row_index)] = self.row_index
             self.row_index = grown
-        self.row_index[seq] = r
+        if seq < len(self.row_index):
+            self.row_index[seq] = r
         self.seq_of_row[r] = seq
         self.live[r] = True
         return r
@@ -142,7 +144,8 @@ class NumpyPaged(Backend):
         seq = int(self.seq_of_row[r])
         self._release_row(r)
         del self.row_of[seq]
-        self.row_index[seq] = -1
+        if seq < len(self.row_index):
+            self.row_index[seq] = -1
 
     # --- block arithmetic, vectorized over a batch ----------------------------------------
 
@@ -279,13 +282,14 @@ class NumpyPaged(Backend):
 
     def _rows(self, seqs) -> np.ndarray:
         ids = np.asarray(seqs, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.row_index)):
-            bad = ids[(ids < 0) | (ids >= len(self.row_index))]
-            raise KeyError(f"{self.name}: unknown sequence {int(bad[0])}")
-        rows = self.row_index[ids]
-        if (rows < 0).any():
-            raise KeyError(f"{self.name}: unknown sequence {int(ids[rows < 0][0])}")
-        return rows
+        if len(ids) and 0 <= ids.min() and ids.max() < len(self.row_index):
+            rows = self.row_index[ids]
+            if (rows >= 0).all():
+                return rows
+        try:  # ids beyond the dense index, or an unknown one
+            return np.fromiter(map(self.row_of.__getitem__, seqs), dtype=np.int64, count=len(ids))
+        except KeyError as e:
+            raise KeyError(f"{self.name}: unknown sequence {e.args[0]}") from None
 
     def append(self, seqs, tokens, kv=None, *, step=0):
         rows = self._rows(seqs)

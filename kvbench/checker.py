@@ -101,7 +101,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.valid, verdict.not_applicable = None, reason
         return verdict
     caps = backend.capabilities
-    do_gather = gather != "none" and caps.holds_kv and backend.config.store_kv
+    writes_kv = caps.holds_kv and backend.config.store_kv  # K/V go in whenever it stores them
+    do_gather = gather != "none" and writes_kv  # ... and are read back unless told not to
     if not do_gather:
         verdict.skipped["kv content"] = ("backend holds no K/V" if not caps.holds_kv
                                          else "store_kv is off" if not backend.config.store_kv
@@ -165,7 +166,7 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
     def restore(seq, protect):
         """Recompute an evicted sequence (its old content, its current length) before the op."""
         st = oracle.preempted[seq]
-        kv = content(seq, st.segments) if do_gather else None
+        kv = content(seq, st.segments) if writes_kv else None
         got = call("recompute",
                    lambda: backend.prefill(seq, st.tokens, kv, tenant=st.tenant, final_tokens=st.final,
                                            step=op.step, protect=tuple(protect),
@@ -182,7 +183,7 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             if isinstance(op, Prefill):
                 # The prompt's K/V as the oracle sees them (a hashed block holds its prefix's).
                 kv = (lambda: content(op.seq, oracle.seqs[op.seq].segments)
-                      if do_gather and op.seq in oracle.seqs else None)
+                      if writes_kv and op.seq in oracle.seqs else None)
                 got = call("prefill",
                            lambda: backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
                                                    final_tokens=final[op.seq], step=op.step,
@@ -210,7 +211,7 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                 if ok and seqs:
                     toks = [t for _, t in pairs]
                     kv = None
-                    if do_gather:
+                    if writes_kv:
                         writers = np.repeat(seqs, toks)
                         starts = [oracle.seqs[s].tokens for s in seqs]
                         positions = np.concatenate([np.arange(a, a + t) for a, t in zip(starts, toks)])

@@ -65,6 +65,8 @@ BUILTIN = [
     BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
                  overrides={"reservation": "oracle"}),
     BackendEntry("vllm-blockpool", "impls.vllm_blockpool:VllmBlockPool"),
+    # The straightforward per-object model: a reference for speed ratios, ledger only.
+    BackendEntry("python-objects", "impls.object_model:ObjectModel"),
 ]
 
 # What `kvbench run` replays by default: one of each design, plus torch where it can run.

@@ -1,0 +1,56 @@
+"""Small factories shared by the tests: a tiny-model config and hand-written traces.
+
+Import them as ``from conftest import make_config, make_trace, P, A, K, X``.
+"""
+from __future__ import annotations
+
+from kvbench.formulas import get_model
+from kvbench.protocol import CacheConfig
+from kvbench.trace import Append, Fork, Free, Header, Prefill, Trace, validate
+
+TINY = get_model("tiny")  # 2 layers, 2 KV heads, head 8, fp16: 128 B per token
+
+
+def make_config(block_size: int = 16, num_blocks: int = 64, **overrides) -> CacheConfig:
+    """A CacheConfig on the tiny model (vLLM-style ``make_kv_cache_config(block_size, num_blocks)``)."""
+    return CacheConfig(model=TINY, block_size=block_size, num_blocks=num_blocks, **overrides)
+
+
+# Operations without a step: make_trace numbers them 0, 1, 2, ... in order.
+def P(seq: int, tokens: int, tenant: str = "a") -> tuple:
+    return ("prefill", seq, tokens, tenant)
+
+
+def A(*pairs) -> tuple:
+    """A batched append: A((seq, tokens), (seq, tokens), ...)."""
+    return ("append", tuple(pairs))
+
+
+def K(seq: int, src: int) -> tuple:
+    """Fork: ``seq`` shares every block of ``src``."""
+    return ("fork", seq, src)
+
+
+def X(seq: int) -> tuple:
+    return ("free", seq)
+
+
+def make_ops(*specs) -> list:
+    ops = []
+    for step, spec in enumerate(specs):
+        kind = spec[0]
+        if kind == "prefill":
+            ops.append(Prefill(step, spec[1], spec[3], spec[2]))
+        elif kind == "append":
+            ops.append(Append(step, tuple(s for s, _ in spec[1]), tuple(t for _, t in spec[1])))
+        elif kind == "fork":
+            ops.append(Fork(step, spec[1], spec[2]))
+        else:
+            ops.append(Free(step, spec[1]))
+    return ops
+
+
+def make_trace(*specs, name: str = "hand", tenants: dict | None = None, family: str = "test") -> Trace:
+    """A validated in-memory trace from P/A/K/X specs."""
+    header = Header(family=family, generator="tests", tenants=dict(tenants or {}))
+    return validate(Trace(header, make_ops(*specs), name=name))

@@ -1,0 +1,289 @@
+"""Planted faults: each broken backend is caught at the right step with the right quantity.
+
+Every fault is a small subclass of a correct backend. For each, a short trace where the fault
+shows; the comment says why the checker must part ways with it exactly there. The same trace
+passes the correct backend (the control), so what the checker reports is the fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from conftest import A, K, P, X, make_config, make_trace
+from impls.contiguous import Contiguous
+from impls.numpy_paged import NumpyPaged
+from kvbench.checker import check
+from kvbench.protocol import OutOfMemory
+
+
+# --- the faults -----------------------------------------------------------------------------
+
+class NoCopyOnWrite(NumpyPaged):
+    """(a) Writes into a shared tail in place."""
+
+    def _append_plan(self, rows, dts, refcount):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount)
+        return tails, free_last, np.zeros_like(cow), new
+
+
+class CopyWithoutData(NumpyPaged):
+    """(a') Copy-on-write takes a block and copies the fill count, but not the K/V."""
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        rows = np.array([self.row_of[s] for s in seqs])
+        tail_index = self.nblocks[rows] - 1
+        old_tails, old_fill = self.table[rows, tail_index].copy(), self.fill[self.table[rows, tail_index]]
+        victims = super().append(seqs, tokens, kv, step=step)
+        for r, i, old, n in zip(rows, tail_index, old_tails, old_fill):
+            new = self.table[r, i]
+            if new != old:  # this writer copied: forget the data it should have brought along
+                self.pool[new, :n] = 0
+        return victims
+
+
+class FloorBlocks(NumpyPaged):
+    """(b) floor instead of ceil for the new blocks of an append."""
+
+    def _append_plan(self, rows, dts, refcount):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount)
+        return tails, free_last, cow, np.maximum(0, dts - free_last) // self.B
+
+
+class PoolFragmentation(NumpyPaged):
+    """(c) Fragmentation over the whole pool instead of the blocks in use."""
+
+    def ledger(self):
+        led = super().ledger()
+        total = self.config.num_blocks * self.B
+        led.fragmentation = (total - led.token_states) / total
+        return led
+
+
+class SharedCountedTwice(NumpyPaged):
+    """(d) blocks_used and capacity summed over block tables: a shared block counts per sharer."""
+
+    def ledger(self):
+        led = super().ledger()
+        led.blocks_used = sum(led.seq_blocks.values())
+        led.capacity_slots = led.blocks_used * self.B
+        return led
+
+
+class LeakyPrefill(NumpyPaged):
+    """(e) Out of memory after grabbing blocks one at a time: those it took stay taken."""
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        try:
+            return super().prefill(seq, tokens, kv, **kw)
+        except OutOfMemory:
+            self._take(self.free_top)
+            raise
+
+
+class LeakyAppend(NumpyPaged):
+    """(e') Out of memory in an append pops the free blocks it found off the free stack and
+    loses them: never referenced, never returned."""
+
+    def append(self, seqs, tokens, kv=None, **kw):
+        try:
+            return super().append(seqs, tokens, kv, **kw)
+        except OutOfMemory:
+            self.free_top = 0
+            raise
+
+
+class LruTiesWrongWay(NumpyPaged):
+    """(f) LRU that breaks a tie on last access towards the larger sequence id."""
+
+    def _victim(self, candidates):
+        if self.config.policy != "lru":
+            return super()._victim(candidates)
+        order = np.lexsort((-self.seq_of_row[candidates], self.last_access[candidates]))
+        return int(candidates[order[0]])
+
+
+class LfuWithoutRecency(NumpyPaged):
+    """(g) LFU on (use_count, id), ignoring recency."""
+
+    def _victim(self, candidates):
+        order = np.lexsort((self.seq_of_row[candidates], self.use_count[candidates]))
+        return int(candidates[order[0]])
+
+
+def _lru_row(backend, rows):
+    return int(rows[np.lexsort((backend.seq_of_row[rows], backend.last_access[rows]))[0]])
+
+
+class FairInFloat(NumpyPaged):
+    """(h) Fair with quotas in floating point: w_t / sum(w) * B_total."""
+
+    def _fair_victim(self, candidates):
+        live = np.flatnonzero(self.live)
+        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
+        present = {self.tenants[i] for i in self.tenant_idx[live].tolist()}
+        weights = {t: float(w) for t, w in self.config.tenant_weights.items()}
+        weights.update({t: 1.0 for t in sorted(present - set(weights))})
+        total = sum(weights.values())  # 0.1 + 0.2 + 0.3 = 0.6000000000000001
+        over = []
+        for t in present:
+            quota = weights[t] / total * self.config.num_blocks
+            u = usage[self.tenants.index(t)]
+            if u > quota:
+                over.append((u - quota, t))
+        for _, t in sorted(over, reverse=True):
+            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
+            if len(mine):
+                return _lru_row(self, mine)
+        return None
+
+
+class FairByUsage(NumpyPaged):
+    """(i) Fair that takes the tenant using the most blocks, over its quota or not."""
+
+    def _fair_victim(self, candidates):
+        live = np.flatnonzero(self.live)
+        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
+        for t in np.argsort(-usage, kind="stable"):
+            mine = candidates[self.tenant_idx[candidates] == t]
+            if len(mine):
+                return _lru_row(self, mine)
+        return None
+
+
+class EvictsServed(NumpyPaged):
+    """(j) Eviction that does not protect the sequences being served."""
+
+    def _make_room(self, need_fn, protect_rows):
+        return super()._make_room(need_fn, np.array([], dtype=np.int64))
+
+
+class BestFit(Contiguous):
+    """Contiguous baseline placing a slab in the smallest hole that fits, not the first."""
+
+    def _hole(self, size, skip=frozenset()):
+        holes, pos = [], 0
+        for start in self.starts:
+            slab_size, seq = self.slab_at[start]
+            if seq in skip:
+                continue
+            if start - pos >= size:
+                holes.append((start - pos, pos))
+            pos = start + slab_size
+        if self.capacity - pos >= size:
+            holes.append((self.capacity - pos, pos))
+        return min(holes)[1] if holes else None
+
+
+class ForkWithoutData(Contiguous):
+    """Contiguous fork that reserves and accounts the child's slab but copies no K/V."""
+
+    def fork(self, seq, src, **kw):
+        victims = super().fork(seq, src, **kw)
+        st = self.seqs[seq]
+        self.arena[st["start"]:st["start"] + st["tokens"]] = 0
+        return victims
+
+
+# --- where each one shows -------------------------------------------------------------------
+
+@dataclass
+class Case:
+    fault: type
+    config: dict
+    trace: object
+    index: int  # operation number; equal to the step in these traces
+    quantity: str
+    expected: object
+    actual: object
+
+
+CASES = {
+    # Prefill 40 = 16 + 16 + 8, fork: 3 shared blocks. Step 2: 1 writes into the shared tail,
+    # which must first be copied: ceil(40/16) + 1 = 4 blocks. In place keeps 3.
+    "a-no-copy-on-write": Case(NoCopyOnWrite, {}, make_trace(P(0, 40), K(1, 0), A((1, 1),)),
+                               2, "blocks_used", 4, 3),
+    # Same trace; the ledger is right but 1's copy of the tail lacks the 8 tokens 0 wrote at
+    # positions 32..39, so gather(1) differs at step 2.
+    "a-copy-without-data": Case(CopyWithoutData, {}, make_trace(P(0, 40), K(1, 0), A((1, 1),)),
+                                2, "kv of sequence 1", "what it wrote or inherited", "different values"),
+    # 16 tokens fill one block; appending 20 needs ceil(20/16) = 2 new blocks, floor gives 1.
+    "b-floor": Case(FloorBlocks, {}, make_trace(P(0, 16), A((0, 20),)), 1, "blocks_used", 3, 2),
+    # 20 tokens in 2 blocks of 16: 12 free of 32 in use. Over the 8-block pool: 108 of 128.
+    "c-pool-fragmentation": Case(PoolFragmentation, {"num_blocks": 8}, make_trace(P(0, 20)),
+                                 0, "fragmentation", 12 / 32, 108 / 128),
+    # Step 0 agrees (3 = 3); the fork at step 1 shares 3 blocks: 3 in use, 6 counted per table.
+    "d-shared-twice": Case(SharedCountedTwice, {}, make_trace(P(0, 40), K(1, 0)), 1, "blocks_used", 3, 6),
+    # 4 blocks: 0 holds 2; P(1, 48) needs 3 of 2 free: refused at step 1, and the 2 it took leak.
+    "e-leaky-prefill": Case(LeakyPrefill, {"num_blocks": 4}, make_trace(P(0, 32), P(1, 48)),
+                            1, "blocks_used after a refused prefill", 2, 4),
+    # 4 blocks: 0 and 1 hold one full block each; the append needs 1 + ceil(17/16) = 3 of 2 free:
+    # refused at step 2. The 2 free blocks vanish from the free stack (blocks_used is unchanged).
+    "e-leaky-append": Case(LeakyAppend, {"num_blocks": 4},
+                           make_trace(P(0, 16), P(1, 16), A((0, 16), (1, 17))),
+                           2, "blocks_free after a refused append", 2, 0),
+    # 4 blocks, all used after step 2; 0 and 1 both last accessed at step 2. Step 3 needs one
+    # block: the tie (2, 0) < (2, 1) evicts 0 (its 2 blocks are enough). The fault evicts 1.
+    "f-lru-ties": Case(LruTiesWrongWay, {"num_blocks": 4, "policy": "lru"},
+                       make_trace(P(1, 16), P(0, 16), A((1, 16), (0, 16)), P(2, 16)),
+                       3, "victims", [0], [1]),
+    # 2 blocks: 1 at step 0, 0 at step 1, one use each. Step 2 needs a block:
+    # (uses, last, id) = (1, 0, 1) < (1, 1, 0) evicts 1; without recency (1, 0) < (1, 1) evicts 0.
+    "g-lfu-recency": Case(LfuWithoutRecency, {"num_blocks": 2, "policy": "lfu"},
+                          make_trace(P(1, 16), P(0, 16), P(2, 16)), 2, "victims", [1], [0]),
+    # Weights .1/.2/.3 over 10 blocks: quotas 5/3, 10/3 and 0.3/0.6 * 10 = 5 exactly.
+    # a holds 1, b 3, c 5: nobody is over, so step 3 (2 blocks needed, 1 free) evicts the global
+    # LRU, 0. In float the quota of c is 4.999999999999999, c is "over", and its sequence 2 goes.
+    "h-fair-float": Case(FairInFloat,
+                         {"num_blocks": 10, "policy": "fair", "tenant_weights": {"a": 0.1, "b": 0.2, "c": 0.3}},
+                         make_trace(P(0, 16, "a"), P(1, 48, "b"), P(2, 80, "c"), P(3, 32, "b"),
+                                    tenants={"a": 0.1, "b": 0.2, "c": 0.3}),
+                         3, "victims", [0], [2]),
+    # Weights a 1, b 3 over 8 blocks: quotas 2 and 6. b holds 5 (under), a holds 2 + 1 = 3 (over).
+    # Step 3 needs a block: a's LRU, 1, goes. By usage, b (5 blocks) would lose 0 though under quota.
+    "i-fair-under-quota": Case(FairByUsage, {"num_blocks": 8, "policy": "fair", "tenant_weights": {"a": 1, "b": 3}},
+                               make_trace(P(0, 80, "b"), P(1, 32, "a"), P(2, 16, "a"), P(3, 16, "b"),
+                                          tenants={"a": 1, "b": 3}),
+                               3, "victims", [1], [0]),
+    # 2 blocks, both full. Step 2: 0 appends and needs a block; 0 is the LRU but it is being
+    # served, so 1 goes. The fault evicts 0 itself.
+    "j-evicts-served": Case(EvictsServed, {"num_blocks": 2, "policy": "lru"},
+                            make_trace(P(0, 16), P(1, 16), A((0, 1),)), 2, "victims", [1], [0]),
+    # 64 slots, exact reservation: 0 at [0, 10), 1 at [10, 55); free 0 leaves holes of 10 at 0
+    # and 9 at the end. First fit puts 9 slots at 0: last end 55 - 54 reserved = 1 slot of holes.
+    # Best fit takes the tighter end hole: last end 64, 10 slots of holes.
+    "contiguous-best-fit": Case(BestFit, {"num_blocks": 4, "reservation": "oracle"},
+                                make_trace(P(0, 10), P(1, 45), X(0), P(2, 9)),
+                                3, "external_fragmentation", 1, 10),
+    # A fork must copy the slab: 1's tokens 0..11 are 0's, zeros here.
+    "contiguous-fork-without-data": Case(ForkWithoutData, {"reservation": "oracle"},
+                                         make_trace(P(0, 12), K(1, 0)),
+                                         1, "kv of sequence 1", "what it wrote or inherited", "different values"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fault_is_caught_at_its_step(name):
+    case = CASES[name]
+    v = check(case.trace, case.fault(make_config(**case.config)), gather="all")
+    assert v.valid is False, f"{name} went unnoticed"
+    d = v.divergence
+    assert (d.index, d.step, d.quantity) == (case.index, case.index, case.quantity), str(d)
+    assert d.expected == case.expected and d.actual == case.actual, str(d)
+    assert v.ops == case.index  # every operation before it passed
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_control_passes_the_same_trace(name):
+    case = CASES[name]
+    correct = Contiguous if issubclass(case.fault, Contiguous) else NumpyPaged
+    v = check(case.trace, correct(make_config(**case.config)), gather="all")
+    assert v.valid is True, str(v.divergence)
+
+
+def test_kv_divergence_names_the_first_wrong_position():
+    case = CASES["a-copy-without-data"]
+    d = check(case.trace, case.fault(make_config()), gather="all").divergence
+    # The tail copy holds positions 32..39, written by sequence 0 before the fork.
+    assert d.detail == "first wrong position 32 (should hold what sequence 0 wrote there)"
