@@ -36,7 +36,7 @@ from fractions import Fraction
 import pandas as pd
 
 from .checker import Verdict
-from .formulas import jain_index
+from .formulas import blocks_needed, jain_index
 from .oracle import ModelOOM, Oracle
 from .protocol import CacheConfig
 from .trace import Append, Fork, Free, Prefill, Trace
@@ -75,17 +75,17 @@ class BeladyOracle(Oracle):
         return min(candidates, key=lambda s: (-self.next_touch(s), s))
 
     # Every call that can evict learns the step first (recompute goes through prefill).
-    def prefill(self, seq, tokens, tenant, final, step, protect=(), segments=None) -> list:
+    def prefill(self, seq, tokens, tenant, final, step, *args, **kwargs) -> list:
         self.now = step
-        return super().prefill(seq, tokens, tenant, final, step, protect, segments)
+        return super().prefill(seq, tokens, tenant, final, step, *args, **kwargs)
 
-    def append(self, seqs, tokens, step) -> list:
+    def append(self, seqs, tokens, step, *args, **kwargs) -> list:
         self.now = step
-        return super().append(seqs, tokens, step)
+        return super().append(seqs, tokens, step, *args, **kwargs)
 
-    def fork(self, seq, src, final, step) -> list:
+    def fork(self, seq, src, final, step, *args, **kwargs) -> list:
         self.now = step
-        return super().fork(seq, src, final, step)
+        return super().fork(seq, src, final, step, *args, **kwargs)
 
 
 def replay_model(trace: Trace, config: CacheConfig, layout: str = "paged",
@@ -129,7 +129,8 @@ def replay_model(trace: Trace, config: CacheConfig, layout: str = "paged",
 
     for index, op in enumerate(trace.ops):
         if isinstance(op, Prefill):
-            if call(lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step)) is None:
+            if call(lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step,
+                                           hashes=op.block_hashes)) is None:
                 refused.add(op.seq)
         elif isinstance(op, Append):
             pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in refused]
@@ -166,22 +167,24 @@ def unit_paging_reason(trace: Trace, config: CacheConfig, layout: str = "paged")
     the layout is paged, every sequence stays within one block all its life (so each miss needs
     one block and each eviction frees one), every append names one sequence (a batch pins its
     members together: several requests at once), and nothing forks (a shared block frees
-    nothing when one of its owners is evicted, and a copy-on-write needs a block on a hit).
-    Frees are allowed: a freed sequence is one never requested again.
+    nothing when one of its owners is evicted, and a copy-on-write needs a block on a hit), nor
+    shares blocks by prefix caching. Frees are allowed: a freed sequence is one never requested again.
     """
     if layout != "paged":
         return f"{layout} layout: slabs of different sizes in a first-fit arena"
+    if config.prefix_caching:
+        return "prefix caching: sequences with one prompt share its cached blocks"
     B = config.block_size
+    for seq, tokens in sorted(trace.final_lengths().items()):
+        if tokens > B:
+            return (f"sequence {seq} reaches {tokens} tokens, {blocks_needed(tokens, B)} blocks of {B}: "
+                    f"items of different sizes")
     for index, op in enumerate(trace.ops):
         where = f"op #{index} (step {op.step})"
         if isinstance(op, Fork):
             return f"{where} forks: shared blocks, an eviction may free nothing"
         if isinstance(op, Append) and len(op.seqs) > 1:
             return f"{where} appends to {len(op.seqs)} sequences at once, pinned together"
-    for seq, tokens in sorted(trace.final_lengths().items()):
-        if tokens > B:
-            return (f"sequence {seq} reaches {tokens} tokens, {-(-tokens // B)} blocks of {B}: "
-                    f"items of different sizes")
     return ""
 
 
@@ -371,37 +374,40 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.lines import Line2D
+
     n = len(verdicts_by_policy)
-    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(5.4 * n, 5.0), sharey=True, squeeze=False)
     tenants = sorted(set(trace.tenant_of().values()) | set(trace.header.tenants))
     colors = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(tenants)}
+    budget = _budget(next(iter(verdicts_by_policy.values())))
     unit = "blocks"
     for ax, (policy, v) in zip(axes[0], verdicts_by_policy.items()):
         frame = usage_frame(trace, v)
         unit = "blocks" if v.final_ledger.get("blocks_used") is not None else "slots"
         steps = [p["step"] for p in v.series]
         for t in tenants:
+            # Absent steps (no request of the tenant) stay NaN: a gap, not a starved zero.
             mine = frame[frame.tenant == t].set_index("step").reindex(steps)
-            usage = mine.usage.fillna(0)
-            quota = mine.quota.map(lambda q: float(q) if isinstance(q, Fraction) else math.nan)
-            ax.step(steps, usage, where="post", color=colors[t], lw=1.4,
-                    label=f"{t} (w={trace.header.tenants.get(t, 1)})")
-            ax.step(steps, quota, where="post", color=colors[t], lw=1.2, ls="--")
+            ax.step(steps, mine.usage.astype(float), where="post", color=colors[t], lw=1.4)
+            ax.step(steps, mine.quota.map(lambda q: float(q) if isinstance(q, Fraction) else math.nan),
+                    where="post", color=colors[t], lw=1.3, ls="--")
+        ax.axhline(budget, color="black", lw=0.8, ls=":")
         m = run_metrics(trace, v)
-        ax.set_title(f"{policy.upper() if len(policy) <= 3 else policy.capitalize()}: "
-                     f"{m['evictions']} evictions, hit rate {m['hit_rate']:.2f}, "
+        name = policy.upper() if policy in ("lru", "lfu") else policy.capitalize()
+        ax.set_title(f"{name}: {m['evictions']} evictions, hit rate {m['hit_rate']:.2f}, "
                      f"Jain {m['jain']:.2f}", fontsize=10)
         ax.set_xlabel("trace step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"{unit} held by the tenant")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    from matplotlib.lines import Line2D
-    handles.append(Line2D([], [], color="gray", ls="--"))
-    labels.append("quota (dashed)")
-    axes[0][0].legend(handles, labels, fontsize=8, loc="upper left")
-    budget = _budget(next(iter(verdicts_by_policy.values())))
-    fig.suptitle(f"{trace.name}: usage against quota per tenant, budget {budget} {unit}", fontsize=12)
-    fig.tight_layout()
+    handles = [Line2D([], [], color=colors[t], lw=1.4) for t in tenants]
+    labels = [f"{t} (weight {trace.header.tenants.get(t, 1)})" for t in tenants]
+    handles += [Line2D([], [], color="gray", ls="--"), Line2D([], [], color="black", ls=":", lw=0.8)]
+    labels += ["quota (dashed, tenant's colour)", f"budget ({budget} {unit})"]
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.suptitle(f"{trace.name}: {unit} held against quota per tenant "
+                 f"(gaps: the tenant has no request in flight)", fontsize=12)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)

@@ -398,9 +398,10 @@ class Oracle:
 
     def family_of(self, seq) -> set:
         """Live sequences that share a block with ``seq`` (whose reads a bad write could change)."""
-        if self.layout != "paged":
+        table = self.seqs[seq].table if self.layout == "paged" else ()
+        if not any(self.blocks[b][0] > 1 for b in table):
             return {seq}
-        mine = set(self.seqs[seq].table)
+        mine = set(table)
         return {s for s, st in self.seqs.items() if mine.intersection(st.table)} | {seq}
 
 

@@ -314,8 +314,9 @@ def group_min_max(rows2d, lay: Layout):
 def scale_and_zero_point(lo, hi, scheme: QuantScheme, scale_dtype: str = "float64"):
     """Per-group scale and zero point from the group's min and max (SPEC section 4).
 
-    Computed in float64 (no overflow for float16/float32 ranges), then stored in ``scale_dtype``
-    rounded up, so that ``scale * steps`` covers the range. Returns (scale, zero_point or None).
+    Computed in float64 (no overflow for float16/float32 ranges) and stored in ``scale_dtype``
+    one ulp above the nearest value, so that ``scale * steps`` covers the range despite the
+    rounding of the computation. Returns (scale, zero_point or None).
     """
     lo = np.asarray(lo, dtype=np.float64)
     hi = np.asarray(hi, dtype=np.float64)
@@ -324,11 +325,13 @@ def scale_and_zero_point(lo, hi, scheme: QuantScheme, scale_dtype: str = "float6
     steps = scheme.steps
     amax = np.maximum(-lo, hi)  # max |x| (lo <= hi)
     if scheme.symmetric:
-        scale = np.where(amax == 0, 1.0, amax / steps)
+        scale = np.where(amax == 0, 1.0, amax / steps)  # one rounding: one ulp up covers it
         return _round_up(scale, dt, where=amax > 0), None
     constant = hi == lo
-    # hi/steps - lo/steps: no overflow even for float64 values near the top of the range.
-    scale = np.maximum(hi / steps - lo / steps, 8 * u * amax)
+    # hi/steps - lo/steps cannot overflow; its three roundings are each <= 2^-53 amax/steps
+    # (cancellation when lo and hi are close), so add 6 of those before rounding up.
+    scale = hi / steps - lo / steps + 6 * 2.0**-53 * amax / steps
+    scale = np.maximum(scale, 8 * u * amax)
     scale = np.where(constant, np.where(lo == 0, 1.0, np.abs(lo)), scale)
     scale = _round_up(scale, dt, where=~constant)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -337,12 +340,9 @@ def scale_and_zero_point(lo, hi, scheme: QuantScheme, scale_dtype: str = "float6
 
 
 def _round_up(scale, dt: np.dtype, where) -> np.ndarray:
-    """Store scale in dt rounded up: one ulp above nearest for float32 (covers float64's own
-    rounding of hi - lo and /steps), three for float64."""
+    """scale stored in dt, one ulp above the nearest value where ``where``."""
     stored = scale.astype(dt)
-    for _ in range(1 if dt == np.float32 else 3):
-        stored = np.where(where, np.nextafter(stored, dt.type(np.inf)), stored)
-    return stored.astype(dt)
+    return np.where(where, np.nextafter(stored, dt.type(np.inf)), stored).astype(dt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,21 +672,22 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
     elif nonempty:
         if scheme.symmetric:
             s_ref = amax / qmax
-            ok = _close(s, s_ref, u)
+            ok = _close(s, s_ref, u, amax / qmax)
             alt = None
         else:
             steps = qmax - qmin
             s_ref = hi / steps - lo / steps
             floor = 8 * u * amax
             widened = np.maximum(hi, 0) / steps - np.minimum(lo, 0) / steps  # range taken to include 0
-            ok = _close(s, s_ref, u) | ((s >= s_ref * (1 - 4 * u)) & (s <= floor * (1 + 16 * u)))
-            alt = _close(s, widened, u)
+            near = _close(s, s_ref, u, amax / steps)
+            ok = near | ((s >= s_ref * (1 - 4 * u)) & (s <= floor * (1 + 16 * u)))
+            alt = _close(s, widened, u, amax / steps)
             ok = ok | alt
         fails.first_bad("scale", ~ok & ~constant, s_ref, s, grp,
                         f"{'max|x|/qmax' if scheme.symmetric else '(max - min)/(qmax - qmin)'}, "
-                        f"stored rounding allowed {16 * u:.3g} relative")
+                        f"stored rounding allowed 16u (scale + max|x|/steps), u={u:.3g}")
         if not scheme.symmetric:
-            lo_used = np.where(alt & ~_close(s, s_ref, u), np.minimum(lo, 0), lo)
+            lo_used = np.where(alt & ~near, np.minimum(lo, 0), lo)
             with np.errstate(divide="ignore", invalid="ignore"):
                 z_ref = np.rint(qmin - lo_used / s)
             slack = 1 + 2 * u * np.abs(lo_used / s)
@@ -774,8 +775,10 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
                         scheme.describe())
 
 
-def _close(s, ref, u):
-    return np.abs(s - ref) <= 16 * u * ref + 1e-300
+def _close(s, ref, u, magnitude):
+    """Stored scale within rounding of the formula: relative to it, and to max|x|/steps (the
+    formula's own rounding when max and min nearly cancel)."""
+    return np.abs(s - ref) <= 16 * u * (ref + magnitude) + 1e-300
 
 
 def check_quantizer(impl, x, scheme: QuantScheme, *, scale=None, zero_point=None,
