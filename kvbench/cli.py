@@ -6,7 +6,7 @@ import sys
 
 import pandas as pd
 
-from . import registry, results, suite
+from . import registry, results, serving, suite
 from .trace import TraceError
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
@@ -46,6 +46,8 @@ def print_table(df: pd.DataFrame, columns) -> None:
 
 
 def cmd_run(args) -> int:
+    if serving.wants_serving(args):
+        return serving.run_serving(args)
     paths = args.traces or suite.committed_workloads()
     if not paths:
         print("no workloads: run `kvbench gen` first", file=sys.stderr)
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--output", help="results file (default results/runs/run-<time>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_cache_args(p)
+    serving.add_serve_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="check one trace, print the first divergence")

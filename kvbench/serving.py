@@ -49,7 +49,7 @@ import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +91,7 @@ class SimResult:
     output_tokens: int  # tokens appended by decode steps
     wall_seconds: float
     backend_seconds: float  # inside the backend's prefill/append/free calls
-    extras: dict = field(default_factory=dict)
+    prefix_hit_blocks: int = 0  # prompt blocks the backend found in its prefix cache
 
     @property
     def max_running(self) -> int:
@@ -197,7 +197,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
     admissions, samples = [], []
     counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0)
     backend_seconds = 0.0
-    next_seq, ptr, t = 0, 0, 0
+    next_seq, ptr, t, hit_blocks = 0, 0, 0, 0
 
     def timed(fn, *args, **kw):
         nonlocal backend_seconds
@@ -304,6 +304,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         counts["finished"] += finished
 
         ledger = be.ledger()
+        hit_blocks = getattr(ledger, "prefix_hit_blocks", 0)
         samples.append({"step": t, "running": len(running), "waiting": len(queue),
                         "decoded": decoded, "prefilled": prefilled, "preempted": preempted,
                         "finished": finished,
@@ -311,6 +312,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                         **{c: getattr(ledger, c) for c in CATEGORIES}})
         t += 1
     wall = time.perf_counter() - wall0
+    be.close()  # the samples hold all the ledger we need; free device memory
 
     header = Header(
         family="serving", generator=f"kvbench.serving.simulate v{SIM_VERSION}",
@@ -329,7 +331,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         unserved=len(queue) + (len(order) - ptr), rejected=rejected,
         preemptions=counts["preemptions"], recomputed_tokens=counts["recomputed"],
         admissions=admissions, steps=t, prompt_tokens=counts["prompt"], output_tokens=counts["output"],
-        wall_seconds=wall, backend_seconds=backend_seconds)
+        wall_seconds=wall, backend_seconds=backend_seconds, prefix_hit_blocks=hit_blocks)
 
 
 # --- the memory breakdown (SPEC §3) -------------------------------------------------------------
@@ -365,7 +367,8 @@ def summary_row(result: SimResult, over: str = "saturated") -> dict:
             "max_running": result.max_running, "requests": result.requests,
             "admitted": result.admitted, "finished": result.finished, "unserved": result.unserved,
             "rejected": sum(result.rejected.values()), "preemptions": result.preemptions,
-            "recomputed_tokens": result.recomputed_tokens, "steps": result.steps, "ops": len(result.trace),
+            "recomputed_tokens": result.recomputed_tokens, "prefix_hit_blocks": result.prefix_hit_blocks,
+            "steps": result.steps, "ops": len(result.trace),
             **result.throughput(), "wall_s": result.wall_seconds, "backend_s": result.backend_seconds}
 
 
@@ -582,8 +585,8 @@ def wants_serving(args) -> bool:
     return bool(getattr(args, "trace", None) or getattr(args, "scenario", None))
 
 
-SERVE_COLUMNS = ["backend", *CATEGORIES, "steps_averaged", "max_running", "finished", "rejected",
-                 "unserved", "preemptions", "steps", "output_tokens_per_step", "steps_per_s"]
+SERVE_COLUMNS = ["backend", *CATEGORIES, "averaged_over", "steps_averaged", "max_running", "finished",
+                 "rejected", "unserved", "preemptions", "steps", "output_tokens_per_step", "steps_per_s"]
 
 
 def _serve_config(args, requests) -> CacheConfig:
@@ -592,7 +595,8 @@ def _serve_config(args, requests) -> CacheConfig:
     blocks = F.budget_blocks(getattr(args, "budget", None) or OPT13B["budget"], bs, model)
     longest = max((r.prompt_tokens + r.output_tokens for r in requests), default=1)
     mc = getattr(args, "max_context", None) or F.next_pow2(longest)
-    return CacheConfig(model=model, block_size=bs, num_blocks=blocks, store_kv=bool(getattr(args, "store_kv", False)),
+    return CacheConfig(model=model, block_size=bs, num_blocks=blocks,
+                       store_kv=bool(getattr(args, "store_kv", False)),
                        device=getattr(args, "device", "cpu") or "cpu", max_context=int(mc),
                        prefix_caching=bool(getattr(args, "prefix_caching", False)))
 
@@ -645,7 +649,8 @@ def run_serving(args) -> int:
         params = {**source, "model": cfg.model.name, "block_size": cfg.block_size,
                   "num_blocks": cfg.num_blocks, "max_context": cfg.max_context, **sim,
                   "step_seconds": args.step_seconds, "prefix_caching": cfg.prefix_caching}
-    cols = (["backend", "paper_token_states"] if "paper_token_states" in table else ["backend"]) + SERVE_COLUMNS[1:]
+    paper = ["paper_token_states"] if "paper_token_states" in table else []
+    cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
     print_table(table, cols)
     code = 0
     if args.check:

@@ -39,7 +39,7 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
     hashed = any(getattr(op, "block_hashes", None) for op in trace.ops)
     if prefix_caching is None:
-        prefix_caching = hashed
+        prefix_caching = bool(s.get("prefix_caching", hashed))
     if prefix_caching and hashed and s.get("block_size", bs) != bs:
         raise ValueError(f"{trace.name}: block hashes are for block size {s['block_size']}, "
                          f"not {bs}")
