@@ -107,6 +107,29 @@ def cmd_gen(args) -> int:
     return 0
 
 
+def cmd_prefix(args) -> int:
+    from pathlib import Path
+
+    from . import prefix
+    from .loaders import load_requests, prefix_hit_rate_unbounded
+    requests = load_requests(args.trace, args.format)[:args.max_requests]
+    trace = prefix.cache_trace(requests, args.block_size)
+    curve = prefix.hit_rate_curve(trace, backend=args.backend)
+    ids = prefix_hit_rate_unbounded(requests)
+    print_table(curve, ["backend", "cache_blocks", "hit_blocks", "hashed_blocks", "hit_rate", "refused"])
+    print(f"unbounded cache, counted by the trace's own block ids (partial last blocks included): "
+          f"{ids[0]}/{ids[1]} = {ids[0] / ids[1]:.1%}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"{Path(args.trace).stem}-B{args.block_size}"
+        curve.to_csv(out / f"{stem}.csv", index=False)
+        prefix.plot_curve(curve, out / f"{stem}.png",
+                          f"{Path(args.trace).stem}: prefix cache hit rate, {args.block_size}-token blocks")
+        print(f"wrote {out / stem}.csv and .png")
+    return 0
+
+
 def cmd_list(args) -> int:
     rows = []
     for name, e in registry.entries().items():
@@ -144,6 +167,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     p.set_defaults(func=cmd_gen)
+
+    p = sub.add_parser("prefix", help="prefix-cache hit rate over cache sizes, checked by the oracle")
+    p.add_argument("trace")
+    p.add_argument("--format", default="mooncake", help="a loader with block hashes (mooncake)")
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--max-requests", type=int)
+    p.add_argument("--out", help="folder for the curve's CSV and PNG")
+    p.set_defaults(func=cmd_prefix)
 
     p = sub.add_parser("list", help="backends (with where they come from and whether they run here)")
     p.set_defaults(func=cmd_list)
