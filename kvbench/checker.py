@@ -55,7 +55,7 @@ class Verdict:
     gathers: int = 0
     hits: int = 0  # operations that found the sequence they touch still resident
     misses: int = 0  # ... that found it evicted, and recomputed it
-    tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens}
+    tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
     backend_seconds: float = 0.0
     final_ledger: dict = field(default_factory=dict)
     series: list = field(default_factory=list)  # ledger figures after each operation
@@ -119,6 +119,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
     fields_checked = [f for f in LEDGER_FIELDS if caps.layout == "paged" or f not in BLOCK_FIELDS]
     model, dtype = backend.config.model, backend.config.kv_dtype
     final = trace.final_lengths()
+    tenant_of = trace.tenant_of()
+    touches: dict = {}  # tenant -> [hits, misses]
     refused: set = set()
     index = -1
     op = None
@@ -163,6 +165,13 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.evictions += len(actual)
         return actual
 
+    def touch(seq):
+        """Count a re-touch: a hit if the sequence is resident, a miss if it was evicted."""
+        miss = seq in oracle.preempted
+        verdict.misses += miss
+        verdict.hits += not miss
+        touches.setdefault(tenant_of[seq], [0, 0])[miss] += 1
+
     def restore(seq, protect):
         """Recompute an evicted sequence (its old content, its current length) before the op."""
         st = oracle.preempted[seq]
@@ -200,8 +209,7 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                 seqs = [s for s, _ in pairs]
                 ok = True
                 for s in seqs:
-                    verdict.misses += s in oracle.preempted
-                    verdict.hits += s not in oracle.preempted
+                    touch(s)
                     if s in oracle.preempted:
                         got = restore(s, set(seqs))
                         if got is None:
@@ -226,8 +234,7 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                     refused.add(op.seq)
                 else:
                     ok = True
-                    verdict.misses += op.src in oracle.preempted
-                    verdict.hits += op.src not in oracle.preempted
+                    touch(op.src)
                     if op.src in oracle.preempted:
                         got = restore(op.src, {op.src, op.seq})
                         ok = got is not None
@@ -288,6 +295,9 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.valid = False
         verdict.divergence = stop.divergence
     verdict.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
+    for t, (hits, misses) in touches.items():
+        verdict.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(hits=hits,
+                                                                                        misses=misses)
     final_ledger = oracle.expected_ledger() if verdict.valid else backend.ledger()
     verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                             if k not in ("tokens", "seq_blocks")}

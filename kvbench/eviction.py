@@ -192,22 +192,24 @@ def hit_rate(hits: int, misses: int) -> float:
     return hits / (hits + misses) if hits + misses else math.nan
 
 
-def belady_violations(trace: Trace, config: CacheConfig, verdicts: dict,
+def belady_violations(trace: Trace, config: CacheConfig, runs: dict,
                       reference: Verdict | None = None) -> list[str]:
     """The checker-side bound: online hit rates above Belady's, where the theorem applies.
 
-    ``verdicts``: policy -> Verdict of the paged layout under ``config``'s budget. Returns one
-    message per violation; empty when the bound holds or does not apply (see
-    :func:`unit_paging_reason`: then Belady is only a reference).
+    ``runs``: label -> a Verdict, or a row of :func:`kvbench.suite.verdict_row` (with ``hits``
+    and ``misses``), of the paged layout under ``config``'s budget. Returns one message per
+    violation; empty when the bound holds or does not apply (see :func:`unit_paging_reason`:
+    then Belady is only a reference).
     """
     if unit_paging_reason(trace, config):
         return []
     best = reference if reference is not None else belady(trace, config)
     out = []
-    for policy, v in verdicts.items():
+    for label, run in runs.items():
+        hits, misses = (run["hits"], run["misses"]) if isinstance(run, dict) else (run.hits, run.misses)
         # h/(h+m) > H/(H+M), compared in integers.
-        if v.hits * (best.hits + best.misses) > best.hits * (v.hits + v.misses):
-            out.append(f"{trace.name}: {policy} hit rate {v.hits}/{v.hits + v.misses} exceeds "
+        if hits * (best.hits + best.misses) > best.hits * (hits + misses):
+            out.append(f"{trace.name}: {label} hit rate {hits}/{hits + misses} exceeds "
                        f"Belady's {best.hits}/{best.hits + best.misses}, the optimum on a unit-size "
                        f"trace: its victims or its hit count are wrong")
     return out
@@ -215,13 +217,20 @@ def belady_violations(trace: Trace, config: CacheConfig, verdicts: dict,
 
 # --- metrics --------------------------------------------------------------------------------
 
+def layout_of(verdict: Verdict) -> str | None:
+    """'paged' or 'contiguous' (a ledger without blocks); None for a verdict that never ran."""
+    if not verdict.final_ledger:
+        return None
+    return "paged" if verdict.final_ledger.get("blocks_used") is not None else "contiguous"
+
+
 def _budget(verdict: Verdict) -> int:
     """B_total from the final ledger: blocks (paged) or arena slots (the five categories' sum)."""
     led = verdict.final_ledger
     if not led:
         raise ValueError(f"{verdict.backend} on {verdict.trace}: the verdict has no ledger "
                          f"({verdict.not_applicable or 'not run'})")
-    if led.get("blocks_used") is not None:
+    if layout_of(verdict) == "paged":
         return led["blocks_used"] + led["blocks_free"]
     return sum(led[k] for k in ("token_states", "reservation", "internal_fragmentation",
                                 "external_fragmentation", "free"))
@@ -384,7 +393,7 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
     unit = "blocks"
     for ax, (policy, v) in zip(axes[0], verdicts_by_policy.items()):
         frame = usage_frame(trace, v)
-        unit = "blocks" if v.final_ledger.get("blocks_used") is not None else "slots"
+        unit = "blocks" if layout_of(v) == "paged" else "slots"
         steps = [p["step"] for p in v.series]
         for t in tenants:
             # Absent steps (no request of the tenant) stay NaN: a gap, not a starved zero.

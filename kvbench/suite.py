@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import eviction
 from . import formulas as F
 from . import registry
 from .checker import Verdict, check
@@ -65,7 +66,7 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
     mean = {k: sum(r[k] for r in series) / n for k in
             ("fragmentation", "token_states", "reservation", "internal_fragmentation",
              "external_fragmentation", "free")} if series else {}
-    return {
+    row = {
         "workload": trace.name, "family": trace.header.family, "backend": backend_name,
         "policy": config.policy or "-", "device": config.device, "model": config.model.name,
         "block_size": config.block_size, "num_blocks": config.num_blocks,
@@ -78,7 +79,13 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         **{f"mean_{k}": val for k, val in mean.items()},
         "backend_ms": v.backend_seconds * 1e3,
         "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
+        "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),
+        "layout": eviction.layout_of(v),
     }
+    if trace.header.tenants and series:  # a tenant mix: fairness and per-tenant figures
+        row["jain"] = eviction.run_metrics(trace, v)["jain"]
+        row["tenant_metrics"] = eviction.tenant_metrics(trace, v)
+    return row
 
 
 def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched") -> dict:
