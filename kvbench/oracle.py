@@ -105,9 +105,12 @@ class Oracle:
 
     # --- what a call needs -----------------------------------------------------------------
 
-    def _append_need(self, seqs, tokens) -> int:
-        """Blocks a batched append takes, copy-on-write copies included, writers in batch order."""
-        ref_delta: dict[int, int] = {}
+    def _append_need(self, seqs, tokens, drop=None) -> int:
+        """Blocks a batched append takes, copy-on-write copies included, writers in batch order.
+
+        ``drop``: references that sequences about to be evicted would release, per block.
+        """
+        ref_delta: dict[int, int] = {b: -d for b, d in (drop or {}).items()}
         need = 0
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
@@ -158,28 +161,12 @@ class Oracle:
                     return False
                 placed.append((pos, size))
             return True
-        need = call[1]() if not exclude else self._need_without(call, exclude)
-        freed = self._blocks_freed_by(exclude)
-        return need <= self.blocks_free + freed
-
-    def _blocks_freed_by(self, victims) -> int:
         drop: dict[int, int] = {}
-        for v in victims:
+        for v in exclude:
             for b in self.seqs[v].table:
                 drop[b] = drop.get(b, 0) + 1
-        return sum(1 for b, d in drop.items() if self.blocks[b][0] == d)
-
-    _STATE = ("seqs", "blocks", "by_hash", "hash_of", "evictable")
-
-    def _need_without(self, call, exclude) -> int:
-        saved = copy.deepcopy([getattr(self, k) for k in self._STATE])
-        try:
-            for v in exclude:
-                self._release(self.seqs.pop(v).table)
-            return call[1]()
-        finally:
-            for k, v in zip(self._STATE, saved):
-                setattr(self, k, v)
+        freed = sum(1 for b, d in drop.items() if self.blocks[b][0] == d)
+        return call[1](drop) <= self.blocks_free + freed
 
     # --- eviction (SPEC §5) ----------------------------------------------------------------
 
@@ -252,9 +239,10 @@ class Oracle:
         lookup = hashes if self.caching else ()
         sizes = [self._slab_size(final)] if self.layout == "contiguous" else None
 
-        def need():  # new blocks, plus cached blocks it takes back from the free pool
+        def need(drop):  # new blocks, plus cached blocks it takes back from the free pool
             hits = self._hits(lookup)
-            return n - len(hits) + sum(1 for b in hits if b not in self.blocks)
+            return n - len(hits) + sum(1 for b in hits if b not in self.blocks
+                                       or self.blocks[b][0] == drop.get(b, 0))
 
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
@@ -295,7 +283,7 @@ class Oracle:
             if self.layout == "contiguous" and st.tokens + dt > st.slab[1]:
                 raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
                                  f"{st.slab[1]}-slot reservation")
-        call = ("append", lambda: self._append_need(seqs, tokens), [])
+        call = ("append", lambda drop: self._append_need(seqs, tokens, drop), [])
         victims = self._make_room(call, set(seqs))
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
