@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (TraceError, ValueError, KeyError) as e:
+    except (TraceError, ValueError, KeyError, OSError) as e:
         print(f"kvbench: error: {e}", file=sys.stderr)
         return 2
 
