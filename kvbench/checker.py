@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .oracle import ModelOOM, Oracle
+from .oracle import ModelOOM, Oracle, content_segments
 from .protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
 from .trace import Append, Fork, Free, Prefill, Trace, op_to_dict
 
@@ -146,6 +146,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             actual = tuple(backend_call() or ())
         except OutOfMemory:
             actual = None
+        except Exception as e:  # a crash is a verdict, not a crash of the checker
+            diverge(f"outcome of {what}", "success", f"{type(e).__name__}: {e}")
         verdict.backend_seconds += time.perf_counter() - t0
         if (expected is None) != (actual is None):
             diverge(f"outcome of {what}", "out of memory" if expected is None else "success",
@@ -191,8 +193,10 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             victims: list = []
             if isinstance(op, Prefill):
                 # The prompt's K/V as the oracle sees them (a hashed block holds its prefix's).
-                kv = (lambda: content(op.seq, oracle.seqs[op.seq].segments)
-                      if writes_kv and op.seq in oracle.seqs else None)
+                kv = (lambda: None if not writes_kv else content(
+                    op.seq, oracle.seqs[op.seq].segments if op.seq in oracle.seqs else
+                    content_segments(op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B],
+                                     oracle.B)))
                 got = call("prefill",
                            lambda: backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
                                                    final_tokens=final[op.seq], step=op.step,
@@ -256,7 +260,10 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                 else:
                     oracle.free(op.seq)
                     t0 = time.perf_counter()
-                    backend.free(op.seq, step=op.step)
+                    try:
+                        backend.free(op.seq, step=op.step)
+                    except Exception as e:
+                        diverge("outcome of free", "success", f"{type(e).__name__}: {e}")
                     verdict.backend_seconds += time.perf_counter() - t0
             expected, actual = oracle.expected_ledger(), backend.ledger()
             for f in fields_checked:
