@@ -194,9 +194,8 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             if isinstance(op, Prefill):
                 # The prompt's K/V as the oracle sees them (a hashed block holds its prefix's).
                 kv = (lambda: None if not writes_kv else content(
-                    op.seq, oracle.seqs[op.seq].segments if op.seq in oracle.seqs else
-                    content_segments(op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B],
-                                     oracle.B)))
+                    op.seq, oracle.seqs[op.seq].segments if op.seq in oracle.seqs else content_segments(
+                        op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B], oracle.B)))
                 got = call("prefill",
                            lambda: backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
                                                    final_tokens=final[op.seq], step=op.step,
