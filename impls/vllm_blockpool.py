@@ -1,0 +1,213 @@
+"""vLLM's own v1 ``BlockPool`` behind the kvbench protocol: a ledger-only paged backend.
+
+Opt-in: vLLM is not a dependency of kvbench (see the README's recipe for a separate venv). The
+module imports without vLLM; :meth:`VllmBlockPool.available` says why it cannot run.
+
+What comes from vLLM and what from this adapter:
+
+- vLLM: the blocks (``KVCacheBlock``, their ``ref_cnt`` and hash), the free queue and its order,
+  ``get_new_blocks`` / ``free_blocks`` / ``touch`` / ``get_num_free_blocks``, and the prefix cache
+  (``cache_full_blocks`` / ``get_cached_block``, freed hashed blocks kept as eviction candidates).
+- The adapter: per-sequence block tables and token counts (vLLM's ``KVCacheManager`` keeps those
+  per request; it is not used here because it needs a scheduler, requests and token ids), fork,
+  copy-on-write of a shared partial tail, and the atomic out-of-memory check.
+
+vLLM reserves block 0 as the *null block* (a placeholder whose ref_cnt is never maintained): a
+pool built with n blocks has n - 1 usable ones. A CacheConfig of ``num_blocks = N`` builds a pool
+of N + 1, so N blocks are usable, and the null block is left out of every figure.
+
+Fork: vLLM's v1 pool has no fork (parallel sampling shares a prompt through the prefix cache).
+The child's table is a copy of the parent's, and ``BlockPool.touch(table)`` gives every block one
+more reference: for a block in use touch is exactly ``ref_cnt += 1``.
+
+Copy-on-write: a write into a partial tail block with ``ref_cnt > 1`` takes a fresh block
+(``get_new_blocks(1)``; no data is copied, the backend holds none), puts it in the writer's table
+and drops the writer's reference to the shared one with ``free_blocks([old])`` (its ref_cnt stays
+>= 1: the other sharers still hold it). vLLM's own copy-on-write (``_apply_cow``, for partial
+prefix-cache hits) is the same exchange, done later on the worker.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+
+NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm():
+    """vLLM's block pool module, imported once (importing vLLM takes seconds)."""
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    return types.SimpleNamespace(BlockPool=block_pool.BlockPool, BlockHash=kv_cache_utils.BlockHash)
+
+
+def _block_hash(h) -> bytes:
+    """A trace's block hash (int or str) as vLLM's ``BlockHash`` (bytes; a group id is appended)."""
+    if isinstance(h, bytes):
+        return h
+    return repr(h).encode()  # repr keeps 1 and "1" apart
+
+
+class VllmBlockPool(Backend):
+    name = "vllm-blockpool"
+    capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
+                                prefix_caching=True, eviction=(), devices=("cpu",))
+    # No eviction policy: vLLM preempts requests in its scheduler, not in the block pool, so a
+    # config with a policy is reported not applicable by the checker.
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            _vllm()
+        except ImportError as e:
+            if e.name == "vllm":
+                return False, NOT_INSTALLED
+            return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
+            return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        return True, ""
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"{self.name}: {why}")
+        vllm = _vllm()
+        self.block_size = config.block_size
+        self.caching = bool(config.prefix_caching)
+        # + 1: vLLM takes block 0 as its null block.
+        self.pool = vllm.BlockPool(num_gpu_blocks=config.num_blocks + 1, enable_caching=self.caching,
+                                   hash_block_size=config.block_size)
+        self._BlockHash = vllm.BlockHash
+        self.tables: dict[int, list] = {}  # seq -> [KVCacheBlock]
+        self.tokens: dict[int, int] = {}
+        self.final: dict[int, int] = {}
+        self.hit_blocks = 0
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _check_free(self, need: int, what: str) -> None:
+        free = self.pool.get_num_free_blocks()
+        if need > free:
+            raise OutOfMemory(f"{self.name}: {what} needs {need} blocks, {free} free")
+
+    def _table(self, seq: int) -> list:
+        try:
+            return self.tables[seq]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown sequence {seq}") from None
+
+    def _hits(self, hashes) -> list:
+        """Cached blocks for the leading run of ``hashes`` (a prefix hit stops at the first miss)."""
+        hits = []
+        for h in hashes:
+            found = self.pool.get_cached_block(self._BlockHash(h), [0])
+            if found is None:
+                break
+            hits.append(found[0])
+        return hits
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        if seq in self.tables:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        if tokens < 0:
+            raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
+        B = self.block_size
+        n = -(-tokens // B)
+        # Only full blocks carry a hash.
+        hashes = [_block_hash(h) for h in (block_hashes or ())][:tokens // B] if self.caching else []
+        hits = self._hits(hashes)
+        # A hit on a freed cached block takes it back out of the free queue: it counts too.
+        self._check_free(n - len(hits) + sum(1 for b in hits if b.ref_cnt == 0),
+                         f"prefill of sequence {seq} ({tokens} tokens, {len(hits)} cached)")
+        self.pool.touch(hits)  # before get_new_blocks, which would evict a free hit
+        table = hits + self.pool.get_new_blocks(n - len(hits))
+        if len(hashes) > len(hits):
+            # vLLM's cache_full_blocks reads the request's block_hashes only (events are off).
+            request = types.SimpleNamespace(block_hashes=hashes)
+            self.pool.cache_full_blocks(request, table, num_cached_blocks=len(hits),
+                                        num_full_blocks=len(hashes), block_size=B,
+                                        kv_cache_group_id=0)
+        self.hit_blocks += len(hits)
+        self.tables[seq] = table
+        self.tokens[seq] = tokens
+        self.final[seq] = final_tokens if final_tokens is not None else tokens
+        return ()
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        B = self.block_size
+        seqs, tokens = list(seqs), list(tokens)
+        tables = [self._table(s) for s in seqs]
+        # What the whole batch needs, copies of shared tails included, writers in batch order.
+        need = 0
+        refs_dropped: dict[int, int] = {}
+        for s, dt, table in zip(seqs, tokens, tables):
+            room = (-self.tokens[s]) % B if table else 0
+            if room and dt > 0:
+                tail = table[-1]
+                if tail.ref_cnt - refs_dropped.get(tail.block_id, 0) > 1:
+                    need += 1
+                    refs_dropped[tail.block_id] = refs_dropped.get(tail.block_id, 0) + 1
+            need += -(-max(0, dt - room) // B)
+        self._check_free(need, f"append of {tokens} tokens to sequences {seqs}")
+        for s, dt, table in zip(seqs, tokens, tables):
+            room = (-self.tokens[s]) % B if table else 0
+            if room and dt > 0 and table[-1].ref_cnt > 1:
+                shared = table[-1]
+                table[-1] = self.pool.get_new_blocks(1)[0]  # the writer's private copy
+                self.pool.free_blocks([shared])  # drops this writer's reference only
+            table.extend(self.pool.get_new_blocks(-(-max(0, dt - room) // B)))
+            self.tokens[s] += dt
+        return ()
+
+    def fork(self, seq, src, *, final_tokens=None, step=0):
+        if seq in self.tables:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        parent = self._table(src)
+        self.pool.touch(parent)  # every block in use: ref_cnt += 1
+        self.tables[seq] = list(parent)
+        self.tokens[seq] = self.tokens[src]
+        self.final[seq] = final_tokens if final_tokens is not None else self.tokens[src]
+        return ()
+
+    def free(self, seq, *, step=0):
+        table = self._table(seq)
+        # As vLLM's KVCacheManager does: reversed, so a freed prefix's tail is evicted first.
+        self.pool.free_blocks(reversed(table))
+        del self.tables[seq], self.tokens[seq], self.final[seq]
+
+    def ledger(self) -> Ledger:
+        B = self.block_size
+        # Fill of each block in use, from the tables; sharers of a block agree on it.
+        fill: dict[int, int] = {}
+        for s, table in self.tables.items():
+            for i, blk in enumerate(table):
+                fill[blk.block_id] = min(B, self.tokens[s] - i * B)
+        used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
+        cap = len(used) * B
+        free_slots = sum(B - fill.get(b.block_id, 0) for b in used)
+        reservation = 0
+        for s, table in self.tables.items():
+            if table and table[-1].ref_cnt == 1:
+                reservation += min((-self.tokens[s]) % B, max(0, self.final[s] - self.tokens[s]))
+        n_free = self.pool.get_num_free_blocks()
+        return Ledger(
+            blocks_used=len(used), blocks_free=n_free,
+            tokens=dict(self.tokens),
+            seq_blocks={s: len(t) for s, t in self.tables.items()},
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=cap * self.config.model.bytes_per_token,
+            shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
+            token_states=cap - free_slots, reservation=reservation,
+            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+            free=n_free * B,
+            cached_blocks=sum(1 for b in self.pool.blocks
+                              if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
+            prefix_hit_blocks=self.hit_blocks)
