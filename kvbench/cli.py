@@ -40,30 +40,25 @@ def default_backends() -> list[str]:
 
 
 def print_table(df: pd.DataFrame, columns) -> None:
+    """A plain table: text left-aligned, numbers right-aligned, floats to 4 significant digits."""
     cols = [c for c in columns if c in df.columns]
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500,
-                           "display.float_format", "{:.4g}".format):
-        print(df[cols].to_string(index=False))
 
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
 
-def print_eviction(trace, rows, cache_settings) -> list[str]:
-    """A tenant mix: per-tenant figures, and Belady's offline replay beside the online policies.
+    cells = [[cell(v) for v in row] for row in df[cols].itertuples(index=False)]
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) for c in cols]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
 
-    Returns the runs whose hit rate beats Belady's where that is impossible (unit-size paging).
-    """
-    table = eviction.tenant_table(trace, rows)
-    if table.empty:
-        return []
-    print(f"\n{trace.name}: per tenant (usage and quota in blocks; slots for contiguous backends)")
-    print_table(table, eviction.TENANT_COLUMNS)
-    cfg = suite.config_for(trace, **cache_settings)
-    ref = eviction.policy_table(trace, cfg)
-    print(f"\n{trace.name}: the oracle's replay under each policy, paged layout; "
-          f"Belady is a {ref.belady.iloc[0]}")
-    print_table(ref, ["policy", "evictions", "recomputed_tokens", "hits", "misses", "hit_rate", "jain"])
-    paged = {f"{r['backend']} {r['policy']}": r for r in rows
-             if r["workload"] == trace.name and r["layout"] == "paged" and r["status"] == "pass"}
-    return eviction.belady_violations(trace, cfg, paged)
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    print(line(cols))
+    for r in cells:
+        print(line(r))
 
 
 def cmd_run(args) -> int:
