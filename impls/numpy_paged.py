@@ -30,10 +30,7 @@ class NumpyPaged(Backend):
             raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
         m = config.model
         self.token_shape = (2, m.layers, m.kv_heads, m.head_dim)
-        self.pool = (np.zeros((n, B) + self.token_shape, dtype=config.kv_dtype)
-                     if config.store_kv else None)
-        # One row per token slot: fancy-indexed writes on a 2-D view are many times faster.
-        self.slots = self.pool.reshape(n * B, -1) if self.pool is not None else None
+        self.pool = self._make_pool(n, B) if config.store_kv else None
         self.refcount = np.zeros(n, dtype=np.int32)
         self.fill = np.zeros(n, dtype=np.int32)
         # Free blocks as a stack; popping from the top hands out low ids first.
@@ -62,6 +59,23 @@ class NumpyPaged(Backend):
     @property
     def n_free(self) -> int:
         return self.free_top + len(self.evictable)
+
+    # --- K/V storage: all reads and writes go through these (a quantized pool overrides them) --
+
+    def _make_pool(self, n: int, B: int):
+        pool = np.zeros((n, B) + self.token_shape, dtype=self.config.kv_dtype)
+        # One row per token slot: fancy-indexed writes on a 2-D view are many times faster.
+        self.slots = pool.reshape(n * B, -1)
+        return pool
+
+    def _write_slots(self, slots: np.ndarray, kv) -> None:
+        self.slots[slots] = np.asarray(kv).reshape(len(slots), -1)
+
+    def _read_slots(self, slots: np.ndarray) -> np.ndarray:
+        return self.slots[slots].reshape((-1,) + self.token_shape)
+
+    def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.pool[dst] = self.pool[src]
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -279,7 +293,7 @@ class NumpyPaged(Backend):
         if self.pool is not None:  # cached blocks already hold their prefix's K/V
             slots = (ids[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
             skip = len(hit) * self.B
-            self.slots[slots[skip:]] = kv[skip:].reshape(tokens - skip, -1)
+            self._write_slots(slots[skip:], kv[skip:])
         return tuple(victims)
 
     def _check_kv(self, kv, tokens: int):
@@ -326,7 +340,7 @@ class NumpyPaged(Backend):
             np.subtract.at(self.refcount, src, 1)
             self.fill[dst] = self.fill[src]
             if self.pool is not None:
-                self.pool[dst] = self.pool[src]
+                self._copy_blocks(src, dst)
             self.table[rows[cow], self.nblocks[rows[cow]] - 1] = dst
         # New blocks go to the end of each writer's table.
         fresh = ids[n_cow:]
@@ -347,7 +361,7 @@ class NumpyPaged(Backend):
         last_in_block = (off == self.B - 1) | (pos == end[writer] - 1)
         self.fill[phys[last_in_block]] = off[last_in_block] + 1
         if self.pool is not None:
-            self.slots[phys * self.B + off] = kv.reshape(len(kv), -1)
+            self._write_slots(phys * self.B + off, kv)
         self.tokens[rows] = end
         self.last_access[rows] = step
         self.use_count[rows] += 1
@@ -379,7 +393,7 @@ class NumpyPaged(Backend):
             tails[full] = ids
             fill[full] = 0
         if self.pool is not None:
-            self.slots[tails * self.B + fill] = kv.reshape(len(kv), -1)
+            self._write_slots(tails * self.B + fill, kv)
         self.fill[tails] = fill + 1
         self.tokens[rows] += 1
         self.last_access[rows] = step
@@ -434,4 +448,5 @@ class NumpyPaged(Backend):
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
         blocks = self.table[r, :self.nblocks[r]]
-        return self.pool[blocks].reshape((-1,) + self.token_shape)[:self.tokens[r]]
+        slots = (blocks[:, None] * self.B + np.arange(self.B)).reshape(-1)[:self.tokens[r]]
+        return self._read_slots(slots)
