@@ -38,7 +38,7 @@ zero_point=None) -> QuantizedTensor``, ``dequantize(qt, out_dtype=None)``, and o
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -52,6 +52,7 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, 
                  "float8_e4m3fn": 2.0**-4}
 SMALLEST_SUBNORMAL = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149,
                       "float64": 2.0**-1074, "float8_e4m3fn": 2.0**-9}
+# The dtype of the arithmetic and of the stored scale and zero point, by input dtype.
 SCALE_DTYPE = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
 
 FP8_E4M3_MAX = 448.0  # 1.75 * 2^8: the largest finite e4m3fn value
@@ -192,7 +193,7 @@ class Layout:
         return np.broadcast_to(meta, (self.rows, self.channels))
 
     def group_view(self, rows2d):
-        """``(groups, elements)`` of an (R, C) array: one row per scale (a copy for 'channel')."""
+        """``(groups, elements)`` of an (R, C) array: one row per scale (transposed for 'channel')."""
         g = self.scheme.granularity
         if g == "channel":
             return rows2d.T
@@ -340,9 +341,12 @@ def scale_and_zero_point(lo, hi, scheme: QuantScheme, scale_dtype: str = "float6
 
 
 def _round_up(scale, dt: np.dtype, where) -> np.ndarray:
-    """scale stored in dt, one ulp above the nearest value where ``where``."""
+    """scale stored in dt, one ulp above the nearest value where ``where`` (but never past the
+    largest finite value, which covers any range once times steps >= 1)."""
     stored = scale.astype(dt)
-    return np.where(where, np.nextafter(stored, dt.type(np.inf)), stored).astype(dt)
+    with np.errstate(over="ignore"):
+        up = np.nextafter(stored, dt.type(np.inf))
+    return np.where(where & np.isfinite(up), up, stored).astype(dt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +429,10 @@ def dequantize(qt: QuantizedTensor, out_dtype=np.float64) -> np.ndarray:
     q = unpack_codes(qt).astype(np.float64)
     if qt.zero_point is not None:
         q = q - lay.expand(np.asarray(qt.zero_point, dtype=np.float64))
-    return lay.from_rows(q * lay.expand(np.asarray(qt.scale, dtype=np.float64))).astype(out_dtype)
+    with np.errstate(over="ignore"):
+        x_hat = q * lay.expand(np.asarray(qt.scale, dtype=np.float64))
+    top = np.finfo(out_dtype).max  # a value just past the top of the range stays finite
+    return lay.from_rows(np.clip(x_hat, -top, top)).astype(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,15 +457,24 @@ def error_stats(x, x_hat, qt: QuantizedTensor | None = None) -> QuantStats:
     compression ratio of ``qt`` as stored (1.0 when nothing is stored at all)."""
     xa, _ = to_numpy(x)
     xh, _ = to_numpy(x_hat)
-    err = np.abs(xa.astype(np.float64) - xh.astype(np.float64)).ravel()
-    if err.size:
-        mx, mean, rmse = float(err.max()), float(err.mean()), float(np.sqrt(np.mean(err * err)))
-    else:
-        mx = mean = rmse = 0.0
+    mx, mean, rmse = error_moments(np.abs(xa.astype(np.float64) - xh.astype(np.float64)))
     original = int(xa.size * np.dtype(_numpy_dtype_for(qt.dtype if qt else xa.dtype.name)).itemsize)
     stored = stored_bytes(qt) if qt is not None else original
     ratio = original / stored if stored else 1.0
     return QuantStats(mx, mean, rmse, ratio, original, stored)
+
+
+def error_moments(err) -> tuple[float, float, float]:
+    """(max, mean, rmse) of absolute errors, scaled by the max so that neither the sum nor the
+    squares overflow or underflow (errors near 1e308 or 1e-310 in float64)."""
+    err = np.asarray(err, dtype=np.float64).ravel()
+    if err.size == 0:
+        return 0.0, 0.0, 0.0
+    m = float(err.max())
+    if m == 0 or not math.isfinite(m):
+        return m, (float(err.mean()) if m == 0 else m), m
+    r = err / m
+    return m, m * float(r.mean()), m * math.sqrt(float(np.mean(r * r)))
 
 
 def _numpy_dtype_for(name_: str):
@@ -635,20 +651,20 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
             fails.add("codes size", None, f"{want} bytes", f"{codes_raw.size} x {codes_raw.dtype}",
                       f"{n} codes of {scheme.slot_bits} bits")
             return QuantVerdict(False, tuple(fails.items.values()), scheme=scheme.describe())
-        Q = unpack_bits(codes_raw.view(np.uint8), scheme.slot_bits, n).astype(np.int64).reshape(R, C)
+        q = unpack_bits(codes_raw.view(np.uint8), scheme.slot_bits, n).astype(np.int64).reshape(R, C)
     else:
         if codes_raw.size != n or codes_raw.dtype.kind not in "iu":
             fails.add("codes size", None, f"{n} integer codes", f"{codes_raw.size} x {codes_raw.dtype}")
             return QuantVerdict(False, tuple(fails.items.values()), scheme=scheme.describe())
-        Q = codes_raw.astype(np.int64).reshape(R, C)
-    fails.first_bad("code range", (Q < qmin) | (Q > qmax), f"[{qmin}, {qmax}]", Q, elem)
+        q = codes_raw.astype(np.int64).reshape(R, C)
+    fails.first_bad("code range", (q < qmin) | (q > qmax), f"[{qmin}, {qmax}]", q, elem)
     if unpacked is not None and qt.packed:
         mine, _ = to_numpy(unpacked)
         mine = mine.astype(np.int64).reshape(R, C) if mine.size == n else None
         if mine is None:
             fails.add("unpacked codes", None, f"{n} codes", "wrong size")
         else:
-            fails.first_bad("unpacked codes", mine != Q, Q, mine, elem,
+            fails.first_bad("unpacked codes", mine != q, q, mine, elem,
                             f"{scheme.slot_bits}-bit two's complement, sign-extended")
 
     # --- the groups: min, max, and which are constant or all zero
@@ -668,31 +684,34 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
     # --- the scale against the formula (or the external one), the zero point against it
     if external:
         s_ext = np.broadcast_to(np.asarray(scale, dtype=np.float64), lay.meta_shape)
-        fails.first_bad("scale", np.abs(s - s_ext) > 4 * u * s_ext, s_ext, s, grp, "external scale")
+        fails.first_bad("scale", np.abs(s - s_ext) > 4 * u * s_ext + eta, s_ext, s, grp,
+                        "the external scale, stored")
     elif nonempty:
         if scheme.symmetric:
             s_ref = amax / qmax
-            ok = _close(s, s_ref, u, amax / qmax)
+            ok = _close(s, s_ref, u, amax / qmax, eta)
             alt = None
         else:
             steps = qmax - qmin
             s_ref = hi / steps - lo / steps
             floor = 8 * u * amax
             widened = np.maximum(hi, 0) / steps - np.minimum(lo, 0) / steps  # range taken to include 0
-            near = _close(s, s_ref, u, amax / steps)
+            near = _close(s, s_ref, u, amax / steps, eta)
             ok = near | ((s >= s_ref * (1 - 4 * u)) & (s <= floor * (1 + 16 * u)))
-            alt = _close(s, widened, u, amax / steps)
+            alt = _close(s, widened, u, amax / steps, eta)
             ok = ok | alt
+        formula = "max|x|/qmax" if scheme.symmetric else "(max - min)/(qmax - qmin)"
         fails.first_bad("scale", ~ok & ~constant, s_ref, s, grp,
-                        f"{'max|x|/qmax' if scheme.symmetric else '(max - min)/(qmax - qmin)'}, "
-                        f"stored rounding allowed 16u (scale + max|x|/steps), u={u:.3g}")
+                        lambda k: f"{lay.describe_group(grp(k))}: {formula}, stored rounding allowed "
+                                  f"16u (scale + max|x|/steps), u={u:.3g}")
         if not scheme.symmetric:
             lo_used = np.where(alt & ~near, np.minimum(lo, 0), lo)
             with np.errstate(divide="ignore", invalid="ignore"):
                 z_ref = np.rint(qmin - lo_used / s)
             slack = 1 + 2 * u * np.abs(lo_used / s)
             fails.first_bad("zero_point", (np.abs(z - z_ref) > slack) & ~constant, z_ref, z, grp,
-                            "round(qmin - min/scale) with the stored scale; must not wrap")
+                            lambda k: f"{lay.describe_group(grp(k))}: round(qmin - min/scale) with the "
+                                      f"stored scale; must not wrap")
     if zero_point is not None and not scheme.symmetric:
         z_ext = np.broadcast_to(np.asarray(zero_point, dtype=np.float64), lay.meta_shape)
         fails.first_bad("zero_point", z != z_ext, z_ext, z, grp, "external zero point")
@@ -705,14 +724,21 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
         target = np.clip(X, (qmin - Z) * S, (qmax - Z) * S) if external else X
         err = np.abs(XH - target)
         bound = (S / 2 + 2 * u * ax + u * S + u_out * np.abs(XH) + eta_out / 2 + eta * (1 + S))
-    fails.first_bad("reconstruction", ~(err <= bound), target, XH, elem,
-                    lambda k: (f"|x - x_hat| = {err.ravel()[k]:.6g} > bound {bound.ravel()[k]:.6g} "
-                               f"(scale {S.ravel()[k]:.6g}, zero point {Z.ravel()[k]:.6g}, "
-                               f"code {Q.ravel()[k]}, u={u:.3g}, u_out={u_out:.3g})"))
-    if n:
+    over = ~(err <= bound)
+
+    def recon_detail(k):
+        worst = int(np.nanargmax(np.where(over, err, -1.0).ravel()))
+        return (f"|x - x_hat| = {err.ravel()[k]:.6g} > bound {bound.ravel()[k]:.6g} "
+                f"(scale {S.ravel()[k]:.6g}, zero point {Z.ravel()[k]:.6g}, code {q.ravel()[k]}, "
+                f"u={u:.3g}, u_out={u_out:.3g}); worst |x - x_hat| = {err.ravel()[worst]:.6g} "
+                f"at {list(elem(worst))}")
+
+    fails.first_bad("reconstruction", over, target, XH, elem, recon_detail)
+    if n and not external:
         const_e = lay.expand(constant)
         zero_e = lay.expand(zero)
-        ctol = 4 * u * ax + u_out * ax + eta_out / 2 + eta
+        # a subnormal scale carries an absolute error up to eta, times the code
+        ctol = 4 * u * ax + u_out * ax + eta_out / 2 + 2 * eta * (qmax - qmin + 1)
         fails.first_bad("constant channel", const_e & ~zero_e & ~(np.abs(XH - X) <= ctol), X, XH, elem,
                         "a constant channel reconstructs within float rounding")
         fails.first_bad("zero channel", zero_e & (XH != 0), 0.0, XH, elem, "an all-zero channel gives zeros")
@@ -722,16 +748,13 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
         exact = X / S + Z
         tol = 3 * u * ax / S + 2.0**-50 * (ax / S + np.abs(Z))
         q_ref = np.clip(np.rint(exact), qmin, qmax)
-        off = np.abs(Q - np.clip(exact, qmin - 0.5, qmax + 0.5))
-    fails.first_bad("code", (Q != q_ref) & ~(off <= 0.5 + tol), q_ref, Q, elem,
+        off = np.abs(q - np.clip(exact, qmin - 0.5, qmax + 0.5))
+    fails.first_bad("code", (q != q_ref) & ~(off <= 0.5 + tol), q_ref, q, elem,
                     lambda k: f"x/scale + zero_point = {exact.ravel()[k]:.9g}")
 
     # --- statistics, recomputed independently
-    err_all = np.abs(X - XH).ravel()
-    if err_all.size:
-        mx, mean, rmse = err_all.max(), err_all.mean(), math.sqrt(float(np.mean(err_all ** 2)))
-    else:
-        mx = mean = rmse = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        mx, mean, rmse = error_moments(np.abs(X - XH))
     s_item = s_raw.dtype.itemsize
     z_item = 0 if qt.zero_point is None else to_numpy(qt.zero_point)[0].dtype.itemsize
     ratio, original, stored = expected_compression_ratio(xa.shape, in_dtype, scheme, qt.packed, s_item, z_item)
@@ -757,12 +780,13 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
         notes.append(f"rmse ratio not checked: needs 3+ bits and 128+ elements per group "
                      f"(have {scheme.bits} bits, {ge} elements)")
     elif n:
-        GQ = lay.group_view(Q)
+        GQ = lay.group_view(q)
         GE = lay.group_view(XH - X)
         distinct = 1 + (np.diff(np.sort(GQ, axis=1), axis=1) != 0).sum(axis=1)
         usable = (distinct >= min(2 ** (scheme.bits - 1), 16)) & ~constant.ravel()
         if usable.any():
-            g_rmse = np.sqrt(np.mean(GE[usable] ** 2, axis=1))
+            with np.errstate(over="ignore"):
+                g_rmse = np.sqrt(np.mean(GE[usable] ** 2, axis=1))
             r = g_rmse / (s.ravel()[usable] / math.sqrt(12))
             ratio_info = {"groups": int(usable.sum()), "median": float(np.median(r)),
                           "min": float(r.min()), "max": float(r.max())}
@@ -775,10 +799,10 @@ def check_quantization(x, qt: QuantizedTensor, x_hat, *, reported=None, unpacked
                         scheme.describe())
 
 
-def _close(s, ref, u, magnitude):
-    """Stored scale within rounding of the formula: relative to it, and to max|x|/steps (the
-    formula's own rounding when max and min nearly cancel)."""
-    return np.abs(s - ref) <= 16 * u * (ref + magnitude) + 1e-300
+def _close(s, ref, u, magnitude, eta):
+    """Stored scale within rounding of the formula: relative to it, to max|x|/steps (the
+    formula's own rounding when max and min nearly cancel), and to eta (subnormal scales)."""
+    return np.abs(s - ref) <= 16 * u * ref + 16 * u * magnitude + 2 * eta
 
 
 def check_quantizer(impl, x, scheme: QuantScheme, *, scale=None, zero_point=None,
@@ -1042,7 +1066,7 @@ __all__ = [
     "QuantScheme", "Layout", "layout", "QuantizedTensor", "QuantStats", "QuantFailure", "QuantVerdict",
     "validate_input", "raise_non_finite", "check_float_dtype", "scale_and_zero_point", "group_min_max",
     "pack_bits", "unpack_bits", "quantize", "dequantize", "unpack_codes", "error_stats", "stored_bytes",
-    "expected_compression_ratio", "check_quantization", "check_quantizer", "to_numpy", "unit_roundoff",
+    "expected_compression_ratio", "error_moments", "check_quantization", "check_quantizer", "to_numpy", "unit_roundoff",
     "UNIT_ROUNDOFF", "SMALLEST_SUBNORMAL", "SCALE_DTYPE", "FP8_E4M3_MAX", "fp8_e4m3_round",
     "fp8_e4m3_error_bound", "Fp8Tensor", "check_fp8", "check_fp8_quantizer", "KVFormat", "kv_formats",
     "format_block_bytes", "capacity_table", "external_scale",
