@@ -60,7 +60,7 @@ class NumpyPaged(Backend):
     def n_free(self) -> int:
         return self.free_top + len(self.evictable)
 
-    # --- K/V storage: all reads and writes go through these (a quantized pool overrides them) --
+    # --- K/V storage: every read and write goes through these (a quantized pool overrides them)
 
     def _make_pool(self, n: int, B: int):
         pool = np.zeros((n, B) + self.token_shape, dtype=self.config.kv_dtype)
@@ -71,8 +71,9 @@ class NumpyPaged(Backend):
     def _write_slots(self, slots: np.ndarray, kv) -> None:
         self.slots[slots] = np.asarray(kv).reshape(len(slots), -1)
 
-    def _read_slots(self, slots: np.ndarray) -> np.ndarray:
-        return self.slots[slots].reshape((-1,) + self.token_shape)
+    def _read_blocks(self, blocks: np.ndarray, tokens: int) -> np.ndarray:
+        """The K/V of the first ``tokens`` slots of ``blocks``, block by block."""
+        return self.pool[blocks].reshape((-1,) + self.token_shape)[:tokens]
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.pool[dst] = self.pool[src]
@@ -448,5 +449,4 @@ class NumpyPaged(Backend):
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
         blocks = self.table[r, :self.nblocks[r]]
-        slots = (blocks[:, None] * self.B + np.arange(self.B)).reshape(-1)[:self.tokens[r]]
-        return self._read_slots(slots)
+        return self._read_blocks(blocks, int(self.tokens[r]))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import quant_pool
 from .oracle import ModelOOM, Oracle, content_segments
 from .protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
 from .trace import Append, Fork, Free, Prefill, Trace, op_to_dict
@@ -107,6 +108,10 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.skipped["kv content"] = ("backend holds no K/V" if not caps.holds_kv
                                          else "store_kv is off" if not backend.config.store_kv
                                          else "gather='none'")
+    quantized = bool(backend.config.kv_format)
+    if quantized and not caps.quantized:
+        verdict.valid, verdict.not_applicable = None, f"{backend.name} does not store quantized K/V"
+        return verdict
     if caps.layout != "paged":
         verdict.skipped["blocks"] = f"{caps.layout} layout has no blocks"
     if not caps.copy_on_write and caps.layout == "paged":
@@ -286,7 +291,11 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                     want = content(s, oracle.seqs[s].segments)
                     got = np.asarray(backend.gather(s))
                     verdict.gathers += 1
-                    if got.shape != want.shape or not np.array_equal(got, want):
+                    if quantized:  # within SPEC §4's bound of what was written
+                        why = quant_pool.bound_violation(want, got, backend.config.kv_format)
+                        if why:
+                            diverge(f"kv of sequence {s}", "within the quantization bound", "outside", why)
+                    elif got.shape != want.shape or not np.array_equal(got, want):
                         diverge(f"kv of sequence {s}", "what it wrote or inherited",
                                 "different values", _first_kv_mismatch(s, want, got, oracle))
             if series:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from . import formulas as F
+from . import quant_pool
 from .protocol import CacheConfig, Ledger, hash_writer
 
 
@@ -63,6 +64,13 @@ class Oracle:
         self.hit_blocks = 0
 
     # --- capacity --------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """B * bytes_per_token, or a quantized pool's code + metadata bytes per block."""
+        if self.config.kv_format:
+            return quant_pool.block_bytes(self.config.kv_format, self.config.model, self.B)
+        return F.block_bytes(self.B, self.config.model)
 
     @property
     def blocks_used(self) -> int:
@@ -358,7 +366,7 @@ class Oracle:
                 seq_blocks={s: len(st.table) for s, st in self.seqs.items()},
                 capacity_slots=cap, free_slots=free_slots,
                 fragmentation=F.fragmentation(free_slots, cap),
-                bytes_in_use=len(self.blocks) * B * bpt,
+                bytes_in_use=len(self.blocks) * self.block_bytes,
                 shared_blocks=sum(1 for ref, _ in self.blocks.values() if ref > 1),
                 token_states=token_states, reservation=reservation,
                 internal_fragmentation=free_slots - reservation, external_fragmentation=0,

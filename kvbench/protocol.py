@@ -37,6 +37,7 @@ class CacheConfig:
     max_context: int = 2048  # contiguous baseline's `max` reservation
     policy: str | None = None  # eviction policy under the block budget: lru | lfu | fair
     prefix_caching: bool = False  # reuse full blocks by the prefill's block hashes
+    kv_format: str | None = None  # a quantized pool's format (kvbench.quant_pool): int8, int4
     tenant_weights: dict = field(default_factory=dict)
 
     def __post_init__(self):

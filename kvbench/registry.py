@@ -60,6 +60,8 @@ class BackendEntry:
 BUILTIN = [
     BackendEntry("numpy", "impls.numpy_paged:NumpyPaged"),
     BackendEntry("torch", "impls.torch_paged:TorchPaged"),
+    BackendEntry("numpy-int8", "impls.numpy_quant_paged:NumpyQuantPaged", overrides={"kv_format": "int8"}),
+    BackendEntry("numpy-int4", "impls.numpy_quant_paged:NumpyQuantPaged", overrides={"kv_format": "int4"}),
     BackendEntry("contiguous-max", "impls.contiguous:Contiguous", overrides={"reservation": "max"}),
     BackendEntry("contiguous-pow2", "impls.contiguous:Contiguous", overrides={"reservation": "pow2"}),
     BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
@@ -70,7 +72,8 @@ BUILTIN = [
 ]
 
 # What `kvbench run` replays by default: one of each design, plus torch where it can run.
-DEFAULT_BACKENDS = ("numpy", "torch", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
+DEFAULT_BACKENDS = ("numpy", "torch", "numpy-int8", "contiguous-max", "contiguous-pow2",
+                    "contiguous-oracle")
 
 
 def entries() -> dict[str, BackendEntry]:

@@ -1,0 +1,88 @@
+"""NumPy paged KV cache whose blocks hold quantized K/V: codes plus per-token scales.
+
+Every (token, K/V, layer, head) row of ``head_dim`` channels is quantized on write with its own
+scale (int8: symmetric; int4: asymmetric, two codes packed per byte), by the NumPy quantizer.
+Blocks, tables, copy-on-write and eviction are the NumPy paged backend's; only the storage differs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from impls import quant_numpy
+from impls.numpy_paged import NumpyPaged
+from kvbench import quant as Q
+from kvbench.protocol import Capabilities, Ledger
+from kvbench.quant_pool import scheme_of
+
+
+class NumpyQuantPaged(NumpyPaged):
+    name = "numpy-quant"
+    capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
+                                prefix_caching=True, quantized=True,
+                                eviction=NumpyPaged.capabilities.eviction, devices=("cpu",))
+
+    def __init__(self, config):
+        self.scheme = scheme_of(config.kv_format or "int8")
+        m = config.model
+        self.rows_per_slot = 2 * m.layers * m.kv_heads
+        per_byte = 8 // self.scheme.slot_bits
+        if m.head_dim % per_byte:
+            raise ValueError(f"{self.name}: head_dim {m.head_dim} does not pack into whole bytes "
+                             f"at {self.scheme.bits} bits")
+        # One row per token slot: its codes, and a scale (zero point) per K/V, layer and head.
+        self.code_shape = (self.rows_per_slot * m.head_dim // per_byte,)
+        self.code_dtype = np.dtype(np.uint8 if self.scheme.packed else np.int8)
+        self.meta_count = 1 if self.scheme.symmetric else 2
+        self.codes = self.scale = self.zero = None
+        super().__init__(config)
+
+    def _make_pool(self, n: int, B: int):
+        self.codes = np.zeros((n * B,) + self.code_shape, dtype=self.code_dtype)
+        self.scale = np.zeros((n * B, self.rows_per_slot), dtype=np.float32)
+        self.zero = None if self.scheme.symmetric else np.zeros_like(self.scale)
+        return self.codes  # "the pool": present when K/V are stored
+
+    def _write_slots(self, slots, kv) -> None:
+        kv = np.asarray(kv, dtype=np.float32)
+        rows = kv.reshape(-1, self.config.model.head_dim)
+        qt = quant_numpy.quantize(rows, self.scheme)
+        self.codes[slots] = np.asarray(qt.codes).reshape(len(slots), -1)
+        self.scale[slots] = np.asarray(qt.scale).reshape(len(slots), -1)
+        if self.zero is not None:
+            self.zero[slots] = np.asarray(qt.zero_point).reshape(len(slots), -1)
+
+    def _read_blocks(self, blocks, tokens: int) -> np.ndarray:
+        slots = (np.asarray(blocks)[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
+        d = self.config.model.head_dim
+        shape = (len(slots) * self.rows_per_slot, d)
+        meta = (shape[0], 1)
+        qt = Q.QuantizedTensor(
+            codes=self.codes[slots].reshape(-1) if self.scheme.packed else self.codes[slots].reshape(shape),
+            scale=self.scale[slots].reshape(meta),
+            zero_point=None if self.zero is None else self.zero[slots].reshape(meta),
+            shape=shape, dtype="float32", scheme=self.scheme, packed=self.scheme.packed,
+            compute_dtype="float32")
+        return quant_numpy.dequantize(qt, np.float32).reshape((-1,) + self.token_shape)
+
+    def _copy_blocks(self, src, dst) -> None:
+        B = self.B
+        s = (np.asarray(src)[:, None] * B + np.arange(B)).reshape(-1)
+        t = (np.asarray(dst)[:, None] * B + np.arange(B)).reshape(-1)
+        self.codes[t] = self.codes[s]
+        self.scale[t] = self.scale[s]
+        if self.zero is not None:
+            self.zero[t] = self.zero[s]
+
+    def block_bytes(self) -> int:
+        """Bytes one block holds: read off the arrays where they exist, else off their shapes."""
+        n = self.config.num_blocks
+        if self.codes is not None and n:
+            return sum(a.nbytes for a in (self.codes, self.scale, self.zero) if a is not None) // n
+        row = self.code_shape[0] * self.code_dtype.itemsize + \
+            self.meta_count * self.rows_per_slot * np.dtype(np.float32).itemsize
+        return self.B * row
+
+    def ledger(self) -> Ledger:
+        led = super().ledger()
+        led.bytes_in_use = led.blocks_used * self.block_bytes()
+        return led
