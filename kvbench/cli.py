@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
 import pandas as pd
 
 from . import eviction, registry, results, serving, suite
+from .compare import add_compare_parser
+from .gates import add_gates_parser
 from .trace import TraceError
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
@@ -74,6 +77,7 @@ def cmd_run(args) -> int:
                            gather=args.gather, **settings(args))
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
+    print_capacity(traces[0], args)
     failed = df[df.status == "FAIL"]
     for _, r in failed.iterrows():
         print(f"FAIL {r.backend} on {r.workload}: {r.divergence}")
@@ -91,6 +95,30 @@ def cmd_run(args) -> int:
     print(f"{len(df)} runs: {int((df.status == 'pass').sum())} pass, {len(failed)} fail, "
           f"{len(na)} n/a; results in {path}")
     return 1 if len(failed) or beyond_optimum else 0
+
+
+def print_capacity(trace, args) -> None:
+    """Tokens a byte budget holds at each KV format, beside the error each makes on the K/V the
+    trace's sequences write (its first 256 tokens' worth)."""
+    from . import quant
+    from .oracle import content_segments
+    from .protocol import kv_tokens
+    cfg = suite.config_for(trace, **settings(args))
+    budget = cfg.num_blocks * cfg.block_size * cfg.model.bytes_per_token
+    writers, positions = [], []
+    for op in trace.ops:
+        if getattr(op, "tokens", None) and hasattr(op, "tenant") and len(writers) < 256:
+            for w, start, count in content_segments(op.seq, op.tokens, (), cfg.block_size):
+                writers += [w] * count
+                positions += range(start, start + count)
+    sample = kv_tokens(writers[:256], positions[:256], cfg.model, np.float32)
+    table = quant.capacity_table(cfg.model, budget, sample, block_size=cfg.block_size,
+                                 group_size=min(32, cfg.model.head_dim))
+    print(f"\nKV formats for a {budget:,}-byte budget ({cfg.model.name}, blocks of {cfg.block_size}), "
+          f"error on {len(sample)} tokens of {trace.name}'s K/V:")
+    print_table(table, ["format", "keys", "values", "block_bytes", "metadata_fraction", "tokens",
+                        "tokens_vs_fp16", "key_max_abs_error", "key_rmse", "value_max_abs_error",
+                        "value_rmse"])
 
 
 def cmd_check(args) -> int:
@@ -196,6 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-requests", type=int)
     p.add_argument("--out", help="folder for the curve's CSV and PNG")
     p.set_defaults(func=cmd_prefix)
+
+    add_compare_parser(sub)
+    add_gates_parser(sub)
 
     p = sub.add_parser("list", help="backends (with where they come from and whether they run here)")
     p.set_defaults(func=cmd_list)

@@ -77,6 +77,7 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "peak_blocks": max((r["blocks_used"] or 0 for r in series), default=0),
         "final_fragmentation": v.final_ledger.get("fragmentation"),
         **{f"mean_{k}": val for k, val in mean.items()},
+        "series": {k: [r[k] for r in series] for k in ("step", "blocks_used", "fragmentation")},
         "backend_ms": v.backend_seconds * 1e3,
         "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
         "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),

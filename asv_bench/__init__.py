@@ -1,0 +1,1 @@
+"""asv suite of kvbench (asv.conf.json at the repository root)."""

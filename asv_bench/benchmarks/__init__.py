@@ -1,0 +1,1 @@
+"""asv benchmarks: one module per area, fixtures in common.py (append only)."""

@@ -1,0 +1,222 @@
+"""The regression gates (kvbench/gates.py): CI runs them here on every submission.
+
+Exact gates compare deterministic memory and error figures with results/gates/expected.json;
+ratio gates compare speed ratios measured in the same run with a third of their typical value.
+Planted regressions show that each kind fails, and say why.
+"""
+import copy
+
+import numpy as np
+import pytest
+
+from impls.numpy_paged import NumpyPaged
+from kvbench import gates as G
+from kvbench import suite
+from kvbench.protocol import CacheConfig
+from kvbench.trace import Append, Free, Header, Prefill, Trace
+
+common = G.bench_common()
+
+
+# --- planted regressions ---------------------------------------------------------------------------
+
+
+class WastefulNumpy(NumpyPaged):
+    """Takes one block more than each prefill needs and keeps it until the sequence goes."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.extra = {}
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        victims = super().prefill(seq, tokens, kv, **kw)
+        if self.free_top > 0:
+            self.extra[seq] = int(self._take(1)[0])
+        return victims
+
+    def _drop_row(self, r):
+        seq = int(self.seq_of_row[r])
+        super()._drop_row(r)
+        block = self.extra.pop(seq, None)
+        if block is not None:
+            self.refcount[block] = 0
+            self.free_stack[self.free_top] = block
+            self.free_top += 1
+
+
+class PerTokenNumpy(NumpyPaged):
+    """Right answers, slowly: one call per sequence in a decode step, one token at a time in a
+    gather."""
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        victims, start = [], 0
+        for s, t in zip(seqs, tokens):
+            part = None if kv is None else kv[start:start + t]
+            victims += super().append([s], [t], part, step=step)
+            start += t
+        return tuple(victims)
+
+    def gather(self, seq):
+        r = self._row(seq)
+        return np.stack([self.pool[self.table[r, p // self.B], p % self.B]
+                         for p in range(int(self.tokens[r]))])
+
+
+# --- the replay driver the gates and the asv suite share -------------------------------------------
+
+
+def test_ledger_stats_of_a_hand_trace():
+    trace = Trace(Header("hand"), [Prefill(0, 0, "a", 40), Append(1, (0,), (1,)), Free(2, 0)])
+    backend = NumpyPaged(CacheConfig(block_size=16, num_blocks=8, store_kv=False))
+    stats = common.ledger_stats(backend, trace)
+    assert stats["peak_blocks"] == 3  # ceil(40 / 16)
+    assert stats["peak_bytes"] == 3 * 16 * 128  # tiny: 128 = 2 * 2 layers * 2 heads * 8 dims * 2 B
+    # Wasted (internal) slots: after the prefill 48 - 40 = 8 free, of which 1 the append will
+    # fill (reservation): 7; after the append 48 - 41 = 7, none reserved: 7; after the free 0.
+    assert stats["peak_wasted_slots"] == 7
+    assert stats["mean_wasted_slots"] == pytest.approx((7 + 7 + 0) / 3)
+    assert stats["mean_fragmentation"] == pytest.approx((8 / 48 + 7 / 48 + 0) / 3)
+    assert stats["final_fragmentation"] == 0.0
+    assert (stats["evictions"], stats["recomputed_tokens"], stats["ooms"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("workload", common.WORKLOADS)
+def test_replay_config_is_the_one_kvbench_run_uses(workload):
+    trace = common.load_workload(workload)
+    for policy in suite.policies_for(trace, "auto"):
+        assert common.replay_config(trace, policy) == suite.config_for(trace, policy=policy,
+                                                                         store_kv=False)
+
+
+@pytest.mark.parametrize("case", ["fork-parallel", "tenant-fractional@fair", "tenant-late@lru"])
+def test_replay_without_oracle_matches_the_checker(case):
+    """The driver recomputes evicted sequences and drops refused ones as the checker does: the
+    same evictions, recomputed tokens and peak blocks as the oracle's replay."""
+    workload, policy = common.split_case(case)
+    trace = common.load_workload(workload)
+    cfg = suite.config_for(trace, policy=policy, store_kv=False)
+    row = suite.run_one(trace, "numpy", cfg, gather="none")
+    assert row["status"] == "pass", row["divergence"]
+    stats = common.case_stats("numpy", case)
+    assert (stats["evictions"], stats["recomputed_tokens"], stats["peak_blocks"]) == \
+        (row["evictions"], row["recomputed_tokens"], row["peak_blocks"])
+
+
+# --- exact gates ---------------------------------------------------------------------------------
+
+
+def test_exact_gates():
+    report = G.exact_gates()
+    assert report.ok, "\n" + report.explain()
+    assert report.checked > 0
+
+
+def test_expected_values_agree_with_the_formulas():
+    """Peak bytes of a paged backend = peak blocks * B * bytes per token of the tiny model."""
+    expected = G.read_expected()
+    for name in ("numpy", "object", "torch-cpu"):
+        for case, figs in expected["replay"][name].items():
+            assert figs["peak_bytes"] == figs["peak_blocks"] * 16 * 128, (name, case)
+
+
+def test_pool_bytes_per_token_agree_with_the_formulas():
+    """asv-1k model: 2 layers x 2 KV heads x 64 dims; 2 * 2 * 2 = 8 rows of 64 channels a token."""
+    pools = G.read_expected()["pool"]
+    assert pools["numpy"]["asv-1k"]["bytes_per_token"] == 8 * 64 * 2  # fp16: 1024
+    if "numpy-int8" in pools:  # int8 symmetric: 64 codes + one float32 scale per row
+        assert pools["numpy-int8"]["asv-1k"]["bytes_per_token"] == 8 * (64 + 4)  # 544
+    if "numpy-int4" in pools:  # int4 asymmetric: 32 bytes of codes + scale + zero point
+        assert pools["numpy-int4"]["asv-1k"]["bytes_per_token"] == 8 * (32 + 4 + 4)  # 320
+
+
+def test_planted_waste_fails_the_exact_gates():
+    report = G.exact_gates(backends=["numpy"], cases=["prefill-alpaca", "tenant-fractional@lru"],
+                           factories={"numpy": WastefulNumpy}, quant=False)
+    assert not report.ok
+    moved = {(d.key, d.quantity): d for d in report.drifts}
+    peak = moved["numpy / prefill-alpaca", "peak_blocks"]
+    assert peak.improved is False
+    assert peak.actual > peak.expected
+    assert "peak_blocks moved from" in str(peak) and "WORSE" in str(peak)
+    print(report.explain())  # the reason, as CI shows it
+
+
+def test_an_improvement_fails_until_recorded():
+    expected = {"replay": {"numpy": {"prefill-alpaca": {"peak_blocks": 46}}}}
+    drifts, checked = G.compare_exact("replay", expected["replay"],
+                                      {"numpy": {"prefill-alpaca": {"peak_blocks": 45}}}, {})
+    assert checked == 1 and len(drifts) == 1
+    assert drifts[0].improved is True
+    assert "moved from 46 to 45 (improved" in str(drifts[0])
+    assert "kvbench gates --update" in str(drifts[0])
+
+
+def test_new_stale_and_skipped_cases():
+    expected = {"numpy": {"gone": {"peak_blocks": 1}}, "torch-cuda": {"w": {"peak_blocks": 2}}}
+    actual = {"numpy": {"new": {"peak_blocks": 3}}}
+    drifts, _ = G.compare_exact("replay", expected, actual, {"torch-cuda / w": "no CUDA device"})
+    text = sorted(str(d) for d in drifts)
+    assert len(text) == 2  # the skipped torch-cuda case is not a drift
+    assert "numpy / gone: expected values for a case that no longer runs" in text[0]
+    assert "numpy / new: no expected values (a new case)" in text[1]
+
+
+def test_floats_compare_up_to_summation_noise():
+    drifts, _ = G.compare_exact("replay", {"n": {"c": {"mean_wasted_slots": 6.6477272727272725}}},
+                                {"n": {"c": {"mean_wasted_slots": 6.647727272727273}}}, {})
+    assert drifts == []
+    # one slot more in one of 176 operations: 6.6477... + 1/176
+    drifts, _ = G.compare_exact("replay", {"n": {"c": {"mean_wasted_slots": 6.6477272727272725}}},
+                                {"n": {"c": {"mean_wasted_slots": 6.6477272727272725 + 1 / 176}}},
+                                {})
+    assert len(drifts) == 1 and drifts[0].improved is False
+
+
+def test_update_keeps_values_of_backends_that_cannot_run_here():
+    old = {"replay": {"torch-cuda": {"w": {"peak_blocks": 2}}, "numpy": {"w": {"peak_blocks": 9}}}}
+    merged = G.merge_measured(old, {"replay": {"numpy": {"w": {"peak_blocks": 8}}}},
+                              {"torch-cuda / w": "no CUDA device"})
+    assert merged["replay"] == {"torch-cuda": {"w": {"peak_blocks": 2}},
+                                "numpy": {"w": {"peak_blocks": 8}}}
+
+
+# --- ratio gates ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(G.RATIO_GATES))
+def test_ratio_gate(name):
+    result = G.ratio_gate(name, repeats=5)
+    assert result.typical is not None, f"no typical ratio for {name} in expected.json"
+    assert result.ok, str(result)
+    print(result)
+
+
+@pytest.mark.parametrize("name", ["decode_vs_scatter", "decode_vs_object", "gather_vs_copy"])
+def test_planted_slowness_fails_the_ratio_gate(name):
+    result = G.ratio_gate(name, factory=PerTokenNumpy, repeats=3)
+    if result.skipped:
+        pytest.skip(result.skipped)
+    assert not result.ok, f"a per-token Python loop passed: {result}"
+    assert "FAIL" in str(result) and "slower" in str(result)
+    print(result)
+
+
+def test_margin_is_documented_in_expected_json():
+    ratios = G.read_expected()["ratios"]
+    assert set(ratios) == set(G.RATIO_GATES)
+    for r in ratios.values():
+        assert r["margin"] == G.MARGIN and r["typical"] > 0
+
+
+def test_gates_command_exit_code(tmp_path, capsys):
+    """`kvbench gates` exits 1 on a drift and says what moved."""
+    expected = G.read_expected()
+    figs = expected["replay"]["numpy"]["prefill-alpaca"]
+    expected = copy.deepcopy(expected)
+    expected["replay"]["numpy"]["prefill-alpaca"] = {**figs, "peak_blocks": figs["peak_blocks"] - 1}
+    path = G.write_expected(expected, tmp_path / "expected.json")
+    code = G.main(["--skip-ratios", "--backend", "numpy", "--case", "prefill-alpaca",
+                   "--expected", str(path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"peak_blocks moved from {figs['peak_blocks'] - 1} to {figs['peak_blocks']} (WORSE" in out
