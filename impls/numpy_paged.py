@@ -34,11 +34,11 @@ class NumpyPaged(Backend):
         self.refcount = np.zeros(n, dtype=np.int32)
         self.fill = np.zeros(n, dtype=np.int32)
         # Free blocks as a stack; popping from the top hands out low ids first.
-        self.free_stack = np.arange(n - 1, -1, -1, dtype=np.int32)
+        self.free_stack = np.arange(n - 1, -1, -1, dtype=np.intp)
         self.free_top = n
         rows = 64
-        self.table = np.full((rows, 16), -1, dtype=np.int32)
-        self.nblocks = np.zeros(rows, dtype=np.int32)
+        self.table = np.full((rows, 16), -1, dtype=np.intp)
+        self.nblocks = np.zeros(rows, dtype=np.intp)
         self.tokens = np.zeros(rows, dtype=np.int64)
         self.final = np.zeros(rows, dtype=np.int64)
         self.last_access = np.zeros(rows, dtype=np.int64)
@@ -46,6 +46,8 @@ class NumpyPaged(Backend):
         self.tenant_idx = np.zeros(rows, dtype=np.int32)
         self.live = np.zeros(rows, dtype=bool)
         self.seq_of_row = np.full(rows, -1, dtype=np.int64)
+        self.free_rows = list(range(rows - 1, -1, -1))  # pop() gives the lowest
+        self.sharing_rows: set = set()  # rows that may hold a block with another reference
         self.row_of: dict[int, int] = {}
         self.row_index = np.full(1024, -1, dtype=np.int64)  # seq id -> row, for batch lookups
         self.tenants: list[str] = []
@@ -83,27 +85,26 @@ class NumpyPaged(Backend):
     def _grow_rows(self):
         old = len(self.nblocks)
         extra = old
-        self.table = np.vstack([self.table, np.full((extra, self.table.shape[1]), -1, np.int32)])
+        self.table = np.vstack([self.table, np.full((extra, self.table.shape[1]), -1, np.intp)])
         for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(extra, arr.dtype)]))
         self.live = np.concatenate([self.live, np.zeros(extra, bool)])
         self.seq_of_row = np.concatenate([self.seq_of_row, np.full(extra, -1, np.int64)])
+        self.free_rows.extend(range(old + extra - 1, old - 1, -1))
 
     def _grow_cols(self, width: int):
         cols = self.table.shape[1]
         while cols < width:
             cols *= 2
         if cols > self.table.shape[1]:
-            pad = np.full((self.table.shape[0], cols - self.table.shape[1]), -1, np.int32)
+            pad = np.full((self.table.shape[0], cols - self.table.shape[1]), -1, np.intp)
             self.table = np.hstack([self.table, pad])
 
     def _new_row(self, seq: int) -> int:
-        free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
-        if len(free_rows) == 0:
+        if not self.free_rows:
             self._grow_rows()
-            free_rows = np.flatnonzero(~self.live & (self.seq_of_row == -1))
-        r = int(free_rows[0])
+        r = self.free_rows.pop()
         self.row_of[seq] = r
         if len(self.row_index) <= seq < DENSE_IDS:
             grown = np.full(max(2 * len(self.row_index), seq + 1), -1, dtype=np.int64)
@@ -135,15 +136,20 @@ class NumpyPaged(Backend):
             for b in old:
                 del self.evictable[b]
                 del self.by_hash[self.hash_of.pop(b)]
-            ids = np.concatenate([ids, np.array(old, dtype=np.int32)])
+            ids = np.concatenate([ids, np.array(old, dtype=np.intp)])
         self.refcount[ids] = 1
         return ids
 
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
         blocks = self.table[r, :self.nblocks[r]]
-        self.refcount[blocks] -= 1
-        dead = blocks[self.refcount[blocks] == 0]
+        if r in self.sharing_rows or self.hash_of:
+            self.sharing_rows.discard(r)
+            self.refcount[blocks] -= 1
+            dead = blocks[self.refcount[blocks] == 0]
+        else:  # every block of the row is its own: all of them go back
+            self.refcount[blocks] = 0
+            dead = blocks
         if self.hash_of:
             cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
             for b in dead[cached][::-1].tolist():  # tail first: a prefix's tail is evicted first
@@ -156,6 +162,7 @@ class NumpyPaged(Backend):
         self.nblocks[r] = 0
         self.live[r] = False
         self.seq_of_row[r] = -1
+        self.free_rows.append(r)
 
     def _drop_row(self, r: int) -> None:
         seq = int(self.seq_of_row[r])
@@ -224,13 +231,14 @@ class NumpyPaged(Backend):
 
     def _make_room(self, need_fn, protect_rows: np.ndarray) -> list:
         """Evict until ``need_fn(refcount)`` blocks are free; atomic OOM when impossible."""
-        if need_fn(self.refcount) <= self.n_free:
+        need = need_fn(self.refcount)
+        if need <= self.n_free:
             return []
-        cand = np.flatnonzero(self.live)
-        cand = cand[~np.isin(cand, protect_rows)]
-        if self.config.policy is None or len(cand) == 0:
-            raise OutOfMemory(f"{self.name}: needs {need_fn(self.refcount)} blocks, "
-                              f"{self.n_free} free")
+        cand = np.flatnonzero(self.live) if self.config.policy is not None else ()
+        if len(cand):
+            cand = cand[~np.isin(cand, protect_rows)]
+        if len(cand) == 0:  # no policy, or nothing it may evict
+            raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.n_free} free")
         # Would evicting every candidate be enough? If not, fail before touching anything.
         blocks = np.concatenate([self.table[r, :self.nblocks[r]] for r in cand])
         drop = np.bincount(blocks, minlength=len(self.refcount)).astype(np.int32)
@@ -257,13 +265,19 @@ class NumpyPaged(Backend):
         n = -(-tokens // self.B)
         hashes = list(block_hashes or ())[:tokens // self.B] if self.config.prefix_caching else []
 
+        if not hashes and n <= self.free_top:  # the common case: nothing to look up or evict
+            r = self._new_row(seq)
+            self._grow_cols(n)
+            ids = self._take(n)
+            return self._fill_row(r, ids, tokens, kv, tenant, final_tokens, step, 0)
+
         def hits():
             found = []
             for h in hashes:
                 if h not in self.by_hash:
                     break
                 found.append(self.by_hash[h])
-            return np.array(found, dtype=np.int32)
+            return np.array(found, dtype=np.intp)
 
         def need(refcount):  # new blocks, plus cached blocks taken back from the free pool
             h = hits()
@@ -283,6 +297,10 @@ class NumpyPaged(Backend):
             if hashes[i] not in self.by_hash:
                 self.by_hash[hashes[i]] = int(ids[i])
                 self.hash_of[int(ids[i])] = hashes[i]
+        return self._fill_row(r, ids, tokens, kv, tenant, final_tokens, step, len(hit), victims)
+
+    def _fill_row(self, r, ids, tokens, kv, tenant, final_tokens, step, n_hit, victims=()):
+        n = len(ids)
         self.table[r, :n] = ids
         self.nblocks[r] = n
         self.fill[ids] = self.B
@@ -293,7 +311,7 @@ class NumpyPaged(Backend):
         self.tenant_idx[r] = self._tenant(tenant)
         if self.pool is not None:  # cached blocks already hold their prefix's K/V
             slots = (ids[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
-            skip = len(hit) * self.B
+            skip = n_hit * self.B
             self._write_slots(slots[skip:], kv[skip:])
         return tuple(victims)
 
@@ -410,6 +428,7 @@ class NumpyPaged(Backend):
         self.table[r, :nb] = self.table[rs, :nb]
         self.nblocks[r] = nb
         self.refcount[self.table[rs, :nb]] += 1
+        self.sharing_rows.update((r, rs))
         self.tokens[r] = self.tokens[rs]
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
