@@ -64,6 +64,26 @@ def print_table(df: pd.DataFrame, columns) -> None:
         print(line(r))
 
 
+def print_eviction(trace, rows, cache_settings) -> list[str]:
+    """A tenant mix: per-tenant figures, and Belady's offline replay beside the online policies.
+
+    Returns the runs whose hit rate beats Belady's where that is impossible (unit-size paging).
+    """
+    table = eviction.tenant_table(trace, rows)
+    if table.empty:
+        return []
+    print(f"\n{trace.name}: per tenant (usage and quota in blocks; slots for contiguous backends)")
+    print_table(table, eviction.TENANT_COLUMNS)
+    cfg = suite.config_for(trace, **cache_settings)
+    ref = eviction.policy_table(trace, cfg)
+    print(f"\n{trace.name}: the oracle's replay under each policy, paged layout; "
+          f"Belady is a {ref.belady.iloc[0]}")
+    print_table(ref, ["policy", "evictions", "recomputed_tokens", "hits", "misses", "hit_rate", "jain"])
+    paged = {f"{r['backend']} {r['policy']}": r for r in rows
+             if r["workload"] == trace.name and r["layout"] == "paged" and r["status"] == "pass"}
+    return eviction.belady_violations(trace, cfg, paged)
+
+
 def cmd_run(args) -> int:
     if serving.wants_serving(args):
         return serving.run_serving(args)
