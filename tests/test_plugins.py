@@ -1,0 +1,249 @@
+"""A backend from another package: loaded ad hoc, registered by entry point, checked like any other.
+
+The package is written into tmp_path by the test and imports nothing from impls/: what a third
+party would ship. The CLI runs in subprocesses (``sys.executable -m kvbench.cli``) with that
+folder on PYTHONPATH; an entry point is registered with a bare ``.dist-info`` folder beside the
+package, which importlib.metadata finds on sys.path (no pip install, no edit to kvbench).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvbench import registry
+from kvbench.checker import check
+from kvbench.suite import committed_workloads, config_for, load_traces
+
+# A paged, ledger-only allocator with fork and copy-on-write, in one file.
+POOL_PY = '''
+"""A tiny paged KV-cache allocator that keeps the ledger only (no K/V data)."""
+import dataclasses
+
+from kvbench.protocol import Backend, Capabilities, Ledger, OutOfMemory
+
+
+class MyPool(Backend):
+    name = "my-pool"
+    capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.B = config.block_size
+        self.free_ids = list(range(config.num_blocks))
+        self.ref = {}  # block in use -> references
+        self.tables, self.tokens, self.final = {}, {}, {}
+
+    def _check(self, need):
+        if need > len(self.free_ids):  # before any change: a refused call changes nothing
+            raise OutOfMemory(f"{self.name}: needs {need} blocks, {len(self.free_ids)} free")
+
+    def _take(self, n):
+        taken = [self.free_ids.pop() for _ in range(n)]
+        self.ref.update(dict.fromkeys(taken, 1))
+        return taken
+
+    def _drop(self, b):
+        self.ref[b] -= 1
+        if not self.ref[b]:
+            del self.ref[b]
+            self.free_ids.append(b)
+
+    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        n = -(-tokens // self.B)
+        self._check(n)
+        self.tables[seq], self.tokens[seq] = self._take(n), tokens
+        self.final[seq] = tokens if final_tokens is None else final_tokens
+        return ()
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        plan, copies = [], {}  # writers of one shared tail copy it until one reference is left
+        for s, dt in zip(seqs, tokens):
+            room, tail = -self.tokens[s] % self.B, self.tables[s][-1]
+            cow = room > 0 and self.ref[tail] - copies.get(tail, 0) > 1
+            copies[tail] = copies.get(tail, 0) + cow
+            plan.append((s, dt, cow, -(-max(0, dt - room) // self.B)))
+        self._check(sum(cow + new for _, _, cow, new in plan))
+        for s, dt, cow, new in plan:
+            table = self.tables[s]
+            if cow:
+                shared, table[-1] = table[-1], self._take(1)[0]
+                self._drop(shared)
+            table += self._take(new)
+            self.tokens[s] += dt
+        return ()
+
+    def fork(self, seq, src, *, final_tokens=None, step=0):
+        self.tables[seq], self.tokens[seq] = list(self.tables[src]), self.tokens[src]
+        self.final[seq] = self.tokens[src] if final_tokens is None else final_tokens
+        for b in self.tables[seq]:
+            self.ref[b] += 1
+        return ()
+
+    def free(self, seq, *, step=0):
+        for b in self.tables.pop(seq):
+            self._drop(b)
+        del self.tokens[seq], self.final[seq]
+
+    def ledger(self):
+        B, fill = self.B, {}
+        for s, table in self.tables.items():  # sharers of a block agree on its fill
+            for i, b in enumerate(table):
+                fill[b] = min(B, self.tokens[s] - i * B)
+        cap = len(self.ref) * B
+        free_slots = cap - sum(fill.values())
+        reservation = sum(min(-self.tokens[s] % B, max(0, self.final[s] - self.tokens[s]))
+                          for s, t in self.tables.items() if self.ref[t[-1]] == 1)
+        return Ledger(
+            blocks_used=len(self.ref), blocks_free=len(self.free_ids), tokens=dict(self.tokens),
+            seq_blocks={s: len(t) for s, t in self.tables.items()},
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=cap * self.config.model.bytes_per_token,
+            shared_blocks=sum(r > 1 for r in self.ref.values()), token_states=cap - free_slots,
+            reservation=reservation, internal_fragmentation=free_slots - reservation,
+            external_fragmentation=0, free=len(self.free_ids) * B)
+
+
+class NoFork(MyPool):
+    name = "my-nofork"
+    capabilities = dataclasses.replace(MyPool.capabilities, fork=False)
+'''
+
+BROKEN_PY = "import kvbench_missing_dependency  # not installed: importing this module fails\n"
+
+ENTRY_POINTS = """\
+[kvbench.backends]
+my-pool = mypkg.pool:MyPool
+my-nofork = mypkg.pool:NoFork
+my-broken = mypkg.broken:Pool
+"""
+
+WORKLOADS = {p.stem: p for p in committed_workloads()}
+
+
+def write_package(root, dist_info: bool):
+    pkg = root / "mypkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pool.py").write_text(POOL_PY)
+    (pkg / "broken.py").write_text(BROKEN_PY)
+    if dist_info:  # what `pip install` would leave: importlib.metadata reads it from sys.path
+        info = root / "mypkg-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def adhoc_dir(tmp_path_factory):
+    """The package alone: no metadata, so only ``mypkg.pool:MyPool`` can name it."""
+    return write_package(tmp_path_factory.mktemp("adhoc"), dist_info=False)
+
+
+@pytest.fixture(scope="module")
+def installed_dir(tmp_path_factory):
+    """The package with its .dist-info: its backends are registered under their names."""
+    return write_package(tmp_path_factory.mktemp("installed"), dist_info=True)
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    """Put a folder on sys.path for this test; forget ``mypkg`` afterwards."""
+    def add(folder):
+        monkeypatch.syspath_prepend(str(folder))
+        importlib.invalidate_caches()
+    yield add
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+
+
+def kvbench(*args, path, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def rows_by(records, key):
+    return {(r["backend"], r["workload"]): r[key] for r in records}
+
+
+# --- in process: the checker on every committed workload ----------------------------------------
+
+def test_adhoc_backend_passes_every_committed_workload(adhoc_dir, on_path):
+    on_path(adhoc_dir)
+    entry = registry.resolve("mypkg.pool:MyPool")
+    assert entry.origin == "ad hoc"
+    for trace in load_traces(WORKLOADS.values()):
+        v = check(trace, entry.create(config_for(trace, policy=None)), gather="none")
+        assert v.valid is True, f"{trace.name}: {v.divergence}"
+        assert v.ops == len(trace.ops)
+        assert v.skipped == {"kv content": "backend holds no K/V"}
+
+
+def test_entry_points_are_found_on_sys_path(installed_dir, on_path):
+    on_path(installed_dir)
+    found = registry.entries()
+    assert found["my-pool"].target == "mypkg.pool:MyPool"
+    assert found["my-pool"].origin == "plug-in mypkg 0.1"
+    assert found["my-pool"].available() == (True, "")
+    ok, why = found["my-broken"].available()
+    assert not ok
+    assert why == ("cannot import mypkg.broken:Pool: ModuleNotFoundError: "
+                   "No module named 'kvbench_missing_dependency'")
+    # A plug-in never shadows a built-in of the same name.
+    assert found["numpy"].origin == "built-in"
+
+
+# --- the command line, in subprocesses ------------------------------------------------------------
+
+def test_cli_runs_and_checks_an_adhoc_backend(adhoc_dir, tmp_path):
+    out = tmp_path / "run.json"
+    traces = [str(WORKLOADS[w]) for w in ("fork-beam", "prefill-alpaca", "tenant-late")]
+    got = kvbench("run", *traces, "--backend", "mypkg.pool:MyPool", "--policy", "none",
+                  "--quiet", "--output", str(out), path=adhoc_dir, cwd=tmp_path)
+    assert got.returncode == 0, got.stdout + got.stderr
+    status = rows_by(json.loads(out.read_text())["rows"], "status")
+    assert status == {("mypkg.pool:MyPool", w): "pass"
+                      for w in ("fork-beam", "prefill-alpaca", "tenant-late")}
+
+    got = kvbench("check", str(WORKLOADS["fork-parallel"]), "--backend", "mypkg.pool:MyPool",
+                  "--policy", "none", path=adhoc_dir, cwd=tmp_path)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert got.stdout.startswith("pass mypkg.pool:MyPool policy=- ops=171"), got.stdout
+    assert "backend holds no K/V" in got.stdout
+
+
+def test_cli_lists_plugins_with_origin_and_availability(installed_dir, tmp_path):
+    got = kvbench("list", path=installed_dir, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    lines = {ln.split()[0]: ln for ln in got.stdout.splitlines() if ln.strip()}
+    assert "plug-in mypkg 0.1" in lines["my-pool"] and " yes " in lines["my-pool"]
+    assert "mypkg.pool:MyPool" in lines["my-pool"]
+    assert "plug-in mypkg 0.1" in lines["my-broken"] and " no " in lines["my-broken"]
+    assert ("cannot import mypkg.broken:Pool: ModuleNotFoundError: "
+            "No module named 'kvbench_missing_dependency'") in lines["my-broken"]
+
+
+def test_cli_reports_unsupported_fork_and_broken_import_as_not_applicable(installed_dir, tmp_path):
+    out = tmp_path / "run.json"
+    traces = [str(WORKLOADS[w]) for w in ("fork-beam", "prefill-alpaca")]
+    got = kvbench("run", *traces, "--backend", "my-nofork", "--backend", "my-broken",
+                  "--policy", "none", "--quiet", "--output", str(out), path=installed_dir,
+                  cwd=tmp_path)
+    assert got.returncode == 0, got.stdout + got.stderr  # n/a is not a failure ...
+    rows = json.loads(out.read_text())["rows"]
+    status = rows_by(rows, "status")
+    assert status == {("my-nofork", "fork-beam"): "n/a",  # ... and never a pass
+                      ("my-nofork", "prefill-alpaca"): "pass",  # no fork in it: checked
+                      ("my-broken", "fork-beam"): "n/a", ("my-broken", "prefill-alpaca"): "n/a"}
+    why = rows_by(rows, "not_applicable")
+    assert why[("my-nofork", "fork-beam")] == "my-nofork does not support fork and the trace forks"
+    assert why[("my-broken", "fork-beam")].startswith("cannot import mypkg.broken:Pool")
+    assert "n/a  my-nofork on fork-beam: my-nofork does not support fork" in got.stdout
