@@ -88,14 +88,21 @@ def applicable(trace: Trace, backend: Backend) -> str:
     return ""
 
 
-def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bool = False,
-          progress=None) -> Verdict:
+def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,
+          progress=None, model: Oracle | None = None) -> Verdict:
     """Replay ``trace`` through ``backend`` and the oracle; the verdict names the first divergence.
 
     ``gather``: 'touched' verifies the K/V of every sequence an operation touched and of those
     sharing a block with it; 'all' verifies every live sequence after every operation; 'end'
     only at the end; 'none' never.
+
+    With ``backend=None`` it replays the ``model`` (an Oracle, or a subclass such as the offline
+    Belady policy) alone, by the same rules: its evictions, hits and usage, nothing compared.
     """
+    if backend is None:
+        return _replay(trace, None, model, Verdict(trace=trace.name, backend=f"model:{type(model).__name__}",
+                                                   valid=True), gather="none", series=series,
+                       progress=progress, writes_kv=False, quantized=False)
     verdict = Verdict(trace=trace.name, backend=backend.name, valid=True)
     reason = applicable(trace, backend)
     if reason:
@@ -121,8 +128,16 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
         verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
     oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
                     layout="paged" if caps.layout == "paged" else "contiguous")
-    fields_checked = [f for f in LEDGER_FIELDS if caps.layout == "paged" or f not in BLOCK_FIELDS]
-    model, dtype = backend.config.model, backend.config.kv_dtype
+    return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
+                   writes_kv=writes_kv, quantized=quantized)
+
+
+def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized):
+    """The replay loop of check(): ``backend`` None drives the oracle alone."""
+    do_gather = gather != "none" and writes_kv
+    layout = oracle.layout
+    fields_checked = [f for f in LEDGER_FIELDS if layout == "paged" or f not in BLOCK_FIELDS]
+    model, dtype = oracle.config.model, oracle.config.kv_dtype
     final = trace.final_lengths()
     tenant_of = trace.tenant_of()
     touches: dict = {}  # tenant -> [hits, misses]
@@ -145,6 +160,10 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
             expected = oracle_call()
         except ModelOOM:
             expected = None
+        if backend is None:
+            verdict.ooms += expected is None
+            verdict.evictions += len(expected or ())
+            return None if expected is None else tuple(expected)
         before = backend.ledger() if expected is None else None
         t0 = time.perf_counter()
         try:
@@ -256,20 +275,18 @@ def check(trace: Trace, backend: Backend, *, gather: str = "touched", series: bo
                     else:
                         victims += got
                         touched.update((op.seq, op.src))
-            elif isinstance(op, Free):
-                if op.seq in refused:
-                    pass
-                elif op.seq in oracle.preempted:
-                    oracle.free(op.seq)  # the backend already dropped it when it evicted it
-                else:
-                    oracle.free(op.seq)
+            elif isinstance(op, Free) and op.seq not in refused:
+                evicted = op.seq in oracle.preempted  # the backend dropped it when it evicted it
+                oracle.free(op.seq)
+                if backend is not None and not evicted:
                     t0 = time.perf_counter()
                     try:
                         backend.free(op.seq, step=op.step)
                     except Exception as e:
                         diverge("outcome of free", "success", f"{type(e).__name__}: {e}")
                     verdict.backend_seconds += time.perf_counter() - t0
-            expected, actual = oracle.expected_ledger(), backend.ledger()
+            expected = oracle.expected_ledger()
+            actual = backend.ledger() if backend is not None else expected
             for f in fields_checked:
                 e, a = getattr(expected, f), getattr(actual, f)
                 if f == "fragmentation":

@@ -35,9 +35,9 @@ from fractions import Fraction
 
 import pandas as pd
 
-from .checker import Verdict
+from .checker import Verdict, check
 from .formulas import blocks_needed, jain_index
-from .oracle import ModelOOM, Oracle
+from .oracle import Oracle
 from .protocol import CacheConfig
 from .trace import Append, Fork, Free, Prefill, Trace
 
@@ -92,65 +92,14 @@ def replay_model(trace: Trace, config: CacheConfig, layout: str = "paged",
                  model: Oracle | None = None) -> Verdict:
     """Replay ``trace`` through the oracle alone (no backend): its evictions, hits and usage.
 
-    The same rules as :func:`kvbench.checker.check` (an evicted sequence is recomputed before the
-    operation touches it; a refused prefill or fork drops later operations on its sequence), so
-    the figures compare one for one with a checker's verdict; tests/test_eviction.py pins the two
-    together. ``model``: the oracle to drive (default ``Oracle(config, layout)``, whose victims
-    follow ``config.policy``); pass a :class:`BeladyOracle` for the offline optimum.
+    :func:`kvbench.checker.check` without a backend, so the rules are the checker's (an evicted
+    sequence is recomputed before the operation touches it; a refused prefill or fork drops later
+    operations on its sequence) and the figures compare one for one with a checker's verdict.
+    ``model``: the oracle to drive (default ``Oracle(config, layout)``, whose victims follow
+    ``config.policy``); pass a :class:`BeladyOracle` for the offline optimum.
     """
-    oracle = model if model is not None else Oracle(config, layout)
-    v = Verdict(trace=trace.name, backend=f"model:{type(oracle).__name__}", valid=True)
-    final, tenant_of = trace.final_lengths(), trace.tenant_of()
-    refused: set = set()
-    touched: dict = {}  # tenant -> [hits, misses]
-
-    def call(fn):
-        try:
-            got = fn()
-        except ModelOOM:
-            v.ooms += 1
-            return None
-        v.evictions += len(got)
-        return got
-
-    def touch(seq, protect, step) -> bool:
-        """Count a re-touch; recompute the sequence if it was evicted. False if that failed."""
-        miss = seq in oracle.preempted
-        v.misses += miss
-        v.hits += not miss
-        touched.setdefault(tenant_of[seq], [0, 0])[miss] += 1
-        if not miss:
-            return True
-        tokens = oracle.preempted[seq].tokens
-        if call(lambda: oracle.recompute(seq, step, protect)) is None:
-            return False
-        v.recomputed_tokens += tokens
-        return True
-
-    for index, op in enumerate(trace.ops):
-        if isinstance(op, Prefill):
-            if call(lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step,
-                                           hashes=op.block_hashes)) is None:
-                refused.add(op.seq)
-        elif isinstance(op, Append):
-            pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in refused]
-            seqs = [s for s, _ in pairs]
-            if seqs and all(touch(s, set(seqs), op.step) for s in seqs):
-                call(lambda: oracle.append(seqs, [t for _, t in pairs], op.step))
-        elif isinstance(op, Fork):
-            if op.src in refused or not touch(op.src, {op.src, op.seq}, op.step) or call(
-                    lambda: oracle.fork(op.seq, op.src, final[op.seq], op.step)) is None:
-                refused.add(op.seq)
-        elif isinstance(op, Free) and op.seq not in refused:
-            oracle.free(op.seq)
-        v.series.append({"step": op.step, "usage": oracle.tenant_usage()})
-        v.ops = index + 1
-    v.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
-    for t, (hits, misses) in touched.items():
-        v.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(hits=hits, misses=misses)
-    v.final_ledger = {k: val for k, val in oracle.expected_ledger().as_dict().items()
-                      if k not in ("tokens", "seq_blocks")}
-    return v
+    return check(trace, None, model=model if model is not None else Oracle(config, layout),
+                 series=True)
 
 
 def belady(trace: Trace, config: CacheConfig, layout: str = "paged") -> Verdict:

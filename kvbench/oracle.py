@@ -159,7 +159,6 @@ class Oracle:
 
     def _fits(self, call, exclude=()) -> bool:
         """Would the call fit if the sequences in ``exclude`` were gone?"""
-        kind = call[0]
         if self.layout == "contiguous":
             sizes = call[-1]
             placed = []
