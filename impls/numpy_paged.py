@@ -17,6 +17,14 @@ POLICIES = ("lru", "lfu", "fair")
 DENSE_IDS = 1 << 20  # sequence ids below this are looked up in an array, others in a dict
 
 
+def reserved_zeros(shape, dtype) -> np.ndarray:
+    """Zeros written now, not left to the OS to fault in lazily: a pool's memory is reserved up
+    front, as a serving engine's is, so no page fault lands in a timed decode step."""
+    a = np.empty(shape, dtype=dtype)
+    a.fill(0)
+    return a
+
+
 class NumpyPaged(Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
@@ -65,7 +73,7 @@ class NumpyPaged(Backend):
     # --- K/V storage: every read and write goes through these (a quantized pool overrides them)
 
     def _make_pool(self, n: int, B: int):
-        pool = np.zeros((n, B) + self.token_shape, dtype=self.config.kv_dtype)
+        pool = reserved_zeros((n, B) + self.token_shape, self.config.kv_dtype)
         # One row per token slot: fancy-indexed writes on a 2-D view are many times faster.
         self.slots = pool.reshape(n * B, -1)
         return pool

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from impls import quant_numpy
-from impls.numpy_paged import NumpyPaged
+from impls.numpy_paged import NumpyPaged, reserved_zeros
 from kvbench import quant as Q
 from kvbench.protocol import Capabilities, Ledger
 from kvbench.quant_pool import scheme_of
@@ -37,9 +37,9 @@ class NumpyQuantPaged(NumpyPaged):
         super().__init__(config)
 
     def _make_pool(self, n: int, B: int):
-        self.codes = np.zeros((n * B,) + self.code_shape, dtype=self.code_dtype)
-        self.scale = np.zeros((n * B, self.rows_per_slot), dtype=np.float32)
-        self.zero = None if self.scheme.symmetric else np.zeros_like(self.scale)
+        self.codes = reserved_zeros((n * B,) + self.code_shape, self.code_dtype)
+        self.scale = reserved_zeros((n * B, self.rows_per_slot), np.float32)
+        self.zero = None if self.scheme.symmetric else reserved_zeros(self.scale.shape, np.float32)
         return self.codes  # "the pool": present when K/V are stored
 
     def _write_slots(self, slots, kv) -> None:
