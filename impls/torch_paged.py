@@ -458,7 +458,7 @@ class TorchPaged(Backend):
     def memory_report(self) -> dict:
         """Pool bytes by the formula beside what the pool tensor holds and, on CUDA, what the
         caching allocator has handed out to the whole process (``memory_allocated``: compare
-        its growth across building the pool, as kvbench.gpu_check does)."""
+        its growth across building the pool, as kvbench.gpu_bench does)."""
         torch = self.torch
         c = self.config
         formula = c.num_blocks * c.block_size * c.model.bytes_per_token if c.store_kv else 0

@@ -1,6 +1,6 @@
 """`kvbench compare A.json B.json [C.json ...]`: result records side by side, with ratios and charts.
 
-Records are those of kvbench.results (``kvbench run``, ``kvbench.gpu_check``, ``kvbench serve``...):
+Records are those of kvbench.results (``kvbench run``, ``kvbench.gpu_bench``, ``kvbench serve``...):
 each names its machine, commit and parameters. The first record is the baseline ``A``; every
 other one gets a ratio column (``B/A``, ``C/A``). Rows are matched on what identifies a
 measurement (workload, backend, policy, bench, impl, batch, ...), never on the device, so a CPU

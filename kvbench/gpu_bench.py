@@ -2,7 +2,7 @@
 GPU benchmarks, written as JSON result records.
 
     scripts/gpu_check.sh [OUTDIR]                         # on a CUDA machine (OUTDIR: $OUT)
-    python -m kvbench.gpu_check --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
+    python -m kvbench.gpu_bench --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
 
 What it writes under OUTDIR:
 
@@ -234,7 +234,7 @@ def memory_check(torch, device, size: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvbench.gpu_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device: cuda (default), cuda:N or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(results.RESULTS_DIR / "runs"),
                    help="output directory (default $OUT, else results/runs)")
