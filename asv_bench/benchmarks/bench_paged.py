@@ -52,8 +52,8 @@ class DecodeStepLedger(DecodeStep):
     store_kv = False
 
 
-class Fork(_Call):
-    """Fork of a sequence of LONG_SEQUENCE tokens (64 blocks): shares them, copies the table."""
+class _LongSequence(_Call):
+    """A pool holding one sequence of LONG_SEQUENCE tokens (64 blocks), ledger only."""
     params = [PAGED]
     param_names = ["backend"]
 
@@ -61,21 +61,18 @@ class Fork(_Call):
         self.backend = common.make_backend(name, num_blocks=LONG_SEQUENCE // BLOCK_SIZE,
                                            store_kv=False)
         self.backend.prefill(0, LONG_SEQUENCE, None, final_tokens=LONG_SEQUENCE)
+
+
+class Fork(_LongSequence):
+    """Fork of the long sequence: shares its 64 blocks, copies the table."""
 
     def time_fork(self, name):
         self.backend.fork(1, 0, final_tokens=LONG_SEQUENCE)
         common.sync(self.backend)
 
 
-class Free(_Call):
-    """Free of a sequence of LONG_SEQUENCE tokens: 64 blocks back to the pool."""
-    params = [PAGED]
-    param_names = ["backend"]
-
-    def setup(self, name):
-        self.backend = common.make_backend(name, num_blocks=LONG_SEQUENCE // BLOCK_SIZE,
-                                           store_kv=False)
-        self.backend.prefill(0, LONG_SEQUENCE, None, final_tokens=LONG_SEQUENCE)
+class Free(_LongSequence):
+    """Free of the long sequence: 64 blocks back to the pool."""
 
     def time_free(self, name):
         self.backend.free(0)
