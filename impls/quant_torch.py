@@ -125,7 +125,7 @@ def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, device=No
     P = Params(s, z, lo, hi, scheme, ar, divides(_itemsize(dname), ar))
     factor = _meta(P.factor, lay, cdt, t.device)
     add = float(P.add) if np.ndim(P.add) == 0 else _meta(P.add, lay, cdt, t.device)
-    R, C, n = lay.rows, lay.channels, lay.size
+    R, C = lay.rows, lay.channels
     per = 8 // scheme.slot_bits
     reuse = out is not None and not scheme.packed
     if out is not None and (tuple(out.shape) != tuple(t.shape) or out.scheme != scheme):
@@ -255,7 +255,6 @@ def dequantize(qt: Q.QuantizedTensor, out_dtype=None, *, out=None, chunk: int | 
 
 def error_stats(x, x_hat, qt: Q.QuantizedTensor, *, chunk: int = 1 << 22) -> Q.QuantStats:
     """Errors in float64 on the device, a chunk at a time, scaled by the max error."""
-    torch = _torch()
     xt = _as_tensor(x).reshape(-1)
     xh = _as_tensor(x_hat).reshape(-1).to(xt.device)
     n = xt.numel()
