@@ -16,8 +16,8 @@ import pytest
 
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
-from kvbench.formulas import blocks_needed, get_model
-from kvbench.protocol import CacheConfig, kv_tokens
+from kvbench.contract.formulas import blocks_needed, get_model
+from kvbench.contract.protocol import CacheConfig, kv_tokens
 
 BATCH = 256
 BLOCK = 16

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from impls.numpy_paged import NumpyPaged
-from kvbench.formulas import ModelSpec, blocks_needed
-from kvbench.protocol import CacheConfig
+from kvbench.contract.formulas import ModelSpec, blocks_needed
+from kvbench.contract.protocol import CacheConfig
 
 torch = pytest.importorskip("torch")
 from impls.torch_paged import TorchPaged  # noqa: E402

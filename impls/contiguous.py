@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 POLICIES = ("lru", "lfu", "fair")
 

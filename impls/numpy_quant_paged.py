@@ -11,8 +11,8 @@ import numpy as np
 from impls import quant_numpy
 from impls.numpy_paged import NumpyPaged, reserved_zeros
 from kvbench import quant as Q
-from kvbench.protocol import Capabilities, Ledger
-from kvbench.quant_pool import scheme_of
+from kvbench.contract.protocol import Capabilities, Ledger
+from kvbench.quant.pool import scheme_of
 
 
 class NumpyQuantPaged(NumpyPaged):

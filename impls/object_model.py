@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 POLICIES = ("lru", "lfu", "fair")
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvbench import quant as Q
 
-from .quant_numpy import Params, divides
+from impls.quant_numpy import Params, divides
 
 name = "torch"
 # Elements per chunk of rows. CPU: 1 MiB of float32, measured best on 2 cores (smaller pay

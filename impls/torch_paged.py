@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from kvbench.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 POLICIES = ("lru", "lfu", "fair")
 
@@ -458,7 +458,7 @@ class TorchPaged(Backend):
     def memory_report(self) -> dict:
         """Pool bytes by the formula beside what the pool tensor holds and, on CUDA, what the
         caching allocator has handed out to the whole process (``memory_allocated``: compare
-        its growth across building the pool, as kvbench.gpu_bench does)."""
+        its growth across building the pool, as kvbench.bench.gpu does)."""
         torch = self.torch
         c = self.config
         formula = c.num_blocks * c.block_size * c.model.bytes_per_token if c.store_kv else 0

@@ -4,9 +4,9 @@ Import them as ``from conftest import make_config, make_trace, P, A, K, X``.
 """
 from __future__ import annotations
 
-from kvbench.formulas import get_model
-from kvbench.protocol import CacheConfig
-from kvbench.trace import Append, Fork, Free, Header, Prefill, Trace, validate
+from kvbench.contract.formulas import get_model
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, validate
 
 TINY = get_model("tiny")  # 2 layers, 2 KV heads, head 8, fp16: 128 B per token
 

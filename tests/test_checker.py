@@ -8,9 +8,9 @@ import pytest
 from conftest import A, K, P, X, make_config, make_trace
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
-from kvbench import registry
-from kvbench.checker import check
-from kvbench.protocol import Capabilities
+from kvbench.contract import registry
+from kvbench.checking.checker import check
+from kvbench.contract.protocol import Capabilities
 
 OBJECTS = "impls.object_model:ObjectModel"  # ad hoc: registered nowhere by default
 BACKENDS = ["numpy", "contiguous-max", "contiguous-pow2", "contiguous-oracle", OBJECTS]

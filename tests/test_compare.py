@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from kvbench import compare as C
-from kvbench import results
+from kvbench.bench import compare as C
+from kvbench.bench import records
 
 
 def run_row(backend, ops_per_s, tokens, device="cpu", series=True, workload="w", policy="-"):
@@ -20,8 +20,8 @@ def run_row(backend, ops_per_s, tokens, device="cpu", series=True, workload="w",
 
 
 def write(tmp_path, name, rows, kind="run", device="cpu"):
-    rec = results.record(kind, rows, {"made": "by hand"}, device=device)
-    return results.write(rec, tmp_path / f"{name}.json")
+    rec = records.record(kind, rows, {"made": "by hand"}, device=device)
+    return records.write(rec, tmp_path / f"{name}.json")
 
 
 @pytest.fixture

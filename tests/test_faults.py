@@ -14,8 +14,8 @@ import pytest
 from conftest import A, K, P, X, make_config, make_trace
 from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
-from kvbench.checker import check
-from kvbench.protocol import OutOfMemory
+from kvbench.checking.checker import check
+from kvbench.contract.protocol import OutOfMemory
 
 
 # --- the faults -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench import formulas as F
+from kvbench.contract import formulas as F
 
 
 @pytest.mark.parametrize("name, expected", [

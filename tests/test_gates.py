@@ -1,4 +1,4 @@
-"""The regression gates (kvbench/gates.py): CI runs them here on every submission.
+"""The regression gates (kvbench/bench/gates.py): CI runs them here on every submission.
 
 Exact gates compare deterministic memory and error figures with results/gates/expected.json;
 ratio gates compare speed ratios measured in the same run with a third of their typical value.
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from impls.numpy_paged import NumpyPaged
-from kvbench import gates as G
-from kvbench import suite
-from kvbench.protocol import CacheConfig
-from kvbench.trace import Append, Free, Header, Prefill, Trace
+from kvbench.bench import gates as G
+from kvbench.checking import suite
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Append, Free, Header, Prefill, Trace
 
 common = G.bench_common()
 

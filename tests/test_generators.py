@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvbench import generators as g
-from kvbench.trace import Append, Fork, Free, Prefill, load, loads
+from kvbench.traces import generators as g
+from kvbench.traces.format import Append, Fork, Free, Prefill, load, loads
 
 WORKLOADS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workloads")
 CANONICAL = {fname: (family, params, seed) for fname, family, params, seed in g.CANONICAL}

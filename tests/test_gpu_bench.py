@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvbench.gpu_bench import SIZES  # noqa: E402
+from kvbench.bench.gpu import SIZES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "workloads" / "fork-beam.jsonl"
@@ -74,6 +74,6 @@ def test_cuda_on_a_machine_without_it_is_refused(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from kvbench.gpu_bench import main
+    from kvbench.bench.gpu import main
     assert main(["--device", "cuda", "--out", str(tmp_path), "--skip-check"]) == 2
     assert not list(tmp_path.iterdir())

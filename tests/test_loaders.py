@@ -1,4 +1,4 @@
-"""Loaders of public traces (kvbench.loaders): real files from ../shared/traces, hand-made bad ones.
+"""Loaders of public traces (kvbench.traces.loaders): real files from ../shared/traces, hand-made bad ones.
 
 Facts about the real files come from shared/traces/README.md and the SOURCE.md files next to them.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.loaders import (
+from kvbench.traces.loaders import (
     Request, load_azure, load_lengths, load_mooncake, load_requests, load_servegen, load_vidur,
     prefix_hit_rate_unbounded, rehash_requests, split_block_hashes,
 )
-from kvbench.trace import TraceError
+from kvbench.traces.format import TraceError
 
 TRACES = Path(os.environ.get("KVBENCH_TRACES") or Path(__file__).resolve().parents[2] / "shared" / "traces")
 AZURE = "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"

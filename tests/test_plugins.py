@@ -15,16 +15,16 @@ import sys
 
 import pytest
 
-from kvbench import registry
-from kvbench.checker import check
-from kvbench.suite import committed_workloads, config_for, load_traces
+from kvbench.contract import registry
+from kvbench.checking.checker import check
+from kvbench.checking.suite import committed_workloads, config_for, load_traces
 
 # A paged, ledger-only allocator with fork and copy-on-write, in one file.
 POOL_PY = '''
 """A tiny paged KV-cache allocator that keeps the ledger only (no K/V data)."""
 import dataclasses
 
-from kvbench.protocol import Backend, Capabilities, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, Capabilities, Ledger, OutOfMemory
 
 
 class MyPool(Backend):

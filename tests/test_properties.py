@@ -2,7 +2,7 @@
 
 A ``RuleBasedStateMachine`` builds a history out of the trace format's own operations; at the end
 each backend replays it under the checker. A failing history (shrunk by Hypothesis) is saved as a
-trace with ``kvbench.trace.save`` so that ``kvbench check`` can replay it.
+trace with ``kvbench.traces.format.save`` so that ``kvbench check`` can replay it.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 from conftest import make_config
 from impls.numpy_paged import NumpyPaged
-from kvbench import registry
-from kvbench.checker import check
-from kvbench.trace import Append, Fork, Free, Header, Prefill, Trace, load, save, validate
+from kvbench.contract import registry
+from kvbench.checking.checker import check
+from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, save, validate
 
 MAX_LEN = 48  # longest sequence; the `max` reservation reserves exactly this
 TENANT_WEIGHTS = {"a": 1, "b": 2, "c": 3}

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvbench import quant as Q
-from kvbench.formulas import get_model
-from kvbench.protocol import kv_values
+from kvbench.contract.formulas import get_model
+from kvbench.contract.protocol import kv_values
 from impls import quant_numpy
 
 

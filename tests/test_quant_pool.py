@@ -6,10 +6,10 @@ import pytest
 
 from conftest import A, K, P, X, make_config, make_trace
 from impls.numpy_quant_paged import NumpyQuantPaged
-from kvbench import quant_pool
-from kvbench.checker import check
-from kvbench.formulas import get_model
-from kvbench.trace import load
+from kvbench.quant import pool as quant_pool
+from kvbench.checking.checker import check
+from kvbench.contract.formulas import get_model
+from kvbench.traces.format import load
 
 WORKLOADS = sorted((Path(__file__).resolve().parents[1] / "workloads").glob("*.jsonl"))
 FORK_COW = make_trace(P(0, 20), K(1, 0), A((1, 3), (0, 2)), A((0, 1), (1, 1)), X(0), X(1), name="fork-cow")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from conftest import make_config
 
-from kvbench import registry
-from kvbench import serving as S
-from kvbench.checker import check
-from kvbench.formulas import budget_blocks, get_model
-from kvbench.loaders import Request, load_requests
-from kvbench.trace import Append, Free, Prefill, validate
+from kvbench.contract import registry
+from kvbench.analyses import serving as S
+from kvbench.checking.checker import check
+from kvbench.contract.formulas import budget_blocks, get_model
+from kvbench.traces.loaders import Request, load_requests
+from kvbench.traces.format import Append, Free, Prefill, validate
 
 GiB = 2 ** 30
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import A, K, P, X, make_trace
-from kvbench import trace as T
+from kvbench.traces import format as T
 
 HEADER = json.dumps({"kvbench_trace": 1, "family": "test", "generator": "g", "params": {}, "seed": 7})
 

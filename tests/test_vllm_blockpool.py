@@ -1,4 +1,4 @@
-"""vLLM's own v1 BlockPool behind the protocol (impls/vllm_blockpool.py), and where vLLM differs.
+"""vLLM's own v1 BlockPool behind the protocol (impls/engines/vllm_blockpool.py), and where vLLM differs.
 
 vLLM is opt-in (a separate venv, see the README's recipe); CI does not install it, so every test
 that needs it is skipped there. Run them with::
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 from conftest import make_config
 
-from impls.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
-from kvbench import prefix
-from kvbench.checker import check
-from kvbench.loaders import Request, load_requests
-from kvbench.protocol import OutOfMemory
-from kvbench.suite import committed_workloads, config_for, load_traces
-from kvbench.trace import Free, Header, Prefill, Trace, validate
+from impls.engines.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
+from kvbench.analyses import prefix
+from kvbench.checking.checker import check
+from kvbench.traces.loaders import Request, load_requests
+from kvbench.contract.protocol import OutOfMemory
+from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 
 SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))

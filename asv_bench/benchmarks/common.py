@@ -1,4 +1,4 @@
-"""Shared fixtures of the asv suite (and of kvbench.gates, which loads this file by path).
+"""Shared fixtures of the asv suite (and of kvbench.bench.gates, which loads this file by path).
 
 APPEND ONLY, NEVER CHANGE. Every value here (seeds, shapes, lengths, the lists of backends and
 workloads, what the replay driver does) is an input of stored results: change one and every
@@ -7,8 +7,8 @@ or a new workload at the end of its list instead, and give a benchmark that must
 name (or bump its ``version``).
 
 This file must import with the kvbench of any commit asv builds, the oldest included: it uses
-only the protocol, the registry and the trace format, which have not changed since the first
-commit. Anything a commit lacks makes ``setup`` raise NotImplementedError (asv shows n/a).
+only the protocol, the registry and the trace format, through ``kvbench.api`` (the stable
+surface), or their original module paths at commits from before ``kvbench.api`` existed. Anything a commit lacks makes ``setup`` raise NotImplementedError (asv shows n/a).
 """
 from __future__ import annotations
 
@@ -18,13 +18,18 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from kvbench import registry
-    from kvbench.formulas import ModelSpec, get_model
-    from kvbench.protocol import CacheConfig, OutOfMemory
-    from kvbench.trace import Append, Fork, Free, Prefill, load
+    from kvbench.api import (Append, CacheConfig, Fork, Free, ModelSpec, OutOfMemory, Prefill,
+                             get_model, load, registry)
     IMPORT_ERROR = ""
-except ImportError as e:  # a commit without the spine: every benchmark is n/a
-    IMPORT_ERROR = f"kvbench at this commit lacks {e.name}: {e}"
+except ImportError:  # a commit from before kvbench.api (and the package's wings): the old paths
+    try:
+        from kvbench import registry
+        from kvbench.formulas import ModelSpec, get_model
+        from kvbench.protocol import CacheConfig, OutOfMemory
+        from kvbench.trace import Append, Fork, Free, Prefill, load
+        IMPORT_ERROR = ""
+    except ImportError as e:  # a commit without the spine: every benchmark is n/a
+        IMPORT_ERROR = f"kvbench at this commit lacks {e.name}: {e}"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The working tree's committed traces: the same bytes for every commit asv builds.

@@ -1,6 +1,6 @@
 """`kvbench compare A.json B.json [C.json ...]`: result records side by side, with ratios and charts.
 
-Records are those of kvbench.results (``kvbench run``, ``kvbench.gpu_bench``, ``kvbench serve``...):
+Records are those of kvbench.bench.records (``kvbench run``, ``kvbench.bench.gpu``, ``kvbench serve``...):
 each names its machine, commit and parameters. The first record is the baseline ``A``; every
 other one gets a ratio column (``B/A``, ``C/A``). Rows are matched on what identifies a
 measurement (workload, backend, policy, bench, impl, batch, ...), never on the device, so a CPU
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import results
+from kvbench.bench import records
 
 # What identifies a row across records (whichever a record has); the device is left out on purpose.
 KEY_COLUMNS = ["bench", "workload", "backend", "impl", "policy", "what", "batch", "format",
@@ -295,7 +295,7 @@ def compare(paths, metrics=None, out: str | Path | None = None):
     """(legend lines, side-by-side table, charts written)."""
     if len(paths) < 2:
         raise ValueError("compare needs two or more result records")
-    recs = [results.read(p) for p in paths]
+    recs = [records.read(p) for p in paths]
     names = labels(len(recs))
     legend = [describe(n, p, r) for n, p, r in zip(names, paths, recs)]
     kinds = {r["kind"] for r in recs}
@@ -362,7 +362,7 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="result records side by side (ratios to the first), charts")
     p.add_argument("records", nargs="+", help="two or more result records (JSON); the first is A")
     p.add_argument("--metric", action="append", help="column to show (repeatable; default by kind)")
-    p.add_argument("--out", default=str(results.RESULTS_DIR / "scratch" / "compare"),
+    p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "compare"),
                    help="directory for the PNG charts (default results/scratch/compare)")
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--csv", help="also write the table as CSV")
@@ -371,7 +371,7 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``python -m kvbench.compare``: the same as ``kvbench compare``."""
+    """``python -m kvbench.bench.compare``: the same as ``kvbench compare``."""
     parser = argparse.ArgumentParser(prog="kvbench")
     add_compare_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])

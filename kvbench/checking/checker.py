@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import quant_pool
-from .oracle import ModelOOM, Oracle, content_segments
-from .protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
-from .trace import Append, Fork, Free, Prefill, Trace, op_to_dict
+from kvbench.quant import pool as quant_pool
+from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
+from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
+from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
 BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks")
 

@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from .results import REPO_ROOT, RESULTS_DIR, commit_info, machine_info
+from kvbench.bench.records import REPO_ROOT, RESULTS_DIR, commit_info, machine_info
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
 COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
@@ -324,7 +324,7 @@ def _subject(factory, num_blocks: int, store_kv: bool):
     common = bench_common()
     if factory is None:
         return common.make_backend("numpy", num_blocks=num_blocks, store_kv=store_kv)
-    from .protocol import CacheConfig
+    from kvbench.contract.protocol import CacheConfig
     return factory(CacheConfig(model=common.model(), block_size=common.BLOCK_SIZE,
                                num_blocks=num_blocks, store_kv=store_kv))
 
@@ -485,7 +485,7 @@ def cmd_gates(args) -> int:
     return code
 
 
-ABOUT = ("kvbench regression gates (kvbench/gates.py). replay/quant: exact lower-is-better values; "
+ABOUT = ("kvbench regression gates (kvbench/bench/gates.py). replay/quant: exact lower-is-better values; "
          "any change fails until recorded with `kvbench gates --update`. ratios: typical "
          "reference/subject speed ratios; a gate fails below typical / margin; re-measure with "
          "`kvbench gates --update-ratios`.")
@@ -510,7 +510,7 @@ def add_gates_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``python -m kvbench.gates``: the same as ``kvbench gates``."""
+    """``python -m kvbench.bench.gates``: the same as ``kvbench gates``."""
     parser = argparse.ArgumentParser(prog="kvbench")
     add_gates_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["gates", *(sys.argv[1:] if argv is None else argv)])

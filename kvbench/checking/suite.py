@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import eviction
-from . import formulas as F
-from . import registry
-from .checker import Verdict, check
-from .protocol import CacheConfig
-from .trace import Trace, load
+from kvbench.analyses import eviction
+from kvbench.contract import formulas as F
+from kvbench.contract import registry
+from kvbench.checking.checker import Verdict, check
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Trace, load
 
-WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "workloads"
+WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 POLICIES = ("lru", "lfu", "fair")
 
 

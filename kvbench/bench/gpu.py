@@ -2,7 +2,7 @@
 GPU benchmarks, written as JSON result records.
 
     scripts/gpu_check.sh [OUTDIR]                         # on a CUDA machine (OUTDIR: $OUT)
-    python -m kvbench.gpu_bench --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
+    python -m kvbench.bench.gpu --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
 
 What it writes under OUTDIR:
 
@@ -39,9 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import results, suite
-from .formulas import ModelSpec, blocks_needed
-from .protocol import CacheConfig
+from kvbench.bench import records
+
+from kvbench.checking import suite
+from kvbench.contract.formulas import ModelSpec, blocks_needed
+from kvbench.contract.protocol import CacheConfig
 
 # full: for a GPU. tiny: the same code paths in seconds, on any machine.
 SIZES = {
@@ -103,9 +105,9 @@ def run_checks(traces, device: str, out: Path) -> list[dict]:
     """The checker on every trace (every policy it runs under) with the torch backend."""
     loaded = suite.load_traces(traces)
     rows = suite.run_suite(loaded, ["torch"], policy="auto", device=device)
-    rec = results.record("run", rows, {"traces": [str(p) for p in traces], "backends": ["torch"],
+    rec = records.record("run", rows, {"traces": [str(p) for p in traces], "backends": ["torch"],
                                        "device": device, "policy": "auto"}, device=device)
-    results.write(rec, out / f"run-torch-{device.replace(':', '')}.json")
+    records.write(rec, out / f"run-torch-{device.replace(':', '')}.json")
     return [{"bench": "check", "workload": r["workload"], "policy": r["policy"], "status": r["status"],
              "ops": r["ops"], "divergence": r["divergence"], "not_applicable": r["not_applicable"],
              "evictions": r["evictions"], "backend_ms": r["backend_ms"]} for r in rows]
@@ -234,9 +236,9 @@ def memory_check(torch, device, size: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.gpu_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvbench.bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device: cuda (default), cuda:N or cpu")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(results.RESULTS_DIR / "runs"),
+    p.add_argument("--out", default=os.environ.get("OUT") or str(records.RESULTS_DIR / "runs"),
                    help="output directory (default $OUT, else results/runs)")
     p.add_argument("--size", choices=sorted(SIZES), default="full")
     p.add_argument("--traces", nargs="*", help="trace files to check (default: every committed workload)")
@@ -284,8 +286,8 @@ def main(argv=None) -> int:
               "cuda": torch.version.cuda if device.type == "cuda" else None,
               "torch_threads": torch.get_num_threads(),
               **{k: v for k, v in size.items() if k != "model"}}
-    rec = results.record("gpu_check", rows, params, device=str(device))
-    path = results.write(rec, out / f"gpu_check-{str(device).replace(':', '')}.json")
+    rec = records.record("gpu_check", rows, params, device=str(device))
+    path = records.write(rec, out / f"gpu_check-{str(device).replace(':', '')}.json")
 
     failed = [r for r in checks if r["status"] == "FAIL"]
     for r in failed:

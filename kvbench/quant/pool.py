@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import quant as Q
-from .formulas import ModelSpec
+from kvbench import quant as Q
+from kvbench.contract.formulas import ModelSpec
 
 # name -> the scheme of every (token, K/V, layer, head) row
 POOL_FORMATS = {

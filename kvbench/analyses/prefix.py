@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import registry
-from .checker import check
-from .formulas import blocks_needed, get_model
-from .loaders import Request, rehash_requests
-from .protocol import CacheConfig
-from .trace import Free, Header, Prefill, Trace
+from kvbench.contract import registry
+from kvbench.checking.checker import check
+from kvbench.contract.formulas import blocks_needed, get_model
+from kvbench.traces.loaders import Request, rehash_requests
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Free, Header, Prefill, Trace
 
 
 def cache_trace(requests: list[Request], block_size: int, name: str = "prefix-cache") -> Trace:

@@ -17,10 +17,10 @@ format        file                                                     arrival (
               ``*-dataset.json``), one tenant per client               from a seed
 ============  =======================================================  ==============================
 
-Every loader refuses a bad row with :class:`kvbench.trace.TraceError` naming the file, the line
+Every loader refuses a bad row with :class:`kvbench.traces.format.TraceError` naming the file, the line
 and the reason. Blank lines (trailing or not) are skipped, a last line without a newline is read,
 an output of 0 tokens is allowed; a prompt needs at least one token (a prefill of 0 tokens is not
-an operation, see ``kvbench.trace``).
+an operation, see ``kvbench.traces.format``).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from kvbench.formulas import blocks_needed
-from kvbench.trace import TraceError
+from kvbench.contract.formulas import blocks_needed
+from kvbench.traces.format import TraceError
 
 MOONCAKE_BLOCK_SIZE = 512  # tokens per hash id in Mooncake traces
 SERVEGEN_WINDOW_S = 600.0  # each ServeGen trace row describes 600 s (or less, up to the next row)

@@ -7,10 +7,18 @@ import sys
 import numpy as np
 import pandas as pd
 
-from . import eviction, registry, results, serving, suite
-from .compare import add_compare_parser
-from .gates import add_gates_parser
-from .trace import TraceError
+from kvbench.analyses import eviction
+
+from kvbench.contract import registry
+
+from kvbench.bench import records
+
+from kvbench.analyses import serving
+
+from kvbench.checking import suite
+from kvbench.bench.compare import add_compare_parser
+from kvbench.bench.gates import add_gates_parser
+from kvbench.traces.format import TraceError
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
                "final_fragmentation", "evictions", "recomputed_tokens", "hit_rate", "jain",
@@ -108,10 +116,10 @@ def cmd_run(args) -> int:
                       for msg in print_eviction(t, rows, settings(args))]
     for msg in beyond_optimum:
         print(f"FAIL {msg}")
-    rec = results.record("run", rows, {"traces": [str(p) for p in paths], "backends": backends,
+    rec = records.record("run", rows, {"traces": [str(p) for p in paths], "backends": backends,
                                        **{k: v for k, v in settings(args).items()},
                                        "policy": args.policy}, device=args.device)
-    path = results.write(rec, args.output)
+    path = records.write(rec, args.output)
     print(f"{len(df)} runs: {int((df.status == 'pass').sum())} pass, {len(failed)} fail, "
           f"{len(na)} n/a; results in {path}")
     return 1 if len(failed) or beyond_optimum else 0
@@ -120,9 +128,9 @@ def cmd_run(args) -> int:
 def print_capacity(trace, args) -> None:
     """Tokens a byte budget holds at each KV format, beside the error each makes on the K/V the
     trace's sequences write (its first 256 tokens' worth)."""
-    from . import quant
-    from .oracle import content_segments
-    from .protocol import kv_tokens
+    from kvbench import quant
+    from kvbench.checking.oracle import content_segments
+    from kvbench.contract.protocol import kv_tokens
     cfg = suite.config_for(trace, **settings(args))
     budget = cfg.num_blocks * cfg.block_size * cfg.model.bytes_per_token
     writers, positions = [], []
@@ -161,11 +169,11 @@ def cmd_check(args) -> int:
 
 
 def cmd_gen(args) -> int:
-    from . import generators
+    from kvbench.traces import generators
     if args.family:
         trace = generators.generate(args.family, seed=args.seed)
         out = args.out or f"{args.family}-{args.seed}.jsonl"
-        from .trace import save
+        from kvbench.traces.format import save
         save(trace, out)
         print(f"wrote {out} ({len(trace)} ops)")
         return 0
@@ -178,8 +186,8 @@ def cmd_gen(args) -> int:
 def cmd_prefix(args) -> int:
     from pathlib import Path
 
-    from . import prefix
-    from .loaders import load_requests, prefix_hit_rate_unbounded
+    from kvbench.analyses import prefix
+    from kvbench.traces.loaders import load_requests, prefix_hit_rate_unbounded
     requests = load_requests(args.trace, args.format)[:args.max_requests]
     trace = prefix.cache_trace(requests, args.block_size)
     curve = prefix.hit_rate_curve(trace, backend=args.backend)
@@ -205,7 +213,7 @@ def cmd_list(args) -> int:
         rows.append({"backend": name, "from": e.origin, "target": e.target,
                      "available": "yes" if ok else "no", "why not": why})
     print_table(pd.DataFrame(rows), ["backend", "from", "available", "why not", "target"])
-    from .formulas import PRESETS
+    from kvbench.contract.formulas import PRESETS
     print("\nmodels: " + ", ".join(f"{m.name} ({m.bytes_per_token} B/token)" for m in PRESETS.values()))
     print("workloads: " + ", ".join(p.stem for p in suite.committed_workloads()))
     return 0

@@ -5,7 +5,7 @@ Another package registers a backend through the entry-point group ``kvbench.back
     [project.entry-points."kvbench.backends"]
     my-pool = "my_pkg.pool:MyPool"
 
-A factory is a :class:`~kvbench.protocol.Backend` subclass (or any callable taking a
+A factory is a :class:`~kvbench.contract.protocol.Backend` subclass (or any callable taking a
 ``CacheConfig`` and returning a Backend). Classes are imported only when used, so a backend whose
 dependencies are missing is still listed, with the reason it cannot run.
 """
@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-from .protocol import Backend, CacheConfig
+from kvbench.contract.protocol import Backend, CacheConfig
 
 ENTRY_POINT_GROUP = "kvbench.backends"
 
@@ -66,7 +66,7 @@ BUILTIN = [
     BackendEntry("contiguous-pow2", "impls.contiguous:Contiguous", overrides={"reservation": "pow2"}),
     BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
                  overrides={"reservation": "oracle"}),
-    BackendEntry("vllm-blockpool", "impls.vllm_blockpool:VllmBlockPool"),
+    BackendEntry("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool"),
     # The straightforward per-object model: a reference for speed ratios, ledger only.
     BackendEntry("python-objects", "impls.object_model:ObjectModel"),
 ]

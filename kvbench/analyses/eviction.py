@@ -1,6 +1,6 @@
 """Eviction metrics (SPEC §5): per-run and per-tenant figures, Belady's offline policy, the plot.
 
-Everything here reads a :class:`~kvbench.checker.Verdict` made with ``series=True`` (each
+Everything here reads a :class:`~kvbench.checking.checker.Verdict` made with ``series=True`` (each
 operation's ``usage``: tenant -> blocks in its sequences' tables, or slab slots for the contiguous
 layout) and its trace. Definitions, as a serving engineer reads them:
 
@@ -35,11 +35,11 @@ from fractions import Fraction
 
 import pandas as pd
 
-from .checker import Verdict, check
-from .formulas import blocks_needed, jain_index
-from .oracle import Oracle
-from .protocol import CacheConfig
-from .trace import Append, Fork, Free, Prefill, Trace
+from kvbench.checking.checker import Verdict, check
+from kvbench.contract.formulas import blocks_needed, jain_index
+from kvbench.checking.oracle import Oracle
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
 
 ONLINE_POLICIES = ("lru", "lfu", "fair")
 
@@ -92,7 +92,7 @@ def replay_model(trace: Trace, config: CacheConfig, layout: str = "paged",
                  model: Oracle | None = None) -> Verdict:
     """Replay ``trace`` through the oracle alone (no backend): its evictions, hits and usage.
 
-    :func:`kvbench.checker.check` without a backend, so the rules are the checker's (an evicted
+    :func:`kvbench.checking.checker.check` without a backend, so the rules are the checker's (an evicted
     sequence is recomputed before the operation touches it; a refused prefill or fork drops later
     operations on its sequence) and the figures compare one for one with a checker's verdict.
     ``model``: the oracle to drive (default ``Oracle(config, layout)``, whose victims follow
@@ -145,7 +145,7 @@ def belady_violations(trace: Trace, config: CacheConfig, runs: dict,
                       reference: Verdict | None = None) -> list[str]:
     """The checker-side bound: online hit rates above Belady's, where the theorem applies.
 
-    ``runs``: label -> a Verdict, or a row of :func:`kvbench.suite.verdict_row` (with ``hits``
+    ``runs``: label -> a Verdict, or a row of :func:`kvbench.checking.suite.verdict_row` (with ``hits``
     and ``misses``), of the paged layout under ``config``'s budget. Returns one message per
     violation; empty when the bound holds or does not apply (see :func:`unit_paging_reason`:
     then Belady is only a reference).
@@ -282,7 +282,7 @@ def tenant_table(trace: Trace, runs) -> pd.DataFrame:
     """Rows tenant x policy, for `kvbench run` to print on a tenant-mix trace.
 
     ``runs``: a dict ``{policy: Verdict}`` (series=True), or rows of
-    :func:`kvbench.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
+    :func:`kvbench.checking.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
     skipped).
     """
     rows = []
@@ -372,16 +372,18 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
 
 
 def main(argv=None) -> int:
-    """python -m kvbench.eviction TRACE [--backend numpy] [--out results/eviction]:
+    """python -m kvbench.analyses.eviction TRACE [--backend numpy] [--out results/eviction]:
     replay under LRU, LFU and Fair, print the tables, write <out>/<trace>-usage.png."""
     import argparse
     import os
 
-    from . import registry, suite
-    from .checker import check
-    from .trace import load
+    from kvbench.contract import registry
 
-    p = argparse.ArgumentParser(prog="python -m kvbench.eviction", description=main.__doc__)
+    from kvbench.checking import suite
+    from kvbench.checking.checker import check
+    from kvbench.traces.format import load
+
+    p = argparse.ArgumentParser(prog="python -m kvbench.analyses.eviction", description=main.__doc__)
     p.add_argument("trace")
     p.add_argument("--backend", default="numpy")
     p.add_argument("--out", default=str(suite.WORKLOADS_DIR.parent / "results" / "eviction"))

@@ -37,8 +37,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvbench.formulas import blocks_needed
-from kvbench.trace import Append, Fork, Free, Header, Prefill, Trace, save, validate
+from kvbench.contract.formulas import blocks_needed
+from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, save, validate
 
 GENERATOR_VERSION = 1
 

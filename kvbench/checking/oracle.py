@@ -14,9 +14,9 @@ import copy
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from . import formulas as F
-from . import quant_pool
-from .protocol import CacheConfig, Ledger, hash_writer
+from kvbench.contract import formulas as F
+from kvbench.quant import pool as quant_pool
+from kvbench.contract.protocol import CacheConfig, Ledger, hash_writer
 
 
 class ModelOOM(Exception):

@@ -1,0 +1,20 @@
+"""kvbench's small, stable public surface.
+
+What code outside kvbench may import without following the package's layout: the asv suite
+(which must also import the kvbench of older commits, see asv_bench/benchmarks/common.py),
+plug-in backends, notebooks. Names are only ever added here, never moved or removed.
+"""
+from kvbench import quant
+from kvbench.checking.checker import Divergence, Verdict, check
+from kvbench.checking.oracle import Oracle
+from kvbench.contract import registry
+from kvbench.contract.formulas import ModelSpec, blocks_needed, budget_blocks, get_model
+from kvbench.contract.protocol import (Backend, CacheConfig, Capabilities, Ledger, OutOfMemory,
+                                       kv_tokens, kv_values)
+from kvbench.traces.format import (Append, Fork, Free, Header, Prefill, Trace, TraceError, load,
+                                   loads, save)
+
+__all__ = ["quant", "check", "Verdict", "Divergence", "Oracle", "registry", "ModelSpec",
+           "blocks_needed", "budget_blocks", "get_model", "Backend", "CacheConfig", "Capabilities",
+           "Ledger", "OutOfMemory", "kv_tokens", "kv_values", "Append", "Fork", "Free", "Header",
+           "Prefill", "Trace", "TraceError", "load", "loads", "save"]

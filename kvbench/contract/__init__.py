@@ -1,0 +1,1 @@
+"""The contract: SPEC's formulas, the backend protocol, the registry of backends."""

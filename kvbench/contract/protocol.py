@@ -1,0 +1,186 @@
+"""The backend protocol: what every KV-cache backend implements, and what it reports.
+
+A backend is built from a :class:`CacheConfig` and driven by the replay one trace operation at a
+time. After every operation the checker reads :meth:`Backend.ledger` and compares it with the
+oracle; :meth:`Backend.gather` returns a sequence's K/V so the checker can verify its content.
+
+Backends from other packages implement this class and register themselves (see registry.py).
+"""
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from kvbench.contract.formulas import ModelSpec, get_model
+
+
+class OutOfMemory(RuntimeError):
+    """Raised by an operation that cannot get every block it needs.
+
+    The backend must leave its state exactly as it was before the operation.
+    """
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """System settings for one backend instance (the workload is the trace, apart)."""
+
+    model: ModelSpec = field(default_factory=lambda: get_model("tiny"))
+    block_size: int = 16
+    num_blocks: int = 256
+    store_kv: bool = True  # False: ledger only, no K/V arrays (for large real-model budgets)
+    device: str = "cpu"
+    reservation: str = "max"  # contiguous baseline: max | pow2 | oracle
+    max_context: int = 2048  # contiguous baseline's `max` reservation
+    policy: str | None = None  # eviction policy under the block budget: lru | lfu | fair
+    prefix_caching: bool = False  # reuse full blocks by the prefill's block hashes
+    kv_format: str | None = None  # a quantized pool's format (kvbench.quant.pool): int8, int4
+    tenant_weights: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+
+    @property
+    def kv_dtype(self):
+        return {2: np.float16, 4: np.float32}.get(self.model.dtype_bytes, np.float32)
+
+    @property
+    def arena_slots(self) -> int:
+        """Token slots of the byte budget: the contiguous arena gets the same memory."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares; the checker checks all of it and says what it skipped."""
+
+    layout: str = "paged"  # paged | contiguous
+    holds_kv: bool = True  # False: ledger only (gather is not available)
+    fork: bool = True
+    copy_on_write: bool = True
+    prefix_caching: bool = False
+    quantized: bool = False
+    eviction: tuple = ()  # policy names it implements
+    devices: tuple = ("cpu",)
+
+
+@dataclass
+class Ledger:
+    """A backend's own account of its memory after an operation.
+
+    Slot counts are token slots. The five memory categories add up to the whole budget:
+    token_states + reservation + internal_fragmentation + external_fragmentation + free.
+    """
+
+    blocks_used: int | None  # None where the layout has no blocks (contiguous)
+    blocks_free: int | None
+    tokens: dict  # live sequence -> tokens
+    seq_blocks: dict  # live sequence -> blocks in its table (contiguous: slots in its slab)
+    capacity_slots: int  # slots of the blocks (slabs) in use, each physical one counted once
+    free_slots: int  # of those, slots not holding a token
+    fragmentation: float
+    bytes_in_use: int
+    shared_blocks: int | None
+    token_states: int
+    reservation: int
+    internal_fragmentation: int
+    external_fragmentation: int
+    free: int
+    cached_blocks: int = 0  # free blocks that still hold a cached prefix (counted in free)
+    prefix_hit_blocks: int = 0  # prompt blocks found in the prefix cache so far
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+LEDGER_FIELDS = tuple(f.name for f in fields(Ledger))
+
+
+class Backend(ABC):
+    """One KV-cache manager under test.
+
+    ``kv`` arguments are arrays of shape ``[tokens, 2, layers, kv_heads, head_dim]`` (K then V),
+    the new tokens of the operation in order (for a batched append, seqs[0]'s first). They are
+    ``None`` for a backend configured with ``store_kv=False``. ``final_tokens`` is the length the
+    trace says the sequence will reach (used by reservation policies and the ledger's
+    reservation category).
+    """
+
+    name: str = "?"
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """(can run here, why not)."""
+        return True, ""
+
+    # Mutating calls take the trace step (the eviction clock) and return the sequences they
+    # evicted, in eviction order. A call that raises OutOfMemory has changed nothing.
+
+    @abstractmethod
+    def prefill(self, seq: int, tokens: int, kv=None, *, tenant: str = "default",
+                final_tokens: int | None = None, step: int = 0, protect=(),
+                block_hashes=None) -> tuple:
+        """A new sequence of ``tokens`` tokens. ``protect``: sequences it may not evict."""
+
+    @abstractmethod
+    def append(self, seqs, tokens, kv=None, *, step: int = 0) -> tuple:
+        """One decode step over a batch: ``seqs[i]`` gains ``tokens[i]`` tokens."""
+
+    @abstractmethod
+    def fork(self, seq: int, src: int, *, final_tokens: int | None = None, step: int = 0) -> tuple:
+        """``seq`` shares every block of ``src``."""
+
+    @abstractmethod
+    def free(self, seq: int, *, step: int = 0) -> None: ...
+
+    @abstractmethod
+    def ledger(self) -> Ledger: ...
+
+    def gather(self, seq: int) -> np.ndarray:
+        """The sequence's K/V, ``[tokens, 2, layers, kv_heads, head_dim]``, as a NumPy array."""
+        raise NotImplementedError(f"{self.name} holds no K/V data")
+
+    def close(self) -> None:
+        """Release device memory (optional)."""
+
+
+def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndarray:
+    """The K/V that ``writers[i]`` writes at ``positions[i]``: ``[n, 2, layers, kv_heads, head_dim]``.
+
+    Small integers, exact in float16, that differ by writer, position, K/V, layer, head and
+    channel: a gathered value read from the wrong slot or written by the wrong sequence shows.
+    """
+    shape = (2, model.layers, model.kv_heads, model.head_dim)
+    elem = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    w = np.asarray(writers, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+    p = np.asarray(positions, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+    vals = (w * 7919 + p * 131 + elem * 17 + 3) % 2003 - 1001
+    return vals.astype(dtype)
+
+
+def hash_writer(block_hash) -> int:
+    """The pseudo-writer of a hashed block's K/V: equal hashes mean equal prefixes, equal K/V."""
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+        key = block_hash
+    else:
+        key = zlib.crc32(str(block_hash).encode())
+    return -1 - (key % (1 << 31))
+
+
+def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.float16) -> np.ndarray:
+    """The K/V that sequence ``writer`` writes at positions ``start .. start+count-1``."""
+    return kv_tokens(np.full(count, writer), np.arange(start, start + count), model, dtype)
+
+
+__all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS", "Backend",
+           "kv_tokens", "kv_values", "hash_writer"]

@@ -1,0 +1,176 @@
+"""The float64 reference quantizer of SPEC section 4 (also a valid implementation of the
+quantizer protocol: ``kvbench.quant`` re-exports it).
+
+Decisions where the SPEC formula is silent (an engineer's choice, written down here):
+
+- The zero point is stored in the scale's float dtype, never int8: it is an integer-valued float
+  that cannot wrap (SPEC's sound alternative "store the zero point wider than int8").
+- A constant channel ``v`` (zero range) stores scale ``|v|`` and zero point 0: codes ``+-1``
+  reconstruct ``v`` exactly. An all-zero (or empty) channel stores scale 1: codes 0, output 0.
+- The stored scale is rounded up (one ulp of its dtype) so that ``scale * (qmax - qmin)`` covers
+  the range: every element then lies within ``scale/2`` of a code, and no clipping error appears.
+- Asymmetric scales have a floor ``8u * max|x_c|``: a range narrower than that cannot be resolved
+  by arithmetic of unit roundoff ``u`` anyway, and the floor keeps ``|zero_point| <= 2^21`` (exact
+  in float32, and small enough for float32 rounding tricks).
+- The reconstruction bound of SPEC section 4 assumes normal numbers. Each rounding into the
+  subnormal range can add half the dtype's smallest subnormal ``eta`` (Higham, *Accuracy and
+  Stability of Numerical Algorithms*, section 2.1), so the checker adds ``eta_out/2 +
+  eta*(1 + scale)``; with a float16 output that is 2^-25, visible only for tiny values.
+- With an external (calibrated) scale, values beyond the codes saturate: the checker compares
+  the output with the input clipped to the representable interval.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbench.quant.layouts import (UNIT_ROUNDOFF, Layout, QuantizedTensor, QuantScheme, pack_bits,
+                                   unpack_codes, validate_input)
+
+name = "reference"
+
+FP8_E4M3_MAX = 448.0  # 1.75 * 2^8: the largest finite e4m3fn value
+FP8_E4M3_MIN_NORMAL = 2.0**-6
+FP8_E4M3_MANTISSA_BITS = 3
+
+
+def available() -> tuple[bool, str]:
+    return True, ""
+
+
+def group_min_max(rows2d, lay: Layout):
+    """Per-group min and max (meta_shape, input dtype); empty groups read as 0."""
+    if lay.size == 0:
+        zeros = np.zeros(lay.meta_shape, dtype=rows2d.dtype)
+        return zeros, zeros
+    g = lay.scheme.granularity
+    if g == "channel":
+        return rows2d.min(axis=0, keepdims=True), rows2d.max(axis=0, keepdims=True)
+    if g == "token":
+        return rows2d.min(axis=1, keepdims=True), rows2d.max(axis=1, keepdims=True)
+    grouped = rows2d.reshape(lay.rows, -1, lay.scheme.group_size)
+    return grouped.min(axis=2), grouped.max(axis=2)
+
+
+def scale_and_zero_point(lo, hi, scheme: QuantScheme, scale_dtype: str = "float64"):
+    """Per-group scale and zero point from the group's min and max (SPEC section 4).
+
+    Computed in float64 (no overflow for float16/float32 ranges) and stored in ``scale_dtype``
+    one ulp above the nearest value, so that ``scale * steps`` covers the range despite the
+    rounding of the computation. Returns (scale, zero_point or None).
+    """
+    lo = np.asarray(lo, dtype=np.float64)
+    hi = np.asarray(hi, dtype=np.float64)
+    dt = np.dtype(scale_dtype)
+    u = UNIT_ROUNDOFF[dt.name]
+    steps = scheme.steps
+    amax = np.maximum(-lo, hi)  # max |x| (lo <= hi)
+    if scheme.symmetric:
+        scale = np.where(amax == 0, 1.0, amax / steps)  # one rounding: one ulp up covers it
+        return _round_up(scale, dt, where=amax > 0), None
+    constant = hi == lo
+    # hi/steps - lo/steps cannot overflow; its three roundings are each <= 2^-53 amax/steps
+    # (cancellation when lo and hi are close), so add 6 of those before rounding up.
+    scale = hi / steps - lo / steps + 6 * 2.0**-53 * amax / steps
+    scale = np.maximum(scale, 8 * u * amax)
+    scale = np.where(constant, np.where(lo == 0, 1.0, np.abs(lo)), scale)
+    scale = _round_up(scale, dt, where=~constant)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.where(constant, 0.0, np.rint(scheme.qmin - lo / scale.astype(np.float64)))
+    return scale, zero.astype(dt)
+
+
+def _round_up(scale, dt: np.dtype, where) -> np.ndarray:
+    """scale stored in dt, one ulp above the nearest value where ``where`` (but never past the
+    largest finite value, which covers any range once times steps >= 1)."""
+    stored = scale.astype(dt)
+    with np.errstate(over="ignore"):
+        up = np.nextafter(stored, dt.type(np.inf))
+    return np.where(where & np.isfinite(up), up, stored).astype(dt)
+
+
+# --------------------------------------------------------------------------------------------
+# The float64 reference quantizer (also a valid implementation of the protocol)
+
+
+def quantize(x, scheme: QuantScheme, *, scale=None, zero_point=None) -> QuantizedTensor:
+    """Reference quantization in float64. ``scale`` (and ``zero_point``) given: a calibrated
+    scale, broadcast to the groups; values beyond the codes saturate."""
+    x = np.asarray(x)
+    lay = validate_input(x, scheme)
+    xr = lay.to_rows(x).astype(np.float64)
+    if scale is None:
+        lo, hi = group_min_max(xr, lay)
+        s, z = scale_and_zero_point(lo, hi, scheme, "float64")
+    else:
+        s, z = external_scale(scale, zero_point, xr, lay)
+    q = np.rint(xr / lay.expand(s))
+    if z is not None:
+        q = q + lay.expand(z)
+    codes = np.clip(q, scheme.qmin, scheme.qmax).astype(np.int8)
+    if scheme.packed:
+        codes = pack_bits(codes, scheme.slot_bits)
+    return QuantizedTensor(codes, s, z, x.shape, x.dtype.name, scheme, scheme.packed, "float64")
+
+
+def external_scale(scale, zero_point, rows2d, lay: Layout, dtype="float64"):
+    """A calibrated scale (and zero point) broadcast to the groups, checked positive and finite."""
+    s = np.broadcast_to(np.asarray(scale, dtype=np.float64), lay.meta_shape).astype(dtype)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        raise ValueError(f"quantize: an external scale must be positive and finite, got {scale!r}")
+    if lay.scheme.symmetric:
+        if zero_point is not None:
+            raise ValueError("quantize: a symmetric scheme takes no zero_point")
+        return s, None
+    if zero_point is None:
+        lo, _ = group_min_max(rows2d, lay)
+        z = np.rint(lay.scheme.qmin - np.asarray(lo, np.float64) / s.astype(np.float64))
+    else:
+        z = np.broadcast_to(np.asarray(zero_point, dtype=np.float64), lay.meta_shape)
+        if not (np.isfinite(z).all() and (z == np.rint(z)).all()):
+            raise ValueError(f"quantize: zero_point must be integer-valued, got {zero_point!r}")
+    return s, np.asarray(z, dtype=dtype)
+
+
+
+def dequantize(qt: QuantizedTensor, out_dtype=np.float64) -> np.ndarray:
+    """Reference x_hat = (q - zero_point) * scale, in float64."""
+    lay = qt.layout
+    q = unpack_codes(qt).astype(np.float64)
+    if qt.zero_point is not None:
+        q = q - lay.expand(np.asarray(qt.zero_point, dtype=np.float64))
+    with np.errstate(over="ignore"):
+        x_hat = q * lay.expand(np.asarray(qt.scale, dtype=np.float64))
+    top = np.finfo(out_dtype).max  # a value just past the top of the range stays finite
+    return lay.from_rows(np.clip(x_hat, -top, top)).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 e4m3 (torch.float8_e4m3fn): 4 exponent bits (bias 7), 3 mantissa bits, no inf, max 448
+
+
+def fp8_e4m3_round(y) -> np.ndarray:
+    """Nearest e4m3fn value of each y (ties to even), saturating at +-448. float64 in and out."""
+    y = np.asarray(y, dtype=np.float64)
+    if not np.isfinite(y).all():
+        raise ValueError("fp8_e4m3_round: NaN/inf input")
+    a = np.abs(y)
+    _, e = np.frexp(a)  # a = m * 2^e, m in [0.5, 1): leading bit 2^(e-1)
+    quantum = np.ldexp(1.0, np.maximum(e - 1, -6) - FP8_E4M3_MANTISSA_BITS)
+    r = np.minimum(np.rint(a / quantum) * quantum, FP8_E4M3_MAX)
+    return np.copysign(r, y)
+
+
+def fp8_e4m3_error_bound(y) -> np.ndarray:
+    """|y - fp8(y)| for |y| <= 448: half a quantum, <= 2^-4 |y| (normal) or 2^-10 (subnormal)."""
+    return np.maximum(2.0**-(FP8_E4M3_MANTISSA_BITS + 1) * np.abs(y), FP8_E4M3_MIN_NORMAL * 2.0**-4)
+
+
+@dataclass
+class Fp8Tensor:
+    codes: object  # float8_e4m3fn (or float values that are e4m3 values)
+    scale: float  # one per tensor: x_hat = code * scale
+    shape: tuple
+    dtype: str
+    compute_dtype: str = "float32"
