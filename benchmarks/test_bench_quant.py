@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from kvbench import quant as Q
 from impls import quant_numpy
+from kvbench import quant as Q
 
 FULL = os.environ.get("KVBENCH_BENCH_FULL") == "1"
 MIB = 256 if FULL else 16

@@ -28,13 +28,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see the README's recipe for /work/vllm-env")
 
-from impls.numpy_paged import NumpyPaged  # noqa: E402
 from impls.engines.vllm_blockpool import VllmBlockPool, _vllm  # noqa: E402
+from impls.numpy_paged import NumpyPaged  # noqa: E402
 from kvbench.analyses import prefix  # noqa: E402
-from kvbench.contract.formulas import get_model  # noqa: E402
-from kvbench.traces.loaders import load_requests  # noqa: E402
-from kvbench.contract.protocol import CacheConfig  # noqa: E402
 from kvbench.checking.suite import committed_workloads, config_for, load_traces  # noqa: E402
+from kvbench.contract.formulas import get_model  # noqa: E402
+from kvbench.contract.protocol import CacheConfig  # noqa: E402
+from kvbench.traces.loaders import load_requests  # noqa: E402
 
 BLOCK = 16
 POOL_BLOCKS = 1024
@@ -123,7 +123,9 @@ REPLAY_CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in ("vllm
                          ids=[f"{impl}-{w}" for w, _, impl in REPLAY_CASES])
 def test_replay(benchmark, workload, kind, impl):
     trace, cfg = trace_and_config(workload)
-    from kvbench.bench.gates import bench_common  # the asv suite's replay driver, loaded by path
+    from kvbench.bench.gates import (
+        bench_common,  # the asv suite's replay driver, loaded by path
+    )
 
     factory = NumpyPaged if impl == "numpy" else VllmBlockPool
     replay = bench_common().replay

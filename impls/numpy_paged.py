@@ -11,7 +11,13 @@ from fractions import Fraction
 
 import numpy as np
 
-from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import (
+    Backend,
+    CacheConfig,
+    Capabilities,
+    Ledger,
+    OutOfMemory,
+)
 
 POLICIES = ("lru", "lfu", "fair")
 DENSE_IDS = 1 << 20  # sequence ids below this are looked up in an array, others in a dict

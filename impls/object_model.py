@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import (
+    Backend,
+    CacheConfig,
+    Capabilities,
+    Ledger,
+    OutOfMemory,
+)
 
 POLICIES = ("lru", "lfu", "fair")
 

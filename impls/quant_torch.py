@@ -19,9 +19,8 @@ import math
 
 import numpy as np
 
-from kvbench import quant as Q
-
 from impls.quant_numpy import Params, divides
+from kvbench import quant as Q
 
 name = "torch"
 # Elements per chunk of rows. CPU: 1 MiB of float32, measured best on 2 cores (smaller pay

@@ -9,10 +9,27 @@ from kvbench.checking.checker import Divergence, Verdict, check
 from kvbench.checking.oracle import Oracle
 from kvbench.contract import registry
 from kvbench.contract.formulas import ModelSpec, blocks_needed, budget_blocks, get_model
-from kvbench.contract.protocol import (Backend, CacheConfig, Capabilities, Ledger, OutOfMemory,
-                                       kv_tokens, kv_values)
-from kvbench.traces.format import (Append, Fork, Free, Header, Prefill, Trace, TraceError, load,
-                                   loads, save)
+from kvbench.contract.protocol import (
+                                       Backend,
+                                       CacheConfig,
+                                       Capabilities,
+                                       Ledger,
+                                       OutOfMemory,
+                                       kv_tokens,
+                                       kv_values,
+)
+from kvbench.traces.format import (
+                                       Append,
+                                       Fork,
+                                       Free,
+                                       Header,
+                                       Prefill,
+                                       Trace,
+                                       TraceError,
+                                       load,
+                                       loads,
+                                       save,
+)
 
 __all__ = ["quant", "check", "Verdict", "Divergence", "Oracle", "registry", "ModelSpec",
            "blocks_needed", "budget_blocks", "get_model", "Backend", "CacheConfig", "Capabilities",

@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import A, K, P, X, make_config, make_trace
+
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
-from kvbench.contract import registry
 from kvbench.checking.checker import check
+from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
 
 OBJECTS = "impls.object_model:ObjectModel"  # ad hoc: registered nowhere by default

@@ -9,15 +9,26 @@ import tempfile
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbench.analyses import eviction as E
-from kvbench.contract import registry
 from kvbench.checking import suite
 from kvbench.checking.checker import Verdict, check
+from kvbench.contract import registry
 from kvbench.contract.formulas import jain_index, next_pow2
 from kvbench.contract.protocol import CacheConfig
-from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, save, validate
+from kvbench.traces.format import (
+    Append,
+    Fork,
+    Free,
+    Header,
+    Prefill,
+    Trace,
+    load,
+    save,
+    validate,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENANT_TRACES = sorted(f for f in os.listdir(os.path.join(ROOT, "workloads"))

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
 from conftest import A, K, P, X, make_config, make_trace
+
 from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
 from kvbench.contract.protocol import OutOfMemory
-
 
 # --- the faults -----------------------------------------------------------------------------
 

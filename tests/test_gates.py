@@ -11,7 +11,9 @@ import pytest
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.bench import gates as G
+from kvbench.bench import ratios as R
 from kvbench.checking import suite
+from kvbench.cli import gates as gates_cli
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace
 
@@ -183,9 +185,9 @@ def test_update_keeps_values_of_backends_that_cannot_run_here():
 # --- ratio gates ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(G.RATIO_GATES))
+@pytest.mark.parametrize("name", list(R.RATIO_GATES))
 def test_ratio_gate(name):
-    result = G.ratio_gate(name, repeats=5)
+    result = R.ratio_gate(name, repeats=5)
     assert result.typical is not None, f"no typical ratio for {name} in expected.json"
     assert result.ok, str(result)
     print(result)
@@ -193,7 +195,7 @@ def test_ratio_gate(name):
 
 @pytest.mark.parametrize("name", ["decode_vs_scatter", "decode_vs_object", "gather_vs_copy"])
 def test_planted_slowness_fails_the_ratio_gate(name):
-    result = G.ratio_gate(name, factory=PerTokenNumpy, repeats=3)
+    result = R.ratio_gate(name, factory=PerTokenNumpy, repeats=3)
     if result.skipped:
         pytest.skip(result.skipped)
     assert not result.ok, f"a per-token Python loop passed: {result}"
@@ -203,9 +205,9 @@ def test_planted_slowness_fails_the_ratio_gate(name):
 
 def test_margin_is_documented_in_expected_json():
     ratios = G.read_expected()["ratios"]
-    assert set(ratios) == set(G.RATIO_GATES)
+    assert set(ratios) == set(R.RATIO_GATES)
     for r in ratios.values():
-        assert r["margin"] == G.MARGIN and r["typical"] > 0
+        assert r["margin"] == R.MARGIN and r["typical"] > 0
 
 
 def test_gates_command_exit_code(tmp_path, capsys):
@@ -215,7 +217,7 @@ def test_gates_command_exit_code(tmp_path, capsys):
     expected = copy.deepcopy(expected)
     expected["replay"]["numpy"]["prefill-alpaca"] = {**figs, "peak_blocks": figs["peak_blocks"] - 1}
     path = G.write_expected(expected, tmp_path / "expected.json")
-    code = G.main(["--skip-ratios", "--backend", "numpy", "--case", "prefill-alpaca",
+    code = gates_cli.main(["--skip-ratios", "--backend", "numpy", "--case", "prefill-alpaca",
                    "--expected", str(path)])
     out = capsys.readouterr().out
     assert code == 1

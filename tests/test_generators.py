@@ -6,9 +6,11 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbench.traces import generators as g
+from kvbench.traces import laws
 from kvbench.traces.format import Append, Fork, Free, Prefill, load, loads
 
 WORKLOADS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workloads")
@@ -153,7 +155,7 @@ def test_generate_rejects_unknown_family_and_parameter():
     ({"name": "sharegpt", "scale": 0.25}, 128, 40.25, 84.5),
 ])
 def test_length_law_sample_means_match_the_published_means(law, cap, prompt_mean, output_mean):
-    prompt_law, output_law = g.request_laws(law, cap, cap)
+    prompt_law, output_law = laws.request_laws(law, cap, cap)
     rng = np.random.default_rng(0)
     prompts, outputs = prompt_law.sample(rng, 20_000), output_law.sample(rng, 20_000)
     assert prompts.mean() == pytest.approx(prompt_mean, rel=0.03)
@@ -163,10 +165,10 @@ def test_length_law_sample_means_match_the_published_means(law, cap, prompt_mean
 
 def test_uniform_and_fixed_laws_stay_in_range():
     rng = np.random.default_rng(0)
-    p, o = g.request_laws({"name": "uniform", "prompt": [17, 20], "output": [3, 3]})
+    p, o = laws.request_laws({"name": "uniform", "prompt": [17, 20], "output": [3, 3]})
     assert set(p.sample(rng, 1000).tolist()) == {17, 18, 19, 20}
     assert set(o.sample(rng, 100).tolist()) == {3}
-    p, o = g.request_laws("fixed")
+    p, o = laws.request_laws("fixed")
     assert (p.sample(rng, 5).tolist(), o.sample(rng, 5).tolist()) == ([64] * 5, [32] * 5)
 
 

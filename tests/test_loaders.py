@@ -14,11 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.traces.loaders import (
-    Request, load_azure, load_lengths, load_mooncake, load_requests, load_servegen, load_vidur,
-    prefix_hit_rate_unbounded, rehash_requests, split_block_hashes,
-)
 from kvbench.traces.format import TraceError
+from kvbench.traces.loaders import (
+    Request,
+    load_azure,
+    load_lengths,
+    load_mooncake,
+    load_requests,
+    load_servegen,
+    load_vidur,
+    prefix_hit_rate_unbounded,
+    rehash_requests,
+    split_block_hashes,
+)
 
 TRACES = Path(os.environ.get("KVBENCH_TRACES") or Path(__file__).resolve().parents[2] / "shared" / "traces")
 AZURE = "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"

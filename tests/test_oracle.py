@@ -4,10 +4,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from conftest import TINY, make_config
-from kvbench.contract import formulas as F
+
 from kvbench.checking.oracle import ModelOOM, Oracle, step
+from kvbench.contract import formulas as F
 
 B = 16
 BLOCK_BYTES = B * TINY.bytes_per_token  # 16 * 128 = 2048

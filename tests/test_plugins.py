@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from kvbench.contract import registry
 from kvbench.checking.checker import check
 from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.contract import registry
 
 # A paged, ledger-only allocator with fork and copy-on-write, in one file.
 POOL_PY = '''

@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 
 from kvbench.analyses import prefix
-from kvbench.traces.loaders import Request, load_requests, prefix_hit_rate_unbounded, rehash_requests
+from kvbench.traces.loaders import (
+    Request,
+    load_requests,
+    prefix_hit_rate_unbounded,
+    rehash_requests,
+)
 
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"

@@ -11,15 +11,30 @@ import tempfile
 
 import numpy as np
 import pytest
+from conftest import make_config
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    rule,
+    run_state_machine_as_test,
+)
 
-from conftest import make_config
 from impls.numpy_paged import NumpyPaged
-from kvbench.contract import registry
 from kvbench.checking.checker import check
-from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, save, validate
+from kvbench.contract import registry
+from kvbench.traces.format import (
+    Append,
+    Fork,
+    Free,
+    Header,
+    Prefill,
+    Trace,
+    load,
+    save,
+    validate,
+)
 
 MAX_LEN = 48  # longest sequence; the `max` reservation reserves exactly this
 TENANT_WEIGHTS = {"a": 1, "b": 2, "c": 3}

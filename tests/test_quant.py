@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from impls import quant_numpy
 from kvbench import quant as Q
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import kv_values
-from impls import quant_numpy
 
 
 def torch_impl():

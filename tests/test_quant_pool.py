@@ -3,12 +3,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import A, K, P, X, make_config, make_trace
+
 from impls.numpy_quant_paged import NumpyQuantPaged
-from kvbench.quant import pool as quant_pool
 from kvbench.checking.checker import check
 from kvbench.contract.formulas import get_model
+from kvbench.quant import pool as quant_pool
 from kvbench.traces.format import load
 
 WORKLOADS = sorted((Path(__file__).resolve().parents[1] / "workloads").glob("*.jsonl"))

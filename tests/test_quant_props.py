@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench import quant as Q
 from impls import quant_numpy
+from kvbench import quant as Q
 
 # KVBENCH_HYPOTHESIS_EXAMPLES=5000 for a long hunt; the default keeps the suite quick
 SETTINGS = settings(max_examples=int(os.environ.get("KVBENCH_HYPOTHESIS_EXAMPLES", 150)), deadline=None,

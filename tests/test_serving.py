@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from conftest import make_config
 
-from kvbench.contract import registry
+from kvbench.analyses import breakdown as BD
 from kvbench.analyses import serving as S
 from kvbench.checking.checker import check
+from kvbench.cli import main as cli_main
+from kvbench.contract import registry
 from kvbench.contract.formulas import budget_blocks, get_model
-from kvbench.traces.loaders import Request, load_requests
 from kvbench.traces.format import Append, Free, Prefill, validate
+from kvbench.traces.loaders import Request, load_requests
 
 GiB = 2 ** 30
 
@@ -81,7 +83,7 @@ def test_contiguous_max_admits_at_most_slots_over_max_context():
     reqs = [Request(0.0, 8, 8) for _ in range(12)]
     r = S.simulate(reqs, "contiguous-max", cfg)
     assert r.max_running == 4  # 4 = floor(9 * 16 / 32) = floor(144 / 32)
-    bd = S.breakdown(r)
+    bd = BD.breakdown(r)
     assert bd["averaged_over"] == "saturated"
     # paper-style: the 16-slot tail (16 = 144 - 4 * 32) cannot take a 32-slot reservation
     assert bd["external_fragmentation"] == pytest.approx(16 / 144)
@@ -140,13 +142,13 @@ def test_opt13b_arithmetic():
     assert model.bytes_per_token == 819_200  # 2 * 40 layers * 40 heads * 128 * 2 bytes = 800 KiB
     assert 12 * GiB // model.bytes_per_token == 15_728  # 12 GiB / 800 KiB = 15,728.64
     assert budget_blocks("12GiB", 16, model) == 983  # floor(12 GiB / (16 * 800 KiB)) = floor(983.04)
-    cfg = S.opt13b_config()
+    cfg = BD.opt13b_config()
     assert cfg.arena_slots == 15_728  # 983 * 16: the byte budget loses no slot to blocks
     assert not cfg.store_kv and cfg.max_context == 2048
     assert 15_728 // 2048 == 7
-    r = S.simulate(S.opt13b_requests(30), "contiguous-max", cfg, max_steps=200)
+    r = S.simulate(BD.opt13b_requests(30), "contiguous-max", cfg, max_steps=200)
     assert r.max_running == 7  # 7 = floor(15,728 / 2,048)
-    bd = S.breakdown(r)
+    bd = BD.breakdown(r)
     assert bd["steps_averaged"] == 200 and bd["mean_running"] == 7
     # (15,728 - 7 * 2,048) / 15,728 = 1,392 / 15,728 = 8.85%: the leftover too small for a slab
     assert bd["external_fragmentation"] == pytest.approx((15_728 - 7 * 2048) / 15_728)
@@ -154,7 +156,7 @@ def test_opt13b_arithmetic():
 
 
 def test_opt13b_requests_fit_the_context_with_sharegpt_means():
-    reqs = S.opt13b_requests(400)
+    reqs = BD.opt13b_requests(400)
     total = np.array([r.prompt_tokens + r.output_tokens for r in reqs])
     assert total.max() <= 2048 and all(r.arrival == 0 for r in reqs)
     prompt = np.mean([r.prompt_tokens for r in reqs])
@@ -191,16 +193,16 @@ def test_block_hashes_pass_through_into_prefill_ops(tmp_path):
 
 
 def test_breakdown_table_plot_and_cli(tmp_path):
-    table, results = S.run_opt13b(["contiguous-max", "numpy"], num_requests=12, max_steps=50)
+    table, results = BD.run_opt13b(["contiguous-max", "numpy"], num_requests=12, max_steps=50)
     assert list(table["paper_token_states"]) == [0.204, 0.963]
     shares = table[list(S.CATEGORIES)].sum(axis=1)
     assert np.allclose(shares, 1.0)  # the five categories cover the whole budget
-    png = S.plot_breakdown(table, tmp_path / "b.png")
+    png = BD.plot_breakdown(table, tmp_path / "b.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     csv = tmp_path / "lengths.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{p},{o}\n" for p, o in
                                                                    [(30, 10), (50, 0), (12, 40)] * 4))
-    code = S.main(["--trace", str(csv), "--format", "lengths", "--rate", "50", "--model", "tiny",
+    code = cli_main(["run", "--trace", str(csv), "--format", "lengths", "--rate", "50", "--model", "tiny",
                    "--budget", "16", "--block-size", "8", "--backend", "numpy", "--backend",
                    "contiguous-oracle", "--check", "--quiet", "--output", str(tmp_path / "r.json"),
                    "--save-traces", str(tmp_path / "traces")])
@@ -212,7 +214,7 @@ def test_breakdown_table_plot_and_cli(tmp_path):
 
 
 def test_cli_scenario_writes_the_paper_files(tmp_path, capsys):
-    code = S.main(["--scenario", "opt13b", "--max-requests", "20", "--max-steps", "100", "--backend",
+    code = cli_main(["run", "--scenario", "opt13b", "--max-requests", "20", "--max-steps", "100", "--backend",
                    "contiguous-max", "--quiet", "--paper-out", str(tmp_path / "paper"),
                    "--output", str(tmp_path / "r.json")])
     assert code == 0

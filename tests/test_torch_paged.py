@@ -17,17 +17,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import TINY, A, K, P, X, make_config, make_trace  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+from test_properties import SETTINGS, History  # noqa: E402
 
-from conftest import TINY, A, K, P, X, make_config, make_trace  # noqa: E402
 from impls.numpy_paged import NumpyPaged  # noqa: E402
 from impls.torch_paged import TorchPaged  # noqa: E402
 from kvbench.checking import suite  # noqa: E402
 from kvbench.checking.checker import check  # noqa: E402
 from kvbench.contract.protocol import Backend, OutOfMemory, kv_values  # noqa: E402
 from kvbench.traces.format import load  # noqa: E402
-from test_properties import SETTINGS, History  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = sorted((REPO / "workloads").glob("*.jsonl"))

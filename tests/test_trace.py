@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import A, K, P, X, make_trace
+
 from kvbench.traces import format as T
 
 HEADER = json.dumps({"kvbench_trace": 1, "family": "test", "generator": "g", "params": {}, "seed": 7})

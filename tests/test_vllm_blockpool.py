@@ -24,10 +24,10 @@ from conftest import make_config
 from impls.engines.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
-from kvbench.traces.loaders import Request, load_requests
-from kvbench.contract.protocol import OutOfMemory
 from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.contract.protocol import OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.loaders import Request, load_requests
 
 SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
@@ -275,7 +275,11 @@ def manager(vllm):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
     from vllm.v1.request import Request as VllmRequest
 
     init_none_hash(sha256)

@@ -6,7 +6,14 @@ decode step always extends the same batch and a prefill always finds the same fr
 import numpy as np
 
 from . import common
-from .common import BLOCK_SIZE, DECODE_BATCHES, GATHER_TOKENS, LONG_SEQUENCE, PAGED, PREFILL_TOKENS
+from .common import (
+    BLOCK_SIZE,
+    DECODE_BATCHES,
+    GATHER_TOKENS,
+    LONG_SEQUENCE,
+    PAGED,
+    PREFILL_TOKENS,
+)
 
 
 class _Call:

@@ -18,8 +18,18 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from kvbench.api import (Append, CacheConfig, Fork, Free, ModelSpec, OutOfMemory, Prefill,
-                             get_model, load, registry)
+    from kvbench.api import (
+        Append,
+        CacheConfig,
+        Fork,
+        Free,
+        ModelSpec,
+        OutOfMemory,
+        Prefill,
+        get_model,
+        load,
+        registry,
+    )
     IMPORT_ERROR = ""
 except ImportError:  # a commit from before kvbench.api (and the package's wings): the old paths
     try:

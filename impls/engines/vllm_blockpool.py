@@ -31,7 +31,13 @@ from __future__ import annotations
 import functools
 import types
 
-from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import (
+    Backend,
+    CacheConfig,
+    Capabilities,
+    Ledger,
+    OutOfMemory,
+)
 
 NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
 

@@ -36,8 +36,8 @@ from fractions import Fraction
 import pandas as pd
 
 from kvbench.checking.checker import Verdict, check
-from kvbench.contract.formulas import blocks_needed, jain_index
 from kvbench.checking.oracle import Oracle
+from kvbench.contract.formulas import blocks_needed, jain_index
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
 
@@ -331,7 +331,6 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.lines import Line2D
 
     n = len(verdicts_by_policy)
@@ -369,42 +368,3 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-def main(argv=None) -> int:
-    """python -m kvbench.analyses.eviction TRACE [--backend numpy] [--out results/eviction]:
-    replay under LRU, LFU and Fair, print the tables, write <out>/<trace>-usage.png."""
-    import argparse
-    import os
-
-    from kvbench.contract import registry
-
-    from kvbench.checking import suite
-    from kvbench.checking.checker import check
-    from kvbench.traces.format import load
-
-    p = argparse.ArgumentParser(prog="python -m kvbench.analyses.eviction", description=main.__doc__)
-    p.add_argument("trace")
-    p.add_argument("--backend", default="numpy")
-    p.add_argument("--out", default=str(suite.WORKLOADS_DIR.parent / "results" / "eviction"))
-    args = p.parse_args(argv)
-    trace = load(args.trace)
-    verdicts = {}
-    for policy in ONLINE_POLICIES:
-        config = suite.config_for(trace, policy=policy)
-        v = check(trace, registry.create(args.backend, config), series=True)
-        if not v.valid:
-            raise SystemExit(f"{args.backend} {policy}: {v.divergence or v.not_applicable}")
-        verdicts[policy] = v
-    with pd.option_context("display.width", 200, "display.max_columns", 30,
-                           "display.float_format", "{:.3g}".format):
-        print(tenant_table(trace, verdicts).to_string(index=False))
-        print()
-        print(policy_table(trace, suite.config_for(trace)).to_string(index=False))
-    os.makedirs(args.out, exist_ok=True)
-    print(plot_usage(trace, verdicts, os.path.join(args.out, f"{trace.name}-usage.png")))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

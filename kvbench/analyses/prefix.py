@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvbench.contract import registry
 from kvbench.checking.checker import check
+from kvbench.contract import registry
 from kvbench.contract.formulas import blocks_needed, get_model
-from kvbench.traces.loaders import Request, rehash_requests
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Free, Header, Prefill, Trace
+from kvbench.traces.loaders import Request, rehash_requests
 
 
 def cache_trace(requests: list[Request], block_size: int, name: str = "prefix-cache") -> Trace:

@@ -24,24 +24,19 @@ Two kinds, run by ``tests/test_gates.py`` on every submission and by ``kvbench g
 
 The figures come from the asv suite's fixtures and replay driver (asv_bench/benchmarks/common.py,
 loaded by path), so the gates and the ``track_`` benchmarks measure the same thing.
+
+The ratio gates are in :mod:`kvbench.bench.ratios`; `kvbench gates` in :mod:`kvbench.cli.gates`.
 """
 from __future__ import annotations
 
-import argparse
-import gc
 import importlib.util
 import json
 import math
-import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
-
-from kvbench.bench.records import REPO_ROOT, RESULTS_DIR, commit_info, machine_info
+from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
 COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
@@ -54,8 +49,6 @@ REPLAY_QUANTITIES = ("peak_blocks", "peak_bytes", "final_fragmentation", "mean_f
                      "ooms")
 QUANT_QUANTITIES = ("max_abs_error", "mean_abs_error", "rmse", "stored_bytes")
 REL_TOL = 1e-9
-MARGIN = 3.0  # a ratio gate fails below typical / MARGIN
-REPEATS = 7
 
 
 def bench_common():
@@ -285,237 +278,3 @@ def merge_measured(expected: dict, measured: dict, skipped: dict) -> dict:
                 merged[name] = cases
         out[group] = merged
     return out
-
-
-# --- ratio gates ---------------------------------------------------------------------------------
-
-
-def _timed(fn) -> float:
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    finally:
-        if gc_was:
-            gc.enable()
-
-
-DECODE_BATCH = 256
-TRIALS = 7  # interleaved timings per repeat, of which the fastest counts
-GATHER_TOKENS = 4096  # 4 MiB of K/V in the suite's 1 KiB-per-token model
-
-
-def _fastest(reference, subject, trials: int = TRIALS) -> tuple[float, float]:
-    """Time ``reference(i)`` and ``subject(i)`` alternately for i = 1..trials after an untimed
-    warm-up (i = 0); the fastest of each. Noise on a shared machine only adds time, so the
-    minimum is the estimate least moved by it (a context switch lasts milliseconds)."""
-    reference(0), subject(0)
-    ref, subj = [], []
-    for i in range(1, trials + 1):
-        ref.append(_timed(lambda: reference(i)))
-        subj.append(_timed(lambda: subject(i)))
-    return min(ref), min(subj)
-
-
-def _subject(factory, num_blocks: int, store_kv: bool):
-    """The backend under test: the NumPy backend, or ``factory(config)`` (a planted one)."""
-    common = bench_common()
-    if factory is None:
-        return common.make_backend("numpy", num_blocks=num_blocks, store_kv=store_kv)
-    from kvbench.contract.protocol import CacheConfig
-    return factory(CacheConfig(model=common.model(), block_size=common.BLOCK_SIZE,
-                               num_blocks=num_blocks, store_kv=store_kv))
-
-
-def decode_vs_scatter(factory=None) -> tuple[float, float]:
-    """(seconds of the floor of a decode step over 256 sequences: their 256 new tokens of K/V
-    written into a pool of the same shape at one slot per sequence, a single fancy-indexed
-    assignment as vLLM's reshape_and_cache does; of the subject's decode step, K/V written).
-    Step i is trial i (common.decode_batch has room for 16)."""
-    common = bench_common()
-    seqs, kv = list(range(DECODE_BATCH)), common.zeros_kv(DECODE_BATCH)
-    subj = common.fill_decode_batch(_subject(factory, DECODE_BATCH * 9, True), DECODE_BATCH)
-    pool = common.zeros_kv(DECODE_BATCH * 9 * common.BLOCK_SIZE)
-    slots = np.arange(DECODE_BATCH) * 9 * common.BLOCK_SIZE  # one per sequence, far apart
-
-    def floor(step):
-        pool[slots + step] = kv
-
-    return _fastest(floor, lambda step: subj.append(seqs, [1] * DECODE_BATCH, kv, step=step + 1))
-
-
-def decode_vs_object(factory=None) -> tuple[float, float]:
-    """(seconds of one decode step over 256 sequences in the per-object Python model
-    impls/object_model.py, in the subject), ledger only on both sides."""
-    common = bench_common()
-    seqs = list(range(DECODE_BATCH))
-    ref, _ = common.decode_batch("object", DECODE_BATCH, store_kv=False)
-    subj = common.fill_decode_batch(_subject(factory, DECODE_BATCH * 9, False), DECODE_BATCH,
-                                    store_kv=False)
-    return _fastest(lambda step: ref.append(seqs, [1] * DECODE_BATCH, None, step=step + 1),
-                    lambda step: subj.append(seqs, [1] * DECODE_BATCH, None, step=step + 1))
-
-
-def gather_vs_copy(factory=None) -> tuple[float, float]:
-    """(seconds of np.copy of 4 MiB, of gathering the same 4 MiB from 256 scattered blocks)."""
-    common = bench_common()
-    blocks = 2 * -(-GATHER_TOKENS // common.BLOCK_SIZE)
-    subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
-    src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
-    return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
-
-
-@dataclass(frozen=True)
-class RatioGate:
-    name: str
-    about: str
-    measure: Callable  # (factory) -> (reference seconds, subject seconds)
-
-
-RATIO_GATES = {g.name: g for g in (
-    RatioGate("decode_vs_scatter", "decode step over 256 sequences, K/V written: one scatter of "
-              "the same 256 tokens into a pool / NumPy", decode_vs_scatter),
-    RatioGate("decode_vs_object", "decode step over 256 sequences, ledger only: per-object Python "
-              "model (impls/object_model.py) / NumPy", decode_vs_object),
-    RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
-              "scattered blocks", gather_vs_copy),
-)}
-
-
-@dataclass
-class RatioResult:
-    name: str
-    ratios: list  # reference / subject per repeat
-    typical: float | None
-    skipped: str = ""
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.ratios) if self.ratios else float("nan")
-
-    @property
-    def floor(self) -> float | None:
-        return None if self.typical is None else self.typical / MARGIN
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.skipped) or self.typical is None or self.median >= self.floor
-
-    def __str__(self) -> str:
-        if self.skipped:
-            return f"ratio {self.name}: skipped ({self.skipped})"
-        spread = f"{min(self.ratios):.3g}..{max(self.ratios):.3g}"
-        if self.typical is None:
-            return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)}) "
-                    f"- no typical value recorded (`kvbench gates --update-ratios`)")
-        state = "ok" if self.ok else "FAIL"
-        return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)} "
-                f"repeats), typical {self.typical:.3g}, floor {self.floor:.3g} = typical / "
-                f"{MARGIN:g}: {state}"
-                + ("" if self.ok else f" - the subject is {self.typical / self.median:.3g}x slower "
-                   f"relative to its reference than usual"))
-
-
-def ratio_gate(name: str, expected: dict | None = None, *, factory=None,
-               repeats: int = REPEATS) -> RatioResult:
-    """Median over ``repeats`` of reference / subject seconds; ``factory`` builds the subject
-    (default: the NumPy backend)."""
-    gate = RATIO_GATES[name]
-    expected = read_expected() if expected is None else expected
-    typical = expected.get("ratios", {}).get(name, {}).get("typical")
-    ratios = []
-    try:
-        for _ in range(repeats):
-            ref, subj = gate.measure(factory)
-            ratios.append(ref / subj)
-    except NotImplementedError as e:
-        return RatioResult(name, [], typical, skipped=str(e))
-    return RatioResult(name, ratios, typical)
-
-
-def ratio_gates(expected: dict | None = None, names=None, repeats: int = REPEATS) -> list:
-    expected = read_expected() if expected is None else expected
-    return [ratio_gate(n, expected, repeats=repeats) for n in names or RATIO_GATES]
-
-
-# --- the `kvbench gates` command -----------------------------------------------------------------
-
-
-def cmd_gates(args) -> int:
-    expected = read_expected(args.expected)
-    narrowed = bool(args.backend or args.case)
-    if narrowed and (args.update or args.update_ratios):
-        print("kvbench gates: --update records the whole set; run it without --backend/--case",
-              file=sys.stderr)
-        return 2
-    code = 0
-    if not args.skip_exact:
-        report = exact_gates(expected, backends=args.backend, cases=args.case,
-                             quant=not narrowed)
-        if args.update:
-            skipped = report.skipped
-            expected = merge_measured(expected, report.values, skipped)
-            expected["about"] = ABOUT
-            expected["recorded"] = {**commit_info(), "machine": machine_info()["platform"]}
-            path = write_expected(expected, args.expected)
-            moved = [str(d) for d in report.drifts]
-            print("\n".join(moved) if moved else "no exact value moved")
-            print(f"exact values written to {path}")
-        else:
-            print(report.explain())
-            code = max(code, 0 if report.ok else 1)
-    if not args.skip_ratios and not narrowed:
-        results = ratio_gates(expected, repeats=args.repeats)
-        for r in results:
-            print(r)
-        if args.update_ratios:
-            ratios = expected.setdefault("ratios", {})
-            for r in results:
-                if not r.skipped:
-                    ratios[r.name] = {"typical": round(r.median, 3), "about": RATIO_GATES[r.name].about,
-                                      "margin": MARGIN}
-            expected["about"] = ABOUT
-            expected["ratios_recorded"] = {**commit_info(), "machine": machine_info()["platform"],
-                                           "cpus": machine_info()["cpus"]}
-            print(f"typical ratios written to {write_expected(expected, args.expected)}")
-        elif not all(r.ok for r in results):
-            code = 1
-    return code
-
-
-ABOUT = ("kvbench regression gates (kvbench/bench/gates.py). replay/quant: exact lower-is-better values; "
-         "any change fails until recorded with `kvbench gates --update`. ratios: typical "
-         "reference/subject speed ratios; a gate fails below typical / margin; re-measure with "
-         "`kvbench gates --update-ratios`.")
-
-
-def add_gates_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("gates", help="regression gates: exact memory/error figures, speed ratios")
-    p.add_argument("--update", action="store_true",
-                   help="record the measured exact values in expected.json (an intended change)")
-    p.add_argument("--update-ratios", action="store_true",
-                   help="re-measure the typical speed ratios and record them")
-    p.add_argument("--backend", action="append",
-                   help=f"exact gates of this backend only (repeatable; of {', '.join(GATED_BACKENDS)})")
-    p.add_argument("--case", action="append",
-                   help="exact gates of this replay case only (workload or workload@policy)")
-    p.add_argument("--skip-exact", action="store_true")
-    p.add_argument("--skip-ratios", action="store_true")
-    p.add_argument("--repeats", type=int, default=REPEATS, help="repeats per ratio (median)")
-    p.add_argument("--expected", default=str(EXPECTED_PATH), help="expected values file")
-    p.set_defaults(func=cmd_gates)
-    return p
-
-
-def main(argv=None) -> int:
-    """``python -m kvbench.bench.gates``: the same as ``kvbench gates``."""
-    parser = argparse.ArgumentParser(prog="kvbench")
-    add_gates_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["gates", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.bench import records
-
 from kvbench.checking import suite
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig

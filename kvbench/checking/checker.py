@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbench.quant import pool as quant_pool
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
+from kvbench.quant import pool as quant_pool
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
 BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks")
@@ -134,28 +134,58 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
 
 def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized):
     """The replay loop of check(): ``backend`` None drives the oracle alone."""
-    do_gather = gather != "none" and writes_kv
-    layout = oracle.layout
-    fields_checked = [f for f in LEDGER_FIELDS if layout == "paged" or f not in BLOCK_FIELDS]
-    model, dtype = oracle.config.model, oracle.config.kv_dtype
-    final = trace.final_lengths()
-    tenant_of = trace.tenant_of()
-    touches: dict = {}  # tenant -> [hits, misses]
-    refused: set = set()
-    index = -1
-    op = None
+    replay = _Replay(trace, backend, oracle, verdict, gather=gather, series=series,
+                     writes_kv=writes_kv, quantized=quantized)
+    try:
+        for index, op in enumerate(trace.ops):
+            replay.index, replay.op = index, op
+            touched = replay.apply(op)
+            expected = oracle.expected_ledger()
+            replay.compare_ledger(expected)
+            replay.verify_kv(touched, last=index == len(trace.ops) - 1)
+            if series:
+                replay.record(expected)
+            verdict.ops = index + 1
+            if progress is not None:
+                progress.update(1)
+    except _Stop as stop:
+        verdict.valid = False
+        verdict.divergence = stop.divergence
+    replay.finish()
+    return verdict
 
-    def diverge(quantity, expected, actual, detail=""):
-        raise _Stop(Divergence(trace.name, index, op.step, op_to_dict(op), quantity, expected,
-                               actual, detail))
 
-    def content(seq, segments):
+class _Replay:
+    """One replay of a trace: the backend beside the oracle, operation by operation."""
+
+    def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized):
+        self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
+        self.gather, self.series, self.writes_kv, self.quantized = gather, series, writes_kv, quantized
+        self.do_gather = gather != "none" and writes_kv
+        self.fields = [f for f in LEDGER_FIELDS if oracle.layout == "paged" or f not in BLOCK_FIELDS]
+        self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
+        self.final = trace.final_lengths()
+        self.tenant_of = trace.tenant_of()
+        self.touches: dict = {}  # tenant -> [hits, misses]
+        self.refused: set = set()
+        self.index, self.op = -1, None
+
+    def diverge(self, quantity, expected, actual, detail=""):
+        op = self.op
+        raise _Stop(Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity,
+                               expected, actual, detail))
+
+    def content(self, seq, segments):
+        """The K/V a sequence wrote or inherited, from its segments [(writer, start, count)]."""
         writers = np.concatenate([np.full(c, w) for w, _, c in segments]) if segments else []
         positions = np.concatenate([np.arange(s, s + c) for _, s, c in segments]) if segments else []
-        return kv_tokens(writers, positions, model, dtype)
+        return kv_tokens(writers, positions, self.model, self.dtype)
 
-    def call(what, backend_call, oracle_call):
-        """One backend call beside the same oracle call; returns victims, None on OOM."""
+    # --- one backend call beside the same oracle call ------------------------------------------
+
+    def call(self, what, backend_call, oracle_call):
+        """Returns the victims, None on out-of-memory (on both sides, or it diverges)."""
+        backend, verdict = self.backend, self.verdict
         try:
             expected = oracle_call()
         except ModelOOM:
@@ -171,169 +201,183 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
         except OutOfMemory:
             actual = None
         except Exception as e:  # a crash is a verdict, not a crash of the checker
-            diverge(f"outcome of {what}", "success", f"{type(e).__name__}: {e}")
+            self.diverge(f"outcome of {what}", "success", f"{type(e).__name__}: {e}")
         verdict.backend_seconds += time.perf_counter() - t0
         if (expected is None) != (actual is None):
-            diverge(f"outcome of {what}", "out of memory" if expected is None else "success",
-                    "out of memory" if actual is None else "success",
-                    "the oracle finds no room even after evicting every candidate"
-                    if expected is None else "the backend refused an operation that fits")
+            self.diverge(f"outcome of {what}", "out of memory" if expected is None else "success",
+                         "out of memory" if actual is None else "success",
+                         "the oracle finds no room even after evicting every candidate"
+                         if expected is None else "the backend refused an operation that fits")
         if expected is None:
             verdict.ooms += 1
             after = backend.ledger()
-            for f in fields_checked:
+            for f in self.fields:
                 if getattr(after, f) != getattr(before, f):
-                    diverge(f"{f} after a refused {what}", getattr(before, f), getattr(after, f),
-                            "an operation that fails must leave the cache exactly as it was")
+                    self.diverge(f"{f} after a refused {what}", getattr(before, f), getattr(after, f),
+                                 "an operation that fails must leave the cache exactly as it was")
             return None
         if list(expected) != list(actual):
-            diverge("victims", list(expected), list(actual))
+            self.diverge("victims", list(expected), list(actual))
         verdict.evictions += len(actual)
         return actual
 
-    def touch(seq):
+    def touch(self, seq):
         """Count a re-touch: a hit if the sequence is resident, a miss if it was evicted."""
-        miss = seq in oracle.preempted
-        verdict.misses += miss
-        verdict.hits += not miss
-        touches.setdefault(tenant_of[seq], [0, 0])[miss] += 1
+        miss = seq in self.oracle.preempted
+        self.verdict.misses += miss
+        self.verdict.hits += not miss
+        self.touches.setdefault(self.tenant_of[seq], [0, 0])[miss] += 1
 
-    def restore(seq, protect):
+    def restore(self, seq, protect):
         """Recompute an evicted sequence (its old content, its current length) before the op."""
-        st = oracle.preempted[seq]
-        kv = content(seq, st.segments) if writes_kv else None
-        got = call("recompute",
-                   lambda: backend.prefill(seq, st.tokens, kv, tenant=st.tenant, final_tokens=st.final,
-                                           step=op.step, protect=tuple(protect),
-                                           block_hashes=st.hashes or None),
-                   lambda: oracle.recompute(seq, op.step, protect))
+        st = self.oracle.preempted[seq]
+        kv = self.content(seq, st.segments) if self.writes_kv else None
+        step = self.op.step
+        got = self.call("recompute",
+                        lambda: self.backend.prefill(seq, st.tokens, kv, tenant=st.tenant,
+                                                     final_tokens=st.final, step=step,
+                                                     protect=tuple(protect),
+                                                     block_hashes=st.hashes or None),
+                        lambda: self.oracle.recompute(seq, step, protect))
         if got is not None:
-            verdict.recomputed_tokens += st.tokens
+            self.verdict.recomputed_tokens += st.tokens
         return got
 
-    try:
-        for index, op in enumerate(trace.ops):
-            touched: set = set()
-            victims: list = []
-            if isinstance(op, Prefill):
-                # The prompt's K/V as the oracle sees them (a hashed block holds its prefix's).
-                kv = (lambda: None if not writes_kv else content(
-                    op.seq, oracle.seqs[op.seq].segments if op.seq in oracle.seqs else content_segments(
-                        op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B], oracle.B)))
-                got = call("prefill",
-                           lambda: backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
-                                                   final_tokens=final[op.seq], step=op.step,
-                                                   block_hashes=op.block_hashes),
-                           lambda: oracle.prefill(op.seq, op.tokens, op.tenant, final[op.seq], op.step,
-                                                  hashes=op.block_hashes))
-                if got is None:
-                    refused.add(op.seq)
-                else:
-                    victims += got
-                    touched.add(op.seq)
-            elif isinstance(op, Append):
-                pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in refused]
-                seqs = [s for s, _ in pairs]
-                ok = True
-                for s in seqs:
-                    touch(s)
-                    if s in oracle.preempted:
-                        got = restore(s, set(seqs))
-                        if got is None:
-                            ok = False
-                            break
-                        victims += got
-                if ok and seqs:
-                    toks = [t for _, t in pairs]
-                    kv = None
-                    if writes_kv:
-                        writers = np.repeat(seqs, toks)
-                        starts = [oracle.seqs[s].tokens for s in seqs]
-                        positions = np.concatenate([np.arange(a, a + t) for a, t in zip(starts, toks)])
-                        kv = kv_tokens(writers, positions, model, dtype)
-                    got = call("append", lambda: backend.append(seqs, toks, kv, step=op.step),
-                               lambda: oracle.append(seqs, toks, op.step))
-                    if got is not None:
-                        victims += got
-                        touched.update(seqs)
-            elif isinstance(op, Fork):
-                if op.src in refused:
-                    refused.add(op.seq)
-                else:
-                    ok = True
-                    touch(op.src)
-                    if op.src in oracle.preempted:
-                        got = restore(op.src, {op.src, op.seq})
-                        ok = got is not None
-                        victims += got or []
-                    got = call("fork",
-                               lambda: backend.fork(op.seq, op.src, final_tokens=final[op.seq],
-                                                    step=op.step),
-                               lambda: oracle.fork(op.seq, op.src, final[op.seq], op.step)) if ok else None
-                    if got is None:
-                        refused.add(op.seq)
-                    else:
-                        victims += got
-                        touched.update((op.seq, op.src))
-            elif isinstance(op, Free) and op.seq not in refused:
-                evicted = op.seq in oracle.preempted  # the backend dropped it when it evicted it
-                oracle.free(op.seq)
-                if backend is not None and not evicted:
-                    t0 = time.perf_counter()
-                    try:
-                        backend.free(op.seq, step=op.step)
-                    except Exception as e:
-                        diverge("outcome of free", "success", f"{type(e).__name__}: {e}")
-                    verdict.backend_seconds += time.perf_counter() - t0
-            expected = oracle.expected_ledger()
-            actual = backend.ledger() if backend is not None else expected
-            for f in fields_checked:
-                e, a = getattr(expected, f), getattr(actual, f)
-                if f == "fragmentation":
-                    if abs(e - a) > 1e-12:
-                        diverge(f, e, a)
-                elif e != a:
-                    diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
-            if do_gather:
-                if gather == "all" or (gather == "end" and index == len(trace.ops) - 1):
-                    to_check = set(oracle.seqs)
-                elif gather == "touched":
-                    to_check = set().union(*(oracle.family_of(s) for s in touched if s in oracle.seqs)) \
-                        if touched else set()
-                    if index == len(trace.ops) - 1:
-                        to_check = set(oracle.seqs)
-                else:
-                    to_check = set()
-                for s in sorted(to_check):
-                    want = content(s, oracle.seqs[s].segments)
-                    got = np.asarray(backend.gather(s))
-                    verdict.gathers += 1
-                    if quantized:  # within SPEC §4's bound of what was written
-                        why = quant_pool.bound_violation(want, got, backend.config.kv_format)
-                        if why:
-                            diverge(f"kv of sequence {s}", "within the quantization bound", "outside", why)
-                    elif got.shape != want.shape or not np.array_equal(got, want):
-                        diverge(f"kv of sequence {s}", "what it wrote or inherited",
-                                "different values", _first_kv_mismatch(s, want, got, oracle))
-            if series:
-                verdict.series.append({"step": op.step, **{f: getattr(expected, f) for f in
-                                       ("blocks_used", "fragmentation", "token_states", "reservation",
-                                        "internal_fragmentation", "external_fragmentation", "free")},
-                                       "usage": oracle.tenant_usage()})
-            verdict.ops = index + 1
-            if progress is not None:
-                progress.update(1)
-    except _Stop as stop:
-        verdict.valid = False
-        verdict.divergence = stop.divergence
-    verdict.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
-    for t, (hits, misses) in touches.items():
-        verdict.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(hits=hits,
-                                                                                        misses=misses)
-    final_ledger = oracle.expected_ledger() if verdict.valid else backend.ledger()
-    verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
-                            if k not in ("tokens", "seq_blocks")}
-    return verdict
+    # --- the trace operations: each returns the sequences whose K/V it may have changed ------
+
+    def apply(self, op) -> set:
+        if isinstance(op, Prefill):
+            return self.prefill(op)
+        if isinstance(op, Append):
+            return self.append(op)
+        if isinstance(op, Fork):
+            return self.fork(op)
+        if isinstance(op, Free) and op.seq not in self.refused:
+            self.free(op)
+        return set()
+
+    def prefill(self, op) -> set:
+        oracle = self.oracle
+
+        def kv():  # the prompt's K/V as the oracle sees them (a hashed block holds its prefix's)
+            if not self.writes_kv:
+                return None
+            segments = oracle.seqs[op.seq].segments if op.seq in oracle.seqs else content_segments(
+                op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B], oracle.B)
+            return self.content(op.seq, segments)
+
+        got = self.call("prefill",
+                        lambda: self.backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
+                                                     final_tokens=self.final[op.seq], step=op.step,
+                                                     block_hashes=op.block_hashes),
+                        lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
+                                               op.step, hashes=op.block_hashes))
+        if got is None:
+            self.refused.add(op.seq)
+            return set()
+        return {op.seq}
+
+    def append(self, op) -> set:
+        oracle = self.oracle
+        pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in self.refused]
+        seqs = [s for s, _ in pairs]
+        for s in seqs:
+            self.touch(s)
+            if s in oracle.preempted and self.restore(s, set(seqs)) is None:
+                return set()
+        if not seqs:
+            return set()
+        toks = [t for _, t in pairs]
+        kv = None
+        if self.writes_kv:
+            writers = np.repeat(seqs, toks)
+            starts = [oracle.seqs[s].tokens for s in seqs]
+            positions = np.concatenate([np.arange(a, a + t) for a, t in zip(starts, toks)])
+            kv = kv_tokens(writers, positions, self.model, self.dtype)
+        got = self.call("append", lambda: self.backend.append(seqs, toks, kv, step=op.step),
+                        lambda: oracle.append(seqs, toks, op.step))
+        return set() if got is None else set(seqs)
+
+    def fork(self, op) -> set:
+        oracle = self.oracle
+        if op.src in self.refused:
+            self.refused.add(op.seq)
+            return set()
+        self.touch(op.src)
+        if op.src in oracle.preempted and self.restore(op.src, {op.src, op.seq}) is None:
+            self.refused.add(op.seq)
+            return set()
+        got = self.call("fork",
+                        lambda: self.backend.fork(op.seq, op.src, final_tokens=self.final[op.seq],
+                                                  step=op.step),
+                        lambda: oracle.fork(op.seq, op.src, self.final[op.seq], op.step))
+        if got is None:
+            self.refused.add(op.seq)
+            return set()
+        return {op.seq, op.src}
+
+    def free(self, op) -> None:
+        evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
+        self.oracle.free(op.seq)
+        if self.backend is not None and not evicted:
+            t0 = time.perf_counter()
+            try:
+                self.backend.free(op.seq, step=op.step)
+            except Exception as e:
+                self.diverge("outcome of free", "success", f"{type(e).__name__}: {e}")
+            self.verdict.backend_seconds += time.perf_counter() - t0
+
+    # --- what is compared after every operation ------------------------------------------------
+
+    def compare_ledger(self, expected) -> None:
+        actual = self.backend.ledger() if self.backend is not None else expected
+        for f in self.fields:
+            e, a = getattr(expected, f), getattr(actual, f)
+            if f == "fragmentation":
+                if abs(e - a) > 1e-12:
+                    self.diverge(f, e, a)
+            elif e != a:
+                self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
+
+    def verify_kv(self, touched: set, last: bool) -> None:
+        """Gather and compare the K/V of the sequences the ``gather`` mode names."""
+        if not self.do_gather:
+            return
+        oracle, gather = self.oracle, self.gather
+        if gather == "all" or (gather in ("end", "touched") and last):
+            to_check = set(oracle.seqs)
+        elif gather == "touched" and touched:
+            to_check = set().union(*(oracle.family_of(s) for s in touched if s in oracle.seqs))
+        else:
+            to_check = set()
+        for s in sorted(to_check):
+            want = self.content(s, oracle.seqs[s].segments)
+            got = np.asarray(self.backend.gather(s))
+            self.verdict.gathers += 1
+            if self.quantized:  # within SPEC §4's bound of what was written
+                why = quant_pool.bound_violation(want, got, self.backend.config.kv_format)
+                if why:
+                    self.diverge(f"kv of sequence {s}", "within the quantization bound", "outside", why)
+            elif got.shape != want.shape or not np.array_equal(got, want):
+                self.diverge(f"kv of sequence {s}", "what it wrote or inherited", "different values",
+                             _first_kv_mismatch(s, want, got, oracle))
+
+    def record(self, expected) -> None:
+        self.verdict.series.append({"step": self.op.step, **{f: getattr(expected, f) for f in
+                                    ("blocks_used", "fragmentation", "token_states", "reservation",
+                                     "internal_fragmentation", "external_fragmentation", "free")},
+                                    "usage": self.oracle.tenant_usage()})
+
+    def finish(self) -> None:
+        """Per-tenant figures and the final ledger into the verdict."""
+        verdict, oracle = self.verdict, self.oracle
+        verdict.tenants = {t: dict(st.__dict__) for t, st in sorted(oracle.tenant_stats.items())}
+        for t, (hits, misses) in self.touches.items():
+            verdict.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(
+                hits=hits, misses=misses)
+        final_ledger = oracle.expected_ledger() if verdict.valid else self.backend.ledger()
+        verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
+                                if k not in ("tokens", "seq_blocks")}
 
 
 def _dict_diff(e: dict, a: dict) -> str:

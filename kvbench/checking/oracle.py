@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvbench.contract import formulas as F
-from kvbench.quant import pool as quant_pool
 from kvbench.contract.protocol import CacheConfig, Ledger, hash_writer
+from kvbench.quant import pool as quant_pool
 
 
 class ModelOOM(Exception):

@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbench.analyses import eviction
+from kvbench.checking.checker import Verdict, check
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.checking.checker import Verdict, check
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Trace, load
 

@@ -12,17 +12,58 @@ The package itself is the reference quantizer: it implements the quantizer proto
 ``kvbench.quant`` is checked and benchmarked like any other implementation, and it re-exports
 the public names of its modules.
 """
-from kvbench.quant.check import (QuantFailure, QuantVerdict, check_fp8, check_fp8_quantizer,
-                                 check_quantization, check_quantizer)
-from kvbench.quant.formats import KVFormat, capacity_table, format_block_bytes, kv_formats
-from kvbench.quant.layouts import (GRANULARITIES, SCALE_DTYPE, SMALLEST_SUBNORMAL, UNIT_ROUNDOFF,
-                                   Layout, QuantizedTensor, QuantScheme, check_float_dtype, layout,
-                                   pack_bits, raise_non_finite, stored_bytes, to_numpy, unit_roundoff,
-                                   unpack_bits, unpack_codes, validate_input)
-from kvbench.quant.reference import (FP8_E4M3_MAX, Fp8Tensor, available, dequantize, external_scale,
-                                     fp8_e4m3_error_bound, fp8_e4m3_round, group_min_max, name,
-                                     quantize, scale_and_zero_point)
-from kvbench.quant.stats import QuantStats, error_moments, error_stats, expected_compression_ratio
+from kvbench.quant.check import (
+                                 QuantFailure,
+                                 QuantVerdict,
+                                 check_fp8,
+                                 check_fp8_quantizer,
+                                 check_quantization,
+                                 check_quantizer,
+)
+from kvbench.quant.formats import (
+                                 KVFormat,
+                                 capacity_table,
+                                 format_block_bytes,
+                                 kv_formats,
+)
+from kvbench.quant.layouts import (
+                                 GRANULARITIES,
+                                 SCALE_DTYPE,
+                                 SMALLEST_SUBNORMAL,
+                                 UNIT_ROUNDOFF,
+                                 Layout,
+                                 QuantizedTensor,
+                                 QuantScheme,
+                                 check_float_dtype,
+                                 layout,
+                                 pack_bits,
+                                 raise_non_finite,
+                                 stored_bytes,
+                                 to_numpy,
+                                 unit_roundoff,
+                                 unpack_bits,
+                                 unpack_codes,
+                                 validate_input,
+)
+from kvbench.quant.reference import (
+                                 FP8_E4M3_MAX,
+                                 Fp8Tensor,
+                                 available,
+                                 dequantize,
+                                 external_scale,
+                                 fp8_e4m3_error_bound,
+                                 fp8_e4m3_round,
+                                 group_min_max,
+                                 name,
+                                 quantize,
+                                 scale_and_zero_point,
+)
+from kvbench.quant.stats import (
+                                 QuantStats,
+                                 error_moments,
+                                 error_stats,
+                                 expected_compression_ratio,
+)
 
 __all__ = [
     "QuantScheme", "Layout", "layout", "QuantizedTensor", "QuantStats", "QuantFailure", "QuantVerdict",

@@ -25,8 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbench.quant.layouts import (UNIT_ROUNDOFF, Layout, QuantizedTensor, QuantScheme, pack_bits,
-                                   unpack_codes, validate_input)
+from kvbench.quant.layouts import (
+    UNIT_ROUNDOFF,
+    Layout,
+    QuantizedTensor,
+    QuantScheme,
+    pack_bits,
+    unpack_codes,
+    validate_input,
+)
 
 name = "reference"
 

@@ -6,7 +6,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvbench.quant.layouts import QuantizedTensor, QuantScheme, layout, stored_bytes, to_numpy
+from kvbench.quant.layouts import (
+    QuantizedTensor,
+    QuantScheme,
+    layout,
+    stored_bytes,
+    to_numpy,
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""Ratio gates: speed as a ratio of two timings taken in the same run, interleaved, never an
+absolute time (see :mod:`kvbench.bench.gates` for why), higher is better; a gate fails below a
+third of the typical ratio committed in results/gates/expected.json."""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvbench.bench.gates import bench_common, read_expected
+
+MARGIN = 3.0  # a ratio gate fails below typical / MARGIN
+REPEATS = 7
+
+
+def _timed(fn) -> float:
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+DECODE_BATCH = 256
+TRIALS = 7  # interleaved timings per repeat, of which the fastest counts
+GATHER_TOKENS = 4096  # 4 MiB of K/V in the suite's 1 KiB-per-token model
+
+
+def _fastest(reference, subject, trials: int = TRIALS) -> tuple[float, float]:
+    """Time ``reference(i)`` and ``subject(i)`` alternately for i = 1..trials after an untimed
+    warm-up (i = 0); the fastest of each. Noise on a shared machine only adds time, so the
+    minimum is the estimate least moved by it (a context switch lasts milliseconds)."""
+    reference(0), subject(0)
+    ref, subj = [], []
+    for i in range(1, trials + 1):
+        ref.append(_timed(lambda: reference(i)))
+        subj.append(_timed(lambda: subject(i)))
+    return min(ref), min(subj)
+
+
+def _subject(factory, num_blocks: int, store_kv: bool):
+    """The backend under test: the NumPy backend, or ``factory(config)`` (a planted one)."""
+    common = bench_common()
+    if factory is None:
+        return common.make_backend("numpy", num_blocks=num_blocks, store_kv=store_kv)
+    from kvbench.contract.protocol import CacheConfig
+    return factory(CacheConfig(model=common.model(), block_size=common.BLOCK_SIZE,
+                               num_blocks=num_blocks, store_kv=store_kv))
+
+
+def decode_vs_scatter(factory=None) -> tuple[float, float]:
+    """(seconds of the floor of a decode step over 256 sequences: their 256 new tokens of K/V
+    written into a pool of the same shape at one slot per sequence, a single fancy-indexed
+    assignment as vLLM's reshape_and_cache does; of the subject's decode step, K/V written).
+    Step i is trial i (common.decode_batch has room for 16)."""
+    common = bench_common()
+    seqs, kv = list(range(DECODE_BATCH)), common.zeros_kv(DECODE_BATCH)
+    subj = common.fill_decode_batch(_subject(factory, DECODE_BATCH * 9, True), DECODE_BATCH)
+    pool = common.zeros_kv(DECODE_BATCH * 9 * common.BLOCK_SIZE)
+    slots = np.arange(DECODE_BATCH) * 9 * common.BLOCK_SIZE  # one per sequence, far apart
+
+    def floor(step):
+        pool[slots + step] = kv
+
+    return _fastest(floor, lambda step: subj.append(seqs, [1] * DECODE_BATCH, kv, step=step + 1))
+
+
+def decode_vs_object(factory=None) -> tuple[float, float]:
+    """(seconds of one decode step over 256 sequences in the per-object Python model
+    impls/object_model.py, in the subject), ledger only on both sides."""
+    common = bench_common()
+    seqs = list(range(DECODE_BATCH))
+    ref, _ = common.decode_batch("object", DECODE_BATCH, store_kv=False)
+    subj = common.fill_decode_batch(_subject(factory, DECODE_BATCH * 9, False), DECODE_BATCH,
+                                    store_kv=False)
+    return _fastest(lambda step: ref.append(seqs, [1] * DECODE_BATCH, None, step=step + 1),
+                    lambda step: subj.append(seqs, [1] * DECODE_BATCH, None, step=step + 1))
+
+
+def gather_vs_copy(factory=None) -> tuple[float, float]:
+    """(seconds of np.copy of 4 MiB, of gathering the same 4 MiB from 256 scattered blocks)."""
+    common = bench_common()
+    blocks = 2 * -(-GATHER_TOKENS // common.BLOCK_SIZE)
+    subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
+    src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
+    return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
+
+
+@dataclass(frozen=True)
+class RatioGate:
+    name: str
+    about: str
+    measure: Callable  # (factory) -> (reference seconds, subject seconds)
+
+
+RATIO_GATES = {g.name: g for g in (
+    RatioGate("decode_vs_scatter", "decode step over 256 sequences, K/V written: one scatter of "
+              "the same 256 tokens into a pool / NumPy", decode_vs_scatter),
+    RatioGate("decode_vs_object", "decode step over 256 sequences, ledger only: per-object Python "
+              "model (impls/object_model.py) / NumPy", decode_vs_object),
+    RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
+              "scattered blocks", gather_vs_copy),
+)}
+
+
+@dataclass
+class RatioResult:
+    name: str
+    ratios: list  # reference / subject per repeat
+    typical: float | None
+    skipped: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else float("nan")
+
+    @property
+    def floor(self) -> float | None:
+        return None if self.typical is None else self.typical / MARGIN
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.skipped) or self.typical is None or self.median >= self.floor
+
+    def __str__(self) -> str:
+        if self.skipped:
+            return f"ratio {self.name}: skipped ({self.skipped})"
+        spread = f"{min(self.ratios):.3g}..{max(self.ratios):.3g}"
+        if self.typical is None:
+            return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)}) "
+                    f"- no typical value recorded (`kvbench gates --update-ratios`)")
+        state = "ok" if self.ok else "FAIL"
+        return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)} "
+                f"repeats), typical {self.typical:.3g}, floor {self.floor:.3g} = typical / "
+                f"{MARGIN:g}: {state}"
+                + ("" if self.ok else f" - the subject is {self.typical / self.median:.3g}x slower "
+                   f"relative to its reference than usual"))
+
+
+def ratio_gate(name: str, expected: dict | None = None, *, factory=None,
+               repeats: int = REPEATS) -> RatioResult:
+    """Median over ``repeats`` of reference / subject seconds; ``factory`` builds the subject
+    (default: the NumPy backend)."""
+    gate = RATIO_GATES[name]
+    expected = read_expected() if expected is None else expected
+    typical = expected.get("ratios", {}).get(name, {}).get("typical")
+    ratios = []
+    try:
+        for _ in range(repeats):
+            ref, subj = gate.measure(factory)
+            ratios.append(ref / subj)
+    except NotImplementedError as e:
+        return RatioResult(name, [], typical, skipped=str(e))
+    return RatioResult(name, ratios, typical)
+
+
+def ratio_gates(expected: dict | None = None, names=None, repeats: int = REPEATS) -> list:
+    expected = read_expected() if expected is None else expected
+    return [ratio_gate(n, expected, repeats=repeats) for n in names or RATIO_GATES]
