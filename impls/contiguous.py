@@ -38,8 +38,7 @@ class Contiguous(Backend):
         self.capacity = config.arena_slots
         self.arena = (np.zeros((self.capacity,) + self.token_shape, dtype=config.kv_dtype)
                       if config.store_kv else None)
-        self.starts: list[int] = []  # sorted slab starts
-        self.slab_at: dict[int, tuple] = {}  # start -> (size, seq)
+        self.starts: list[tuple] = []  # (start, seq) of every slab, sorted (a slab may be empty)
         self.seqs: dict[int, dict] = {}  # seq -> {start, size, tokens, final, tenant, last, uses}
 
     def reserve_size(self, final: int) -> int:
@@ -50,28 +49,22 @@ class Contiguous(Backend):
                                  f"{self.config.max_context}")
             return self.config.max_context
         if policy == "pow2":
-            return 1 << max(0, (final - 1).bit_length())
+            return 1 if final <= 1 else 1 << (final - 1).bit_length()
         return final
 
     def _hole(self, size: int, skip=frozenset()) -> int | None:
         pos = 0
-        for start in self.starts:
-            slab_size, seq = self.slab_at[start]
+        for start, seq in self.starts:
             if seq in skip:
                 continue
             if start - pos >= size:
                 return pos
-            pos = start + slab_size
+            pos = max(pos, start + self.seqs[seq]["size"])
         return pos if self.capacity - pos >= size else None
-
-    def _place(self, seq: int, size: int, start: int) -> None:
-        bisect.insort(self.starts, start)
-        self.slab_at[start] = (size, seq)
 
     def _remove(self, seq: int) -> dict:
         st = self.seqs.pop(seq)
-        self.starts.remove(st["start"])
-        del self.slab_at[st["start"]]
+        self.starts.remove((st["start"], seq))
         return st
 
     # --- eviction --------------------------------------------------------------------------
@@ -120,7 +113,7 @@ class Contiguous(Backend):
         final = final_tokens if final_tokens is not None else tokens
         size = self.reserve_size(final)
         victims, start = self._make_room(size, set(protect) | {seq})
-        self._place(seq, size, start)
+        bisect.insort(self.starts, (start, seq))
         self.seqs[seq] = dict(start=start, size=size, tokens=tokens, final=final, tenant=tenant,
                               last=step, uses=1)
         if self.arena is not None:
@@ -154,7 +147,7 @@ class Contiguous(Backend):
         final = final_tokens if final_tokens is not None else parent["tokens"]
         size = self.reserve_size(final)
         victims, start = self._make_room(size, {seq, src})
-        self._place(seq, size, start)
+        bisect.insort(self.starts, (start, seq))
         self.seqs[seq] = dict(start=start, size=size, tokens=parent["tokens"], final=final,
                               tenant=parent["tenant"], last=step, uses=1)
         if self.arena is not None:
@@ -173,7 +166,7 @@ class Contiguous(Backend):
         tokens = {s: st["tokens"] for s, st in self.seqs.items()}
         held = sum(tokens.values())
         reservation = sum(min(st["size"], st["final"]) - st["tokens"] for st in self.seqs.values())
-        high = (self.starts[-1] + self.slab_at[self.starts[-1]][0]) if self.starts else 0
+        high = max((st["start"] + st["size"] for st in self.seqs.values()), default=0)
         bpt = self.config.model.bytes_per_token
         return Ledger(
             blocks_used=None, blocks_free=None, tokens=tokens,

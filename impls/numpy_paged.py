@@ -85,7 +85,7 @@ class NumpyPaged(Backend):
         return pool
 
     def _write_slots(self, slots: np.ndarray, kv) -> None:
-        self.slots[slots] = np.asarray(kv).reshape(len(slots), -1)
+        self.slots[slots] = np.asarray(kv).reshape(len(slots), self.slots.shape[1])
 
     def _read_blocks(self, blocks: np.ndarray, tokens: int) -> np.ndarray:
         """The K/V of the first ``tokens`` slots of ``blocks``, block by block."""
@@ -190,7 +190,8 @@ class NumpyPaged(Backend):
     def _append_plan(self, rows: np.ndarray, dts: np.ndarray, refcount: np.ndarray):
         """Per writer: free slots in its tail, whether it copies the tail, new blocks it takes."""
         tails = self.table[rows, self.nblocks[rows] - 1]
-        free_last = self.B - self.fill[tails]
+        # A row with no block yet (0 tokens) has no tail to write into.
+        free_last = np.where(self.nblocks[rows] > 0, self.B - self.fill[tails], 0)
         writes_tail = (free_last > 0) & (dts > 0)
         spill = np.maximum(0, dts - free_last)
         new = -(-spill // self.B)
@@ -317,8 +318,9 @@ class NumpyPaged(Backend):
         n = len(ids)
         self.table[r, :n] = ids
         self.nblocks[r] = n
-        self.fill[ids] = self.B
-        self.fill[ids[-1]] = tokens - (n - 1) * self.B
+        if n:
+            self.fill[ids] = self.B
+            self.fill[ids[-1]] = tokens - (n - 1) * self.B
         self.tokens[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
         self.last_access[r], self.use_count[r] = step, 1
@@ -409,7 +411,7 @@ class NumpyPaged(Backend):
             return False
         nb = self.nblocks[rows]
         tails = self.table[rows, nb - 1]
-        fill = self.fill[tails]
+        fill = np.where(nb > 0, self.fill[tails], self.B)  # no block yet: as if the tail were full
         full = fill == self.B
         if (self.refcount[tails][~full] > 1).any():
             return False
@@ -460,7 +462,7 @@ class NumpyPaged(Backend):
         free_slots = int((B - self.fill[used]).sum())
         rows = np.flatnonzero(self.live)
         tails = self.table[rows, self.nblocks[rows] - 1]
-        private = self.refcount[tails] == 1
+        private = (self.refcount[tails] == 1) & (self.nblocks[rows] > 0)
         reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
         reservation = int(reserve[private].sum())
         seqs = self.seq_of_row[rows].tolist()

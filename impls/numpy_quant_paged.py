@@ -46,10 +46,10 @@ class NumpyQuantPaged(NumpyPaged):
         kv = np.asarray(kv, dtype=np.float32)
         rows = kv.reshape(-1, self.config.model.head_dim)
         qt = quant_numpy.quantize(rows, self.scheme)
-        self.codes[slots] = np.asarray(qt.codes).reshape(len(slots), -1)
-        self.scale[slots] = np.asarray(qt.scale).reshape(len(slots), -1)
+        self.codes[slots] = np.asarray(qt.codes).reshape(len(slots), self.code_shape[0])
+        self.scale[slots] = np.asarray(qt.scale).reshape(len(slots), self.rows_per_slot)
         if self.zero is not None:
-            self.zero[slots] = np.asarray(qt.zero_point).reshape(len(slots), -1)
+            self.zero[slots] = np.asarray(qt.zero_point).reshape(len(slots), self.rows_per_slot)
 
     def _read_blocks(self, blocks, tokens: int) -> np.ndarray:
         slots = (np.asarray(blocks)[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]

@@ -216,7 +216,8 @@ class TorchPaged(Backend):
         if nb_old is None:
             nb_old = self.nblocks[rows]
         tails = self.table[rows, nb_old - 1]
-        fill = self.fill[tails]
+        # A row with no block yet (0 tokens) has no tail to write into: as if it were full.
+        fill = torch.where(nb_old > 0, self.fill[tails], self.B)
         if one_token:
             writes_tail = fill < self.B
             new = (~writes_tail).long()
@@ -427,7 +428,7 @@ class TorchPaged(Backend):
         rows = self._dev(rows_h)
         used = self.refcount > 0
         tails = self.table[rows, self.nblocks[rows] - 1]
-        private = self.refcount[tails] == 1
+        private = (self.refcount[tails] == 1) & (self.nblocks[rows] > 0)
         reserve = torch.minimum(B - self.fill[tails], (self.final[rows] - self.tokens[rows]).clamp(min=0))
         head = torch.stack([used.sum(), ((B - self.fill) * used).sum(), (self.refcount > 1).sum(),
                             (reserve * private).sum()])

@@ -163,13 +163,12 @@ class BestFit(Contiguous):
 
     def _hole(self, size, skip=frozenset()):
         holes, pos = [], 0
-        for start in self.starts:
-            slab_size, seq = self.slab_at[start]
+        for start, seq in self.starts:
             if seq in skip:
                 continue
             if start - pos >= size:
                 holes.append((start - pos, pos))
-            pos = start + slab_size
+            pos = max(pos, start + self.seqs[seq]["size"])
         if self.capacity - pos >= size:
             holes.append((self.capacity - pos, pos))
         return min(holes)[1] if holes else None

@@ -114,11 +114,13 @@ def test_exact_gates():
 
 
 def test_expected_values_agree_with_the_formulas():
-    """Peak bytes of a paged backend = peak blocks * B * bytes per token of the tiny model."""
+    """Peak bytes of a paged backend = peak blocks * B * bytes per token of the tiny model (128),
+    B read off the workload's header (16 unless it says otherwise)."""
     expected = G.read_expected()
     for name in ("numpy", "object", "torch-cpu"):
         for case, figs in expected["replay"][name].items():
-            assert figs["peak_bytes"] == figs["peak_blocks"] * 16 * 128, (name, case)
+            B = common.load_workload(case.split("@")[0]).header.settings.get("block_size", 16)
+            assert figs["peak_bytes"] == figs["peak_blocks"] * B * 128, (name, case)
 
 
 def test_pool_bytes_per_token_agree_with_the_formulas():

@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.traces import generators as g
+from kvbench.traces import canonical as C
 from kvbench.traces import laws
+from kvbench.traces import generators as g
 from kvbench.traces.format import Append, Fork, Free, Prefill, load, loads
 
 WORKLOADS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workloads")
-CANONICAL = {fname: (family, params, seed) for fname, family, params, seed in g.CANONICAL}
+CANONICAL = {fname: (family, params, seed) for fname, family, params, seed in C.CANONICAL}
 BLOCK = 16  # the default run: block_size 16, num_blocks 256, tiny model
 DEFAULT_BLOCKS = 256
 
@@ -46,7 +47,7 @@ def peak(ops, block=BLOCK):
 # --- canonical files ----------------------------------------------------------------------------
 
 def test_write_canonical_regenerates_every_committed_trace_byte_for_byte(tmp_path):
-    paths = g.write_canonical(str(tmp_path))
+    paths = C.write_canonical(str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == sorted(CANONICAL)
     for fname in CANONICAL:
         with open(os.path.join(WORKLOADS, fname), "rb") as committed, open(tmp_path / fname, "rb") as fresh:
@@ -85,7 +86,7 @@ def test_canonical_traces_are_small_and_end_with_nothing_live(fname):
 # --- determinism and validity -------------------------------------------------------------------
 
 def small_params(family):
-    return next(p for _, fam, p, _ in g.CANONICAL if fam == family)
+    return next(p for _, fam, p, _ in C.CANONICAL if fam == family)
 
 
 @pytest.mark.parametrize("family", list(g.FAMILIES))

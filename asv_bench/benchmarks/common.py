@@ -68,8 +68,10 @@ REPLAYED = ["numpy", "torch-cpu", "torch-cuda", "object",
 
 # Committed workloads (workloads/<name>.jsonl); a tenant mix runs under each eviction policy.
 WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "prefill-sharegpt",
-             "tenant-flood", "tenant-fractional", "tenant-late"]
-TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late"]
+             "tenant-flood", "tenant-fractional", "tenant-late",
+             "prefix-reuse", "prefix-tenants"]
+TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
+                "prefix-tenants"]
 POLICIES = ["lru", "lfu", "fair"]
 REPLAY_CASES = [w if w not in TENANT_MIXES else f"{w}@{p}"
                 for w in WORKLOADS for p in (POLICIES if w in TENANT_MIXES else [None])]
@@ -211,10 +213,15 @@ def replay_config(trace, policy=None, store_kv: bool = False, device: str = "cpu
     the contiguous `max` reservation is the next power of two of the longest sequence."""
     s = trace.header.settings
     longest = max(trace.final_lengths().values(), default=1)
-    return CacheConfig(model=get_model(s.get("model", "tiny")), block_size=int(s.get("block_size", 16)),
-                       num_blocks=int(s.get("num_blocks", 256)), store_kv=store_kv, device=device,
-                       max_context=int(s.get("max_context") or 1 << (longest - 1).bit_length()),
-                       policy=policy, tenant_weights=dict(trace.header.tenants))
+    # Only traces that ask for prefix caching pass the field (commits before it lack it: n/a).
+    caching = {"prefix_caching": True} if s.get("prefix_caching") else {}
+    try:
+        return CacheConfig(model=get_model(s.get("model", "tiny")), block_size=int(s.get("block_size", 16)),
+                           num_blocks=int(s.get("num_blocks", 256)), store_kv=store_kv, device=device,
+                           max_context=int(s.get("max_context") or 1 << (longest - 1).bit_length()),
+                           policy=policy, tenant_weights=dict(trace.header.tenants), **caching)
+    except TypeError as e:
+        raise NotImplementedError(f"kvbench at this commit cannot configure this trace: {e}") from None
 
 
 def replay_backend(name: str, case: str, store_kv: bool = False):
@@ -250,7 +257,7 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
     called after every operation. Returns counts: evictions, recomputed_tokens, ooms.
     """
     final = trace.final_lengths()
-    length, tenant = {}, {}
+    length, tenant, hashes = {}, {}, {}
     evicted, refused = set(), set()
     counts = {"evictions": 0, "recomputed_tokens": 0, "ooms": 0}
 
@@ -265,7 +272,8 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
     def restore(seq, step, protect) -> bool:
         try:
             victims = backend.prefill(seq, length[seq], data(length[seq]), tenant=tenant[seq],
-                                      final_tokens=final[seq], step=step, protect=tuple(protect))
+                                      final_tokens=final[seq], step=step, protect=tuple(protect),
+                                      block_hashes=hashes.get(seq))
         except OutOfMemory:
             counts["ooms"] += 1
             return False
@@ -281,6 +289,8 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
                                      final_tokens=final[op.seq], step=op.step,
                                      block_hashes=op.block_hashes))
                 length[op.seq], tenant[op.seq] = op.tokens, op.tenant
+                if op.block_hashes:  # a recompute hits the prompt's cached blocks, as the checker's
+                    hashes[op.seq] = op.block_hashes
             except OutOfMemory:
                 counts["ooms"] += 1
                 refused.add(op.seq)

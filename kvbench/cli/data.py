@@ -17,7 +17,8 @@ def cmd_gen(args) -> int:
         save(trace, out)
         print(f"wrote {out} ({len(trace)} ops)")
         return 0
-    written = generators.write_canonical(args.out or suite.WORKLOADS_DIR)
+    from kvbench.traces.canonical import write_canonical
+    written = write_canonical(args.out or suite.WORKLOADS_DIR)
     for p in written:
         print(f"wrote {p}")
     return 0

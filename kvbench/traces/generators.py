@@ -9,6 +9,8 @@
   of forks.
 - ``tenant_mixes``: several tenants with Fair weights, arrival rates, their own length laws and
   start times, over a block budget (``settings.num_blocks``) that forces eviction.
+- ``prefix_sharing``: prompts opening with one of a few shared prefixes, named by block hashes
+  (prefix caching: full and partial hits, cached blocks evicted and reused, hits after recompute).
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -22,24 +24,20 @@ Length laws are in :mod:`kvbench.traces.laws`.
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
 from collections import deque
 
 import numpy as np
 
-from kvbench.contract.formulas import blocks_needed
-from kvbench.traces.format import (
-    Append,
-    Fork,
-    Free,
-    Header,
-    Prefill,
-    Trace,
-    save,
-    validate,
+from kvbench.traces.builder import (
+    DEFAULT_TENANT,
+    GENERATOR_VERSION,
+    _Builder,
+    _recorded,
+    op_demand,
+    peak_blocks,
 )
+from kvbench.traces.format import Trace
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -49,100 +47,7 @@ from kvbench.traces.laws import (
     request_laws,
 )
 
-GENERATOR_VERSION = 1
-
-DEFAULT_TENANT = "default"
-# --- helpers ------------------------------------------------------------------------------------
-
-def _recorded(args: dict) -> dict:
-    """A generator's arguments as its header records them (JSON types, laws expanded)."""
-    params = {k: (normalize_law(v) if k == "law" else v) for k, v in args.items() if k != "seed"}
-    return json.loads(json.dumps(params))
-
-
-class _Builder:
-    """Emits ops with consecutive steps and fresh sequence ids; tracks live lengths."""
-
-    def __init__(self):
-        self.ops: list = []
-        self.length: dict = {}
-        self.next_seq = 0
-
-    def prefill(self, tokens: int, tenant: str = DEFAULT_TENANT) -> int:
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
-        self.ops.append(Prefill(len(self.ops), seq, tenant, int(tokens)))
-        self.length[seq] = int(tokens)
-        return seq
-
-    def append(self, seqs, tokens) -> None:
-        seqs = [int(s) for s in seqs]
-        tokens = [int(t) for t in tokens]
-        if min(tokens) < 1:
-            raise AssertionError(f"generator bug: append of {tokens} tokens at step {len(self.ops)}")
-        self.ops.append(Append(len(self.ops), tuple(seqs), tuple(tokens)))
-        for s, t in zip(seqs, tokens):
-            self.length[s] += t
-
-    def fork(self, src: int) -> int:
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
-        self.ops.append(Fork(len(self.ops), seq, int(src)))
-        self.length[seq] = self.length[src]
-        return seq
-
-    def free(self, seq: int) -> None:
-        self.ops.append(Free(len(self.ops), int(seq)))
-        del self.length[seq]
-
-    def trace(self, family: str, params: dict, seed: int, name: str, **header) -> Trace:
-        h = Header(family=family, generator=f"kvbench.generators.{family} v{GENERATOR_VERSION}",
-                   params=params, seed=seed, **header)
-        return validate(Trace(h, self.ops, name=name))
-
-
-def _walk(ops):
-    """Yield (op, lengths of the live sequences after it, the sequences it wrote or created)."""
-    length = {}
-    for op in ops:
-        if isinstance(op, Prefill):
-            length[op.seq] = op.tokens
-            touched = (op.seq,)
-        elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
-                length[s] += t
-            touched = op.seqs
-        elif isinstance(op, Fork):
-            length[op.seq] = length[op.src]
-            touched = (op.seq,)
-        else:
-            del length[op.seq]
-            touched = ()
-        yield op, length, touched
-
-
-def peak_blocks(ops, block_size: int) -> int:
-    """max over time of sum over live sequences of ceil(T / B): an upper bound (sharing ignored)."""
-    blocks, total, peak = {}, 0, 0
-    for op, length, touched in _walk(ops):
-        if isinstance(op, Free):
-            total -= blocks.pop(op.seq)
-        for s in touched:
-            new = blocks_needed(length[s], block_size)
-            total += new - blocks.get(s, 0)
-            blocks[s] = new
-        peak = max(peak, total)
-    return peak
-
-
-def op_demand(ops, block_size: int) -> int:
-    """max over operations of the blocks held by the sequences one operation writes, after it.
-
-    Under eviction these must fit in the budget at once (a served sequence is never a victim).
-    """
-    return max((sum(blocks_needed(length[s], block_size) for s in touched)
-                for _, length, touched in _walk(ops)), default=0)
-
-
-# --- the four families --------------------------------------------------------------------------
+# --- the families -------------------------------------------------------------------------------
 
 def prefill_lengths(seed: int = 0, *, num_requests: int = 64, law="sharegpt",
                     max_prompt: int = CONTEXT_LEN, max_output: int = CONTEXT_LEN,
@@ -362,6 +267,93 @@ def tenant_mixes(seed: int = 0, *, tenants=None, num_requests: int = 48,
                    settings={"block_size": block_size, "num_blocks": num_blocks})
 
 
+def prefix_sharing(seed: int = 0, *, num_requests: int = 40, prefixes: int = 3,
+                   prefix_blocks=(0, 6), own_tokens=(1, 40), aligned_rate: float = 0.3,
+                   output=(1, 24), fork_rate: float = 0.2, concurrency: int = 4,
+                   max_batch: int = 3, decode_chunk: int = 8, block_size: int = 16,
+                   num_blocks: int | None = None, budget_fraction: float = 0.6,
+                   tenants=None) -> Trace:
+    """Prompts that open with one of a few shared prefixes (system prompts, few-shot examples,
+    earlier turns), for prefix caching by block hash.
+
+    Request ``i`` picks prefix ``k`` among ``prefixes`` (the popular ones more often: weight
+    ``1/(k+1)``) and opens with its first ``m`` blocks (``m`` drawn from ``prefix_blocks``),
+    hashed ``"p<k>.<j>"``: equal ids name the same block with the same prefix. With probability
+    ``aligned_rate`` the prompt is exactly those ``m`` blocks (a block-aligned prompt: every block
+    a hit once cached); otherwise it adds ``own_tokens`` of its own, whose full blocks get hashes
+    nobody else has. So the trace holds full hits, partial hits (a shorter or longer run of a
+    cached chain), misses right after hits, and, over a budget of ``num_blocks`` (default
+    ``ceil(budget_fraction * peak)``), cached blocks evicted and reused. A forked request
+    (``fork_rate``: parallel sampling) shares its prompt's blocks. With ``tenants`` (as in
+    :func:`tenant_mixes`) the header names their weights, so runs evict whole sequences under a
+    policy and recompute them: hits after recompute. Decoding is round robin over
+    ``max_batch`` of the admitted requests, ``decode_chunk`` tokens each.
+    """
+    if tenants is not None:  # a tenant here is a name, a Fair weight and a share of arrivals
+        tenants = [{k: t[k] for k in ("name", "weight", "rate")} for t in _normalize_tenants(tenants)]
+    params = _recorded(dict(locals()))
+    n = _positive_int("num_requests", num_requests)
+    k_max = _positive_int("prefixes", prefixes)
+    m_lo, m_hi = _pair("prefix_blocks", prefix_blocks)
+    own_lo, own_hi = _pair("own_tokens", own_tokens)
+    out_lo, out_hi = _pair("output", output)
+    for name, v in (("concurrency", concurrency), ("max_batch", max_batch),
+                    ("decode_chunk", decode_chunk), ("block_size", block_size)):
+        _positive_int(name, v)
+    if own_lo < 1 or out_lo < 1:
+        raise ValueError("prefix_sharing: own_tokens and output must start at 1 or more")
+    for name, v in (("aligned_rate", aligned_rate), ("fork_rate", fork_rate)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{name} must be a probability in [0, 1], got {v!r}")
+    named = params["tenants"] or [{"name": DEFAULT_TENANT, "rate": 1}]
+    rates = np.array([t["rate"] for t in named], dtype=float)
+    popular = 1.0 / np.arange(1, k_max + 1)
+    B = block_size
+    rng = np.random.default_rng(seed)
+
+    b, left, order, arrived = _Builder(), {}, deque(), 0
+    while arrived < n or left:
+        while arrived < n and len(left) < concurrency:
+            tenant = named[int(rng.choice(len(named), p=rates / rates.sum()))]["name"]
+            k = int(rng.choice(k_max, p=popular / popular.sum()))
+            m = int(rng.integers(m_lo, m_hi, endpoint=True))
+            own = 0 if m and rng.random() < aligned_rate else int(rng.integers(own_lo, own_hi,
+                                                                               endpoint=True))
+            hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{arrived}.{j}" for j in range(own // B)]
+            seq = b.prefill(m * B + own, tenant, hashes)
+            left[seq] = int(rng.integers(out_lo, out_hi, endpoint=True))
+            order.append(seq)
+            if rng.random() < fork_rate:
+                child = b.fork(seq)
+                left[child] = int(rng.integers(out_lo, out_hi, endpoint=True))
+                order.append(child)
+            arrived += 1
+        batch = [order.popleft() for _ in range(min(max_batch, len(order)))]
+        chunk = [min(decode_chunk, left[s]) for s in batch]
+        b.append(batch, chunk)
+        for s, c in zip(batch, chunk):
+            left[s] -= c
+            if left[s] == 0:
+                del left[s]
+                b.free(s)
+            else:
+                order.append(s)
+
+    peak, need = peak_blocks(b.ops, B), op_demand(b.ops, B)
+    if num_blocks is None:
+        if not 0 < budget_fraction <= 1:
+            raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
+        num_blocks = max(need, math.ceil(budget_fraction * peak))
+    _positive_int("num_blocks", num_blocks)
+    if num_blocks < need:
+        raise ValueError(f"prefix_sharing: num_blocks={num_blocks} must be >= {need} (the most one "
+                         f"operation touches)")
+    header = {"settings": {"block_size": B, "num_blocks": num_blocks, "prefix_caching": True}}
+    if tenants is not None:
+        header["tenants"] = {t["name"]: t["weight"] for t in params["tenants"]}
+    return b.trace("prefix_sharing", params, seed, name="prefix_sharing", **header)
+
+
 def _normalize_tenants(tenants) -> list:
     if not isinstance(tenants, (list, tuple)) or not tenants:
         raise ValueError(f"tenants must be a non-empty list of dicts, got {tenants!r}")
@@ -387,13 +379,14 @@ def _normalize_tenants(tenants) -> list:
     return out
 
 
-# --- dispatch and the committed canonical traces -------------------------------------------------
+# --- dispatch (the committed canonical traces are in kvbench.traces.canonical) --------------------
 
 FAMILIES = {
     "prefill_lengths": prefill_lengths,
     "decode_streams": decode_streams,
     "fork_trees": fork_trees,
     "tenant_mixes": tenant_mixes,
+    "prefix_sharing": prefix_sharing,
 }
 
 
@@ -410,66 +403,7 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
     return fn(seed, **params)
 
 
-# (file name, family, params, seed). Tiny sequences: the checker replays all of them in seconds.
-# Append only; never change an entry (stored results refer to these traces by name).
-CANONICAL = [
-    ("prefill-sharegpt.jsonl", "prefill_lengths",
-     {"num_requests": 48, "law": {"name": "sharegpt", "scale": 0.25}, "max_prompt": 128,
-      "max_output": 128, "concurrency": 6, "decode_chunk": 16}, 0),
-    ("prefill-alpaca.jsonl", "prefill_lengths",
-     {"num_requests": 32, "law": "alpaca", "max_prompt": 100, "max_output": 100,
-      "concurrency": 8, "decode_chunk": 8}, 0),
-    ("decode-stream.jsonl", "decode_streams",
-     {"num_requests": 24, "law": {"name": "alpaca", "scale": 0.5}, "max_prompt": 100,
-      "max_output": 60, "max_batch": 8, "arrival_rate": 0.25}, 0),
-    ("fork-beam.jsonl", "fork_trees",
-     {"mode": "beam", "num_trees": 3, "width": 4, "law": {"name": "uniform", "prompt": [17, 100],
-      "output": [16, 40]}, "max_prompt": 100, "max_output": 40, "depth": [0, 12],
-      "prune_every": 4, "sub_width": 2}, 0),
-    ("fork-parallel.jsonl", "fork_trees",
-     {"mode": "parallel", "num_trees": 3, "width": 4, "law": {"name": "uniform", "prompt": [17, 100],
-      "output": [8, 40]}, "max_prompt": 100, "max_output": 40, "depth": [0, 12],
-      "prune_every": 4, "sub_width": 3}, 0),
-    ("tenant-flood.jsonl", "tenant_mixes",
-     {"tenants": [{"name": "heavy", "weight": 1, "rate": 0.9, "law": {"name": "sharegpt", "scale": 0.25}},
-                  {"name": "light", "weight": 1, "rate": 0.1, "law": "alpaca"}],
-      "num_requests": 32, "max_prompt": 100, "max_output": 100, "concurrency": 8, "max_batch": 3,
-      "decode_chunk": 8, "block_size": 16, "budget_fraction": 0.5}, 0),
-    # Weights 0.1/0.2/0.3 over 10 blocks: c's quota is exactly 5 blocks (SPEC section 5), and a
-    # float comparison puts it over at 5.
-    ("tenant-fractional.jsonl", "tenant_mixes",
-     {"tenants": [{"name": "a", "weight": 0.1, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}},
-                  {"name": "b", "weight": 0.2, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}},
-                  {"name": "c", "weight": 0.3, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}}],
-      "num_requests": 30, "max_prompt": 40, "max_output": 24, "concurrency": 6, "max_batch": 2,
-      "decode_chunk": 4, "block_size": 16, "num_blocks": 10}, 0),
-    ("tenant-late.jsonl", "tenant_mixes",
-     {"tenants": [{"name": "early", "weight": 1, "law": "alpaca"},
-                  {"name": "steady", "weight": 2, "law": {"name": "uniform", "prompt": [8, 64], "output": [8, 48]}},
-                  {"name": "late", "weight": 1, "rate": 2, "law": "alpaca", "start": 24}],
-      "num_requests": 48, "max_prompt": 100, "max_output": 100, "concurrency": 8, "max_batch": 3,
-      "decode_chunk": 8, "block_size": 16, "budget_fraction": 0.5}, 0),
-]
-
-
-def canonical_traces() -> list[tuple[str, Trace]]:
-    return [(fname, generate(family, seed, **params)) for fname, family, params, seed in CANONICAL]
-
-
-def write_canonical(directory: str) -> list[str]:
-    """Write every CANONICAL trace into ``directory`` (created if missing); returns the paths."""
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for fname, trace in canonical_traces():
-        trace.name = os.path.splitext(fname)[0]
-        path = os.path.join(directory, fname)
-        save(trace, path)
-        paths.append(path)
-    return paths
-
-
 __all__ = [
-    "GENERATOR_VERSION", "peak_blocks", "op_demand",
-    "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes", "FAMILIES", "generate",
-    "CANONICAL", "canonical_traces", "write_canonical",
+    "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
+    "prefix_sharing", "FAMILIES", "generate",
 ]

@@ -1,0 +1,82 @@
+"""The committed canonical workloads: one small trace per family (and a few variants), each a
+generator family, its parameters and a seed. `kvbench gen` rewrites workloads/ from this list,
+byte for byte (a test says so)."""
+from __future__ import annotations
+
+import os
+
+from kvbench.traces.format import Trace, save
+from kvbench.traces.generators import generate
+
+# (file name, family, params, seed). Tiny sequences: the checker replays all of them in seconds.
+# Append only; never change an entry (stored results refer to these traces by name).
+CANONICAL = [
+    ("prefill-sharegpt.jsonl", "prefill_lengths",
+     {"num_requests": 48, "law": {"name": "sharegpt", "scale": 0.25}, "max_prompt": 128,
+      "max_output": 128, "concurrency": 6, "decode_chunk": 16}, 0),
+    ("prefill-alpaca.jsonl", "prefill_lengths",
+     {"num_requests": 32, "law": "alpaca", "max_prompt": 100, "max_output": 100,
+      "concurrency": 8, "decode_chunk": 8}, 0),
+    ("decode-stream.jsonl", "decode_streams",
+     {"num_requests": 24, "law": {"name": "alpaca", "scale": 0.5}, "max_prompt": 100,
+      "max_output": 60, "max_batch": 8, "arrival_rate": 0.25}, 0),
+    ("fork-beam.jsonl", "fork_trees",
+     {"mode": "beam", "num_trees": 3, "width": 4, "law": {"name": "uniform", "prompt": [17, 100],
+      "output": [16, 40]}, "max_prompt": 100, "max_output": 40, "depth": [0, 12],
+      "prune_every": 4, "sub_width": 2}, 0),
+    ("fork-parallel.jsonl", "fork_trees",
+     {"mode": "parallel", "num_trees": 3, "width": 4, "law": {"name": "uniform", "prompt": [17, 100],
+      "output": [8, 40]}, "max_prompt": 100, "max_output": 40, "depth": [0, 12],
+      "prune_every": 4, "sub_width": 3}, 0),
+    ("tenant-flood.jsonl", "tenant_mixes",
+     {"tenants": [{"name": "heavy", "weight": 1, "rate": 0.9, "law": {"name": "sharegpt", "scale": 0.25}},
+                  {"name": "light", "weight": 1, "rate": 0.1, "law": "alpaca"}],
+      "num_requests": 32, "max_prompt": 100, "max_output": 100, "concurrency": 8, "max_batch": 3,
+      "decode_chunk": 8, "block_size": 16, "budget_fraction": 0.5}, 0),
+    # Weights 0.1/0.2/0.3 over 10 blocks: c's quota is exactly 5 blocks (SPEC section 5), and a
+    # float comparison puts it over at 5.
+    ("tenant-fractional.jsonl", "tenant_mixes",
+     {"tenants": [{"name": "a", "weight": 0.1, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}},
+                  {"name": "b", "weight": 0.2, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}},
+                  {"name": "c", "weight": 0.3, "law": {"name": "uniform", "prompt": [4, 40], "output": [4, 24]}}],
+      "num_requests": 30, "max_prompt": 40, "max_output": 24, "concurrency": 6, "max_batch": 2,
+      "decode_chunk": 4, "block_size": 16, "num_blocks": 10}, 0),
+    ("tenant-late.jsonl", "tenant_mixes",
+     {"tenants": [{"name": "early", "weight": 1, "law": "alpaca"},
+                  {"name": "steady", "weight": 2, "law": {"name": "uniform", "prompt": [8, 64], "output": [8, 48]}},
+                  {"name": "late", "weight": 1, "rate": 2, "law": "alpaca", "start": 24}],
+      "num_requests": 48, "max_prompt": 100, "max_output": 100, "concurrency": 8, "max_batch": 3,
+      "decode_chunk": 8, "block_size": 16, "budget_fraction": 0.5}, 0),
+    # Prefix caching (issue 18): full hits of block-aligned prompts, partial hits, misses after
+    # hits, cached blocks evicted and reused over a tight budget; then the same under eviction
+    # policies, so evicted sequences are recomputed and hit their cached prefixes again.
+    ("prefix-reuse.jsonl", "prefix_sharing",
+     {"num_requests": 40, "prefixes": 3, "prefix_blocks": [0, 5], "own_tokens": [1, 40],
+      "aligned_rate": 0.3, "output": [1, 24], "fork_rate": 0.2, "concurrency": 4, "max_batch": 3,
+      "decode_chunk": 8, "block_size": 8, "budget_fraction": 0.6}, 0),
+    ("prefix-tenants.jsonl", "prefix_sharing",
+     {"num_requests": 40, "prefixes": 2, "prefix_blocks": [1, 4], "own_tokens": [1, 24],
+      "aligned_rate": 0.3, "output": [4, 24], "fork_rate": 0.1, "concurrency": 5, "max_batch": 2,
+      "decode_chunk": 6, "block_size": 8, "budget_fraction": 0.5,
+      "tenants": [{"name": "chat", "weight": 2, "rate": 0.7},
+                  {"name": "batch", "weight": 1, "rate": 0.3}]}, 0),
+]
+
+
+def canonical_traces() -> list[tuple[str, Trace]]:
+    return [(fname, generate(family, seed, **params)) for fname, family, params, seed in CANONICAL]
+
+
+def write_canonical(directory: str) -> list[str]:
+    """Write every CANONICAL trace into ``directory`` (created if missing); returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for fname, trace in canonical_traces():
+        trace.name = os.path.splitext(fname)[0]
+        path = os.path.join(directory, fname)
+        save(trace, path)
+        paths.append(path)
+    return paths
+
+
+__all__ = ["CANONICAL", "canonical_traces", "write_canonical"]
