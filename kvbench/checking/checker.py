@@ -4,6 +4,14 @@ After every trace operation it compares the backend's ledger, the victims it cho
 returns with what the oracle derives from the formulas. Its verdict is data: valid or not, and the
 first divergence (trace, step, operation, quantity, expected, actual), small enough to reproduce.
 
+K/V content is verified where an operation could have changed it, at a cost that does not
+grow with sequence length: the positions it wrote (from the start of a tail block it may have
+copied on write), the same block of every sequence that shared that tail, a whole sequence when
+it is created (prefill, prefix hit, recompute, fork) and before it is freed, a seeded random
+window of one live sequence per operation (so that a write into a wrong slot anywhere is caught),
+and every live sequence at the end. ``gather='all'`` verifies every live sequence after every
+operation instead.
+
 One trace operation may take several backend calls: a sequence that was evicted is recomputed
 (re-prefilled to its current length, with the content it had) in the same step before the
 operation touches it. Each call is atomic on its own. A prefill or fork that fails for lack of
@@ -17,12 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
-from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens
-from kvbench.quant import pool as quant_pool
+from kvbench.checking.series import Series
+from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens, ledger_of
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
 BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks")
+PER_SEQUENCE = ("tokens", "seq_blocks")  # the ledger's per-sequence dicts
+SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
 
 
 @dataclass
@@ -59,7 +70,7 @@ class Verdict:
     tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
     backend_seconds: float = 0.0
     final_ledger: dict = field(default_factory=dict)
-    series: list = field(default_factory=list)  # ledger figures after each operation
+    series: Series = field(default_factory=Series)  # ledger figures after each operation
 
     @property
     def status(self) -> str:
@@ -92,9 +103,12 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
           progress=None, model: Oracle | None = None) -> Verdict:
     """Replay ``trace`` through ``backend`` and the oracle; the verdict names the first divergence.
 
-    ``gather``: 'touched' verifies the K/V of every sequence an operation touched and of those
-    sharing a block with it; 'all' verifies every live sequence after every operation; 'end'
-    only at the end; 'none' never.
+    ``gather``: 'touched' verifies the K/V each operation could have changed (the positions it
+    wrote, blocks copied on write and their sharers, new sequences whole, a sequence whole
+    before it is freed, a seeded random window per operation, everything at the end); 'all'
+    verifies every live sequence whole after every operation; 'end' only at the end; 'none'
+    never. The ledger's per-sequence figures are compared for the sequences an operation
+    touched, and for all of them at intervals as long as the live set (and at the end).
 
     With ``backend=None`` it replays the ``model`` (an Oracle, or a subclass such as the offline
     Belady policy) alone, by the same rules: its evictions, hits and usage, nothing compared.
@@ -136,13 +150,13 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
     """The replay loop of check(): ``backend`` None drives the oracle alone."""
     replay = _Replay(trace, backend, oracle, verdict, gather=gather, series=series,
                      writes_kv=writes_kv, quantized=quantized)
+    last = len(trace.ops) - 1
     try:
         for index, op in enumerate(trace.ops):
             replay.index, replay.op = index, op
-            touched = replay.apply(op)
-            expected = oracle.expected_ledger()
-            replay.compare_ledger(expected)
-            replay.verify_kv(touched, last=index == len(trace.ops) - 1)
+            changed = replay.apply(op)
+            expected = replay.compare_ledger(changed, last=index == last)
+            replay.verify_kv(changed, last=index == last)
             if series:
                 replay.record(expected)
             verdict.ops = index + 1
@@ -156,7 +170,11 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
 
 
 class _Replay:
-    """One replay of a trace: the backend beside the oracle, operation by operation."""
+    """One replay of a trace: the backend beside the oracle, operation by operation.
+
+    Each operation fills ``changed``: sequence -> (start, stop) of the positions whose K/V it
+    may have changed (stop None: to the end), or None when only its ledger entries changed.
+    """
 
     def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized):
         self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
@@ -164,6 +182,10 @@ class _Replay:
         self.do_gather = gather != "none" and writes_kv
         self.fields = [f for f in LEDGER_FIELDS if oracle.layout == "paged" or f not in BLOCK_FIELDS]
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
+        self.kv = Content(backend, oracle, quantized) if self.do_gather else None
+        self.live = LiveSet(seed=0)  # the seeded sample of each operation draws from it
+        self.next_full = 0  # the operation whose ledger is compared whole next
+        self.changed: dict = {}
         self.final = trace.final_lengths()
         self.tenant_of = trace.tenant_of()
         self.touches: dict = {}  # tenant -> [hits, misses]
@@ -177,9 +199,21 @@ class _Replay:
 
     def content(self, seq, segments):
         """The K/V a sequence wrote or inherited, from its segments [(writer, start, count)]."""
-        writers = np.concatenate([np.full(c, w) for w, _, c in segments]) if segments else []
-        positions = np.concatenate([np.arange(s, s + c) for _, s, c in segments]) if segments else []
-        return kv_tokens(writers, positions, self.model, self.dtype)
+        writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments]) \
+            if segments else np.zeros(0, np.int64)
+        return kv_tokens(writers, np.arange(len(writers)), self.model, self.dtype)
+
+    def mark(self, seq, start=0, stop=None, *, kv=True) -> None:
+        """``seq``'s entries of the ledger, and (``kv``) its K/V over ``start .. stop-1``, may
+        have changed in this operation."""
+        new = (start, stop) if kv else None
+        old = self.changed.get(seq)
+        if old is None or new is None:
+            self.changed[seq] = new or old
+            return
+        lo = min(old[0], start)
+        hi = None if old[1] is None or stop is None else max(old[1], stop)
+        self.changed[seq] = (lo, hi)
 
     # --- one backend call beside the same oracle call ------------------------------------------
 
@@ -190,6 +224,8 @@ class _Replay:
             expected = oracle_call()
         except ModelOOM:
             expected = None
+        for v in expected or ():
+            self.mark(v, kv=False)
         if backend is None:
             verdict.ooms += expected is None
             verdict.evictions += len(expected or ())
@@ -241,22 +277,29 @@ class _Replay:
                         lambda: self.oracle.recompute(seq, step, protect))
         if got is not None:
             self.verdict.recomputed_tokens += st.tokens
+            self.mark(seq)
         return got
 
-    # --- the trace operations: each returns the sequences whose K/V it may have changed ------
+    # --- the trace operations: each marks what it may have changed ----------------------------
 
-    def apply(self, op) -> set:
+    def apply(self, op) -> dict:
+        self.changed = {}
         if isinstance(op, Prefill):
-            return self.prefill(op)
-        if isinstance(op, Append):
-            return self.append(op)
-        if isinstance(op, Fork):
-            return self.fork(op)
-        if isinstance(op, Free) and op.seq not in self.refused:
+            self.prefill(op)
+        elif isinstance(op, Append):
+            self.append(op)
+        elif isinstance(op, Fork):
+            self.fork(op)
+        elif isinstance(op, Free) and op.seq not in self.refused:
             self.free(op)
-        return set()
+        for s in self.changed:
+            if s in self.oracle.seqs:
+                self.live.add(s)
+            else:
+                self.live.discard(s)
+        return self.changed
 
-    def prefill(self, op) -> set:
+    def prefill(self, op) -> None:
         oracle = self.oracle
 
         def kv():  # the prompt's K/V as the oracle sees them (a hashed block holds its prefix's)
@@ -274,51 +317,79 @@ class _Replay:
                                                op.step, hashes=op.block_hashes))
         if got is None:
             self.refused.add(op.seq)
-            return set()
-        return {op.seq}
+            return
+        self.mark(op.seq)  # whole: a prefix hit reads blocks other sequences wrote
 
-    def append(self, op) -> set:
+    def append(self, op) -> None:
         oracle = self.oracle
         pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in self.refused]
         seqs = [s for s, _ in pairs]
         for s in seqs:
             self.touch(s)
             if s in oracle.preempted and self.restore(s, set(seqs)) is None:
-                return set()
+                return
         if not seqs:
-            return set()
-        toks = [t for _, t in pairs]
+            return
+        toks = np.array([t for _, t in pairs], dtype=np.int64)
+        starts = np.array([oracle.seqs[s].tokens for s in seqs], dtype=np.int64)
+        sharers = self._tail_sharers(seqs)
         kv = None
         if self.writes_kv:
-            writers = np.repeat(seqs, toks)
-            starts = [oracle.seqs[s].tokens for s in seqs]
-            positions = np.concatenate([np.arange(a, a + t) for a, t in zip(starts, toks)])
+            writers = np.repeat(np.asarray(seqs, dtype=np.int64), toks)
+            positions = np.arange(int(toks.sum())) + np.repeat(starts - (np.cumsum(toks) - toks), toks)
             kv = kv_tokens(writers, positions, self.model, self.dtype)
-        got = self.call("append", lambda: self.backend.append(seqs, toks, kv, step=op.step),
-                        lambda: oracle.append(seqs, toks, op.step))
-        return set() if got is None else set(seqs)
+        toks_list = toks.tolist()
+        got = self.call("append", lambda: self.backend.append(seqs, toks_list, kv, step=op.step),
+                        lambda: oracle.append(seqs, toks_list, op.step))
+        if got is None:
+            return
+        B = oracle.B if oracle.layout == "paged" else 1
+        for s, start in zip(seqs, starts.tolist()):
+            self.mark(s, start // B * B)  # from the tail block on: it may have been copied
+        for s, start in sharers.items():  # a write into their block must not show in their reads
+            self.mark(s, start, start + B)
 
-    def fork(self, op) -> set:
+    def _tail_sharers(self, seqs) -> dict:
+        """Other live sequences that share the partial tail block a writer of ``seqs`` is about to
+        write into: {sequence: first position of that block}."""
+        oracle = self.oracle
+        if oracle.layout != "paged" or not self.do_gather:
+            return {}
+        tails = {}
+        for s in seqs:
+            st = oracle.seqs[s]
+            if st.table and st.tokens % oracle.B and oracle.blocks[st.table[-1]][0] > 1:
+                tails[st.table[-1]] = len(st.table) - 1
+        if not tails:
+            return {}
+        return {t: i * oracle.B for t, st in oracle.seqs.items() for b, i in tails.items()
+                if len(st.table) > i and st.table[i] == b}
+
+    def fork(self, op) -> None:
         oracle = self.oracle
         if op.src in self.refused:
             self.refused.add(op.seq)
-            return set()
+            return
         self.touch(op.src)
         if op.src in oracle.preempted and self.restore(op.src, {op.src, op.seq}) is None:
             self.refused.add(op.seq)
-            return set()
+            return
         got = self.call("fork",
                         lambda: self.backend.fork(op.seq, op.src, final_tokens=self.final[op.seq],
                                                   step=op.step),
                         lambda: oracle.fork(op.seq, op.src, self.final[op.seq], op.step))
         if got is None:
             self.refused.add(op.seq)
-            return set()
-        return {op.seq, op.src}
+            return
+        self.mark(op.seq)
+        self.mark(op.src, kv=False)
 
     def free(self, op) -> None:
         evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
+        if not evicted and self.gather == "touched":
+            self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
         self.oracle.free(op.seq)
+        self.mark(op.seq, kv=False)
         if self.backend is not None and not evicted:
             t0 = time.perf_counter()
             try:
@@ -329,44 +400,60 @@ class _Replay:
 
     # --- what is compared after every operation ------------------------------------------------
 
-    def compare_ledger(self, expected) -> None:
-        actual = self.backend.ledger() if self.backend is not None else expected
+    def compare_ledger(self, changed: dict, last: bool):
+        """The ledger's figures; per-sequence ones for the sequences the operation changed, and
+        for every sequence at the end and once per as many operations as there are live ones
+        (amortised O(1) per operation). Returns the expected ledger."""
+        expected = self.oracle.expected_ledger()
+        if self.backend is None:
+            return expected
+        whole = self.gather == "all" or last or self.index >= self.next_full
+        if whole:
+            self.next_full = self.index + max(1, len(self.oracle.seqs))
+        seqs = None if whole else sorted(changed)
+        actual = ledger_of(self.backend, seqs)
         for f in self.fields:
             e, a = getattr(expected, f), getattr(actual, f)
             if f == "fragmentation":
                 if abs(e - a) > 1e-12:
                     self.diverge(f, e, a)
-            elif e != a:
+                continue
+            if seqs is not None and f in PER_SEQUENCE:
+                e = {s: e[s] for s in seqs if s in e}
+                a = {s: a[s] for s in seqs if s in a}
+            if e != a:
                 self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
+        return expected
 
-    def verify_kv(self, touched: set, last: bool) -> None:
-        """Gather and compare the K/V of the sequences the ``gather`` mode names."""
+    def verify(self, ranges) -> None:
+        """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end)."""
+        if self.kv is None or not ranges:
+            return
+        bad, read = self.kv.mismatch(ranges)
+        self.verdict.gathers += read
+        if bad:
+            seq, *what = bad
+            self.diverge(f"kv of sequence {seq}", *what)
+
+    def verify_kv(self, changed: dict, last: bool) -> None:
+        """Gather and compare the K/V that the ``gather`` mode names."""
         if not self.do_gather:
             return
         oracle, gather = self.oracle, self.gather
         if gather == "all" or (gather in ("end", "touched") and last):
-            to_check = set(oracle.seqs)
-        elif gather == "touched" and touched:
-            to_check = set().union(*(oracle.family_of(s) for s in touched if s in oracle.seqs))
-        else:
-            to_check = set()
-        for s in sorted(to_check):
-            want = self.content(s, oracle.seqs[s].segments)
-            got = np.asarray(self.backend.gather(s))
-            self.verdict.gathers += 1
-            if self.quantized:  # within SPEC §4's bound of what was written
-                why = quant_pool.bound_violation(want, got, self.backend.config.kv_format)
-                if why:
-                    self.diverge(f"kv of sequence {s}", "within the quantization bound", "outside", why)
-            elif got.shape != want.shape or not np.array_equal(got, want):
-                self.diverge(f"kv of sequence {s}", "what it wrote or inherited", "different values",
-                             _first_kv_mismatch(s, want, got, oracle))
+            self.verify([(s, 0, None) for s in sorted(oracle.seqs)])
+            return
+        if gather != "touched":
+            return
+        ranges = [(s, *changed[s]) for s in sorted(changed)
+                  if changed[s] is not None and s in oracle.seqs]
+        if len(self.live):  # a seeded random window: a wrong slot anywhere shows up in time
+            s = self.live.choice()
+            ranges.append((s, *self.live.window(oracle.seqs[s].tokens, SAMPLE_WINDOW_BLOCKS * oracle.B)))
+        self.verify(ranges)
 
     def record(self, expected) -> None:
-        self.verdict.series.append({"step": self.op.step, **{f: getattr(expected, f) for f in
-                                    ("blocks_used", "fragmentation", "token_states", "reservation",
-                                     "internal_fragmentation", "external_fragmentation", "free")},
-                                    "usage": self.oracle.tenant_usage()})
+        self.verdict.series.append(self.op.step, expected, self.oracle.tenant_usage())
 
     def finish(self) -> None:
         """Per-tenant figures and the final ledger into the verdict."""
@@ -386,12 +473,3 @@ def _dict_diff(e: dict, a: dict) -> str:
         if e.get(k) != a.get(k):
             return f"sequence {k}: expected {e.get(k)}, got {a.get(k)}"
     return ""
-
-
-def _first_kv_mismatch(seq, want, got, oracle) -> str:
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} instead of {tuple(want.shape)}"
-    bad = np.flatnonzero(~np.all((want == got).reshape(len(want), -1), axis=1))
-    p = int(bad[0])
-    writer = next(w for w, s, c in oracle.seqs[seq].segments if s <= p < s + c)
-    return f"first wrong position {p} (should hold what sequence {writer} wrote there)"

@@ -62,8 +62,7 @@ def policies_for(trace: Trace, policy: str | None) -> list:
 
 def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict) -> dict:
     series = v.series
-    n = len(series) or 1
-    mean = {k: sum(r[k] for r in series) / n for k in
+    mean = {k: float(series.column(k).mean()) for k in
             ("fragmentation", "token_states", "reservation", "internal_fragmentation",
              "external_fragmentation", "free")} if series else {}
     row = {
@@ -74,10 +73,12 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "divergence": str(v.divergence) if v.divergence else "",
         "not_applicable": v.not_applicable, "skipped": "; ".join(f"{k}: {r}" for k, r in v.skipped.items()),
         "ooms": v.ooms, "evictions": v.evictions, "recomputed_tokens": v.recomputed_tokens,
-        "peak_blocks": max((r["blocks_used"] or 0 for r in series), default=0),
+        "peak_blocks": max(0, int(series.column("blocks_used").max())) if series else 0,
         "final_fragmentation": v.final_ledger.get("fragmentation"),
         **{f"mean_{k}": val for k, val in mean.items()},
-        "series": {k: [r[k] for r in series] for k in ("step", "blocks_used", "fragmentation")},
+        "series": {"step": series.column("step").tolist(),
+                   "blocks_used": [None if b < 0 else b for b in series.column("blocks_used").tolist()],
+                   "fragmentation": series.column("fragmentation").tolist()},
         "backend_ms": v.backend_seconds * 1e3,
         "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
         "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),

@@ -8,6 +8,8 @@ Backends from other packages implement this class and register themselves (see r
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
@@ -144,14 +146,63 @@ class Backend(ABC):
     def free(self, seq: int, *, step: int = 0) -> None: ...
 
     @abstractmethod
-    def ledger(self) -> Ledger: ...
+    def ledger(self, seqs=None) -> Ledger:
+        """The backend's own account. ``seqs``: the checker reads ``tokens`` and ``seq_blocks``
+        only for these sequences, so a backend may leave the others out (it need not build
+        per-sequence dicts on every operation); ``None``: every live sequence."""
 
-    def gather(self, seq: int) -> np.ndarray:
-        """The sequence's K/V, ``[tokens, 2, layers, kv_heads, head_dim]``, as a NumPy array."""
+    def gather(self, seq: int, start: int = 0, stop: int | None = None, *, out=None) -> np.ndarray:
+        """The K/V of positions ``start .. stop-1`` of the sequence (``stop`` None: its length),
+        ``[stop - start, 2, layers, kv_heads, head_dim]``, as a NumPy array; written into
+        ``out`` (an array of that shape and the pool's dtype) when given. A backend written
+        before ranges existed may define ``gather(self, seq)`` only: :func:`read_kv` slices it."""
         raise NotImplementedError(f"{self.name} holds no K/V data")
 
     def close(self) -> None:
         """Release device memory (optional)."""
+
+
+def _accepts(method, name: str) -> bool:
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _takes(cls: type, method: str, name: str) -> bool:
+    return _accepts(getattr(cls, method), name)
+
+
+def read_kv(backend: Backend, seq: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """``backend.gather(seq, start, stop)``; for a backend whose gather takes the sequence
+    alone (written before ranges existed), its whole gather sliced."""
+    if _takes(type(backend), "gather", "start"):
+        return np.asarray(backend.gather(seq, start, stop))
+    return np.asarray(backend.gather(seq))[start:stop]
+
+
+def ledger_of(backend: Backend, seqs=None) -> Ledger:
+    """``backend.ledger(seqs)``; a backend whose ledger takes no argument gives its whole one."""
+    if seqs is not None and _takes(type(backend), "ledger", "seqs"):
+        return backend.ledger(seqs=seqs)
+    return backend.ledger()
+
+
+# K/V values of writer w at position p: ((w * 7919 + p * 131 + 3) + 17 e) mod 2003 - 1001 for
+# element e. As 17 is invertible mod the prime 2003, the row of base b is row 0 shifted by
+# c = b / 17 (mod 2003): a window of one periodic 1-D array. Every row is a slice of it, so
+# building n rows is one gather, with no arithmetic per element.
+_KV_MOD = 2003
+_INV17 = pow(17, -1, _KV_MOD)
+
+
+@functools.lru_cache(maxsize=16)
+def _kv_windows(elems: int, dtype: np.dtype) -> np.ndarray:
+    ext = (np.arange(elems + _KV_MOD, dtype=np.int64) * 17 % _KV_MOD - 1001).astype(dtype)
+    windows = np.lib.stride_tricks.sliding_window_view(ext, elems)
+    windows.flags.writeable = False
+    return windows
 
 
 def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndarray:
@@ -159,13 +210,14 @@ def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndar
 
     Small integers, exact in float16, that differ by writer, position, K/V, layer, head and
     channel: a gathered value read from the wrong slot or written by the wrong sequence shows.
+    Element ``e`` (row-major over ``[2, layers, kv_heads, head_dim]``) of writer ``w`` at
+    position ``p`` is ``(w * 7919 + p * 131 + e * 17 + 3) mod 2003 - 1001``.
     """
     shape = (2, model.layers, model.kv_heads, model.head_dim)
-    elem = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-    w = np.asarray(writers, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
-    p = np.asarray(positions, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
-    vals = (w * 7919 + p * 131 + elem * 17 + 3) % 2003 - 1001
-    return vals.astype(dtype)
+    w = np.asarray(writers, dtype=np.int64).reshape(-1)
+    p = np.asarray(positions, dtype=np.int64).reshape(-1)
+    shift = (w * 7919 + p * 131 + 3) % _KV_MOD * _INV17 % _KV_MOD
+    return _kv_windows(int(np.prod(shape)), np.dtype(dtype))[shift].reshape((-1,) + shape)
 
 
 def hash_writer(block_hash) -> int:
@@ -183,4 +235,4 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 
 
 __all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS", "Backend",
-           "kv_tokens", "kv_values", "hash_writer"]
+           "kv_tokens", "kv_values", "hash_writer", "read_kv", "ledger_of"]

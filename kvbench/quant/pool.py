@@ -38,8 +38,9 @@ def block_bytes(name: str, model: ModelSpec, block_size: int) -> int:
     return rows * (code + meta)
 
 
-def bound_violation(expected: np.ndarray, got: np.ndarray, name: str) -> str:
-    """'' when every gathered element is within SPEC §4's bound of the exact K/V, else where not.
+def bound_violation(expected: np.ndarray, got: np.ndarray, name: str, first_position: int = 0) -> str:
+    """'' when every gathered element is within SPEC §4's bound of the exact K/V, else where not
+    (positions counted from ``first_position``, that of the first token given).
 
     The bound per element, with the reference (float64) scale of its row:
     ``scale/2 + 2u|x| + u*scale + u_out*|x_hat|``, u = u_out = 2^-24 (float32 arithmetic and
@@ -63,5 +64,5 @@ def bound_violation(expected: np.ndarray, got: np.ndarray, name: str) -> str:
         return ""
     r, c = map(int, np.argwhere(bad)[0])
     token, row = divmod(r, rows.shape[0] // x.shape[0])
-    return (f"position {token}, row {row}, channel {c}: |{rows[r, c]} - {hat[r, c]}| = "
+    return (f"position {first_position + token}, row {row}, channel {c}: |{rows[r, c]} - {hat[r, c]}| = "
             f"{abs(rows[r, c] - hat[r, c]):.6g} > bound {bound[r, c]:.6g} (scale {scale[r, 0]:.6g})")

@@ -1,0 +1,133 @@
+"""The K/V the checker reads back: what a sequence must hold over a range of positions, read
+from the oracle's segments, compared with what the backend returns for that range.
+
+Verifying a range costs what the range holds, never the whole sequence: the checker asks each
+operation for the positions it could have changed (see :mod:`kvbench.checking.checker`).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+
+import numpy as np
+
+from kvbench.contract.protocol import kv_tokens, read_kv
+from kvbench.quant import pool as quant_pool
+
+
+def _start(segment) -> int:
+    return segment[1]
+
+
+def writer_runs(segments, start: int, stop: int, ws: list, counts: list) -> None:
+    """Append to ``ws``/``counts`` who wrote positions ``start .. stop-1``, as runs, from
+    ``[(writer, start, count)]`` segments that cover the sequence in order."""
+    first = max(0, bisect.bisect_right(segments, start, key=_start) - 1)
+    for w, s, c in itertools.islice(segments, first, None):
+        if s >= stop:
+            break
+        lo, hi = max(s, start), min(s + c, stop)
+        if hi > lo:
+            ws.append(w)
+            counts.append(hi - lo)
+
+
+def writers_over(segments, start: int, stop: int) -> np.ndarray:
+    """The writer of each position ``start .. stop-1``."""
+    ws, counts = [], []
+    writer_runs(segments, start, stop, ws, counts)
+    return np.repeat(np.asarray(ws, dtype=np.int64), counts)
+
+
+class Content:
+    """Expected K/V of the oracle's sequences, and their comparison with a backend's."""
+
+    def __init__(self, backend, oracle, quantized: bool):
+        self.backend, self.oracle, self.quantized = backend, oracle, quantized
+        self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
+        self.kv_format = backend.config.kv_format if backend is not None else None
+
+    def mismatch(self, ranges):
+        """Verify ``[(seq, start, stop)]`` (stop None: to the end) with one expected array and one
+        comparison. None when all are right, else (seq, expected, actual, detail) of the first
+        wrong one. Returns the number of ranges read as well."""
+        seqs = self.oracle.seqs
+        todo = []
+        for seq, start, stop in ranges:
+            n = seqs[seq].tokens
+            stop = n if stop is None else min(stop, n)
+            if stop > start:
+                todo.append((seq, start, stop))
+        if not todo:
+            return None, 0
+        ws, counts = [], []
+        for seq, start, stop in todo:
+            writer_runs(seqs[seq].segments, start, stop, ws, counts)
+        lengths = np.array([b - a for _, a, b in todo], dtype=np.int64)
+        firsts = np.array([a for _, a, _ in todo], dtype=np.int64)
+        positions = np.arange(int(lengths.sum())) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
+        want = kv_tokens(np.repeat(np.asarray(ws, dtype=np.int64), counts), positions, self.model,
+                         self.dtype)
+        got, offset = [], 0
+        for (seq, start, stop), n in zip(todo, lengths.tolist()):
+            g = read_kv(self.backend, seq, start, stop)
+            if g.shape != want.shape[:0] + (n,) + want.shape[1:]:
+                return (seq, "what it wrote or inherited", "different values",
+                        f"shape {tuple(g.shape)} instead of {(n,) + want.shape[1:]}"), len(got) + 1
+            got.append(g)
+        got_all = got[0] if len(got) == 1 else np.concatenate(got)
+        if not self.quantized and np.array_equal(got_all, want):
+            return None, len(todo)
+        for (seq, start, stop), g in zip(todo, got):  # which one, and where
+            w = want[offset:offset + len(g)]
+            offset += len(g)
+            bad = self._wrong(seq, start, w, g)
+            if bad:
+                return (seq, *bad), len(todo)
+        return None, len(todo)
+
+    def _wrong(self, seq, start, want, got):
+        if self.quantized:  # within SPEC §4's bound of what was written
+            why = quant_pool.bound_violation(want, got, self.kv_format, start)
+            return ("within the quantization bound", "outside", why) if why else None
+        if np.array_equal(got, want):
+            return None
+        bad = np.flatnonzero(~np.all((want == got).reshape(len(want), -1), axis=1))
+        p = start + int(bad[0])
+        writer = int(writers_over(self.oracle.seqs[seq].segments, p, p + 1)[0])
+        return ("what it wrote or inherited", "different values",
+                f"first wrong position {p} (should hold what sequence {writer} wrote there)")
+
+
+class LiveSet:
+    """The live sequences in a list with O(1) add, remove and uniform random choice."""
+
+    def __init__(self, seed: int = 0):
+        self.items: list = []
+        self.index: dict = {}
+        self.rng = np.random.default_rng(seed)
+
+    def add(self, seq) -> None:
+        if seq not in self.index:
+            self.index[seq] = len(self.items)
+            self.items.append(seq)
+
+    def discard(self, seq) -> None:
+        i = self.index.pop(seq, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if i < len(self.items):
+            self.items[i] = last
+            self.index[last] = i
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def choice(self):
+        return self.items[int(self.rng.integers(len(self.items)))]
+
+    def window(self, tokens: int, width: int) -> tuple[int, int]:
+        """A random range of up to ``width`` positions of a sequence of ``tokens``."""
+        start = int(self.rng.integers(max(1, tokens - width + 1)))
+        return start, min(tokens, start + width)
