@@ -29,6 +29,7 @@ from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.series import Series
 from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens, ledger_of
+from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
 BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks")
@@ -91,12 +92,17 @@ class _Stop(Exception):
 def applicable(trace: Trace, backend: Backend) -> str:
     """'' when the backend can run the trace, else why not."""
     caps = backend.capabilities
-    if not caps.fork and any(isinstance(op, Fork) for op in trace.ops):
+    if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
     if policy and policy not in caps.eviction:
         return f"{backend.name} does not implement eviction policy {policy!r}"
     return ""
+
+
+def _forks(trace: Trace) -> bool:
+    ops = trace.ops
+    return ops.count("fork") > 0 if isinstance(ops, OpTable) else any(isinstance(op, Fork) for op in ops)
 
 
 def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,

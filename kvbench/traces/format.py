@@ -19,8 +19,12 @@ import csv
 import io
 import json
 import os
+from array import array
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator
+
+from kvbench.traces import columns as C
+from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -33,44 +37,6 @@ class TraceError(ValueError):
         self.reason, self.path, self.line = reason, path, line
         where = f"{path or '<trace>'}:{line}" if line is not None else (path or "<trace>")
         super().__init__(f"{where}: {reason}")
-
-
-@dataclass(frozen=True)
-class Prefill:
-    step: int
-    seq: int
-    tenant: str
-    tokens: int
-    block_hashes: tuple | None = None
-    kind = "prefill"
-
-
-@dataclass(frozen=True)
-class Append:
-    """One decode step over a batch: seqs[i] gains tokens[i] tokens."""
-
-    step: int
-    seqs: tuple
-    tokens: tuple
-    kind = "append"
-
-
-@dataclass(frozen=True)
-class Fork:
-    step: int
-    seq: int
-    src: int
-    kind = "fork"
-
-
-@dataclass(frozen=True)
-class Free:
-    step: int
-    seq: int
-    kind = "free"
-
-
-Op = Union[Prefill, Append, Fork, Free]
 
 
 @dataclass
@@ -95,6 +61,9 @@ class Header:
 
 @dataclass
 class Trace:
+    """A header and its operations: a list of op objects (as code builds them), or an
+    :class:`~kvbench.traces.columns.OpTable` (as traces load: columns, ops made on access)."""
+
     header: Header
     ops: list
     name: str = "trace"
@@ -106,15 +75,28 @@ class Trace:
         return len(self.ops)
 
     def to_jsonl(self) -> str:
-        lines = [json.dumps(self.header.to_dict())]
-        lines += [json.dumps(op_to_dict(op)) for op in self.ops]
-        return "\n".join(lines) + "\n"
+        return "".join(self.jsonl_lines())
+
+    def jsonl_lines(self) -> Iterator[str]:
+        yield json.dumps(self.header.to_dict()) + "\n"
+        for op in self.ops:
+            yield json.dumps(op_to_dict(op)) + "\n"
+
+    def columnar(self) -> Trace:
+        """The same trace with its operations as columns."""
+        if isinstance(self.ops, C.OpTable):
+            return self
+        return Trace(self.header, C.OpTable.from_ops(self.ops), self.name)
 
     def final_lengths(self) -> dict:
         """Each sequence's length when it is freed or the trace ends: what the trace knows."""
+        if isinstance(self.ops, C.OpTable):
+            return self.ops.final_lengths()
         return final_lengths(self.ops)
 
     def tenant_of(self) -> dict:
+        if isinstance(self.ops, C.OpTable):
+            return self.ops.tenant_of()
         tenant = {}
         for op in self.ops:
             if isinstance(op, Prefill):
@@ -251,7 +233,11 @@ def parse_header(d, fail) -> Header:
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
-    """Validate an in-memory trace (ops built by code); line numbers count the header as 1."""
+    """Validate an in-memory trace (ops built by code); line numbers count the header as 1.
+    Columns are checked with array operations, and op by op only to name an error found."""
+    if isinstance(trace.ops, C.OpTable):
+        _check_history(trace.ops, path or trace.name, None, fields=True)
+        return trace
     v = _Validator()
     for i, op in enumerate(trace.ops):
         def fail(reason, _line=i + 2):
@@ -261,28 +247,75 @@ def validate(trace: Trace, path: str | None = None) -> Trace:
     return trace
 
 
+def _check_history(table, path, lines, *, fields: bool, upto: int | None = None) -> None:
+    """Raise the TraceError of the first operation (before ``upto``) that breaks the history
+    rules; ``lines``: each operation's line number (None: index + 2)."""
+    bad = C.first_invalid(table)
+    if bad is None or (upto is not None and bad >= upto):
+        return
+    v = _Validator()
+    for i, op in enumerate(table):  # the scalar rules, to name the error
+        def fail(reason, _line=lines[i] if lines is not None else i + 2):
+            raise TraceError(reason, path, _line)
+        if fields:
+            parse_op(op_to_dict(op), fail)
+        v.check(op, fail)
+        if i == bad:
+            break
+    raise TraceError("the history is invalid (found by the columnar check, not named by the "
+                     "operation-by-operation one: please report)", path, lines[bad] if lines is not None else bad + 2)
+
+
+def _batch_row(d, b) -> bool:
+    """Store a well-formed append straight into the columns (checks at C speed: int elements,
+    ids >= 0, tokens >= 1, no id twice); False leaves the line to parse_op, which names what
+    is wrong with it."""
+    if type(d) is not dict or d.get("op") != "append":
+        return False
+    step, seqs, toks = d.get("step"), d.get("seqs"), d.get("tokens")
+    if not (type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
+            and seqs and len(seqs) == len(toks) and set(map(type, seqs)) == {int}
+            and set(map(type, toks)) == {int} and min(seqs) >= 0 and min(toks) >= 1
+            and max(seqs) < 1 << 63 and max(toks) < 1 << 63 and len(set(seqs)) == len(seqs)):
+        return False
+    b.row(C.APPEND, step, seqs=seqs, toks=toks)
+    return True
+
+
 def loads(text: str, path: str | None = None) -> Trace:
     """Parse and validate a JSONL trace; the first bad line raises TraceError."""
-    header, ops, v = None, [], _Validator()
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        def fail(reason, _line=lineno):
-            raise TraceError(reason, path, _line)
-        if not raw.strip():
-            continue
-        try:
-            d = json.loads(raw)
-        except json.JSONDecodeError as e:
-            fail(f"not valid JSON: {e.msg}")
-        if header is None:
-            header = parse_header(d, fail)
-            continue
-        op = parse_op(d, fail)
-        v.check(op, fail)
-        ops.append(op)
+    return read_jsonl(text.splitlines(), path)
+
+
+def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
+    """A JSONL trace from its lines (any iterable: a file streams), into columns. Each line's
+    fields are checked as it is read; the history (live ids, step order) once, by columns."""
+    header, b, where = None, C.TableBuilder(), array("q")
+    try:
+        for lineno, raw in enumerate(lines, start=1):
+            def fail(reason, _line=lineno):
+                raise TraceError(reason, path, _line)
+            if not raw.strip():
+                continue
+            try:
+                d = json.loads(raw)
+            except json.JSONDecodeError as e:
+                fail(f"not valid JSON: {e.msg}")
+            if header is None:
+                header = parse_header(d, fail)
+                continue
+            if not _batch_row(d, b):
+                b.add(parse_op(d, fail))
+            where.append(lineno)
+    except TraceError as e:  # a history error on an earlier line comes first
+        _check_history(b.table(), path, where, fields=False)
+        raise e
     if header is None:
         raise TraceError("empty trace: no header line", path, 1)
+    table = b.table()
+    _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, ops, name=name)
+    return Trace(header, table, name=name)
 
 
 # --- CSV (flat, for large traces) -------------------------------------------------------------
@@ -291,9 +324,20 @@ CSV_COLUMNS = ["step", "op", "seq", "tenant", "tokens", "src"]
 
 
 def to_csv(trace: Trace) -> str:
+    return "".join(csv_lines(trace))
+
+
+def csv_lines(trace: Trace) -> Iterator[str]:
     out = io.StringIO()
-    out.write("# " + json.dumps(trace.header.to_dict()) + "\n")
     w = csv.writer(out, lineterminator="\n")
+
+    def take():
+        text = out.getvalue()
+        out.seek(0)
+        out.truncate()
+        return text
+
+    yield "# " + json.dumps(trace.header.to_dict()) + "\n"
     w.writerow(CSV_COLUMNS)
     for op in trace.ops:
         if isinstance(op, Prefill):
@@ -305,12 +349,20 @@ def to_csv(trace: Trace) -> str:
             w.writerow([op.step, "fork", op.seq, "", "", op.src])
         else:
             w.writerow([op.step, "free", op.seq, "", "", ""])
-    return out.getvalue()
+        if out.tell() > 1 << 16:
+            yield take()
+    yield take()
 
 
 def loads_csv(text: str, path: str | None = None) -> Trace:
-    lines = text.splitlines()
-    if not lines or not lines[0].startswith("#"):
+    return read_csv(text.splitlines(), path)
+
+
+def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
+    """A CSV trace from its lines (any iterable: a file streams), into columns."""
+    lines = iter(lines)
+    first = next(lines, "")
+    if not first.startswith("#"):
         raise TraceError("the first line must be '# {header json}'", path, 1)
 
     def fail_at(line):
@@ -319,61 +371,63 @@ def loads_csv(text: str, path: str | None = None) -> Trace:
         return fail
 
     try:
-        header = parse_header(json.loads(lines[0][1:]), fail_at(1))
+        header = parse_header(json.loads(first[1:]), fail_at(1))
     except json.JSONDecodeError as e:
         raise TraceError(f"header is not valid JSON: {e.msg}", path, 1) from None
-    reader = csv.DictReader(lines[1:])
+    reader = csv.DictReader(lines)
     if reader.fieldnames is None or set(CSV_COLUMNS) - set(reader.fieldnames):
         raise TraceError(f"columns must be {CSV_COLUMNS}", path, 2)
-    ops, v = [], _Validator()
+    b, where = C.TableBuilder(), array("q")
     batch: dict | None = None
     batch_line = 0
+
+    def add(d, line):
+        b.add(parse_op(d, fail_at(line)))
+        where.append(line)
 
     def flush():
         nonlocal batch
         if batch is not None:
-            fail = fail_at(batch_line)
-            op = parse_op(batch, fail)
-            v.check(op, fail)
-            ops.append(op)
+            add(batch, batch_line)
             batch = None
 
-    for i, row in enumerate(reader, start=3):
-        fail = fail_at(i)
-        try:
-            rec = {k: (int(row[k]) if row[k] not in ("", None) and k in ("step", "seq", "tokens", "src")
-                       else row[k]) for k in CSV_COLUMNS}
-        except ValueError as e:
-            fail(f"not an integer: {e}")
-        if rec["op"] == "append":
-            if batch is not None and batch["step"] == rec["step"]:
-                batch["seqs"].append(rec["seq"])
-                batch["tokens"].append(rec["tokens"])
+    try:
+        for i, row in enumerate(reader, start=3):
+            fail = fail_at(i)
+            try:
+                rec = {k: (int(row[k]) if row[k] not in ("", None) and k in ("step", "seq", "tokens", "src")
+                           else row[k]) for k in CSV_COLUMNS}
+            except ValueError as e:
+                fail(f"not an integer: {e}")
+            if rec["op"] == "append":
+                if batch is not None and batch["step"] == rec["step"]:
+                    batch["seqs"].append(rec["seq"])
+                    batch["tokens"].append(rec["tokens"])
+                    continue
+                flush()
+                batch = {"step": rec["step"], "op": "append", "seqs": [rec["seq"]], "tokens": [rec["tokens"]]}
+                batch_line = i
                 continue
             flush()
-            batch = {"step": rec["step"], "op": "append", "seqs": [rec["seq"]], "tokens": [rec["tokens"]]}
-            batch_line = i
-            continue
+            add({k: v_ for k, v_ in rec.items() if v_ not in ("", None)}, i)
         flush()
-        d = {k: v_ for k, v_ in rec.items() if v_ not in ("", None)}
-        op = parse_op(d, fail)
-        v.check(op, fail)
-        ops.append(op)
-    flush()
+    except TraceError as e:  # a history error on an earlier line comes first
+        _check_history(b.table(), path, where, fields=False)
+        raise e
+    table = b.table()
+    _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, ops, name=name)
+    return Trace(header, table, name=name)
 
 
 def load(path: str) -> Trace:
-    """Load a trace file: .jsonl (canonical) or .csv."""
+    """Load a trace file: .jsonl (canonical) or .csv, streamed into columns (a file larger
+    than memory loads into arrays of a few dozen bytes per operation)."""
     with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".csv"):
-        return loads_csv(text, path)
-    return loads(text, path)
+        return read_csv(f, path) if path.endswith(".csv") else read_jsonl(f, path)
 
 
 def save(trace: Trace, path: str) -> None:
-    text = to_csv(trace) if path.endswith(".csv") else trace.to_jsonl()
+    lines = csv_lines(trace) if path.endswith(".csv") else trace.jsonl_lines()
     with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
+        f.writelines(lines)

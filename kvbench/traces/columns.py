@@ -1,0 +1,259 @@
+"""Traces as columns: a trace's operations held in NumPy arrays, a few dozen bytes per operation
+instead of an object (and a tuple per batch) each, read back as the ops of
+:mod:`kvbench.traces.format` one at a time, when asked for.
+
+Columns: ``kind`` (prefill, append, fork, free), ``step``, ``seq`` (-1 for an append), ``src``
+(-1 but for a fork), ``tokens`` (a prefill's), ``tenant`` (an index into ``tenants``, -1 but for a
+prefill); a batched append's sequences and token counts in two flat arrays, ``batch[i]`` ..
+``batch[i+1]`` being operation i's slice (empty for the other kinds); block hashes, rare and of
+any JSON type, in a dict by operation index.
+
+:func:`first_invalid` checks a history with array operations: the same rules as the scalar
+``_Validator`` of format.py (which names the error, and which a test holds this one to).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvbench.traces.ops import Append, Fork, Free, Prefill
+
+KINDS = ("prefill", "append", "fork", "free")
+PREFILL, APPEND, FORK, FREE = range(4)
+_CHUNK = 1 << 16  # operations converted from Python lists to arrays at a time
+
+
+class TableBuilder:
+    """Collects operations column by column (from op objects or from parsed JSON fields)."""
+
+    def __init__(self):
+        self.chunks: list = []
+        self.tenants: list = []
+        self.tenant_index: dict = {}
+        self.hashes: dict = {}
+        self.n = 0
+        self._reset()
+
+    def _reset(self):
+        self.kind, self.step, self.seq, self.src, self.tokens, self.tenant = [], [], [], [], [], []
+        self.nbatch, self.flat_seq, self.flat_tok = [], [], []
+
+    def _tenant(self, name: str) -> int:
+        i = self.tenant_index.get(name)
+        if i is None:
+            i = self.tenant_index[name] = len(self.tenants)
+            self.tenants.append(name)
+        return i
+
+    def row(self, kind: int, step: int, seq: int = -1, src: int = -1, tokens: int = 0,
+            tenant: str | None = None, seqs=(), toks=(), hashes=None) -> None:
+        self.kind.append(kind)
+        self.step.append(step)
+        self.seq.append(seq)
+        self.src.append(src)
+        self.tokens.append(tokens)
+        self.tenant.append(-1 if tenant is None else self._tenant(tenant))
+        self.nbatch.append(len(seqs))
+        if seqs:
+            self.flat_seq.extend(seqs)
+            self.flat_tok.extend(toks)
+        if hashes is not None:
+            self.hashes[self.n] = tuple(hashes)
+        self.n += 1
+        if len(self.kind) >= _CHUNK:
+            self._flush()
+
+    def add(self, op) -> None:
+        if isinstance(op, Prefill):
+            self.row(PREFILL, op.step, op.seq, tokens=op.tokens, tenant=op.tenant, hashes=op.block_hashes)
+        elif isinstance(op, Append):
+            if len(op.seqs) != len(op.tokens):
+                raise ValueError(f"append at step {op.step} has {len(op.seqs)} seqs but "
+                                 f"{len(op.tokens)} token counts")
+            self.row(APPEND, op.step, seqs=op.seqs, toks=op.tokens)
+        elif isinstance(op, Fork):
+            self.row(FORK, op.step, op.seq, src=op.src)
+        else:
+            self.row(FREE, op.step, op.seq)
+
+    def _flush(self):
+        if not self.kind:
+            return
+        i64 = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+        self.chunks.append((np.array(self.kind, np.int8), i64(self.step), i64(self.seq), i64(self.src),
+                            i64(self.tokens), np.array(self.tenant, np.int32), i64(self.nbatch),
+                            i64(self.flat_seq), i64(self.flat_tok)))
+        self._reset()
+
+    def table(self) -> OpTable:
+        self._flush()
+        cols = [np.concatenate([c[k] for c in self.chunks]) if self.chunks else
+                np.zeros(0, np.int8 if k == 0 else np.int32 if k == 5 else np.int64) for k in range(9)]
+        self.chunks = []
+        kind, step, seq, src, tokens, tenant, nbatch, flat_seq, flat_tok = cols
+        batch = np.zeros(len(kind) + 1, np.int64)
+        np.cumsum(nbatch, out=batch[1:])
+        return OpTable(kind, step, seq, src, tokens, tenant, list(self.tenants), batch, flat_seq,
+                       flat_tok, dict(self.hashes))
+
+
+class OpTable:
+    """A trace's operations as columns; a read-only sequence of op objects made on access."""
+
+    def __init__(self, kind, step, seq, src, tokens, tenant, tenants, batch, flat_seq, flat_tok, hashes):
+        self.kind, self.step, self.seq, self.src = kind, step, seq, src
+        self.tokens, self.tenant, self.tenants = tokens, tenant, tenants
+        self.batch, self.flat_seq, self.flat_tok, self.hashes = batch, flat_seq, flat_tok, hashes
+
+    @classmethod
+    def from_ops(cls, ops) -> OpTable:
+        b = TableBuilder()
+        for op in ops:
+            b.add(op)
+        return b.table()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.kind, self.step, self.seq, self.src, self.tokens,
+                                      self.tenant, self.batch, self.flat_seq, self.flat_tok))
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def _op(self, i, kind, step, seq, src, tokens, tenant, b0, b1, fs, ft):
+        if kind == APPEND:
+            return Append(step, tuple(fs[b0:b1]), tuple(ft[b0:b1]))
+        if kind == PREFILL:
+            return Prefill(step, seq, self.tenants[tenant], tokens, self.hashes.get(i))
+        if kind == FORK:
+            return Fork(step, seq, src)
+        return Free(step, seq)
+
+    def __iter__(self):
+        for lo in range(0, len(self), _CHUNK):
+            hi = min(len(self), lo + _CHUNK)
+            cols = [a[lo:hi].tolist() for a in (self.kind, self.step, self.seq, self.src, self.tokens,
+                                                self.tenant)]
+            b = self.batch[lo:hi + 1]
+            fs = self.flat_seq[b[0]:b[-1]].tolist()
+            ft = self.flat_tok[b[0]:b[-1]].tolist()
+            b = (b - b[0]).tolist()
+            for j, (kind, step, seq, src, tokens, tenant) in enumerate(zip(*cols)):
+                yield self._op(lo + j, kind, step, seq, src, tokens, tenant, b[j], b[j + 1], fs, ft)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"operation {i} of {len(self)}")
+        b0, b1 = int(self.batch[i]), int(self.batch[i + 1])
+        return self._op(i, int(self.kind[i]), int(self.step[i]), int(self.seq[i]), int(self.src[i]),
+                        int(self.tokens[i]), int(self.tenant[i]), 0, b1 - b0,
+                        self.flat_seq[b0:b1].tolist(), self.flat_tok[b0:b1].tolist())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (OpTable, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"OpTable({len(self)} operations, {self.nbytes} bytes)"
+
+    def count(self, kind: str) -> int:
+        return int(np.count_nonzero(self.kind == KINDS.index(kind)))
+
+    # --- what the trace knows, from the columns ---------------------------------------------
+
+    def creators(self):
+        """(sequence ids, the operation creating each) for prefills and forks, in op order."""
+        made = np.flatnonzero((self.kind == PREFILL) | (self.kind == FORK))
+        return self.seq[made], made
+
+    def final_lengths(self) -> dict:
+        """Each sequence's length when it is freed or the trace ends (valid histories only)."""
+        ids, made = self.creators()
+        order = np.argsort(ids, kind="stable")
+        sid = ids[order]
+        base = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order]
+        owner = np.searchsorted(sid, self.flat_seq)  # each appended run's sequence, as an index
+        appended = np.bincount(owner, weights=self.flat_tok, minlength=len(sid)).astype(np.int64)
+        forks = np.flatnonzero(self.kind == FORK)
+        if len(forks):  # a child starts at its source's length at the fork
+            op_of = np.repeat(np.arange(len(self)), np.diff(self.batch))
+            by_seq = np.lexsort((op_of, owner))  # each sequence's appends, in op order
+            own, when = owner[by_seq], op_of[by_seq]
+            cum = np.concatenate([[0], np.cumsum(self.flat_tok[by_seq])])
+            lo = np.searchsorted(own, np.arange(len(sid)))
+            hi = np.searchsorted(own, np.arange(len(sid)), side="right")
+            src_i = np.searchsorted(sid, self.src[forks])
+            child_i = np.searchsorted(sid, self.seq[forks])
+            for f, s, c in zip(forks.tolist(), src_i.tolist(), child_i.tolist()):  # in op order
+                k = lo[s] + int(np.searchsorted(when[lo[s]:hi[s]], f))
+                base[c] = base[s] + cum[k] - cum[lo[s]]
+        return dict(zip(sid.tolist(), (base + appended).tolist()))
+
+    def tenant_of(self) -> dict:
+        ids, made = self.creators()
+        tenant = {}
+        for s, i in zip(ids.tolist(), made.tolist()):
+            tenant[s] = (self.tenants[self.tenant[i]] if self.kind[i] == PREFILL
+                         else tenant[int(self.src[i])])
+        return tenant
+
+
+def first_invalid(t: OpTable) -> int | None:
+    """The first operation that breaks the history rules (format's parse_op field ranges and
+    _Validator's), or None: steps strictly increase; ids >= 0, lengths >= 1, a non-empty
+    tenant; an append batch naming a sequence twice; a sequence created twice; append, fork
+    (from) or free of a sequence that is not live (unknown, or freed)."""
+    n = len(t)
+    if n == 0:
+        return None
+    bad = []
+    out_of_order = np.flatnonzero(np.diff(t.step) <= 0)
+    if len(out_of_order):
+        bad.append(int(out_of_order[0]) + 1)
+    nb = np.diff(t.batch)
+    op_of = np.repeat(np.arange(n), nb)  # the operation of each (sequence, tokens) of a batch
+    fields = ((t.step < 0) | ((t.kind != APPEND) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
+              | ((t.kind == FORK) & (t.src < 0)) | ((t.kind == APPEND) & (nb == 0)))
+    empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
+    if empty:
+        fields |= (t.kind == PREFILL) & np.isin(t.tenant, empty)
+    fields[op_of[(t.flat_seq < 0) | (t.flat_tok < 1)]] = True
+    order = np.lexsort((t.flat_seq, op_of))
+    twice = (op_of[order][1:] == op_of[order][:-1]) & (t.flat_seq[order][1:] == t.flat_seq[order][:-1])
+    fields[op_of[order][1:][twice]] = True
+    if fields.any():
+        bad.append(int(np.argmax(fields)))
+    ids, made = t.creators()
+    order = np.argsort(ids, kind="stable")
+    sid, smade = ids[order], made[order]
+    again = sid[1:] == sid[:-1]
+    if again.any():
+        bad.append(int(smade[1:][again].min()))
+    first = np.ones(len(sid), bool)
+    first[1:] = ~again
+    uniq, born = sid[first], smade[first]
+    frees = np.flatnonzero(t.kind == FREE)
+    freed_at = np.full(len(uniq), n, np.int64)  # the first free of each sequence
+    fi = np.searchsorted(uniq, t.seq[frees])
+    ok = fi < len(uniq)
+    ok[ok] = uniq[fi[ok]] == t.seq[frees][ok]
+    np.minimum.at(freed_at, fi[ok], frees[ok])
+    # every (operation, sequence) that needs a live sequence: append members, fork sources, frees
+    forks = np.flatnonzero(t.kind == FORK)
+    use_op = np.concatenate([op_of, forks, frees])
+    use_seq = np.concatenate([t.flat_seq, t.src[forks], t.seq[frees]])
+    is_free = np.concatenate([np.zeros(len(op_of) + len(forks), bool), np.ones(len(frees), bool)])
+    k = np.searchsorted(uniq, use_seq)
+    known = k < len(uniq)
+    known[known] = uniq[k[known]] == use_seq[known]
+    k = np.where(known, k, 0)
+    live = known.copy()
+    if len(uniq):
+        live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
+    if not live.all():
+        bad.append(int(use_op[~live].min()))
+    return min(bad) if bad else None

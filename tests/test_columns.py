@@ -1,0 +1,110 @@
+"""Traces as columns: the same operations, the same validation verdicts and messages as the op
+objects, and a few dozen bytes per operation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import A, K, P, X, make_trace
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.traces import format as T
+from kvbench.traces import generators as G
+from kvbench.traces.columns import OpTable
+from kvbench.traces.ops import Append, Fork, Free, Prefill
+
+HEADER = T.Header(family="test", generator="tests")
+
+
+def verdict(trace: T.Trace):
+    try:
+        T.validate(trace)
+        return "valid"
+    except T.TraceError as e:
+        return str(e)
+
+
+# Histories over a handful of ids, with the mistakes validation exists for: steps out of order,
+# ids reused, negative ids, empty or zero-token batches, a sequence twice in a batch, appends,
+# forks and frees of unknown or freed sequences, empty tenants.
+ids = st.integers(-1, 4)
+steps = st.integers(-1, 3)
+ops = st.one_of(
+    st.builds(Prefill, steps, ids, st.sampled_from(["a", "b", ""]), st.integers(-1, 40)),
+    st.builds(lambda s, pairs: Append(s, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)),
+              steps, st.lists(st.tuples(ids, st.integers(-1, 3)), max_size=3)),
+    st.builds(Fork, steps, ids, ids),
+    st.builds(Free, steps, ids),
+)
+
+
+def history(deltas_and_ops):
+    """Steps made mostly increasing: each op's step is the previous one plus its drawn delta."""
+    out, step = [], -1
+    for op in deltas_and_ops:
+        step += op.step
+        out.append(type(op)(step, *[getattr(op, f) for f in op.__dataclass_fields__ if f != "step"]))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ops, max_size=12))
+def test_columns_validate_like_the_op_by_op_validator(drawn):
+    hist = history(drawn)
+    as_ops = T.Trace(HEADER, hist, name="h")
+    as_columns = T.Trace(HEADER, OpTable.from_ops(hist), name="h")
+    assert verdict(as_columns) == verdict(as_ops)
+
+
+def test_a_history_error_before_a_bad_field_is_the_one_named():
+    lines = [json.dumps(HEADER.to_dict() | {"kvbench_trace": 1}),
+             json.dumps({"step": 0, "op": "append", "seqs": [7], "tokens": [1]}),  # unknown 7
+             json.dumps({"step": 1, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 0})]
+    with pytest.raises(T.TraceError, match="^t.jsonl:2: append to unknown sequence 7"):
+        T.loads("\n".join(lines), path="t.jsonl")
+
+
+TRACES = [
+    make_trace(P(0, 40, "a"), P(1, 7, "b"), A((0, 1), (1, 3)), K(2, 0), A((2, 16), (0, 2), (1, 1)),
+               K(3, 2), X(0), A((2, 1), (3, 5)), X(2), name="forks"),
+    G.generate("fork_trees", 3, mode="parallel"),
+    G.generate("fork_trees", 4, mode="beam"),
+    G.generate("tenant_mixes", 1),
+    G.generate("decode_streams", 2),
+]
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=lambda t: t.name)
+def test_columns_know_what_the_ops_know(trace):
+    table = trace.columnar()
+    assert list(table.ops) == list(trace.ops) and table.ops == trace.ops
+    assert table.final_lengths() == trace.final_lengths()
+    assert table.tenant_of() == trace.tenant_of()
+    assert T.loads(table.to_jsonl()).ops == trace.ops
+    assert table.ops[3] == trace.ops[3] and table.ops[-1] == trace.ops[-1]
+    assert table.ops[1:4] == trace.ops[1:4]
+
+
+def test_bytes_per_operation():
+    trace = G.generate("decode_streams", 0, num_requests=64, max_batch=16).columnar()
+    t = trace.ops
+    n, flat = len(t), int(t.batch[-1])
+    # kind 1 byte, step / seq / src / tokens 8 each, tenant 4, batch offsets 8 (n + 1 of them);
+    # each (sequence, tokens) of a batch 16 bytes.
+    assert t.nbytes == n * (1 + 8 * 4 + 4 + 8) + 8 + 16 * flat
+    assert t.nbytes / n < 16 * 16 + 64  # batches of up to 16: a few hundred bytes at most
+
+
+def test_a_file_streams_into_columns(tmp_path):
+    trace = TRACES[0]
+    path = tmp_path / "t.jsonl"
+    T.save(trace, str(path))
+    loaded = T.load(str(path))
+    assert isinstance(loaded.ops, OpTable) and loaded.ops == trace.ops
+    csv_path = tmp_path / "t.csv"
+    T.save(loaded, str(csv_path))
+    back = T.load(str(csv_path))
+    assert isinstance(back.ops, OpTable) and back.ops == trace.ops
+    assert np.array_equal(back.ops.flat_tok, loaded.ops.flat_tok)
