@@ -1,5 +1,9 @@
 """A fast NumPy KV quantizer: the schemes of ``kvbench.quant``, chunked, in float32.
 
+Over 500 lines: the NumPy steps and the glue that hands the same layouts, Params and output
+arrays to the compiled kernels (impls/quant_kernels.py) belong together; apart, each would
+import the other.
+
 Speed comes from (the naive whole-array float64 version, ``kvbench.quant.quantize``, reaches
 ~1-10% of a copy):
 
@@ -12,6 +16,12 @@ Speed comes from (the naive whole-array float64 version, ``kvbench.quant.quantiz
   the same (monotone) float steps, round inside the codes: always, unless the scale is external.
 - Column min / max over a (rows/k, k*C) view of each tile: k times fewer inner loops than
   ``min(axis=0)``, accumulated in place (each small NumPy call costs microseconds).
+
+With numba installed (``kvbench[fast]``), float16 / float32 input with scales from the data is
+quantized by the compiled kernels of :mod:`impls.quant_kernels` instead: the same codes, scales
+and zero points (tests/test_quant_kernels.py), at 0.3-0.6 of a copy where these steps reach
+0.03-0.26 (a min and max per token or group is a NumPy reduction over a short inner axis, one
+inner loop per group). ``quantize(..., compiled=False)`` runs these steps.
 
 Arithmetic: float32 for float16 / float32 input, float64 for float64. ``x / scale`` is computed as
 ``x * (1/scale)``: at most ``2u|x|`` off, which the bound of SPEC section 4 allows. A float16
@@ -208,9 +218,11 @@ def _per_element(values, lay: Q.Layout, r0, r1, c0, c1):
 
 
 def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, out: Q.QuantizedTensor | None = None,
-             chunk: int = CHUNK_ELEMENTS) -> Q.QuantizedTensor:
+             chunk: int = CHUNK_ELEMENTS, compiled: bool | None = None) -> Q.QuantizedTensor:
     """Codes, scale and zero point of x. ``out``: a QuantizedTensor of the same shape and scheme
-    whose arrays are reused (a cache writes into memory it already holds)."""
+    whose arrays are reused (a cache writes into memory it already holds). ``compiled``: use the
+    compiled kernels of impls.quant_kernels (None: where numba is installed and they apply;
+    the result is the same either way)."""
     x = np.asarray(x)
     dname = Q.check_float_dtype(x.dtype)
     lay = Q.layout(x.shape, scheme)
@@ -225,6 +237,46 @@ def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, out: Q.Qu
     codes = codes_arr.reshape(-1)
     s_all = _reuse(out and out.scale, lay.meta_shape, ar)
     z_all = None if scheme.symmetric else _reuse(out and out.zero_point, lay.meta_shape, ar)
+    if compiled is not False and scale is None and ar == np.float32 and n:
+        from impls import quant_kernels as K
+        ok, why = K.available()
+        if compiled and not ok:
+            raise RuntimeError(f"quantize(compiled=True): {why}")
+        if ok and _quantize_compiled(x, X, lay, narrow, codes, s_all, z_all):
+            return Q.QuantizedTensor(codes_arr, s_all, z_all, x.shape, dname, scheme,
+                                     scheme.packed, ar.name)
+    return _quantize_steps(x, X, lay, scheme, ar, narrow, dname, codes_arr, codes, s_all, z_all,
+                           scale, zero_point, chunk)
+
+
+def quantize_compiled(x, scheme: Q.QuantScheme, *, out: Q.QuantizedTensor | None = None):
+    """quantize() by the compiled kernels, or None where they do not apply here (numba missing,
+    float64 input, a zero point too large for them): for callers with a path of their own."""
+    from impls import quant_kernels as K
+    x = np.asarray(x)
+    if not K.available()[0] or x.dtype not in (np.float16, np.float32) or x.size == 0:
+        return None
+    lay = Q.layout(x.shape, scheme)
+    R, C, n = lay.rows, lay.channels, lay.size
+    per = 8 // scheme.slot_bits
+    codes_arr = _reuse(out and out.codes, (-(-n // per),) if scheme.packed else (R, C),
+                       np.uint8 if scheme.packed else np.int8)
+    s_all = _reuse(out and out.scale, lay.meta_shape, np.float32)
+    z_all = None if scheme.symmetric else _reuse(out and out.zero_point, lay.meta_shape, np.float32)
+    X = np.ascontiguousarray(lay.to_rows(x))
+    if not _quantize_compiled(x, X, lay, divides(x.dtype.itemsize, np.dtype(np.float32)),
+                              codes_arr.reshape(-1), s_all, z_all):
+        return None
+    return Q.QuantizedTensor(codes_arr, s_all, z_all, x.shape, x.dtype.name, scheme, scheme.packed,
+                             "float32")
+
+
+def _quantize_steps(x, X, lay, scheme, ar, narrow, dname, codes_arr, codes, s_all, z_all, scale,
+                    zero_point, chunk):
+    """The NumPy steps of quantize()."""
+    R, C, n = lay.rows, lay.channels, lay.size
+    slot = scheme.slot_bits
+    per = 8 // slot
     # Pass 1: every group's min and max, then all scales at once. Pass 2: the codes.
     lo, hi = _min_max(X, lay, chunk)
     _require_finite(lo, hi, x)
@@ -260,6 +312,61 @@ def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, out: Q.Qu
             _pack_into(cb, slot, codes[k0 // per:k0 // per + cb.size // per])
     return Q.QuantizedTensor(codes_arr, s_all, z_all, x.shape,
                              dname, scheme, scheme.packed, ar.name)
+
+
+def _quantize_compiled(x, X, lay: Q.Layout, narrow: bool, codes, s_all, z_all) -> bool:
+    """Quantize with the compiled kernels into codes / s_all / z_all: the same values as the
+    NumPy steps. False (nothing written) where they do not apply: a zero point too large for
+    the rounding trick."""
+    from impls import quant_kernels as K
+    scheme = lay.scheme
+    X32 = X if X.dtype == np.float32 else X.astype(np.float32)  # float16: exact
+    f32 = np.float32
+    if scheme.packed and lay.channels * scheme.slot_bits % 8:
+        return False  # a row that ends inside a byte: the NumPy steps pack it
+    if scheme.granularity == "channel":
+        lo, hi = np.empty(lay.channels, f32), np.empty(lay.channels, f32)
+        if K.column_min_max(X32, lo, hi):
+            Q.raise_non_finite(x)
+        P = _params_for(lo.reshape(1, -1), hi.reshape(1, -1), lay, np.dtype(f32), None, None, X, narrow)
+        if not P.magic:
+            return False
+        factor = np.ascontiguousarray(np.broadcast_to(P.factor, lay.meta_shape).reshape(-1), f32)
+        add = np.ascontiguousarray(np.broadcast_to(P.add, lay.meta_shape).reshape(-1), f32)
+        args = (X32, factor, add, P.divide, P.clip, f32(P.low), f32(P.high))
+        if scheme.packed:
+            K.channel_codes_packed(*args, scheme.slot_bits, codes)
+        else:
+            K.channel_codes(*args, codes.reshape(lay.rows, lay.channels))
+        s_all[...] = P.s
+        if z_all is not None:
+            z_all[...] = P.z
+        return True
+    G = lay.channels if scheme.granularity == "token" else scheme.group_size
+    if scheme.packed and G * scheme.slot_bits % 8:
+        return False  # a group that ends inside a byte: the NumPy steps pack it
+    X2 = X32.reshape(-1, G)  # one row per group
+    s, z, inv, add = (np.empty(len(X2), f32) for _ in range(4))
+    low, high = f32(K.MAGIC32 + scheme.qmin), f32(K.MAGIC32 + scheme.qmax)
+    bad, inv_bad, zmax, clip_mul, clip_div = K.group_params(
+        X2, scheme.symmetric, float(scheme.steps), float(scheme.qmin), 8 * Q.unit_roundoff("float32"),
+        low, high, s, z, inv, add)
+    if bad:
+        Q.raise_non_finite(x)
+    if not zmax < 2.0 ** 22:
+        return False
+    divide = narrow or inv_bad
+    factor = s if divide else inv
+    clip = clip_div if divide else clip_mul  # as Params.clip: the extremes through the same steps
+    args = (X2, factor, add, divide, clip, low, high)
+    if scheme.packed:
+        K.group_codes_packed(*args, scheme.slot_bits, codes)
+    else:
+        K.group_codes(*args, codes.reshape(X2.shape))
+    s_all[...] = s.reshape(lay.meta_shape)
+    if z_all is not None:
+        z_all[...] = z.reshape(lay.meta_shape)
+    return True
 
 
 def _reuse(array, shape, dtype):

@@ -10,6 +10,10 @@ The host computes the clip decision with NumPy's float ops on the group extremes
 must round the same way (IEEE multiply / add, no fused multiply-add, no flush of subnormals):
 true of torch's CPU kernels and of CUDA's default (non fast-math) ones.
 
+On the CPU, float16 / float32 input with scales from the data goes through the compiled kernels
+of :mod:`impls.quant_kernels` when numba is installed (over the tensor's own memory, the same
+codes); elsewhere, and on CUDA, the torch steps below.
+
 fp8: ``x / scale`` clamped to +-448, then cast to ``torch.float8_e4m3fn`` (round to nearest
 even). The clamp is the saturation: some torch versions turn values past 448 into NaN.
 """
@@ -19,7 +23,7 @@ import math
 
 import numpy as np
 
-from impls.quant_numpy import Params, divides
+from impls.quant_numpy import Params, divides, quantize_compiled
 from kvbench import quant as Q
 
 name = "torch"
@@ -111,6 +115,10 @@ def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, device=No
     dname = Q.check_float_dtype(_dtype_name(t))
     lay = Q.layout(tuple(t.shape), scheme)
     ar = np.dtype(Q.SCALE_DTYPE[dname])
+    if t.device.type == "cpu" and scale is None and dname in ("float16", "float32"):
+        done = _compiled_on_cpu(t, scheme, out)
+        if done is not None:
+            return done
     cdt = getattr(torch, Q.SCALE_DTYPE[dname])
     X = t.movedim(lay.axis, -1).reshape(lay.rows, lay.channels).contiguous()
     lo, hi = _min_max(X, lay)
@@ -153,6 +161,30 @@ def quantize(x, scheme: Q.QuantScheme, *, scale=None, zero_point=None, device=No
     return Q.QuantizedTensor(codes, torch.as_tensor(P.s, device=t.device), None if P.z is None else
                              torch.as_tensor(P.z, device=t.device), tuple(t.shape), dname, scheme,
                              scheme.packed, ar.name)
+
+
+def _compiled_on_cpu(t, scheme: Q.QuantScheme, out):
+    """On the CPU, the compiled kernels of impls.quant_kernels (the same codes as these steps,
+    in one fused pass per tile) over the tensor's memory; None where they do not apply."""
+    torch = _torch()
+    np_out = None
+    if out is not None:
+        if tuple(out.shape) != tuple(t.shape) or out.scheme != scheme:
+            return None
+        np_out = Q.QuantizedTensor(out.codes.numpy(), out.scale.numpy(),
+                                   None if out.zero_point is None else out.zero_point.numpy(),
+                                   out.shape, out.dtype, scheme, out.packed, out.compute_dtype)
+    try:
+        qt = quantize_compiled(t.detach().numpy(), scheme, out=np_out)
+    except ValueError:
+        if np_out is None:
+            raise  # non-finite input: the same refusal
+        return None  # an out= of another layout than the kernels write: the torch steps
+    if qt is None:
+        return None
+    as_t = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
+    return Q.QuantizedTensor(as_t(qt.codes), as_t(qt.scale), as_t(qt.zero_point), tuple(t.shape),
+                             qt.dtype, scheme, qt.packed, qt.compute_dtype)
 
 
 def _itemsize(dname: str) -> int:

@@ -7,7 +7,6 @@ operation for the positions it could have changed (see :mod:`kvbench.checking.ch
 from __future__ import annotations
 
 import bisect
-import itertools
 
 import numpy as np
 
@@ -22,14 +21,20 @@ def _start(segment) -> int:
 def writer_runs(segments, start: int, stop: int, ws: list, counts: list) -> None:
     """Append to ``ws``/``counts`` who wrote positions ``start .. stop-1``, as runs, from
     ``[(writer, start, count)]`` segments that cover the sequence in order."""
-    first = max(0, bisect.bisect_right(segments, start, key=_start) - 1)
-    for w, s, c in itertools.islice(segments, first, None):
+    i = max(0, bisect.bisect_right(segments, start, key=_start) - 1)
+    n = len(segments)
+    while i < n:
+        w, s, c = segments[i]
         if s >= stop:
             break
         lo, hi = max(s, start), min(s + c, stop)
         if hi > lo:
-            ws.append(w)
-            counts.append(hi - lo)
+            if ws and ws[-1] == w:  # runs of one writer (a decode appends one token at a time)
+                counts[-1] += hi - lo
+            else:
+                ws.append(w)
+                counts.append(hi - lo)
+        i += 1
 
 
 def writers_over(segments, start: int, stop: int) -> np.ndarray:

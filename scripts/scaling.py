@@ -1,0 +1,131 @@
+"""The scaling curve of the checker: per-operation cost and peak RSS of the backend's own replay
+and of the checker (K/V content checked) on decode traces of 10^4, 10^5 and 10^6 operations.
+
+    .venv/bin/python scripts/scaling.py                          # 1e4 1e5 1e6, numpy
+    .venv/bin/python scripts/scaling.py --ops 10000 --repeats 5  # one size, the median of 5
+    .venv/bin/python scripts/scaling.py --workloads              # the committed workloads
+
+Every measurement runs in a fresh process (its peak RSS is its own: imports, trace, pool and
+checker); the backend and the checker alternate, and the ratio checker / backend is taken per
+repeat, then the median. Traces are generated once into --cache (continuous batching of up to 32
+sequences, Alpaca lengths, tiny model, a budget with room for the peak: no eviction). Results go
+to results/scaling/scaling.json (with the machine and commit) and a table in README.md there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "results" / "scaling"
+
+
+def make_trace(ops: int, path: Path) -> None:
+    from kvbench.traces import format as T
+    from kvbench.traces import generators as G
+    from kvbench.traces.builder import peak_blocks
+
+    # ~3.8 operations per request at batch 32 with Alpaca outputs: a prefill, a free, and its
+    # share of the decode steps.
+    requests = max(8, int(ops / 3.8))
+    t = G.decode_streams(0, num_requests=requests, max_batch=32, arrival_rate=2, law="alpaca")
+    t.header.settings = {"block_size": 16, "num_blocks": peak_blocks(t.ops, 16) + 64, "model": "tiny"}
+    t.name = path.stem
+    T.save(t, str(path))
+
+
+def child(mode: str, path: str) -> dict:
+    """One measurement in this process: load the trace, replay it (backend) or check it."""
+    t0 = time.perf_counter()
+    from kvbench.bench.gates import bench_common
+    from kvbench.checking import suite
+    from kvbench.checking.checker import check
+    from kvbench.contract import registry
+    from kvbench.traces import format as T
+    trace = T.load(path)
+    load_s = time.perf_counter() - t0
+    backend_name = os.environ.get("KVBENCH_SCALING_BACKEND", "numpy")
+    cfg = suite.config_for(trace, policy=None)
+    backend = registry.create(backend_name, cfg)
+    t1 = time.perf_counter()
+    if mode == "backend":
+        common = bench_common()
+        common.replay(backend, trace, common.kv_buffer(trace, cfg))
+        status = "replayed"
+    else:
+        v = check(trace, backend, gather=mode.removeprefix("checker-") if "-" in mode else "touched")
+        status = v.status if v.valid is not False else f"FAIL {v.divergence}"
+    seconds = time.perf_counter() - t1
+    return {"mode": mode, "backend": backend_name, "ops": len(trace.ops), "seconds": seconds,
+            "us_per_op": seconds / len(trace.ops) * 1e6, "load_seconds": load_s,
+            "trace_bytes": getattr(trace.ops, "nbytes", None), "status": status,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def measure(mode: str, path: Path, backend: str) -> dict:
+    env = dict(os.environ, KVBENCH_SCALING_BACKEND=backend)
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(path)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def curve(sizes, repeats, backend, cache: Path) -> list:
+    rows = []
+    cache.mkdir(parents=True, exist_ok=True)
+    for n in sizes:
+        path = cache / f"decode-{n}.jsonl"
+        if not path.exists():
+            print(f"generating {path} ...", flush=True)
+            make_trace(n, path)
+        reps = repeats if n <= 10_000 else 1
+        pairs = []
+        for _ in range(reps):  # alternate: both see the machine of the moment
+            b = measure("backend", path, backend)
+            c = measure("checker", path, backend)
+            pairs.append((b, c))
+            print(f"{b['ops']:>9} ops  backend {b['us_per_op']:8.1f} us/op {b['peak_rss_mb']:7.0f} MB   "
+                  f"checker {c['us_per_op']:8.1f} us/op {c['peak_rss_mb']:7.0f} MB  {c['status']}", flush=True)
+        med = lambda k, i: statistics.median(p[i][k] for p in pairs)  # noqa: E731
+        rows.append({"ops": pairs[0][0]["ops"], "repeats": reps, "backend": backend,
+                     "backend_us_per_op": med("us_per_op", 0), "checker_us_per_op": med("us_per_op", 1),
+                     "ratio": statistics.median(c["seconds"] / b["seconds"] for b, c in pairs),
+                     "checker_seconds": med("seconds", 1), "load_seconds": med("load_seconds", 1),
+                     "backend_peak_rss_mb": med("peak_rss_mb", 0), "checker_peak_rss_mb": med("peak_rss_mb", 1),
+                     "trace_bytes": pairs[0][1]["trace_bytes"], "status": pairs[-1][1]["status"]})
+    return rows
+
+
+def write(rows, kind: str) -> None:
+    from kvbench.bench import records
+    OUT.mkdir(parents=True, exist_ok=True)
+    rec = records.record(f"scaling-{kind}", rows, {"script": "scripts/scaling.py", "argv": sys.argv[1:]})
+    print(f"wrote {records.write(rec, OUT / f'{kind}.json')}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", type=int, action="append", help="trace sizes (default 1e4, 1e5, 1e6)")
+    p.add_argument("--repeats", type=int, default=3, help="alternations at <= 1e4 operations")
+    p.add_argument("--backend", default="numpy")
+    p.add_argument("--cache", default="/tmp/kvbench-scaling", help="where generated traces are kept")
+    p.add_argument("--child", nargs=2, metavar=("MODE", "TRACE"), help=argparse.SUPPRESS)
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return 0
+    rows = curve(args.ops or [10_000, 100_000, 1_000_000], args.repeats, args.backend, Path(args.cache))
+    if not args.no_write:
+        write(rows, "curve")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
