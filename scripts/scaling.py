@@ -102,6 +102,48 @@ def curve(sizes, repeats, backend, cache: Path) -> list:
     return rows
 
 
+def workloads(repeats: int, backend: str) -> list:
+    """Checker / backend replay over every committed workload (each tenant mix under lru, lfu
+    and fair), K/V written and checked: interleaved in this process, the median of ``repeats``
+    of each, summed over the workloads."""
+    import gc
+
+    from kvbench.bench.gates import bench_common
+    from kvbench.checking import suite
+    from kvbench.checking.checker import check
+    from kvbench.contract import registry
+    common = bench_common()
+    rows = []
+    for path in suite.committed_workloads():
+        trace = suite.load_traces([path])[0]
+        for policy in suite.policies_for(trace, "auto"):
+            cfg = suite.config_for(trace, policy=policy)
+            kv = common.kv_buffer(trace, cfg)
+            b_s, c_s = [], []
+            for _ in range(repeats):
+                gc.collect()
+                b = registry.create(backend, cfg)
+                t0 = time.perf_counter()
+                common.replay(b, trace, kv)
+                b_s.append(time.perf_counter() - t0)
+                b = registry.create(backend, cfg)
+                t0 = time.perf_counter()
+                v = check(trace, b)
+                c_s.append(time.perf_counter() - t0)
+            rows.append({"workload": trace.name, "policy": policy or "-", "ops": len(trace.ops),
+                         "backend_ms": statistics.median(b_s) * 1e3,
+                         "checker_ms": statistics.median(c_s) * 1e3, "status": v.status})
+            print(f"{trace.name:24} {policy or '-':5} backend {rows[-1]['backend_ms']:8.1f} ms  "
+                  f"checker {rows[-1]['checker_ms']:8.1f} ms  {v.status}", flush=True)
+    total_b = sum(r["backend_ms"] for r in rows)
+    total_c = sum(r["checker_ms"] for r in rows)
+    print(f"all committed workloads: checker / backend = {total_c / total_b:.2f} "
+          f"({total_c:.0f} ms / {total_b:.0f} ms)")
+    rows.append({"workload": "ALL", "backend_ms": total_b, "checker_ms": total_c,
+                 "ratio": total_c / total_b})
+    return rows
+
+
 def write(rows, kind: str) -> None:
     from kvbench.bench import records
     OUT.mkdir(parents=True, exist_ok=True)
@@ -117,9 +159,16 @@ def main() -> int:
     p.add_argument("--cache", default="/tmp/kvbench-scaling", help="where generated traces are kept")
     p.add_argument("--child", nargs=2, metavar=("MODE", "TRACE"), help=argparse.SUPPRESS)
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--workloads", action="store_true",
+                   help="checker / backend replay over the committed workloads instead")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
+        return 0
+    if args.workloads:
+        rows = workloads(args.repeats, args.backend)
+        if not args.no_write:
+            write(rows, "workloads")
         return 0
     rows = curve(args.ops or [10_000, 100_000, 1_000_000], args.repeats, args.backend, Path(args.cache))
     if not args.no_write:

@@ -487,3 +487,23 @@ def pool_bytes_per_token(name: str) -> float:
         return backend.ledger().bytes_in_use / BLOCK_SIZE
     finally:
         backend.close()
+
+
+# --- scale (issue 13): traces as columns, the incremental checker ------------------------------
+
+SCALE_DECODE_REQUESTS = [200, 2000]  # decode traces of ~750 and ~7,500 operations
+SCALE_GATHER_TOKENS = 4096  # a long sequence, of which one block is read back
+
+
+def decode_trace(requests: int):
+    """Continuous batching of up to 32 sequences with Alpaca lengths (seed 0), as a trace whose
+    header suggests a budget with room for its peak (no eviction)."""
+    skip_unless(not IMPORT_ERROR, IMPORT_ERROR)
+    try:
+        from kvbench.traces import generators
+        from kvbench.traces.builder import peak_blocks
+    except ImportError as e:
+        raise NotImplementedError(f"kvbench at this commit lacks {e.name}") from None
+    t = generators.decode_streams(0, num_requests=requests, max_batch=32, arrival_rate=2, law="alpaca")
+    t.header.settings = {"block_size": BLOCK_SIZE, "num_blocks": peak_blocks(t.ops, BLOCK_SIZE) + 64}
+    return t

@@ -94,6 +94,57 @@ def gather_vs_copy(factory=None) -> tuple[float, float]:
     return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
 
 
+CHECK_REQUESTS = 200  # a decode trace of ~750 operations: batches of up to 32, Alpaca lengths
+
+
+def _decode_trace():
+    from kvbench.traces import generators as G
+    from kvbench.traces.builder import peak_blocks
+    t = G.decode_streams(0, num_requests=CHECK_REQUESTS, max_batch=32, arrival_rate=2, law="alpaca")
+    t.header.settings = {"block_size": 16, "num_blocks": peak_blocks(t.ops, 16) + 64}
+    return t.columnar()
+
+
+def check_vs_replay(factory=None, gather: str = "touched") -> tuple[float, float]:
+    """(seconds of the NumPy backend replaying a ~750-operation decode trace alone, K/V
+    zeros; of the checker replaying it beside the oracle, every K/V it could change read back).
+    A checker whose cost grows with sequence length drops the ratio many times."""
+    from kvbench.checking import suite
+    from kvbench.checking.checker import check
+    from kvbench.contract import registry
+    common = bench_common()
+    trace = _decode_trace()
+    cfg = suite.config_for(trace)
+    kv = common.kv_buffer(trace, cfg)
+    make = factory or (lambda: registry.create("numpy", cfg))
+
+    def checked(_):
+        v = check(trace, make(), gather=gather)
+        if not v.valid:
+            raise AssertionError(f"check_vs_replay: the checker failed its own trace: {v.divergence}")
+
+    return _fastest(lambda _: common.replay(make(), trace, kv), checked, trials=2)
+
+
+QUANT_ROWS = 8192  # 4 MiB of float32 rows of 128 channels (one KV head per row)
+
+
+def quantize_vs_copy(factory=None) -> tuple[float, float]:
+    """(seconds of np.copyto of 4 MiB of float32; of the NumPy quantizer's int8 per-token codes,
+    scales and zero points of the same 4 MiB, into arrays it already holds)."""
+    from impls import quant_kernels, quant_numpy
+    from kvbench import quant as Q
+    ok, why = quant_kernels.available()
+    if not ok:  # the typical ratio is the compiled kernels'
+        raise NotImplementedError(why)
+    x = np.random.default_rng(0).standard_normal((QUANT_ROWS, 128), dtype=np.float32)
+    dst = np.empty_like(x)
+    scheme = Q.QuantScheme(8, False, "token")
+    quantize = factory or quant_numpy.quantize
+    qt = quantize(x, scheme)
+    return _fastest(lambda _: np.copyto(dst, x), lambda _: quantize(x, scheme, out=qt))
+
+
 @dataclass(frozen=True)
 class RatioGate:
     name: str
@@ -108,6 +159,10 @@ RATIO_GATES = {g.name: g for g in (
               "model (impls/object_model.py) / NumPy", decode_vs_object),
     RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
               "scattered blocks", gather_vs_copy),
+    RatioGate("check_vs_replay", "a ~750-operation decode trace: the NumPy backend's replay "
+              "alone / the checker's replay of it, K/V read back", check_vs_replay),
+    RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
+              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy),
 )}
 
 
