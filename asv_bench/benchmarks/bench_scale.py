@@ -45,7 +45,7 @@ class CheckDecode:
 
 
 class LoadTrace:
-    """Loading a decode trace file (~7,500 operations, JSONL): parse and validate."""
+    """Loading a decode trace file (~8,000 operations, JSONL): parse and validate."""
     version = "1"
     number = 1
     repeat = (3, 10, 20.0)

@@ -491,7 +491,7 @@ def pool_bytes_per_token(name: str) -> float:
 
 # --- scale (issue 13): traces as columns, the incremental checker ------------------------------
 
-SCALE_DECODE_REQUESTS = [200, 2000]  # decode traces of ~750 and ~7,500 operations
+SCALE_DECODE_REQUESTS = [200, 2000]  # decode traces of ~1,150 and ~8,000 operations
 SCALE_GATHER_TOKENS = 4096  # a long sequence, of which one block is read back
 
 

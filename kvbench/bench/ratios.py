@@ -94,7 +94,7 @@ def gather_vs_copy(factory=None) -> tuple[float, float]:
     return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
 
 
-CHECK_REQUESTS = 200  # a decode trace of ~750 operations: batches of up to 32, Alpaca lengths
+CHECK_REQUESTS = 200  # a decode trace of ~1,150 operations: batches of up to 32, Alpaca lengths
 
 
 def _decode_trace():
@@ -106,7 +106,7 @@ def _decode_trace():
 
 
 def check_vs_replay(factory=None, gather: str = "touched") -> tuple[float, float]:
-    """(seconds of the NumPy backend replaying a ~750-operation decode trace alone, K/V
+    """(seconds of the NumPy backend replaying a ~1,150-operation decode trace alone, K/V
     zeros; of the checker replaying it beside the oracle, every K/V it could change read back).
     A checker whose cost grows with sequence length drops the ratio many times."""
     from kvbench.checking import suite
@@ -159,7 +159,7 @@ RATIO_GATES = {g.name: g for g in (
               "model (impls/object_model.py) / NumPy", decode_vs_object),
     RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
               "scattered blocks", gather_vs_copy),
-    RatioGate("check_vs_replay", "a ~750-operation decode trace: the NumPy backend's replay "
+    RatioGate("check_vs_replay", "a ~1,150-operation decode trace: the NumPy backend's replay "
               "alone / the checker's replay of it, K/V read back", check_vs_replay),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
               "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy),
