@@ -303,6 +303,8 @@ class _Replay:
                 self.live.add(s)
             else:
                 self.live.discard(s)
+                if self.kv is not None:
+                    self.kv.forget(s)
         return self.changed
 
     def prefill(self, op) -> None:

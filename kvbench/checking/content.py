@@ -14,33 +14,47 @@ from kvbench.contract.protocol import kv_tokens, read_kv
 from kvbench.quant import pool as quant_pool
 
 
-def _start(segment) -> int:
-    return segment[1]
+class Runs:
+    """A sequence's writers as maximal runs (writer, first position), kept up to date from the
+    oracle's segments as they grow: a decode appends one segment per token, and reading any
+    range must not walk them all. Rebuilt when the sequence gets a new segment list (a fork or
+    a recompute copies one)."""
 
+    __slots__ = ("source", "seen", "writers", "starts", "end")
 
-def writer_runs(segments, start: int, stop: int, ws: list, counts: list) -> None:
-    """Append to ``ws``/``counts`` who wrote positions ``start .. stop-1``, as runs, from
-    ``[(writer, start, count)]`` segments that cover the sequence in order."""
-    i = max(0, bisect.bisect_right(segments, start, key=_start) - 1)
-    n = len(segments)
-    while i < n:
-        w, s, c = segments[i]
-        if s >= stop:
-            break
-        lo, hi = max(s, start), min(s + c, stop)
-        if hi > lo:
-            if ws and ws[-1] == w:  # runs of one writer (a decode appends one token at a time)
-                counts[-1] += hi - lo
-            else:
-                ws.append(w)
+    def __init__(self):
+        self.source, self.seen, self.writers, self.starts, self.end = None, 0, [], [], 0
+
+    def update(self, segments) -> None:
+        if segments is not self.source or len(segments) < self.seen:
+            self.source, self.seen, self.writers, self.starts, self.end = segments, 0, [], [], 0
+        for k in range(self.seen, len(segments)):
+            w, s, c = segments[k]
+            if not (self.writers and self.writers[-1] == w and self.end == s):
+                self.writers.append(w)
+                self.starts.append(s)
+            self.end = s + c
+        self.seen = len(segments)
+
+    def over(self, start: int, stop: int, ws: list, counts: list) -> None:
+        """Append who wrote positions ``start .. stop-1`` to ``ws``/``counts``, as runs."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        n = len(self.starts)
+        while i < n and self.starts[i] < stop:
+            hi = self.starts[i + 1] if i + 1 < n else self.end
+            lo, hi = max(self.starts[i], start), min(hi, stop)
+            if hi > lo:
+                ws.append(self.writers[i])
                 counts.append(hi - lo)
-        i += 1
+            i += 1
 
 
 def writers_over(segments, start: int, stop: int) -> np.ndarray:
-    """The writer of each position ``start .. stop-1``."""
-    ws, counts = [], []
-    writer_runs(segments, start, stop, ws, counts)
+    """The writer of each position ``start .. stop-1``, from ``[(writer, start, count)]``
+    segments that cover the sequence in order."""
+    runs, ws, counts = Runs(), [], []
+    runs.update(segments)
+    runs.over(start, stop, ws, counts)
     return np.repeat(np.asarray(ws, dtype=np.int64), counts)
 
 
@@ -51,6 +65,17 @@ class Content:
         self.backend, self.oracle, self.quantized = backend, oracle, quantized
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv_format = backend.config.kv_format if backend is not None else None
+        self.runs: dict = {}  # sequence -> Runs
+
+    def _runs(self, seq) -> Runs:
+        runs = self.runs.get(seq)
+        if runs is None:
+            runs = self.runs[seq] = Runs()
+        runs.update(self.oracle.seqs[seq].segments)
+        return runs
+
+    def forget(self, seq) -> None:
+        self.runs.pop(seq, None)
 
     def mismatch(self, ranges):
         """Verify ``[(seq, start, stop)]`` (stop None: to the end) with one expected array and one
@@ -67,18 +92,18 @@ class Content:
             return None, 0
         ws, counts = [], []
         for seq, start, stop in todo:
-            writer_runs(seqs[seq].segments, start, stop, ws, counts)
+            self._runs(seq).over(start, stop, ws, counts)
         lengths = np.array([b - a for _, a, b in todo], dtype=np.int64)
         firsts = np.array([a for _, a, _ in todo], dtype=np.int64)
         positions = np.arange(int(lengths.sum())) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
         want = kv_tokens(np.repeat(np.asarray(ws, dtype=np.int64), counts), positions, self.model,
                          self.dtype)
-        got, offset = [], 0
-        for (seq, start, stop), n in zip(todo, lengths.tolist()):
+        got, offset, token_shape = [], 0, want.shape[1:]
+        for seq, start, stop in todo:
             g = read_kv(self.backend, seq, start, stop)
-            if g.shape != want.shape[:0] + (n,) + want.shape[1:]:
+            if g.shape[1:] != token_shape or len(g) != stop - start:
                 return (seq, "what it wrote or inherited", "different values",
-                        f"shape {tuple(g.shape)} instead of {(n,) + want.shape[1:]}"), len(got) + 1
+                        f"shape {tuple(g.shape)} instead of {(stop - start,) + token_shape}"), len(got) + 1
             got.append(g)
         got_all = got[0] if len(got) == 1 else np.concatenate(got)
         if not self.quantized and np.array_equal(got_all, want):
