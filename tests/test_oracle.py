@@ -8,6 +8,7 @@ from conftest import TINY, make_config
 
 from kvbench.checking.oracle import ModelOOM, Oracle, step
 from kvbench.contract import formulas as F
+from kvbench.contract.protocol import Capabilities
 
 B = 16
 BLOCK_BYTES = B * TINY.bytes_per_token  # 16 * 128 = 2048
@@ -394,3 +395,92 @@ def test_fair_tie_on_excess_goes_to_the_larger_tenant_id():
     o.prefill(2, 32, "c", 32, step=2)   # c: 2 blocks, under
     # a and b are over by exactly 1: the tie goes to tenant "b", whose only sequence is 1.
     assert o.prefill(3, 16, "c", 16, step=3) == [1]
+
+
+# --- engine rules a backend declares (Capabilities) -------------------------------------------
+
+def engine(num_blocks=64, caching=True, **caps) -> Oracle:
+    return Oracle(make_config(B, num_blocks, prefix_caching=caching), layout="paged",
+                  capabilities=Capabilities(**caps))
+
+
+def test_an_unknown_fork_rule_is_refused():
+    with pytest.raises(ValueError, match="fork_via"):
+        Capabilities(fork_via="clone")
+
+
+def test_fork_via_copy_computes_every_block_again():
+    o = engine(num_blocks=6, caching=False, fork_via="copy")
+    o.prefill(0, 40, "a", 40, step=0)
+    o.fork(1, 0, 40, step=1)
+    led = o.expected_ledger()
+    assert led.blocks_used == 3 + 3  # ceil(40/16) each, nothing shared
+    assert led.shared_blocks == 0
+    assert led.free_slots == 2 * 8  # each copy of the tail holds 40 - 32 = 8 of 16
+    with pytest.raises(ModelOOM):  # a third copy needs 3 blocks, 0 are free
+        o.fork(2, 0, 40, step=2)
+    assert o.blocks_used == 6 and 2 not in o.seqs
+
+
+def test_fork_via_prefix_shares_the_full_blocks_and_computes_the_tail_again():
+    o = engine(fork_via="prefix", caches_every_full_block=True)
+    o.prefill(0, 40, "a", 40, step=0)
+    o.fork(1, 0, 40, step=1)
+    led = o.expected_ledger()
+    assert led.shared_blocks == 2  # 40 // 16 full blocks, through the prefix cache
+    assert led.blocks_used == 3 + 1  # the parent's 3, and the child's own tail of 40 - 32 tokens
+    assert led.prefix_hit_blocks == 0  # a fork is no prompt
+
+
+def test_fork_via_prefix_with_the_last_token_cap_and_duplicates_computes_the_last_block_again():
+    # vLLM: the child's hit stops at (T - 1) // B = (32 - 1) // 16 = 1 block.
+    o = engine(fork_via="prefix", caches_every_full_block=True, hit_leaves_last_token=True,
+               keeps_duplicate_blocks=True)
+    o.prefill(0, 32, "a", 32, step=0)
+    o.fork(1, 0, 32, step=1)
+    assert o.expected_ledger().shared_blocks == 1
+    assert o.blocks_used == 2 + 1
+    o.free(0)
+    o.free(1)
+    assert o.expected_ledger().cached_blocks == 3  # block 2 is cached twice
+
+
+def test_the_last_token_cap_counts_one_block_less_on_a_whole_hit():
+    o = engine(hit_leaves_last_token=True)
+    o.prefill(0, 32, "a", 32, step=0, hashes=(7, 8))
+    o.free(0)
+    o.prefill(1, 32, "a", 32, step=1, hashes=(7, 8))
+    led = o.expected_ledger()
+    assert led.prefix_hit_blocks == 1  # (32 - 1) // 16
+    assert led.blocks_used == 2 and led.cached_blocks == 0  # both cached blocks taken back
+    o.prefill(2, 40, "a", 40, step=2, hashes=(7, 8))
+    assert o.expected_ledger().prefix_hit_blocks == 1 + 2  # (40 - 1) // 16 = 2: no cap
+
+
+def test_an_engine_that_keeps_duplicates_computes_the_capped_block_into_a_second_copy():
+    o = engine(hit_leaves_last_token=True, keeps_duplicate_blocks=True)
+    o.prefill(0, 32, "a", 32, step=0, hashes=(7, 8))
+    o.free(0)
+    o.prefill(1, 32, "a", 32, step=1, hashes=(7, 8))
+    led = o.expected_ledger()
+    assert led.prefix_hit_blocks == 1 and led.blocks_used == 2
+    assert led.cached_blocks == 1  # the first copy of block 8 stays free and cached
+    o.free(1)
+    assert o.expected_ledger().cached_blocks == 3  # 7, and 8 twice
+    o.prefill(2, 32, "a", 32, step=2, hashes=(7, 8))
+    assert o.blocks_used == 2 and o.expected_ledger().cached_blocks == 2
+
+
+def test_caching_every_full_block_caches_decode_and_unhashed_blocks_under_keys_never_hit():
+    o = engine(caches_every_full_block=True)
+    o.prefill(0, 40, "a", 48, step=0, hashes=(7,))  # block 0 hashed, block 1 full without a hash
+    o.append([0], [8], step=1)  # the tail fills: 48 = 3 * 16
+    o.free(0)
+    assert o.expected_ledger().cached_blocks == 3  # 48 // 16
+    o.prefill(1, 48, "a", 48, step=2, hashes=(7,))
+    assert o.expected_ledger().prefix_hit_blocks == 1  # only the hashed block is ever found
+    plain = engine()
+    plain.prefill(0, 40, "a", 48, step=0, hashes=(7,))
+    plain.append([0], [8], step=1)
+    plain.free(0)
+    assert plain.expected_ledger().cached_blocks == 1  # SPEC: the trace's hashed block only

@@ -147,7 +147,7 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     if backend.config.prefix_caching and not caps.prefix_caching:
         verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
     oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
-                    layout="paged" if caps.layout == "paged" else "contiguous")
+                    layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
                    writes_kv=writes_kv, quantized=quantized)
 

@@ -7,6 +7,9 @@ pure function over a copied state, for tests and property checks.
 
 Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on-write) and
 ``contiguous`` (SPEC §3: one slab per sequence in a first-fit arena). Eviction follows SPEC §5.
+A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork through the
+prefix cache, the last prompt token computed again, every full block cached, duplicates kept)
+are followed when the engine declares them.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import CacheConfig, Ledger, hash_writer
+from kvbench.contract.protocol import CacheConfig, Capabilities, Ledger, hash_writer
 from kvbench.quant import pool as quant_pool
 
 
@@ -43,7 +46,8 @@ class TenantStats:
 
 
 class Oracle:
-    def __init__(self, config: CacheConfig, layout: str = "paged"):
+    def __init__(self, config: CacheConfig, layout: str = "paged",
+                 capabilities: Capabilities | None = None):
         if layout not in ("paged", "contiguous"):
             raise ValueError(f"unknown layout {layout!r}")
         self.config = config
@@ -58,7 +62,8 @@ class Oracle:
         # Prefix caching: full blocks registered by hash; a freed one stays cached (evictable,
         # first in first evicted) until its space is needed.
         self.caching = bool(config.prefix_caching) and layout == "paged"
-        self.by_hash: dict = {}
+        self.caps = capabilities or Capabilities()
+        self.by_hash: dict = {}  # hash -> [cached blocks], first registered first
         self.hash_of: dict = {}
         self.evictable: dict = {}  # block -> None, in eviction order
         self.hit_blocks = 0
@@ -84,7 +89,10 @@ class Oracle:
         if self.config.num_blocks - len(self.blocks) - len(self.evictable) == 0:
             old = next(iter(self.evictable))  # reuse the least recently freed cached block
             del self.evictable[old]
-            del self.by_hash[self.hash_of.pop(old)]
+            h = self.hash_of.pop(old)
+            self.by_hash[h].remove(old)
+            if not self.by_hash[h]:
+                del self.by_hash[h]
         b = self._next_block
         self._next_block += 1
         self.blocks[b] = [1, fill]
@@ -108,8 +116,49 @@ class Oracle:
         for h in hashes:
             if h not in self.by_hash:
                 break
-            hits.append(self.by_hash[h])
+            hits.append(self.by_hash[h][0])
         return hits
+
+    def _cache_hits(self, keys, tokens: int) -> tuple[list, int]:
+        """(cached blocks a request of ``tokens`` tokens takes, how many count as hits).
+
+        An engine that computes the last prompt token again counts at most (T - 1) // B; one
+        that keeps duplicates also computes those blocks again, into new blocks.
+        """
+        hits = self._hits(keys)
+        counted = len(hits)
+        if self.caps.hit_leaves_last_token:
+            counted = min(counted, max(0, tokens - 1) // self.B)
+        if self.caps.keeps_duplicate_blocks:
+            hits = hits[:counted]
+        return hits, counted
+
+    def _take(self, hits) -> None:
+        """One more reference to each hit, taking a freed one back out of the cache's free side."""
+        for b in hits:
+            if b in self.blocks:
+                self.blocks[b][0] += 1
+            else:
+                del self.evictable[b]
+                self.blocks[b] = [1, self.B]
+
+    def _taken_need(self, n: int, hits, drop) -> int:
+        """New blocks for an n-block request, plus cached blocks it takes back from the free pool."""
+        return n - len(hits) + sum(1 for b in hits if b not in self.blocks
+                                   or self.blocks[b][0] == drop.get(b, 0))
+
+    def _register(self, b: int, key) -> None:
+        """Cache block ``b`` under ``key``; a key already cached gets a second block only in an
+        engine that keeps duplicates."""
+        if key in self.by_hash and not self.caps.keeps_duplicate_blocks:
+            return
+        self.by_hash.setdefault(key, []).append(b)
+        self.hash_of[b] = key
+
+    def _filled(self, b: int) -> None:
+        """Block ``b`` just became full: an engine that caches every full block caches it."""
+        if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
+            self._register(b, ("block", b))  # a key no other block has: never hit
 
     # --- what a call needs -----------------------------------------------------------------
 
@@ -246,29 +295,23 @@ class Oracle:
         lookup = hashes if self.caching else ()
         sizes = [self._slab_size(final)] if self.layout == "contiguous" else None
 
-        def need(drop):  # new blocks, plus cached blocks it takes back from the free pool
-            hits = self._hits(lookup)
-            return n - len(hits) + sum(1 for b in hits if b not in self.blocks
-                                       or self.blocks[b][0] == drop.get(b, 0))
+        def need(drop):
+            return self._taken_need(n, self._cache_hits(lookup, tokens)[0], drop)
 
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
                       segments=content_segments(seq, tokens, hashes, self.B), hashes=hashes)
         if self.layout == "paged":
-            hits = self._hits(lookup)
-            for b in hits:
-                if b in self.blocks:
-                    self.blocks[b][0] += 1
-                else:
-                    del self.evictable[b]
-                    self.blocks[b] = [1, self.B]
-            self.hit_blocks += len(hits)
+            hits, counted = self._cache_hits(lookup, tokens)
+            self._take(hits)
+            self.hit_blocks += counted
             st.table = hits + [self._new_block(min(self.B, tokens - i * self.B))
                                for i in range(len(hits), n)]
-            for i in range(len(hits), len(lookup)):
-                if lookup[i] not in self.by_hash:
-                    self.by_hash[lookup[i]] = st.table[i]
-                    self.hash_of[st.table[i]] = lookup[i]
+            for i in range(len(hits), n):
+                if i < len(lookup):
+                    self._register(st.table[i], lookup[i])
+                elif self.blocks[st.table[i]][1] == self.B:
+                    self._filled(st.table[i])
         else:
             st.slab = (self._first_fit(sizes[0]), sizes[0])
         self.seqs[seq] = st
@@ -314,29 +357,58 @@ class Oracle:
                 take = min(dt, self.B - fill)
                 self.blocks[tail][1] += take
                 dt -= take
+                if self.blocks[tail][1] == self.B:
+                    self._filled(tail)
         while dt > 0:
             take = min(dt, self.B)
             st.table.append(self._new_block(take))
             dt -= take
+            if take == self.B:
+                self._filled(st.table[-1])
 
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
+        via = self.caps.fork_via if self.layout == "paged" else "share"
+        victims = []
         if self.layout == "contiguous":
             size = self._slab_size(final)
             call = ("fork", None, [size])
             victims = self._make_room(call, {seq, src})
-        else:
-            victims = []
+        elif via != "share":
+            keys = self._fork_keys(parent, via)
+            n = len(parent.table)
+            call = ("fork", lambda drop: self._taken_need(
+                n, self._cache_hits(keys, parent.tokens)[0], drop), [])
+            victims = self._make_room(call, {seq, src})
         child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
                          segments=list(parent.segments), last_access=step, use_count=1)
-        if self.layout == "paged":
+        if self.layout == "contiguous":
+            child.slab = (self._first_fit(size), size)
+        elif via == "share":
             child.table = list(parent.table)
             for b in child.table:
                 self.blocks[b][0] += 1
-        else:
-            child.slab = (self._first_fit(size), size)
+        else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
+            hits = self._cache_hits(keys, parent.tokens)[0]
+            self._take(hits)
+            child.table = hits + [self._new_block(self.blocks[b][1]) for b in parent.table[len(hits):]]
+            for b, pb in zip(child.table[len(hits):], parent.table[len(hits):]):
+                if self.caching and pb in self.hash_of and self.blocks[b][1] == self.B:
+                    self._register(b, self.hash_of[pb])  # the same content as the parent's
         self.seqs[seq] = child
         return victims
+
+    def _fork_keys(self, parent: SeqState, via: str) -> list:
+        """Cache keys a fork served as a new request looks up: the parent's full blocks' (none
+        with ``copy``, or without a prefix cache)."""
+        if via == "copy" or not self.caching:
+            return []
+        keys = []
+        for b in parent.table[:parent.tokens // self.B]:
+            if b not in self.hash_of:
+                break
+            keys.append(self.hash_of[b])
+        return keys
 
     def free(self, seq) -> None:
         if seq in self.preempted:

@@ -58,6 +58,9 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
+FORK_VIA = ("share", "prefix", "copy")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares; the checker checks all of it and says what it skipped."""
@@ -70,6 +73,26 @@ class Capabilities:
     quantized: bool = False
     eviction: tuple = ()  # policy names it implements
     devices: tuple = ("cpu",)
+    # Documented rules of a real engine that differ from SPEC's; the oracle holds the engine to
+    # them (all off: SPEC's rules).
+    # How a fork is served: "share" (SPEC §2: every block shared, copy-on-write at the first
+    # write), "prefix" (a new request whose prompt is the parent's tokens, served by the prefix
+    # cache: the child shares the parent's full blocks and computes the rest again into new
+    # blocks), "copy" (a new request with no prefix cache: every block computed again).
+    fork_via: str = "share"
+    # The last prompt token is always computed again, for its logits: a prefix hit stops at
+    # (T - 1) // B blocks (vLLM's get_computed_blocks, SGLang's _compute_max_prefix_len).
+    hit_leaves_last_token: bool = False
+    # Every full block is cached, not only those the trace hashes: a prompt block without a
+    # hash and a block filled by decode are cached under a key of their own, never hit by another.
+    caches_every_full_block: bool = False
+    # A block computed again under a hash that is already cached stays cached as a second copy
+    # (vLLM: "we don't de-duplicate the blocks in the cache") instead of being given back.
+    keeps_duplicate_blocks: bool = False
+
+    def __post_init__(self):
+        if self.fork_via not in FORK_VIA:
+            raise ValueError(f"fork_via must be one of {FORK_VIA}, got {self.fork_via!r}")
 
 
 @dataclass
