@@ -3,6 +3,10 @@
 Reservation policies, as in the PagedAttention paper's comparison with Orca: ``max`` reserves the
 model's maximum context, ``pow2`` the next power of two of the sequence's final length, ``oracle``
 exactly the final length. Slabs are placed first-fit; fork copies the whole slab.
+
+A model of several KV cache groups (SPEC §8) gets one slab per group, placed first-fit in group
+order; a sliding group's slab is capped at its window and written as a ring (position p in slot
+p mod size), so it holds the last ``size`` positions.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from kvbench.contract.protocol import (
     Capabilities,
     Ledger,
     OutOfMemory,
+    group_view,
 )
 
 POLICIES = ("lru", "lfu", "fair")
@@ -25,7 +30,7 @@ POLICIES = ("lru", "lfu", "fair")
 class Contiguous(Backend):
     name = "contiguous"
     capabilities = Capabilities(layout="contiguous", holds_kv=True, fork=True, copy_on_write=False,
-                                eviction=POLICIES, devices=("cpu",))
+                                eviction=POLICIES, devices=("cpu",), groups=True)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -34,12 +39,15 @@ class Contiguous(Backend):
         if config.policy is not None and config.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
         m = config.model
-        self.token_shape = (2, m.layers, m.kv_heads, m.head_dim)
+        self.groups = m.kv_groups
+        self.windows = [g.window for g in self.groups]
+        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)
+        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # a slot of one group
         self.capacity = config.arena_slots
         self.arena = (np.zeros((self.capacity,) + self.token_shape, dtype=config.kv_dtype)
                       if config.store_kv else None)
-        self.starts: list[tuple] = []  # (start, seq) of every slab, sorted (a slab may be empty)
-        self.seqs: dict[int, dict] = {}  # seq -> {start, size, tokens, final, tenant, last, uses}
+        self.starts: list[tuple] = []  # (start, size, seq) of every slab, sorted
+        self.seqs: dict[int, dict] = {}  # seq -> {slabs, tokens, final, tenant, last, uses}
 
     def reserve_size(self, final: int) -> int:
         policy = self.config.reservation
@@ -52,20 +60,53 @@ class Contiguous(Backend):
             return 1 if final <= 1 else 1 << (final - 1).bit_length()
         return final
 
-    def _hole(self, size: int, skip=frozenset()) -> int | None:
+    def slab_sizes(self, final: int) -> list:
+        """One slab per group; a sliding group's ring holds at most its window."""
+        size = self.reserve_size(final)
+        return [size if w is None else min(size, w) for w in self.windows]
+
+    def _hole(self, size: int, skip=frozenset(), placed=()) -> int | None:
         pos = 0
-        for start, seq in self.starts:
+        for start, slab_size, seq in sorted(self.starts + [(a, n, -1) for a, n in placed]):
             if seq in skip:
                 continue
             if start - pos >= size:
                 return pos
-            pos = max(pos, start + self.seqs[seq]["size"])
+            pos = max(pos, start + slab_size)
         return pos if self.capacity - pos >= size else None
+
+    def _holes(self, sizes, skip=frozenset()) -> list | None:
+        """First-fit starts for a sequence's slabs, in group order; None if one does not fit."""
+        placed = []
+        for size in sizes:
+            start = self._hole(size, skip, placed)
+            if start is None:
+                return None
+            placed.append((start, size))
+        return [a for a, _ in placed]
+
+    def _place(self, seq: int, sizes, starts) -> list:
+        for start, size in zip(starts, sizes):
+            bisect.insort(self.starts, (start, size, seq))
+        return list(zip(starts, sizes))
 
     def _remove(self, seq: int) -> dict:
         st = self.seqs.pop(seq)
-        self.starts.remove((st["start"], seq))
+        for start, size in st["slabs"]:
+            self.starts.remove((start, size, seq))
         return st
+
+    def _slots(self, slab, window, positions: np.ndarray) -> np.ndarray:
+        start, size = slab
+        return start + (positions if window is None else positions % size)
+
+    def _write(self, st, first: int, kv) -> None:
+        """Write ``kv`` (every layer) at positions first.. of every group's slab."""
+        for group, slab, w in zip(self.groups, st["slabs"], self.windows):
+            data = group_view(kv, group.layers, self.config.model)
+            skip = len(kv) - slab[1] if w is not None and len(kv) > slab[1] else 0
+            # a ring keeps only the last `size` positions
+            self.arena[self._slots(slab, w, np.arange(first + skip, first + len(kv)))] = data[skip:]
 
     # --- eviction --------------------------------------------------------------------------
 
@@ -77,7 +118,7 @@ class Contiguous(Backend):
         if policy == "fair":
             usage: dict[str, int] = {}
             for st in self.seqs.values():
-                usage[st["tenant"]] = usage.get(st["tenant"], 0) + st["size"]
+                usage[st["tenant"]] = usage.get(st["tenant"], 0) + sum(n for _, n in st["slabs"])
             w = {t: Fraction(str(self.config.tenant_weights.get(t, 1)))
                  for t in set(usage) | set(self.config.tenant_weights)}
             total = sum(w.values())
@@ -89,20 +130,20 @@ class Contiguous(Backend):
                     return min(mine, key=lru)
         return min(candidates, key=lru)
 
-    def _make_room(self, size: int, protect) -> tuple[list, int]:
-        start = self._hole(size)
-        if start is not None:
-            return [], start
+    def _make_room(self, sizes, protect) -> tuple[list, list]:
+        starts = self._holes(sizes)
+        if starts is not None:
+            return [], starts
         candidates = [s for s in self.seqs if s not in protect]
-        if self.config.policy is None or not candidates or self._hole(size, set(candidates)) is None:
-            raise OutOfMemory(f"{self.name}: no free run of {size} slots in the arena")
+        if self.config.policy is None or not candidates or self._holes(sizes, set(candidates)) is None:
+            raise OutOfMemory(f"{self.name}: no free run of {sizes} slots in the arena")
         victims = []
-        while start is None:
+        while starts is None:
             v = self._victim([s for s in self.seqs if s not in protect])
             self._remove(v)
             victims.append(v)
-            start = self._hole(size)
-        return victims, start
+            starts = self._holes(sizes)
+        return victims, starts
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -111,13 +152,12 @@ class Contiguous(Backend):
         if seq in self.seqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         final = final_tokens if final_tokens is not None else tokens
-        size = self.reserve_size(final)
-        victims, start = self._make_room(size, set(protect) | {seq})
-        bisect.insort(self.starts, (start, seq))
-        self.seqs[seq] = dict(start=start, size=size, tokens=tokens, final=final, tenant=tenant,
-                              last=step, uses=1)
+        sizes = self.slab_sizes(final)
+        victims, starts = self._make_room(sizes, set(protect) | {seq})
+        st = self.seqs[seq] = dict(slabs=self._place(seq, sizes, starts), tokens=tokens, final=final,
+                                   tenant=tenant, last=step, uses=1)
         if self.arena is not None:
-            self.arena[start:start + tokens] = kv
+            self._write(st, 0, kv)
         return tuple(victims)
 
     def append(self, seqs, tokens, kv=None, *, step=0):
@@ -125,15 +165,15 @@ class Contiguous(Backend):
             if s not in self.seqs:
                 raise KeyError(f"{self.name}: unknown sequence {s}")
             st = self.seqs[s]
-            if st["tokens"] + dt > st["size"]:
-                raise ValueError(f"{self.name}: sequence {s} grows to {st['tokens'] + dt} tokens, "
-                                 f"beyond its {st['size']}-slot slab")
+            for (_, size), w in zip(st["slabs"], self.windows):
+                if w is None and st["tokens"] + dt > size:
+                    raise ValueError(f"{self.name}: sequence {s} grows to {st['tokens'] + dt} "
+                                     f"tokens, beyond its {size}-slot slab")
         offset = 0
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
             if self.arena is not None:
-                at = st["start"] + st["tokens"]
-                self.arena[at:at + dt] = kv[offset:offset + dt]
+                self._write(st, st["tokens"], kv[offset:offset + dt])
             offset += dt
             st["tokens"] += dt
             st["last"] = step
@@ -145,14 +185,12 @@ class Contiguous(Backend):
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self.seqs[src]
         final = final_tokens if final_tokens is not None else parent["tokens"]
-        size = self.reserve_size(final)
-        victims, start = self._make_room(size, {seq, src})
-        bisect.insort(self.starts, (start, seq))
-        self.seqs[seq] = dict(start=start, size=size, tokens=parent["tokens"], final=final,
-                              tenant=parent["tenant"], last=step, uses=1)
-        if self.arena is not None:
-            n = parent["tokens"]
-            self.arena[start:start + n] = self.arena[parent["start"]:parent["start"] + n]
+        sizes = self.slab_sizes(final)
+        victims, starts = self._make_room(sizes, {seq, src})
+        st = self.seqs[seq] = dict(slabs=self._place(seq, sizes, starts), tokens=parent["tokens"],
+                                   final=final, tenant=parent["tenant"], last=step, uses=1)
+        if self.arena is not None and parent["tokens"]:
+            self._write(st, 0, self.gather(src))
         return tuple(victims)
 
     def free(self, seq, *, step=0):
@@ -161,25 +199,35 @@ class Contiguous(Backend):
         self._remove(seq)
 
     def ledger(self) -> Ledger:
-        sizes = [st["size"] for st in self.seqs.values()]
-        cap = sum(sizes)
-        tokens = {s: st["tokens"] for s, st in self.seqs.items()}
-        held = sum(tokens.values())
-        reservation = sum(min(st["size"], st["final"]) - st["tokens"] for st in self.seqs.values())
-        high = max((st["start"] + st["size"] for st in self.seqs.values()), default=0)
-        bpt = self.config.model.bytes_per_token
+        cap = held = reservation = 0
+        for st in self.seqs.values():
+            for (_, size), w in zip(st["slabs"], self.windows):
+                tokens = st["tokens"] if w is None else min(st["tokens"], size)
+                cap += size
+                held += tokens
+                reservation += min(size, st["final"]) - tokens
+        high = max((start + size for start, size, _ in self.starts), default=0)
         return Ledger(
-            blocks_used=None, blocks_free=None, tokens=tokens,
-            seq_blocks={s: st["size"] for s, st in self.seqs.items()},
+            blocks_used=None, blocks_free=None, tokens={s: st["tokens"] for s, st in self.seqs.items()},
+            seq_blocks={s: sum(n for _, n in st["slabs"]) for s, st in self.seqs.items()},
             capacity_slots=cap, free_slots=cap - held,
             fragmentation=(cap - held) / cap if cap else 0.0,
-            bytes_in_use=cap * bpt, shared_blocks=None,
+            bytes_in_use=cap * self.config.model.slot_bytes, shared_blocks=None,
             token_states=held, reservation=reservation,
             internal_fragmentation=cap - held - reservation,
-            external_fragmentation=high - cap, free=self.capacity - high)
+            external_fragmentation=high - cap, free=self.capacity - high,
+            token_capacity=self.capacity, slot_usage=held / self.capacity if self.capacity else 0.0)
 
     def gather(self, seq) -> np.ndarray:
         if self.arena is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         st = self.seqs[seq]
-        return self.arena[st["start"]:st["start"] + st["tokens"]]
+        T = st["tokens"]
+        if len(self.groups) == 1 and self.windows[0] is None:
+            start = st["slabs"][0][0]
+            return self.arena[start:start + T]
+        out = np.zeros((T,) + self.kv_shape, dtype=self.config.kv_dtype)
+        for group, slab, w in zip(self.groups, st["slabs"], self.windows):
+            lo = 0 if w is None else T - min(T, slab[1])
+            out[lo:, :, list(group.layers)] = self.arena[self._slots(slab, w, np.arange(lo, T))]
+        return out

@@ -1,9 +1,15 @@
 """NumPy paged KV cache: a real block pool with block tables, fill and reference counts as arrays.
 
-Pool layout ``[num_blocks, block_size, 2, layers, kv_heads, head_dim]``: one token's K and V for
-every layer are one contiguous row, so a decode step over a batch is a single fancy-indexed write
-into the flat slot view (slot = block * block_size + offset), as vLLM's ``reshape_and_cache`` does.
-Sequences live in rows of a 2-D block table (``-1`` past the end), indexed by a row map.
+Over 500 lines: the pool, its per-group tables, prefix caching, sliding windows and eviction are
+one data structure; the vectorized paths (decode step, batched append) touch all of them.
+
+Pool layout ``[num_blocks, block_size, 2, layers_per_group, kv_heads, head_dim]``: one token's K
+and V for every layer of a group are one contiguous row, so a decode step over a batch is a single
+fancy-indexed write into the flat slot view (slot = block * block_size + offset), as vLLM's
+``reshape_and_cache`` does. One pool serves every KV cache group (SPEC §8): a sequence has one
+row in each group's 2-D block table (``-1`` past the end, and where a sliding group released a
+block), indexed by a row map. Blocks are handed out and released in the oracle's order (its
+module docstring), so the checker compares block ids one by one.
 """
 from __future__ import annotations
 
@@ -11,12 +17,15 @@ from fractions import Fraction
 
 import numpy as np
 
+from impls.prefix_keys import block_keys, hit_plan, tagged_extra
 from kvbench.contract.protocol import (
     Backend,
+    BlockState,
     CacheConfig,
     Capabilities,
     Ledger,
     OutOfMemory,
+    group_view,
 )
 
 POLICIES = ("lru", "lfu", "fair")
@@ -34,7 +43,8 @@ def reserved_zeros(shape, dtype) -> np.ndarray:
 class NumpyPaged(Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=POLICIES, devices=("cpu",))
+                                prefix_caching=True, eviction=POLICIES, devices=("cpu",),
+                                groups=True, cache_salt=True, block_ids=True)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -43,16 +53,22 @@ class NumpyPaged(Backend):
         if config.policy is not None and config.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
         m = config.model
-        self.token_shape = (2, m.layers, m.kv_heads, m.head_dim)
+        self.groups = m.kv_groups
+        self.G = len(self.groups)
+        self.windows = [g.window for g in self.groups]
+        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)  # one token, every layer
+        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # one slot of one group
         self.pool = self._make_pool(n, B) if config.store_kv else None
         self.refcount = np.zeros(n, dtype=np.int32)
         self.fill = np.zeros(n, dtype=np.int32)
+        self.block_group = np.zeros(n, dtype=np.int8)
         # Free blocks as a stack; popping from the top hands out low ids first.
         self.free_stack = np.arange(n - 1, -1, -1, dtype=np.intp)
         self.free_top = n
         rows = 64
-        self.table = np.full((rows, 16), -1, dtype=np.intp)
-        self.nblocks = np.zeros(rows, dtype=np.intp)
+        self.tables = [np.full((rows, 16), -1, dtype=np.intp) for _ in self.groups]
+        self.first = [np.zeros(rows, dtype=np.intp) for _ in self.groups]  # first held block
+        self.nblocks = np.zeros(rows, dtype=np.intp)  # positions' blocks: ceil(tokens / B)
         self.tokens = np.zeros(rows, dtype=np.int64)
         self.final = np.zeros(rows, dtype=np.int64)
         self.last_access = np.zeros(rows, dtype=np.int64)
@@ -65,12 +81,17 @@ class NumpyPaged(Backend):
         self.row_of: dict[int, int] = {}
         self.row_index = np.full(1024, -1, dtype=np.int64)  # seq id -> row, for batch lookups
         self.tenants: list[str] = []
-        # Prefix caching: hash -> block; freed hashed blocks wait in `evictable` (oldest first)
-        # and are reused only when the uncached free blocks run out.
+        # Prefix caching: (group, key) -> block; freed hashed blocks wait in `evictable` (oldest
+        # first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
         self.evictable: dict = {}
         self.hit_blocks = 0
+
+    @property
+    def table(self) -> np.ndarray:
+        """The block table of a model of one group."""
+        return self.tables[0]
 
     @property
     def n_free(self) -> int:
@@ -94,12 +115,17 @@ class NumpyPaged(Backend):
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.pool[dst] = self.pool[src]
 
+    def _write_group(self, g: int, slots: np.ndarray, kv) -> None:
+        """Write the layers of group ``g`` of ``kv`` (every layer) into ``slots``."""
+        self._write_slots(slots, group_view(kv, self.groups[g].layers, self.config.model))
+
     # --- bookkeeping -----------------------------------------------------------------------
 
     def _grow_rows(self):
         old = len(self.nblocks)
         extra = old
-        self.table = np.vstack([self.table, np.full((extra, self.table.shape[1]), -1, np.intp)])
+        self.tables = [np.vstack([t, np.full((extra, t.shape[1]), -1, np.intp)]) for t in self.tables]
+        self.first = [np.concatenate([f, np.zeros(extra, f.dtype)]) for f in self.first]
         for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(extra, arr.dtype)]))
@@ -108,12 +134,12 @@ class NumpyPaged(Backend):
         self.free_rows.extend(range(old + extra - 1, old - 1, -1))
 
     def _grow_cols(self, width: int):
-        cols = self.table.shape[1]
+        cols = self.tables[0].shape[1]
         while cols < width:
             cols *= 2
-        if cols > self.table.shape[1]:
-            pad = np.full((self.table.shape[0], cols - self.table.shape[1]), -1, np.intp)
-            self.table = np.hstack([self.table, pad])
+        if cols > self.tables[0].shape[1]:
+            self.tables = [np.hstack([t, np.full((t.shape[0], cols - t.shape[1]), -1, np.intp)])
+                           for t in self.tables]
 
     def _new_row(self, seq: int) -> int:
         if not self.free_rows:
@@ -154,25 +180,49 @@ class NumpyPaged(Backend):
         self.refcount[ids] = 1
         return ids
 
-    def _release_row(self, r: int) -> None:
-        """Drop one reference per block of the row; blocks at zero go back to the pool."""
-        blocks = self.table[r, :self.nblocks[r]]
-        if r in self.sharing_rows or self.hash_of:
-            self.sharing_rows.discard(r)
-            self.refcount[blocks] -= 1
-            dead = blocks[self.refcount[blocks] == 0]
-        else:  # every block of the row is its own: all of them go back
-            self.refcount[blocks] = 0
-            dead = blocks
+    def _give_back(self, dead: np.ndarray) -> None:
+        """Blocks at zero references, in release order: cached ones to the end of the evictable
+        queue, the others pushed on the free stack."""
         if self.hash_of:
             cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
-            for b in dead[cached][::-1].tolist():  # tail first: a prefix's tail is evicted first
+            for b in dead[cached].tolist():
                 self.evictable[b] = None
             dead = dead[~cached]
         self.fill[dead] = 0
-        self.free_stack[self.free_top:self.free_top + len(dead)] = dead[::-1]
+        self.free_stack[self.free_top:self.free_top + len(dead)] = dead
         self.free_top += len(dead)
-        self.table[r, :self.nblocks[r]] = -1
+
+    def _release_blocks(self, blocks: np.ndarray) -> None:
+        """Drop one reference per mention, in order; a block dies at its last mention."""
+        if not len(blocks):
+            return
+        np.subtract.at(self.refcount, blocks, 1)
+        dead = blocks[self.refcount[blocks] == 0]
+        if len(dead) > 1:
+            rev = dead[::-1]
+            _, last = np.unique(rev, return_index=True)
+            dead = rev[np.sort(last)][::-1]
+        self._give_back(dead)
+
+    def _row_blocks(self, r: int) -> np.ndarray:
+        """The blocks a row holds, in release order: group by group, each from the tail."""
+        nb = self.nblocks[r]
+        parts = [t[r, f[r]:nb][::-1] for t, f in zip(self.tables, self.first)]
+        return parts[0] if self.G == 1 else np.concatenate(parts)
+
+    def _release_row(self, r: int) -> None:
+        """Drop one reference per block of the row; blocks at zero go back to the pool."""
+        blocks = self._row_blocks(r)
+        if r in self.sharing_rows or self.hash_of:
+            self.sharing_rows.discard(r)
+            self._release_blocks(blocks)
+        else:  # every block of the row is its own: all of them go back
+            self.refcount[blocks] = 0
+            self._give_back(blocks)
+        nb = self.nblocks[r]
+        for t, f in zip(self.tables, self.first):
+            t[r, :nb] = -1
+            f[r] = 0
         self.nblocks[r] = 0
         self.live[r] = False
         self.seq_of_row[r] = -1
@@ -185,13 +235,43 @@ class NumpyPaged(Backend):
         if seq < len(self.row_index):
             self.row_index[seq] = -1
 
+    def _held(self, rows: np.ndarray) -> np.ndarray:
+        """Blocks each row holds over every group."""
+        held = np.zeros(len(rows), dtype=np.int64)
+        for f in self.first:
+            held += self.nblocks[rows] - f[rows]
+        return held
+
+    # --- sliding windows (SPEC §8) ---------------------------------------------------------
+
+    def _slide(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Release the blocks of ``rows`` whose positions all lie below ``T - W + 1`` (T from
+        ``lengths``): group by group, rows in order, each row's highest position first."""
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            first = self.first[g]
+            new_first = np.minimum(np.maximum(0, lengths - w + 1) // self.B, self.nblocks[rows])
+            moving = np.flatnonzero(new_first > first[rows])
+            if not len(moving):
+                continue
+            table = self.tables[g]
+            order = []
+            for i in moving.tolist():
+                r = rows[i]
+                order.append(table[r, first[r]:new_first[i]][::-1].copy())
+                table[r, first[r]:new_first[i]] = -1
+                first[r] = new_first[i]
+            blocks = np.concatenate(order)
+            self._release_blocks(blocks[blocks >= 0])
+
     # --- block arithmetic, vectorized over a batch ----------------------------------------
 
-    def _append_plan(self, rows: np.ndarray, dts: np.ndarray, refcount: np.ndarray):
+    def _append_plan(self, rows: np.ndarray, dts: np.ndarray, refcount: np.ndarray, group: int = 0):
         """Per writer: free slots in its tail, whether it copies the tail, new blocks it takes."""
-        tails = self.table[rows, self.nblocks[rows] - 1]
-        # A row with no block yet (0 tokens) has no tail to write into.
-        free_last = np.where(self.nblocks[rows] > 0, self.B - self.fill[tails], 0)
+        tails = self.tables[group][rows, self.nblocks[rows] - 1]
+        # No tail to write into: a sequence of no block, or a window of 1 past a full block.
+        free_last = np.where(tails >= 0, self.B - self.fill[tails], 0)
         writes_tail = (free_last > 0) & (dts > 0)
         spill = np.maximum(0, dts - free_last)
         new = -(-spill // self.B)
@@ -225,7 +305,7 @@ class NumpyPaged(Backend):
     def _fair_victim(self, candidates: np.ndarray):
         """LRU row of the most over-quota tenant that has a candidate; None if none is over."""
         live = np.flatnonzero(self.live)
-        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live],
+        usage = np.bincount(self.tenant_idx[live], weights=self._held(live),
                             minlength=len(self.tenants)).astype(np.int64)
         present = {self.tenants[i] for i in self.tenant_idx[live].tolist()}
         # Decimal text, not binary: weight 0.1 is exactly 1/10.
@@ -255,7 +335,7 @@ class NumpyPaged(Backend):
         if len(cand) == 0:  # no policy, or nothing it may evict
             raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.n_free} free")
         # Would evicting every candidate be enough? If not, fail before touching anything.
-        blocks = np.concatenate([self.table[r, :self.nblocks[r]] for r in cand])
+        blocks = np.concatenate([self._row_blocks(r) for r in cand])
         drop = np.bincount(blocks, minlength=len(self.refcount)).astype(np.int32)
         after = self.refcount - drop
         if need_fn(after) > self.n_free + int(np.count_nonzero((after == 0) & (self.refcount > 0))):
@@ -270,72 +350,83 @@ class NumpyPaged(Backend):
             self._drop_row(r)
         return victims
 
+    def _hit_plan(self, keys) -> tuple[int, list]:
+        L, hits = hit_plan(keys, self.by_hash, self.windows, self.B)
+        return L, [np.array(h, dtype=np.intp) for h in hits]
+
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         self._check_kv(kv, tokens)
         n = -(-tokens // self.B)
-        hashes = list(block_hashes or ())[:tokens // self.B] if self.config.prefix_caching else []
+        keys = []
+        if self.config.prefix_caching:
+            keys = block_keys(tokens, self.B, block_hashes, token_ids, tagged_extra(salt, adapter))
 
-        if not hashes and n <= self.free_top:  # the common case: nothing to look up or evict
+        if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
             r = self._new_row(seq)
             self._grow_cols(n)
-            ids = self._take(n)
-            return self._fill_row(r, ids, tokens, kv, tenant, final_tokens, step, 0)
-
-        def hits():
-            found = []
-            for h in hashes:
-                if h not in self.by_hash:
-                    break
-                found.append(self.by_hash[h])
-            return np.array(found, dtype=np.intp)
+            ids = self._take(self.G * n)
+            return self._fill_row(r, ids.reshape(self.G, n), [0] * self.G, tokens, kv, tenant,
+                                  final_tokens, step)
 
         def need(refcount):  # new blocks, plus cached blocks taken back from the free pool
-            h = hits()
-            return n - len(h) + int(np.count_nonzero(refcount[h] == 0))
+            L, hits = self._hit_plan(keys)
+            return self.G * (n - L) + sum(int(np.count_nonzero(refcount[h] == 0)) for h in hits)
 
         protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
         victims = self._make_room(need, protect_rows)
         r = self._new_row(seq)
         self._grow_cols(n)
-        hit = hits()
-        for b in hit[self.refcount[hit] == 0].tolist():
-            del self.evictable[b]
-        self.refcount[hit] += 1
-        self.hit_blocks += len(hit)
-        ids = np.concatenate([hit, self._take(n - len(hit))])
-        for i in range(len(hit), len(hashes)):
-            if hashes[i] not in self.by_hash:
-                self.by_hash[hashes[i]] = int(ids[i])
-                self.hash_of[int(ids[i])] = hashes[i]
-        return self._fill_row(r, ids, tokens, kv, tenant, final_tokens, step, len(hit), victims)
+        L, hits = self._hit_plan(keys)
+        for h in hits:
+            for b in h[self.refcount[h] == 0].tolist():
+                del self.evictable[b]
+            self.refcount[h] += 1
+            self.hit_blocks += len(h)
+        fresh = self._take(self.G * (n - L)).reshape(self.G, n - L)
+        ids = [np.concatenate([np.full(L - len(h), -1, np.intp), h, f]) for h, f in zip(hits, fresh)]
+        for g in range(self.G):
+            for i in range(L, len(keys)):
+                if (g, keys[i]) not in self.by_hash:
+                    self.by_hash[(g, keys[i])] = int(ids[g][i])
+                    self.hash_of[int(ids[g][i])] = (g, keys[i])
+        return self._fill_row(r, ids, [L - len(h) for h in hits], tokens, kv, tenant, final_tokens,
+                              step, L, victims)
 
-    def _fill_row(self, r, ids, tokens, kv, tenant, final_tokens, step, n_hit, victims=()):
-        n = len(ids)
-        self.table[r, :n] = ids
+    def _fill_row(self, r, ids, first, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
+        """A new row: per group its blocks by position (-1 below ``first``), filled in order."""
+        n = len(ids[0])
+        for g in range(self.G):
+            held = ids[g][first[g]:]
+            self.tables[g][r, :n] = ids[g]
+            self.first[g][r] = first[g]
+            self.block_group[held] = g
+            self.fill[held] = self.B
+            if n:
+                self.fill[ids[g][-1]] = tokens - (n - 1) * self.B
         self.nblocks[r] = n
-        if n:
-            self.fill[ids] = self.B
-            self.fill[ids[-1]] = tokens - (n - 1) * self.B
         self.tokens[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self._tenant(tenant)
-        if self.pool is not None:  # cached blocks already hold their prefix's K/V
-            slots = (ids[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
+        if self.pool is not None and tokens > n_hit * self.B:  # hits hold their prefix's K/V
             skip = n_hit * self.B
-            self._write_slots(slots[skip:], kv[skip:])
+            for g in range(self.G):
+                slots = (ids[g][n_hit:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens - skip]
+                self._write_group(g, slots, kv[skip:])
+        if any(w is not None for w in self.windows):
+            self._slide(np.array([r]), self.tokens[[r]])
         return tuple(victims)
 
     def _check_kv(self, kv, tokens: int):
         """Refuse K/V of the wrong shape before anything changes."""
         if self.pool is None:
             return
-        want = (tokens,) + self.token_shape
+        want = (tokens,) + self.kv_shape
         if kv is None or tuple(np.shape(kv)) != want:
             raise ValueError(f"{self.name}: kv must have shape {want}, got "
                              f"{None if kv is None else tuple(np.shape(kv))}")
@@ -359,47 +450,53 @@ class NumpyPaged(Backend):
             return ()
 
         def need(refcount):
-            _, _, cow, new = self._append_plan(rows, dts, refcount)
-            return int(cow.sum() + new.sum())
+            return sum(int(cow.sum() + new.sum()) for _, _, cow, new in
+                       (self._append_plan(rows, dts, refcount, g) for g in range(self.G)))
 
-        tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount)
         victims = []
-        if int(cow.sum() + new.sum()) > self.n_free:
+        if need(self.refcount) > self.n_free:
             victims = self._make_room(need, rows)
-            tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount)
-        ids = self._take(int(cow.sum() + new.sum()))
-        # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
-        n_cow = int(cow.sum())
-        if n_cow:
-            src, dst = tails[cow], ids[:n_cow]
-            np.subtract.at(self.refcount, src, 1)
-            self.fill[dst] = self.fill[src]
-            if self.pool is not None:
-                self._copy_blocks(src, dst)
-            self.table[rows[cow], self.nblocks[rows[cow]] - 1] = dst
-        # New blocks go to the end of each writer's table.
-        fresh = ids[n_cow:]
-        nb_old = self.nblocks[rows]
-        self._grow_cols(int((nb_old + new).max()))
-        owner = np.repeat(np.arange(len(rows)), new)
-        starts = np.cumsum(new) - new
-        logical = nb_old[owner] + np.arange(len(fresh)) - starts[owner]
-        self.table[rows[owner], logical] = fresh
-        self.nblocks[rows] = nb_old + new
-        # Every new token: its position, its block, its offset.
+        nb_old = self.nblocks[rows].copy()
         writer = np.repeat(np.arange(len(rows)), dts)
         tstarts = np.cumsum(dts) - dts
         pos = self.tokens[rows][writer] + np.arange(int(dts.sum())) - tstarts[writer]
-        phys = self.table[rows[writer], pos // self.B]
         off = pos % self.B
         end = self.tokens[rows] + dts
         last_in_block = (off == self.B - 1) | (pos == end[writer] - 1)
-        self.fill[phys[last_in_block]] = off[last_in_block] + 1
-        if self.pool is not None:
-            self._write_slots(phys * self.B + off, kv)
+        for g in range(self.G):
+            table = self.tables[g]
+            tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount, g)
+            ids = self._take(int(cow.sum() + new.sum()))
+            self.block_group[ids] = g
+            # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
+            n_cow = int(cow.sum())
+            if n_cow:
+                src, dst = tails[cow], ids[:n_cow]
+                np.subtract.at(self.refcount, src, 1)
+                self.fill[dst] = self.fill[src]
+                if self.pool is not None:
+                    self._copy_blocks(src, dst)
+                table[rows[cow], nb_old[cow] - 1] = dst
+            # New blocks go to the end of each writer's table.
+            fresh = ids[n_cow:]
+            self._grow_cols(int((nb_old + new).max()))
+            table = self.tables[g]
+            owner = np.repeat(np.arange(len(rows)), new)
+            starts = np.cumsum(new) - new
+            logical = nb_old[owner] + np.arange(len(fresh)) - starts[owner]
+            table[rows[owner], logical] = fresh
+            # Every new token: its block and offset.
+            phys = table[rows[writer], pos // self.B]
+            self.fill[phys[last_in_block]] = off[last_in_block] + 1
+            if self.pool is not None:
+                self._write_group(g, phys * self.B + off, kv)
+            if g == self.G - 1:
+                self.nblocks[rows] = nb_old + new
         self.tokens[rows] = end
         self.last_access[rows] = step
         self.use_count[rows] += 1
+        if any(w is not None for w in self.windows):
+            self._slide(rows, end)
         return tuple(victims)
 
     def _decode_one(self, rows, dts, kv, step) -> bool:
@@ -410,29 +507,37 @@ class NumpyPaged(Backend):
         if dts.max() != 1 or dts.min() != 1:
             return False
         nb = self.nblocks[rows]
-        tails = self.table[rows, nb - 1]
-        fill = np.where(nb > 0, self.fill[tails], self.B)  # no block yet: as if the tail were full
-        full = fill == self.B
-        if (self.refcount[tails][~full] > 1).any():
-            return False
-        n_new = int(full.sum())
-        if n_new:
-            if n_new > self.n_free:
+        plans = []
+        for g in range(self.G):
+            tails = self.tables[g][rows, nb - 1]
+            fill = np.where(tails >= 0, self.fill[tails], self.B)  # no tail: as if it were full
+            full = fill == self.B
+            if (self.refcount[tails][~full] > 1).any():
                 return False
-            if int(nb.max()) >= self.table.shape[1]:
-                self._grow_cols(int(nb.max()) + 1)
-            ids = self._take(n_new)
-            grow = rows[full]
-            self.table[grow, nb[full]] = ids
-            self.nblocks[grow] += 1
-            tails[full] = ids
-            fill[full] = 0
-        if self.pool is not None:
-            self._write_slots(tails * self.B + fill, kv)
-        self.fill[tails] = fill + 1
+            plans.append((tails, fill, full))
+        n_new = sum(int(full.sum()) for _, _, full in plans)
+        if n_new > self.n_free:
+            return False
+        if n_new and int(nb.max()) >= self.tables[0].shape[1]:
+            self._grow_cols(int(nb.max()) + 1)
+        grew = plans[0][2]
+        for g, (tails, fill, full) in enumerate(plans):
+            if full.any():
+                ids = self._take(int(full.sum()))
+                self.block_group[ids] = g
+                self.tables[g][rows[full], nb[full]] = ids
+                tails[full] = ids
+                fill[full] = 0
+            if self.pool is not None:
+                self._write_group(g, tails * self.B + fill, kv)
+            self.fill[tails] = fill + 1
+        if grew.any():
+            self.nblocks[rows[grew]] += 1
         self.tokens[rows] += 1
         self.last_access[rows] = step
         self.use_count[rows] += 1
+        if any(w is not None for w in self.windows):
+            self._slide(rows, self.tokens[rows])
         return True
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
@@ -441,9 +546,11 @@ class NumpyPaged(Backend):
         rs = self._row(src)
         r = self._new_row(seq)
         nb = self.nblocks[rs]
-        self.table[r, :nb] = self.table[rs, :nb]
+        for t, f in zip(self.tables, self.first):
+            t[r, :nb] = t[rs, :nb]
+            f[r] = f[rs]
         self.nblocks[r] = nb
-        self.refcount[self.table[rs, :nb]] += 1
+        np.add.at(self.refcount, self._row_blocks(r), 1)
         self.sharing_rows.update((r, rs))
         self.tokens[r] = self.tokens[rs]
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
@@ -455,33 +562,61 @@ class NumpyPaged(Backend):
         self._drop_row(self._row(seq))
 
     def ledger(self) -> Ledger:
-        B = self.B
+        B, N = self.B, self.config.num_blocks
         used = self.refcount > 0
         n_used = int(used.sum())
         cap = n_used * B
         free_slots = int((B - self.fill[used]).sum())
         rows = np.flatnonzero(self.live)
-        tails = self.table[rows, self.nblocks[rows] - 1]
-        private = (self.refcount[tails] == 1) & (self.nblocks[rows] > 0)
-        reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
-        reservation = int(reserve[private].sum())
+        reservation = 0
+        for table in self.tables:
+            tails = table[rows, self.nblocks[rows] - 1]
+            private = (self.refcount[tails] == 1) & (tails >= 0)
+            reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
+            reservation += int(reserve[private].sum())
         seqs = self.seq_of_row[rows].tolist()
+        token_states = cap - free_slots
         return Ledger(
             blocks_used=n_used, blocks_free=self.n_free,
             tokens=dict(zip(seqs, self.tokens[rows].tolist())),
-            seq_blocks=dict(zip(seqs, self.nblocks[rows].tolist())),
+            seq_blocks=dict(zip(seqs, self._held(rows).tolist())),
             capacity_slots=cap, free_slots=free_slots,
             fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=n_used * B * self.config.model.bytes_per_token,
+            bytes_in_use=n_used * B * self.config.model.slot_bytes,
             shared_blocks=int((self.refcount > 1).sum()),
-            token_states=cap - free_slots, reservation=reservation,
+            token_states=token_states, reservation=reservation,
             internal_fragmentation=free_slots - reservation, external_fragmentation=0,
             free=self.n_free * B, cached_blocks=len(self.evictable),
-            prefix_hit_blocks=self.hit_blocks)
+            prefix_hit_blocks=self.hit_blocks,
+            group_blocks=tuple(np.bincount(self.block_group[used], minlength=self.G).tolist())
+            if self.G > 1 else (),
+            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
+            slot_usage=token_states / (N * B) if N else 0.0)
+
+    def block_state(self) -> BlockState:
+        rows = np.flatnonzero(self.live)
+        used = np.flatnonzero(self.refcount > 0)
+        return BlockState(
+            free=self.free_stack[:self.free_top][::-1].tolist(), cached=list(self.evictable),
+            tables={int(self.seq_of_row[r]): [t[r, :self.nblocks[r]].tolist() for t in self.tables]
+                    for r in rows},
+            refcount=dict(zip(used.tolist(), self.refcount[used].tolist())))
 
     def gather(self, seq) -> np.ndarray:
         if self.pool is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
-        blocks = self.table[r, :self.nblocks[r]]
-        return self._read_blocks(blocks, int(self.tokens[r]))
+        T, nb = int(self.tokens[r]), self.nblocks[r]
+        if self.G == 1 and not self.first[0][r]:
+            return self._read_blocks(self.tables[0][r, :nb], T)
+        out = None
+        for g, group in enumerate(self.groups):
+            f = int(self.first[g][r])
+            data = self._read_blocks(self.tables[g][r, f:nb], T - f * self.B)
+            if out is None:  # the pool's read dtype (a quantized pool dequantizes to float32)
+                out = np.zeros((T,) + self.kv_shape, dtype=data.dtype)
+            if self.G == 1:
+                out[f * self.B:] = data
+            else:
+                out[f * self.B:, :, list(group.layers)] = data
+        return out

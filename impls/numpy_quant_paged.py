@@ -6,25 +6,25 @@ Blocks, tables, copy-on-write and eviction are the NumPy paged backend's; only t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from impls import quant_numpy
 from impls.numpy_paged import NumpyPaged, reserved_zeros
 from kvbench import quant as Q
-from kvbench.contract.protocol import Capabilities, Ledger
+from kvbench.contract.protocol import Ledger
 from kvbench.quant.pool import scheme_of
 
 
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
-    capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, quantized=True,
-                                eviction=NumpyPaged.capabilities.eviction, devices=("cpu",))
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True)
 
     def __init__(self, config):
         self.scheme = scheme_of(config.kv_format or "int8")
         m = config.model
-        self.rows_per_slot = 2 * m.layers * m.kv_heads
+        self.rows_per_slot = 2 * m.group_layers * m.kv_heads  # one slot holds one group's layers
         per_byte = 8 // self.scheme.slot_bits
         if m.head_dim % per_byte:
             raise ValueError(f"{self.name}: head_dim {m.head_dim} does not pack into whole bytes "

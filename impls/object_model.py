@@ -4,7 +4,8 @@ The shape of the reference page's ``BlockAllocator`` / ``PagedKVCacheManager`` (
 ``ref_count`` and ``filled``, Python lists as block tables), with what that page leaves out:
 copy-on-write on a shared tail, out of memory that changes nothing, and eviction under the block
 budget (SPEC §5). It keeps the ledger only (no K/V). It is the per-object baseline the NumPy
-backend is benchmarked against; it is registered nowhere by default.
+backend is benchmarked against; it is registered nowhere by default. It models one group of
+full-attention layers, no prefix caching: a hybrid model is not applicable (SPEC §8).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fractions import Fraction
 
 from kvbench.contract.protocol import (
     Backend,
+    BlockState,
     CacheConfig,
     Capabilities,
     Ledger,
@@ -58,6 +60,9 @@ class ObjectModel(Backend):
         super().__init__(config)
         if config.policy is not None and config.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
+        if config.model.hybrid:  # declared in its capabilities; refused here for direct use
+            raise NotImplementedError(f"{self.name} models one full-attention group, not "
+                                      f"{config.model.name}'s KV cache groups")
         self.block_size = config.block_size
         self.blocks = [Block(i, config.block_size) for i in range(config.num_blocks)]
         self.free_blocks = self.blocks[::-1]  # a stack: pop() hands out low ids first
@@ -217,6 +222,7 @@ class ObjectModel(Backend):
             if tail is not None and tail.ref_count == 1:
                 reservation += min(tail.free_slots, max(0, seq.final_tokens - seq.num_tokens))
         n_free = len(self.free_blocks)
+        N = len(self.blocks)
         return Ledger(
             blocks_used=len(used), blocks_free=n_free,
             tokens={s: q.num_tokens for s, q in self.sequences.items()},
@@ -227,4 +233,11 @@ class ObjectModel(Backend):
             shared_blocks=sum(1 for b in used if b.ref_count > 1),
             token_states=cap - free_slots, reservation=reservation,
             internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=n_free * B)
+            free=n_free * B, token_capacity=N * B, block_usage=len(used) / N if N else 0.0,
+            slot_usage=(cap - free_slots) / (N * B) if N else 0.0)
+
+    def block_state(self) -> BlockState:
+        return BlockState(free=[b.block_id for b in reversed(self.free_blocks)], cached=[],
+                          tables={s: [[b.block_id for b in q.block_table]]
+                                  for s, q in self.sequences.items()},
+                          refcount={b.block_id: b.ref_count for b in self.blocks if b.ref_count})

@@ -1,12 +1,16 @@
 """PyTorch paged KV cache: the NumPy backend's semantics with the pool and its tables on a device.
 
-The pool ``[num_blocks, block_size, 2, layers, kv_heads, head_dim]``, the block table, fill counts,
-reference counts and the free-block stack are tensors on ``config.device`` (cpu or cuda). A batched
-decode step is planned and written with tensor operations over the whole batch (copy-on-write
-copies, new blocks, one scatter of the new tokens into the flat slot view); the host reads back
-only the few counts it needs for the out-of-memory check (one sync per call). Eviction metadata
-(last access, use count, tenant) and the sequence -> row map stay on the host, where the policies
-read them; they change only with host-side values, so keeping them there costs no sync.
+Over 500 lines: the same data structure as impls/numpy_paged.py (pool, per-group tables, prefix
+caching, sliding windows, eviction), on tensors; the two are proven identical op by op.
+
+The pool ``[num_blocks, block_size, 2, layers_per_group, kv_heads, head_dim]``, the block tables
+(one per KV cache group), fill counts, reference counts and the free-block stack are tensors on
+``config.device`` (cpu or cuda). A batched decode step is planned and written with tensor
+operations over the whole batch (copy-on-write copies, new blocks, one scatter of the new tokens
+into the flat slot view); the host reads back only the few counts it needs for the out-of-memory
+check (one sync per call). Eviction metadata (last access, use count, tenant), the sequence -> row
+map, each group's first held block (sliding windows) and the prefix cache's hash maps stay on the
+host, where the policies and lookups read them; they change only with host-side values.
 
 torch is imported lazily: ``import impls.torch_paged`` works without it, and ``available()`` says
 why it cannot run.
@@ -17,8 +21,10 @@ from fractions import Fraction
 
 import numpy as np
 
+from impls.prefix_keys import block_keys, hit_plan, tagged_extra
 from kvbench.contract.protocol import (
     Backend,
+    BlockState,
     CacheConfig,
     Capabilities,
     Ledger,
@@ -60,7 +66,8 @@ def resolve_device(torch, name: str):
 class TorchPaged(Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                eviction=POLICIES, devices=("cpu", "cuda"))
+                                prefix_caching=True, eviction=POLICIES, devices=("cpu", "cuda"),
+                                groups=True, cache_salt=True, block_ids=True)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -79,30 +86,53 @@ class TorchPaged(Backend):
         n, B = config.num_blocks, config.block_size
         self.B = B
         m = config.model
-        self.token_shape = (2, m.layers, m.kv_heads, m.head_dim)
+        self.groups = m.kv_groups
+        self.G = len(self.groups)
+        self.windows = [g.window for g in self.groups]
+        self.sliding = any(w is not None for w in self.windows)
+        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)  # one token, every layer
+        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # one slot of one group
         self.kv_dtype = getattr(torch, np.dtype(config.kv_dtype).name)
         i64 = dict(dtype=torch.int64, device=self.device)
+        self.layer_index = [torch.tensor(g.layers, **i64) for g in self.groups]
         self.pool = (torch.zeros((n, B) + self.token_shape, dtype=self.kv_dtype, device=self.device)
                      if config.store_kv else None)
         self.refcount = torch.zeros(n, **i64)
         self.fill = torch.zeros(n, **i64)
+        self.block_group = torch.zeros(n, **i64)
         # Free blocks as a stack; popping from the top hands out low ids first.
         self.free_stack = torch.arange(n - 1, -1, -1, **i64)
         self.free_top = n  # host mirror: how many entries of free_stack are free blocks
         rows = 64
-        self.table = torch.full((rows, 16), -1, **i64)
+        self.tables = [torch.full((rows, 16), -1, **i64) for _ in self.groups]
         self.nblocks = torch.zeros(rows, **i64)
         self.tokens = torch.zeros(rows, **i64)
         self.final = torch.zeros(rows, **i64)
-        # Host side: the row map and what the eviction policies read.
+        # Host side: the row map, what the eviction policies read, each group's first held block.
         self.tokens_host = np.zeros(rows, dtype=np.int64)
         self.last_access = np.zeros(rows, dtype=np.int64)
         self.use_count = np.zeros(rows, dtype=np.int64)
         self.tenant_idx = np.zeros(rows, dtype=np.int64)
         self.live = np.zeros(rows, dtype=bool)
         self.seq_of_row = np.full(rows, -1, dtype=np.int64)
+        self.first = [np.zeros(rows, dtype=np.int64) for _ in self.groups]
         self.row_of: dict[int, int] = {}
         self.tenants: list[str] = []
+        # Prefix caching, on the host: (group, key) -> block; freed hashed blocks wait in
+        # `evictable` (oldest first) and are reused only when the uncached free blocks run out.
+        self.by_hash: dict = {}
+        self.hash_of: dict = {}
+        self.evictable: dict = {}
+        self.hit_blocks = 0
+
+    @property
+    def table(self):
+        """The block table of a model of one group."""
+        return self.tables[0]
+
+    @property
+    def n_free(self) -> int:
+        return self.free_top + len(self.evictable)
 
     # --- host <-> device -------------------------------------------------------------------
 
@@ -117,10 +147,14 @@ class TorchPaged(Backend):
             return None
         torch = self.torch
         t = kv if isinstance(kv, torch.Tensor) else torch.as_tensor(np.asarray(kv))
-        want = (count,) + self.token_shape
+        want = (count,) + self.kv_shape
         if tuple(t.shape) != want:
             raise ValueError(f"{self.name}: kv has shape {tuple(t.shape)}, expected {want}")
         return t.to(device=self.device, dtype=self.kv_dtype, non_blocking=True)
+
+    def _group_kv(self, kv_t, g: int):
+        """The layers of group ``g`` of an operation's K/V."""
+        return kv_t if self.G == 1 else kv_t.index_select(2, self.layer_index[g])
 
     def _flat_pool(self):
         return self.pool.view((-1,) + self.token_shape)
@@ -130,25 +164,26 @@ class TorchPaged(Backend):
     def _grow_rows(self):
         torch = self.torch
         extra = len(self.live)
-        self.table = torch.cat([self.table, torch.full((extra, self.table.shape[1]), -1,
-                                                       dtype=torch.int64, device=self.device)])
+        self.tables = [torch.cat([t, torch.full((extra, t.shape[1]), -1, dtype=torch.int64,
+                                                device=self.device)]) for t in self.tables]
         for name in ("nblocks", "tokens", "final"):
             t = getattr(self, name)
             setattr(self, name, torch.cat([t, torch.zeros_like(t[:extra])]))
         for name in ("tokens_host", "last_access", "use_count", "tenant_idx"):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros(extra, a.dtype)]))
+        self.first = [np.concatenate([f, np.zeros(extra, f.dtype)]) for f in self.first]
         self.live = np.concatenate([self.live, np.zeros(extra, bool)])
         self.seq_of_row = np.concatenate([self.seq_of_row, np.full(extra, -1, np.int64)])
 
     def _grow_cols(self, width: int):
-        cols = self.table.shape[1]
+        cols = self.tables[0].shape[1]
         while cols < width:
             cols *= 2
-        if cols > self.table.shape[1]:
-            pad = self.torch.full((self.table.shape[0], cols - self.table.shape[1]), -1,
-                                  dtype=self.torch.int64, device=self.device)
-            self.table = self.torch.cat([self.table, pad], dim=1)
+        if cols > self.tables[0].shape[1]:
+            self.tables = [self.torch.cat([t, self.torch.full(
+                (t.shape[0], cols - t.shape[1]), -1, dtype=self.torch.int64, device=self.device)], dim=1)
+                for t in self.tables]
 
     def _new_row(self, seq: int) -> int:
         free_rows = np.flatnonzero(~self.live)
@@ -173,27 +208,65 @@ class TorchPaged(Backend):
         return self.tenants.index(tenant)
 
     def _blocks_needed(self, tokens):
-        """ceil(tokens / B), for an int or an integer tensor."""
+        """ceil(tokens / B), for an int or an integer array or tensor."""
         return -(-tokens // self.B)
 
+    def _held(self, rows_h: np.ndarray) -> np.ndarray:
+        """Blocks each row holds over every group (from host-side counts)."""
+        nb = self._blocks_needed(self.tokens_host[rows_h])
+        return sum(nb - f[rows_h] for f in self.first)
+
     def _take(self, n: int):
-        ids = self.free_stack[self.free_top - n:self.free_top].flip(0)
-        self.free_top -= n
+        k = min(n, self.free_top)
+        ids = self.free_stack[self.free_top - k:self.free_top].flip(0)
+        self.free_top -= k
+        if n > k:  # reuse the least recently freed cached blocks
+            old = list(self.evictable)[:n - k]
+            for b in old:
+                del self.evictable[b]
+                del self.by_hash[self.hash_of.pop(b)]
+            ids = self.torch.cat([ids, self._dev(old)])
+            self.fill[ids] = 0  # a cached block comes back full: the append below sets its fill
         self.refcount[ids] = 1
         return ids
 
+    def _give_back(self, dead: list) -> None:
+        """Blocks at zero references, in release order: cached ones to the end of the evictable
+        queue, the others pushed on the free stack."""
+        if self.hash_of:
+            for b in dead:
+                if b in self.hash_of:
+                    self.evictable[b] = None
+            dead = [b for b in dead if b not in self.hash_of]
+        if dead:
+            t = self._dev(dead)
+            self.fill[t] = 0
+            self.free_stack[self.free_top:self.free_top + len(dead)] = t
+            self.free_top += len(dead)
+
+    def _release_blocks(self, blocks) -> None:
+        """Drop one reference per mention, in order; a block dies at its last mention."""
+        if blocks.numel() == 0:
+            return
+        self.refcount.index_add_(0, blocks, self.torch.full_like(blocks, -1))
+        dead = blocks[self.refcount[blocks] == 0].tolist()  # the one sync: what comes back
+        if len(set(dead)) != len(dead):
+            seen: set = set()
+            dead = [b for b in reversed(dead) if not (b in seen or seen.add(b))][::-1]
+        self._give_back(dead)
+
+    def _row_blocks(self, r: int):
+        """The blocks a row holds, in release order: group by group, each from the tail."""
+        nb = int(self._blocks_needed(self.tokens_host[r]))
+        parts = [t[r, int(f[r]):nb].flip(0) for t, f in zip(self.tables, self.first)]
+        return parts[0] if self.G == 1 else self.torch.cat(parts)
+
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
-        row = self.table[r]
-        valid = row >= 0
-        idx = row.clamp(min=0)
-        self.refcount.index_add_(0, idx, -valid.long())
-        dead = row[valid & (self.refcount[idx] == 0)]  # the one sync: how many blocks come back
-        k = dead.numel()
-        self.fill[dead] = 0
-        self.free_stack[self.free_top:self.free_top + k] = dead.flip(0)
-        self.free_top += k
-        self.table[r] = -1
+        self._release_blocks(self._row_blocks(r))
+        for t, f in zip(self.tables, self.first):
+            t[r] = -1
+            f[r] = 0
         self.nblocks[r] = 0
         self.tokens[r] = 0
         self.tokens_host[r] = 0
@@ -205,9 +278,32 @@ class TorchPaged(Backend):
         self._release_row(r)
         del self.row_of[seq]
 
+    # --- sliding windows (SPEC §8) ---------------------------------------------------------
+
+    def _slide(self, rows_h: np.ndarray, lengths: np.ndarray) -> None:
+        """Release the blocks of ``rows_h`` whose positions all lie below ``T - W + 1`` (T from
+        ``lengths``): group by group, rows in order, each row's highest position first."""
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            first = self.first[g]
+            new_first = np.minimum(np.maximum(0, lengths - w + 1) // self.B,
+                                   self._blocks_needed(self.tokens_host[rows_h]))
+            moving = np.flatnonzero(new_first > first[rows_h])
+            if not len(moving):
+                continue
+            table, parts = self.tables[g], []
+            for i in moving.tolist():
+                r, lo, hi = int(rows_h[i]), int(first[rows_h[i]]), int(new_first[i])
+                parts.append(table[r, lo:hi].flip(0).clone())
+                table[r, lo:hi] = -1
+                first[r] = hi
+            blocks = self.torch.cat(parts)
+            self._release_blocks(blocks[blocks >= 0])
+
     # --- block arithmetic, vectorized over a batch ----------------------------------------
 
-    def _append_plan(self, rows, dts, refcount, nb_old=None, one_token=False):
+    def _append_plan(self, rows, dts, refcount, nb_old=None, one_token=False, group=0):
         """Per writer (device tensors): its tail block, whether it copies it, new blocks it takes.
 
         ``one_token``: every writer appends exactly one token (a decode step), which spills into
@@ -215,9 +311,9 @@ class TorchPaged(Backend):
         torch = self.torch
         if nb_old is None:
             nb_old = self.nblocks[rows]
-        tails = self.table[rows, nb_old - 1]
-        # A row with no block yet (0 tokens) has no tail to write into: as if it were full.
-        fill = torch.where(nb_old > 0, self.fill[tails], self.B)
+        tails = self.tables[group][rows, nb_old - 1]
+        # No tail to write into: a sequence of no block, or a window of 1 past a full block.
+        fill = torch.where(tails >= 0, self.fill[tails], self.B)
         if one_token:
             writes_tail = fill < self.B
             new = (~writes_tail).long()
@@ -246,9 +342,19 @@ class TorchPaged(Backend):
         items = self.torch.arange(total, device=self.device)
         return self.torch.searchsorted(ends, items, right=True), ends - counts
 
+    def _plans(self, rows, dts, refcount, nb_old, one_token):
+        """Every group's plan, and (one sync) each group's copies and new blocks and the widest
+        table row after the append."""
+        plans = [self._append_plan(rows, dts, refcount, nb_old, one_token, group=g)
+                 for g in range(self.G)]
+        sums = [x for _, cow, new in plans for x in (cow.sum(), new.sum())]
+        counts = self.torch.stack(sums + [(nb_old + plans[0][2]).max()]).tolist()
+        return plans, counts[:-1], counts[-1]
+
     def _append_need(self, rows, dts, refcount, one_token=False) -> int:
-        _, cow, new = self._append_plan(rows, dts, refcount, one_token=one_token)
-        return int(cow.sum() + new.sum())
+        return sum(int(cow.sum() + new.sum()) for _, cow, new in
+                   (self._append_plan(rows, dts, refcount, one_token=one_token, group=g)
+                    for g in range(self.G)))
 
     def _victim(self, candidates: np.ndarray) -> int:
         """The row the policy evicts among candidate rows (SPEC §5)."""
@@ -265,8 +371,7 @@ class TorchPaged(Backend):
     def _fair_victim(self, candidates: np.ndarray):
         """LRU row of the most over-quota tenant that has a candidate; None if none is over."""
         live = np.flatnonzero(self.live)
-        blocks = self.nblocks[self._dev(live)].cpu().numpy()
-        usage = np.bincount(self.tenant_idx[live], weights=blocks, minlength=len(self.tenants))
+        usage = np.bincount(self.tenant_idx[live], weights=self._held(live), minlength=len(self.tenants))
         present = sorted(set(self.tenant_idx[live].tolist()))
         names = {self.tenants[i] for i in present} | set(self.config.tenant_weights)
         # Decimal text, not binary: weight 0.1 is exactly 1/10.
@@ -292,22 +397,23 @@ class TorchPaged(Backend):
         """Evict until ``need_fn(refcount)`` blocks are free; atomic OOM when impossible."""
         if need is None:
             need = need_fn(self.refcount)
-        if need <= self.free_top:
+        if need <= self.n_free:
             return []
         cand = self._candidates(protect_rows)
         if self.config.policy is None or len(cand) == 0:
-            raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.free_top} free")
+            raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.n_free} free")
         # Would evicting every candidate be enough? If not, fail before touching anything.
-        blocks = self.table[self._dev(cand)].reshape(-1)
+        rows = self._dev(cand)
+        blocks = self.torch.cat([t[rows].reshape(-1) for t in self.tables])
         drop = self.torch.zeros_like(self.refcount).index_add_(0, blocks.clamp(min=0),
                                                               (blocks >= 0).long())
         after = self.refcount - drop
         freed = int(((after == 0) & (self.refcount > 0)).sum())
-        if need_fn(after) > self.free_top + freed:
-            raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.free_top} free "
+        if need_fn(after) > self.n_free + freed:
+            raise OutOfMemory(f"{self.name}: needs {need} blocks, {self.n_free} free "
                               f"even after evicting every candidate")
         victims = []
-        while need > self.free_top:
+        while need > self.n_free:
             r = self._victim(self._candidates(protect_rows))
             victims.append(int(self.seq_of_row[r]))
             self._drop_row(r)
@@ -317,29 +423,63 @@ class TorchPaged(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         torch = self.torch
         kv_t = self._kv(kv, tokens)
         n = self._blocks_needed(tokens)
+        keys = []
+        if self.config.prefix_caching:
+            keys = block_keys(tokens, self.B, block_hashes, token_ids, tagged_extra(salt, adapter))
+        L, hits = hit_plan(keys, self.by_hash, self.windows, self.B) if keys else (0, [[]] * self.G)
+        hit_all = [b for h in hits for b in h]
+        hit_t = self._dev(hit_all)
+        # New blocks, plus cached blocks taken back from the free pool. Evicting a victim keeps
+        # its hashed blocks cached: the hit does not change while victims go.
+        new = self.G * (n - L)
+
+        def need(rc):
+            return new + (int((rc[hit_t] == 0).sum()) if hit_all else 0)
+
         protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
-        victims = self._make_room(lambda rc: n, protect_rows, n)
+        victims = self._make_room(need, protect_rows, need(self.refcount))
         r = self._new_row(seq)
         self._grow_cols(n)
-        ids = self._take(n)
-        self.table[r, :n] = ids
+        if hit_all:
+            for b, idle in zip(hit_all, (self.refcount[hit_t] == 0).tolist()):
+                if idle:
+                    del self.evictable[b]
+            self.refcount[hit_t] += 1
+            self.hit_blocks += len(hit_all)
+        fresh = self._take(new).view(self.G, n - L)
+        if keys:
+            fresh_h = fresh.tolist()
+            for g in range(self.G):
+                for i in range(L, len(keys)):
+                    if (g, keys[i]) not in self.by_hash:
+                        self.by_hash[(g, keys[i])] = fresh_h[g][i - L]
+                        self.hash_of[fresh_h[g][i - L]] = (g, keys[i])
+        fills = (tokens - torch.arange(L, n, device=self.device) * self.B).clamp(max=self.B)
+        for g, h in enumerate(hits):
+            f = fresh[g]
+            self.tables[g][r, L - len(h):L] = self._dev(h)
+            self.tables[g][r, L:n] = f
+            self.first[g][r] = L - len(h)
+            self.block_group[f] = g
+            self.fill[f] = fills
+            if kv_t is not None and n > L:
+                slots = (f[:, None] * self.B + torch.arange(self.B, device=self.device)).reshape(-1)
+                self._flat_pool().index_copy_(0, slots[:tokens - L * self.B],
+                                              self._group_kv(kv_t, g)[L * self.B:])
         self.nblocks[r] = n
-        # Every block full but the last.
-        self.fill[ids] = (tokens - torch.arange(n, device=self.device) * self.B).clamp(max=self.B)
         self.tokens[r] = tokens
         self.tokens_host[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self._tenant(tenant)
-        if kv_t is not None:
-            slots = (ids[:, None] * self.B + torch.arange(self.B, device=self.device)).reshape(-1)
-            self._flat_pool().index_copy_(0, slots[:tokens], kv_t)
+        if self.sliding:
+            self._slide(np.array([r]), self.tokens_host[[r]])
         return tuple(victims)
 
     def append(self, seqs, tokens, kv=None, *, step=0):
@@ -355,51 +495,58 @@ class TorchPaged(Backend):
         one_token = total == len(rows_h) and dts_h.min() == 1
         rows, dts = self._dev(np.stack([rows_h, dts_h])).unbind(0)  # one transfer for both
         nb_old = self.nblocks[rows]
-        tails, cow, new = self._append_plan(rows, dts, self.refcount, nb_old, one_token)
         # The one sync of a decode step: blocks to take and the widest table row after it.
-        n_cow, n_new, width = torch.stack([cow.sum(), new.sum(), (nb_old + new).max()]).tolist()
+        plans, counts, width = self._plans(rows, dts, self.refcount, nb_old, one_token)
         victims = []
-        if n_cow + n_new > self.free_top:
+        if sum(counts) > self.n_free:
             victims = self._make_room(lambda rc: self._append_need(rows, dts, rc, one_token), rows_h,
-                                      n_cow + n_new)
+                                      sum(counts))
             # Evicted sequences may have shared a writer's tail: plan again.
-            tails, cow, new = self._append_plan(rows, dts, self.refcount, nb_old, one_token)
-            n_cow, n_new, width = torch.stack([cow.sum(), new.sum(), (nb_old + new).max()]).tolist()
-        ids = self._take(n_cow + n_new) if n_cow + n_new else None
-        # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
-        if n_cow:
-            # The copying writers, in batch order: their count is known, so no sync here.
-            which = torch.sort((~cow).to(torch.uint8), stable=True).indices[:n_cow]
-            src, dst, wrows = tails[which], ids[:n_cow], rows[which]
-            self.refcount.index_add_(0, src, torch.full_like(src, -1))
-            self.fill[dst] = self.fill[src]
-            if self.pool is not None:
-                self.pool.index_copy_(0, dst, self.pool.index_select(0, src))
-            self.table[wrows, self.nblocks[wrows] - 1] = dst
-        # New blocks go to the end of each writer's table.
+            plans, counts, width = self._plans(rows, dts, self.refcount, nb_old, one_token)
         self._grow_cols(width)
-        if n_new:
-            owner, starts = self._owners(new, n_new)
-            logical = nb_old[owner] + torch.arange(n_new, device=self.device) - starts[owner]
-            self.table[rows[owner], logical] = ids[n_cow:]
-            self.nblocks[rows] = nb_old + new
-        # Every new token: its block and offset; a block's fill is its highest written offset + 1.
+        # Every new token: its position and offset (the same in every group).
         tok_old = self.tokens[rows]
         if one_token:
-            pos = tok_old
-            phys = self.table[rows, pos // self.B]
+            pos, owner_rows = tok_old, rows
         else:
             writer, tstarts = self._owners(dts, total)
             pos = tok_old[writer] + torch.arange(total, device=self.device) - tstarts[writer]
-            phys = self.table[rows[writer], pos // self.B]
+            owner_rows = rows[writer]
         off = pos % self.B
-        self.fill.scatter_reduce_(0, phys, off + 1, reduce="amax")
-        if kv_t is not None:
-            self._flat_pool().index_copy_(0, phys * self.B + off, kv_t)
+        for g, (tails, cow, new) in enumerate(plans):
+            n_cow, n_new = counts[2 * g], counts[2 * g + 1]
+            table = self.tables[g]
+            ids = self._take(n_cow + n_new) if n_cow + n_new else None
+            if ids is not None:
+                self.block_group[ids] = g
+            # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
+            if n_cow:
+                # The copying writers, in batch order: their count is known, so no sync here.
+                which = torch.sort((~cow).to(torch.uint8), stable=True).indices[:n_cow]
+                src, dst, wrows = tails[which], ids[:n_cow], rows[which]
+                self.refcount.index_add_(0, src, torch.full_like(src, -1))
+                self.fill[dst] = self.fill[src]
+                if self.pool is not None:
+                    self.pool.index_copy_(0, dst, self.pool.index_select(0, src))
+                table[wrows, nb_old[which] - 1] = dst
+            # New blocks go to the end of each writer's table.
+            if n_new:
+                owner, starts = self._owners(new, n_new)
+                logical = nb_old[owner] + torch.arange(n_new, device=self.device) - starts[owner]
+                table[rows[owner], logical] = ids[n_cow:]
+            # A block's fill is its highest written offset + 1.
+            phys = table[owner_rows, pos // self.B]
+            self.fill.scatter_reduce_(0, phys, off + 1, reduce="amax")
+            if kv_t is not None:
+                self._flat_pool().index_copy_(0, phys * self.B + off, self._group_kv(kv_t, g))
+        if counts[1]:
+            self.nblocks[rows] = nb_old + plans[0][2]
         self.tokens[rows] = tok_old + dts
         self.tokens_host[rows_h] += dts_h
         self.last_access[rows_h] = step
         self.use_count[rows_h] += 1
+        if self.sliding:
+            self._slide(rows_h, self.tokens_host[rows_h])
         return tuple(victims)
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
@@ -407,12 +554,14 @@ class TorchPaged(Backend):
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         rs = self._row(src)
         r = self._new_row(seq)
-        row = self.table[rs]
-        self.table[r] = row
+        for t, f in zip(self.tables, self.first):
+            t[r] = t[rs]
+            f[r] = f[rs]
         self.nblocks[r] = self.nblocks[rs]
-        self.refcount.index_add_(0, row.clamp(min=0), (row >= 0).long())
         self.tokens[r] = self.tokens[rs]
         self.tokens_host[r] = self.tokens_host[rs]
+        blocks = self._row_blocks(r)
+        self.refcount.index_add_(0, blocks, self.torch.ones_like(blocks))
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self.tenant_idx[rs]
@@ -423,32 +572,51 @@ class TorchPaged(Backend):
 
     def ledger(self) -> Ledger:
         torch = self.torch
-        B = self.B
+        B, N = self.B, self.config.num_blocks
         rows_h = np.flatnonzero(self.live)
         rows = self._dev(rows_h)
         used = self.refcount > 0
-        tails = self.table[rows, self.nblocks[rows] - 1]
-        private = (self.refcount[tails] == 1) & (self.nblocks[rows] > 0)
-        reserve = torch.minimum(B - self.fill[tails], (self.final[rows] - self.tokens[rows]).clamp(min=0))
-        head = torch.stack([used.sum(), ((B - self.fill) * used).sum(), (self.refcount > 1).sum(),
-                            (reserve * private).sum()])
+        head = [used.sum(), ((B - self.fill) * used).sum(), (self.refcount > 1).sum()]
+        for table in self.tables:
+            tails = table[rows, self.nblocks[rows] - 1]
+            private = (self.refcount[tails] == 1) & (tails >= 0)
+            reserve = torch.minimum(B - self.fill[tails], (self.final[rows] - self.tokens[rows]).clamp(min=0))
+            head.append((reserve * private).sum())
+        per_group = [torch.bincount(self.block_group[used], minlength=self.G)] if self.G > 1 else []
         # One read-back for the whole ledger.
-        vals = torch.cat([head, self.tokens[rows], self.nblocks[rows]]).tolist()
-        n_used, free_slots, shared, reservation = vals[:4]
-        k = len(rows_h)
+        vals = torch.cat([torch.stack(head)] + per_group + [self.tokens[rows]]).tolist()
+        n_used, free_slots, shared = vals[:3]
+        reservation = sum(vals[3:3 + self.G])
+        k = 3 + self.G
+        group_blocks = tuple(vals[k:k + self.G]) if self.G > 1 else ()
+        k += len(group_blocks)
         seqs = self.seq_of_row[rows_h].tolist()
         cap = n_used * B
+        token_states = cap - free_slots
         return Ledger(
-            blocks_used=n_used, blocks_free=int(self.free_top),
-            tokens=dict(zip(seqs, vals[4:4 + k])),
-            seq_blocks=dict(zip(seqs, vals[4 + k:])),
+            blocks_used=n_used, blocks_free=self.n_free,
+            tokens=dict(zip(seqs, vals[k:])),
+            seq_blocks=dict(zip(seqs, self._held(rows_h).tolist())),
             capacity_slots=cap, free_slots=free_slots,
             fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=n_used * B * self.config.model.bytes_per_token,
+            bytes_in_use=n_used * B * self.config.model.slot_bytes,
             shared_blocks=shared,
-            token_states=cap - free_slots, reservation=reservation,
+            token_states=token_states, reservation=reservation,
             internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=int(self.free_top) * B)
+            free=self.n_free * B, cached_blocks=len(self.evictable),
+            prefix_hit_blocks=self.hit_blocks, group_blocks=group_blocks,
+            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
+            slot_usage=token_states / (N * B) if N else 0.0)
+
+    def block_state(self) -> BlockState:
+        rows_h = np.flatnonzero(self.live)
+        used = (self.refcount > 0).nonzero().flatten()
+        nb = self._blocks_needed(self.tokens_host)
+        return BlockState(
+            free=self.free_stack[:self.free_top].flip(0).tolist(), cached=list(self.evictable),
+            tables={int(self.seq_of_row[r]): [t[r, :nb[r]].tolist() for t in self.tables]
+                    for r in rows_h},
+            refcount=dict(zip(used.tolist(), self.refcount[used].tolist())))
 
     def gather_tensor(self, seq):
         """The sequence's K/V as a tensor on the device, ``[tokens, 2, layers, kv_heads, head_dim]``."""
@@ -456,8 +624,15 @@ class TorchPaged(Backend):
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
         T = int(self.tokens_host[r])
-        blocks = self.table[r, :self._blocks_needed(T)]
-        return self.pool.index_select(0, blocks).view((-1,) + self.token_shape)[:T]
+        nb = self._blocks_needed(T)
+        if self.G == 1 and not self.first[0][r]:
+            return self.pool.index_select(0, self.tables[0][r, :nb]).view((-1,) + self.token_shape)[:T]
+        out = self.torch.zeros((T,) + self.kv_shape, dtype=self.kv_dtype, device=self.device)
+        for g in range(self.G):
+            f = int(self.first[g][r])
+            data = self.pool.index_select(0, self.tables[g][r, f:nb]).view((-1,) + self.token_shape)
+            out[f * self.B:].index_copy_(2, self.layer_index[g], data[:T - f * self.B])
+        return out
 
     def gather(self, seq) -> np.ndarray:
         return self.gather_tensor(seq).cpu().numpy()
@@ -468,10 +643,10 @@ class TorchPaged(Backend):
         its growth across building the pool, as kvbench.bench.gpu does)."""
         torch = self.torch
         c = self.config
-        formula = c.num_blocks * c.block_size * c.model.bytes_per_token if c.store_kv else 0
+        formula = c.num_blocks * c.block_size * c.model.slot_bytes if c.store_kv else 0
         index = sum(t.numel() * t.element_size() for t in
-                    (self.refcount, self.fill, self.free_stack, self.table, self.nblocks,
-                     self.tokens, self.final))
+                    [self.refcount, self.fill, self.free_stack, self.nblocks, self.tokens,
+                     self.final, self.block_group] + self.tables)
         report = {"device": str(self.device), "formula_pool_bytes": formula,
                   "pool_bytes": 0 if self.pool is None else self.pool.numel() * self.pool.element_size(),
                   "index_bytes": index}

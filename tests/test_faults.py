@@ -22,8 +22,8 @@ from kvbench.contract.protocol import OutOfMemory
 class NoCopyOnWrite(NumpyPaged):
     """(a) Writes into a shared tail in place."""
 
-    def _append_plan(self, rows, dts, refcount):
-        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount)
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
         return tails, free_last, np.zeros_like(cow), new
 
 
@@ -45,8 +45,8 @@ class CopyWithoutData(NumpyPaged):
 class FloorBlocks(NumpyPaged):
     """(b) floor instead of ceil for the new blocks of an append."""
 
-    def _append_plan(self, rows, dts, refcount):
-        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount)
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
         return tails, free_last, cow, np.maximum(0, dts - free_last) // self.B
 
 
@@ -161,9 +161,9 @@ class EvictsServed(NumpyPaged):
 class BestFit(Contiguous):
     """Contiguous baseline placing a slab in the smallest hole that fits, not the first."""
 
-    def _hole(self, size, skip=frozenset()):
+    def _hole(self, size, skip=frozenset(), placed=()):
         holes, pos = [], 0
-        for start, seq in self.starts:
+        for start, slab_size, seq in sorted(self.starts + [(a, n, -1) for a, n in placed]):
             if seq in skip:
                 continue
             if start - pos >= size:
@@ -180,7 +180,8 @@ class ForkWithoutData(Contiguous):
     def fork(self, seq, src, **kw):
         victims = super().fork(seq, src, **kw)
         st = self.seqs[seq]
-        self.arena[st["start"]:st["start"] + st["tokens"]] = 0
+        start = st["slabs"][0][0]
+        self.arena[start:start + st["tokens"]] = 0
         return victims
 
 
@@ -211,8 +212,10 @@ CASES = {
     # 20 tokens in 2 blocks of 16: 12 free of 32 in use. Over the 8-block pool: 108 of 128.
     "c-pool-fragmentation": Case(PoolFragmentation, {"num_blocks": 8}, make_trace(P(0, 20)),
                                  0, "fragmentation", 12 / 32, 108 / 128),
-    # Step 0 agrees (3 = 3); the fork at step 1 shares 3 blocks: 3 in use, 6 counted per table.
-    "d-shared-twice": Case(SharedCountedTwice, {}, make_trace(P(0, 40), K(1, 0)), 1, "blocks_used", 3, 6),
+    # Step 0 agrees (3 = 3); the fork at step 1 shares 3 blocks: 3 in use, 6 counted per table,
+    # and 6 used + 61 free is not the pool of 64 (SPEC §10: used + free = total).
+    "d-shared-twice": Case(SharedCountedTwice, {}, make_trace(P(0, 40), K(1, 0)), 1,
+                           "blocks_used + blocks_free", 64, 67),
     # 4 blocks: 0 holds 2; P(1, 48) needs 3 of 2 free: refused at step 1, and the 2 it took leak.
     "e-leaky-prefill": Case(LeakyPrefill, {"num_blocks": 4}, make_trace(P(0, 32), P(1, 48)),
                             1, "blocks_used after a refused prefill", 2, 4),

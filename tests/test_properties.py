@@ -191,8 +191,8 @@ TestWithPrefixCaching.settings = SETTINGS
 class FloorBlocks(NumpyPaged):
     """floor instead of ceil for an append's new blocks."""
 
-    def _append_plan(self, rows, dts, refcount):
-        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount)
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
         return tails, free_last, cow, np.maximum(0, dts - free_last) // self.B
 
 

@@ -25,14 +25,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbench.checking import identities
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.series import Series
-from kvbench.contract.protocol import LEDGER_FIELDS, Backend, OutOfMemory, kv_tokens, ledger_of
+from kvbench.contract.protocol import (
+    LEDGER_FIELDS,
+    REPORTED_FIELDS,
+    Backend,
+    OutOfMemory,
+    kv_tokens,
+    ledger_of,
+)
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
-BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks")
+BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks", "group_blocks", "block_usage")
 PER_SEQUENCE = ("tokens", "seq_blocks")  # the ledger's per-sequence dicts
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
 
@@ -92,6 +100,10 @@ class _Stop(Exception):
 def applicable(trace: Trace, backend: Backend) -> str:
     """'' when the backend can run the trace, else why not."""
     caps = backend.capabilities
+    model = backend.config.model
+    if model.hybrid and not caps.groups:
+        return (f"{backend.name} does not run KV cache groups or sliding windows, and model "
+                f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
@@ -146,6 +158,11 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     caching = backend.config.prefix_caching and caps.prefix_caching
     if backend.config.prefix_caching and not caps.prefix_caching:
         verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
+    elif caching and not caps.cache_salt and any(
+            isinstance(op, Prefill) and (op.salt or op.adapter or op.token_ids) for op in trace.ops):
+        caching = False
+        verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
+                                             f"trace salts its prompts: replayed without")
     oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
                     layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
@@ -186,7 +203,13 @@ class _Replay:
         self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
         self.gather, self.series, self.writes_kv, self.quantized = gather, series, writes_kv, quantized
         self.do_gather = gather != "none" and writes_kv
-        self.fields = [f for f in LEDGER_FIELDS if oracle.layout == "paged" or f not in BLOCK_FIELDS]
+        self.paged = oracle.layout == "paged"
+        self.fields = [f for f in LEDGER_FIELDS if self.paged or f not in BLOCK_FIELDS]
+        caps = backend.capabilities if backend is not None else None
+        self.keyed_calls = caps is not None and caps.cache_salt  # salt, adapter, token ids passed
+        self.exact_ids = caps is not None and caps.block_ids and self.paged
+        self.structures = backend is not None and self.paged  # until block_state() says otherwise
+        self.unreported: set = set()
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv = Content(backend, oracle, quantized) if self.do_gather else None
         self.live = LiveSet(seed=0)  # the seeded sample of each operation draws from it
@@ -200,6 +223,8 @@ class _Replay:
 
     def diverge(self, quantity, expected, actual, detail=""):
         op = self.op
+        if isinstance(op, Prefill):
+            detail = "; ".join(x for x in (detail, self.cross_salt(op, quantity, expected, actual)) if x)
         raise _Stop(Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity,
                                expected, actual, detail))
 
@@ -208,6 +233,25 @@ class _Replay:
         writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments]) \
             if segments else np.zeros(0, np.int64)
         return kv_tokens(writers, np.arange(len(writers)), self.model, self.dtype)
+
+    def cross_salt(self, op, quantity, expected, actual) -> str:
+        """Name both requests when a prefill found more in the cache than its own extra keys
+        allow, and another request wrote the same prompt under other ones (SPEC §9)."""
+        more = (quantity == "prefix_hit_blocks" and actual > expected) or (
+            quantity in ("blocks_used", "blocks_free", "free") and actual != expected)
+        writers = self.oracle.cross_key_writers(op.seq) if more else []
+        if not writers:
+            return ""
+        mine = _keys_text(self.oracle.seqs.get(op.seq) or self.oracle.preempted.get(op.seq))
+        s, extra = writers[0]
+        return (f"a hit across salts: sequence {op.seq} ({mine}) may share no block with sequence "
+                f"{s} ({_extra_text(extra)}), which wrote the same prompt blocks")
+
+    def prompt_kwargs(self, prompt) -> dict:
+        """The salt, adapter and token ids a prefill passes, to a backend that takes them."""
+        if not self.keyed_calls:
+            return {}
+        return {k: prompt[k] for k in ("salt", "adapter", "token_ids") if prompt.get(k) is not None}
 
     def mark(self, seq, start=0, stop=None, *, kv=True) -> None:
         """``seq``'s entries of the ledger, and (``kv``) its K/V over ``start .. stop-1``, may
@@ -275,11 +319,12 @@ class _Replay:
         st = self.oracle.preempted[seq]
         kv = self.content(seq, st.segments) if self.writes_kv else None
         step = self.op.step
+        extra = self.prompt_kwargs(st.prompt)
         got = self.call("recompute",
                         lambda: self.backend.prefill(seq, st.tokens, kv, tenant=st.tenant,
                                                      final_tokens=st.final, step=step,
                                                      protect=tuple(protect),
-                                                     block_hashes=st.hashes or None),
+                                                     block_hashes=st.prompt.get("hashes"), **extra),
                         lambda: self.oracle.recompute(seq, step, protect))
         if got is not None:
             self.verdict.recomputed_tokens += st.tokens
@@ -310,19 +355,22 @@ class _Replay:
     def prefill(self, op) -> None:
         oracle = self.oracle
 
-        def kv():  # the prompt's K/V as the oracle sees them (a hashed block holds its prefix's)
+        keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
+
+        def kv():  # the prompt's K/V as the oracle sees them (a keyed block holds its prefix's)
             if not self.writes_kv:
                 return None
-            segments = oracle.seqs[op.seq].segments if op.seq in oracle.seqs else content_segments(
-                op.seq, op.tokens, (op.block_hashes or ())[:op.tokens // oracle.B], oracle.B)
+            segments = content_segments(op.seq, op.tokens, oracle.prompt_keys(
+                op.tokens, op.block_hashes, **keys), oracle.B)
             return self.content(op.seq, segments)
 
         got = self.call("prefill",
                         lambda: self.backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
                                                      final_tokens=self.final[op.seq], step=op.step,
-                                                     block_hashes=op.block_hashes),
+                                                     block_hashes=op.block_hashes,
+                                                     **self.prompt_kwargs(keys)),
                         lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
-                                               op.step, hashes=op.block_hashes))
+                                               op.step, hashes=op.block_hashes, **keys))
         if got is None:
             self.refused.add(op.seq)
             return
@@ -366,7 +414,8 @@ class _Replay:
         tails = {}
         for s in seqs:
             st = oracle.seqs[s]
-            if st.table and st.tokens % oracle.B and oracle.blocks[st.table[-1]][0] > 1:
+            if st.table and st.table[-1] is not None and st.tokens % oracle.B \
+                    and oracle.blocks[st.table[-1]][0] > 1:
                 tails[st.table[-1]] = len(st.table) - 1
         if not tails:
             return {}
@@ -420,9 +469,13 @@ class _Replay:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
         actual = ledger_of(self.backend, seqs)
+        self.check_identities(actual)
         for f in self.fields:
             e, a = getattr(expected, f), getattr(actual, f)
-            if f == "fragmentation":
+            if f in REPORTED_FIELDS and a is None:
+                self.unreported.add(f)
+                continue
+            if f in ("fragmentation", "block_usage", "slot_usage"):
                 if abs(e - a) > 1e-12:
                     self.diverge(f, e, a)
                 continue
@@ -431,7 +484,27 @@ class _Replay:
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
                 self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
+        if self.exact_ids and self.structures:
+            why = identities.compare_structures(self.oracle.block_state(), self.backend.block_state())
+            if why:
+                self.diverge(*why)
         return expected
+
+    def check_identities(self, actual) -> None:
+        """SPEC §10 on what the backend reports, before it is compared with the oracle."""
+        config = self.backend.config
+        why = identities.ledger_identities(actual, config, self.paged)
+        if why is None and self.structures:
+            try:
+                state = self.backend.block_state()
+            except NotImplementedError:
+                self.structures = False
+                self.verdict.skipped["block structures"] = (f"{self.backend.name} does not expose "
+                                                            f"block_state()")
+                return
+            why = identities.structure_identities(state, actual, config)
+        if why:
+            self.diverge(*why)
 
     def verify(self, ranges) -> None:
         """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end)."""
@@ -473,6 +546,16 @@ class _Replay:
         final_ledger = oracle.expected_ledger() if verdict.valid else self.backend.ledger()
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                                 if k not in ("tokens", "seq_blocks")}
+        if self.unreported:
+            verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
+
+
+def _extra_text(extra) -> str:
+    return ", ".join(f"{kind} {v!r}" for kind, v in extra) or "no salt, no adapter"
+
+
+def _keys_text(st) -> str:
+    return _extra_text(st.prompt.get("extra", ())) if st is not None else "?"
 
 
 def _dict_diff(e: dict, a: dict) -> str:

@@ -66,6 +66,7 @@ class Content:
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv_format = backend.config.kv_format if backend is not None else None
         self.runs: dict = {}  # sequence -> Runs
+        self.hybrid = any(g.sliding for g in self.model.kv_groups)  # positions a window released
 
     def _runs(self, seq) -> Runs:
         runs = self.runs.get(seq)
@@ -98,6 +99,8 @@ class Content:
         positions = np.arange(int(lengths.sum())) + np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths)
         want = kv_tokens(np.repeat(np.asarray(ws, dtype=np.int64), counts), positions, self.model,
                          self.dtype)
+        if self.hybrid:
+            self._mask_released(want, todo, lengths)
         got, offset, token_shape = [], 0, want.shape[1:]
         for seq, start, stop in todo:
             g = read_kv(self.backend, seq, start, stop)
@@ -116,6 +119,15 @@ class Content:
                 return (seq, *bad), len(todo)
         return None, len(todo)
 
+    def _mask_released(self, want, todo, lengths) -> None:
+        """Zeros where a sliding group no longer holds a position, in that group's layers."""
+        offset = 0
+        for (seq, start, stop), n in zip(todo, lengths.tolist()):
+            for group, held in zip(self.model.kv_groups, self.oracle.held_from(seq)):
+                if held > start:
+                    want[offset:offset + min(held, stop) - start, :, list(group.layers)] = 0
+            offset += n
+
     def _wrong(self, seq, start, want, got):
         if self.quantized:  # within SPEC §4's bound of what was written
             why = quant_pool.bound_violation(want, got, self.kv_format, start)
@@ -125,6 +137,11 @@ class Content:
         bad = np.flatnonzero(~np.all((want == got).reshape(len(want), -1), axis=1))
         p = start + int(bad[0])
         writer = int(writers_over(self.oracle.seqs[seq].segments, p, p + 1)[0])
+        released = [g for g, held in enumerate(self.oracle.held_from(seq)) if p < held] if self.hybrid else []
+        if released:
+            return ("what it wrote or inherited", "different values",
+                    f"first wrong position {p} (should hold what sequence {writer} wrote there, "
+                    f"and zeros in the layers of group(s) {released}, whose window released it)")
         return ("what it wrote or inherited", "different values",
                 f"first wrong position {p} (should hold what sequence {writer} wrote there)")
 

@@ -1,15 +1,34 @@
 """The oracle: a pure model of what a KV cache's ledger must be, derived from the formulas alone.
 
+Over 500 lines: one model of two layouts (paged and contiguous), each over KV cache groups, with
+eviction, prefix caching and the block order; split, the rules that tie them (what an operation
+needs, what it releases, which victims go) would be spread over modules that each need the rest.
+
 It imports no backend code. ``Oracle.apply(op)`` advances the model by one backend call and either
 returns the victims it evicted or raises ``ModelOOM`` having changed nothing; ``expected_ledger()``
 gives the ledger every correct backend of that layout reports. ``step(state, op)`` is the same as a
 pure function over a copied state, for tests and property checks.
 
 Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on-write) and
-``contiguous`` (SPEC §3: one slab per sequence in a first-fit arena). Eviction follows SPEC §5.
-A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork through the
-prefix cache, the last prompt token computed again, every full block cached, duplicates kept)
-are followed when the engine declares them.
+``contiguous`` (SPEC §3: one slab per sequence and group in a first-fit arena). Eviction follows
+SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8; salted, tagged block
+keys SPEC §9. A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork
+through the prefix cache, the last prompt token computed again, every full block cached,
+duplicates kept, window blocks released at the next allocation) are followed when it declares them.
+
+The paged model also fixes which physical block each operation takes (README, "Writing a
+backend"), so a backend that declares ``block_ids`` is compared with it block by block:
+
+- Uncached free blocks form a stack (initially 0 on top, then 1, 2, ...); cached free blocks
+  (hashed, no reference) a queue. A block is taken from the stack; when it is empty, the oldest
+  cached block is taken and its hash forgotten.
+- A released block that reaches 0 references is pushed on the stack, or appended to the cached
+  queue if it is hashed. Freeing or evicting a sequence releases group by group, each group's
+  blocks from the tail to the head; a sliding window releases group by group, writers in batch
+  order, each writer's blocks from the highest position down.
+- A prefill takes its prefix hits (every group) first, then new blocks group by group in position
+  order; an append takes, group by group, the copies of shared tails (writers in batch order),
+  then the new blocks (writers in batch order, positions in order).
 """
 from __future__ import annotations
 
@@ -18,7 +37,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import CacheConfig, Capabilities, Ledger, hash_writer
+from kvbench.contract.protocol import BlockState, CacheConfig, Capabilities, Ledger, hash_writer
 from kvbench.quant import pool as quant_pool
 
 
@@ -31,18 +50,37 @@ class SeqState:
     tenant: str
     tokens: int
     final: int
-    table: list = field(default_factory=list)  # paged: model block ids
-    slab: tuple | None = None  # contiguous: (start, size)
+    tables: list = field(default_factory=list)  # paged, per group: block ids by position (None: not held)
+    slabs: list = field(default_factory=list)  # contiguous, per group: (start, size)
     segments: list = field(default_factory=list)  # [(writer, start, count)]: who wrote each position
     last_access: int = 0
     use_count: int = 0
-    hashes: tuple = ()  # block hashes of the prompt (prefix caching)
+    prompt: dict = field(default_factory=dict)  # what a recompute re-prefills with (hashes, salt, ...)
+
+    @property
+    def table(self) -> list:
+        """The block table of a model of one group."""
+        return self.tables[0] if self.tables else []
+
+    @property
+    def slab(self):
+        """The slab of a model of one group."""
+        return self.slabs[0] if self.slabs else None
+
+    def held(self) -> list:
+        """Every block the sequence holds, over all groups."""
+        return [b for t in self.tables for b in t if b is not None]
 
 
 @dataclass
 class TenantStats:
     evictions: int = 0
     recomputed_tokens: int = 0
+
+
+def extra_keys(salt=None, adapter=None) -> tuple:
+    """A prefill's extra keys, each tagged with its kind: a salt "x" and an adapter "x" differ."""
+    return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
 
 
 class Oracle:
@@ -52,27 +90,33 @@ class Oracle:
             raise ValueError(f"unknown layout {layout!r}")
         self.config = config
         self.layout = layout
+        self.caps = capabilities or Capabilities()
+        self.window_release = self.caps.window_release
         self.B = config.block_size
+        self.groups = config.model.kv_groups
+        self.windows = [g.window for g in self.groups]
         self.seqs: dict[int, SeqState] = {}
         self.preempted: dict[int, SeqState] = {}  # evicted, content kept for the recompute
-        # paged model: block id -> [refcount, fill]
+        # paged model: block id -> [refcount, fill]; the group each block in use serves
         self.blocks: dict[int, list] = {}
-        self._next_block = 0
+        self.group_of: dict[int, int] = {}
+        self.free_stack = list(range(config.num_blocks - 1, -1, -1))  # top = end: 0 first
         self.tenant_stats: dict[str, TenantStats] = {}
-        # Prefix caching: full blocks registered by hash; a freed one stays cached (evictable,
-        # first in first evicted) until its space is needed.
+        # Prefix caching: full blocks registered by (group, key); a freed one stays cached
+        # (evictable, first in first evicted) until its space is needed.
         self.caching = bool(config.prefix_caching) and layout == "paged"
-        self.caps = capabilities or Capabilities()
-        self.by_hash: dict = {}  # hash -> [cached blocks], first registered first
-        self.hash_of: dict = {}
+        self.by_hash: dict = {}  # (group, key) -> [cached blocks], first registered first
+        self.hash_of: dict = {}  # block -> (group, key)
         self.evictable: dict = {}  # block -> None, in eviction order
         self.hit_blocks = 0
+        self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
+        self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
 
     # --- capacity --------------------------------------------------------------------------
 
     @property
     def block_bytes(self) -> int:
-        """B * bytes_per_token, or a quantized pool's code + metadata bytes per block."""
+        """B * 2 * L_group * H_kv * d_head * s, or a quantized pool's code + metadata bytes."""
         if self.config.kv_format:
             return quant_pool.block_bytes(self.config.kv_format, self.config.model, self.B)
         return F.block_bytes(self.B, self.config.model)
@@ -85,101 +129,163 @@ class Oracle:
     def blocks_free(self) -> int:
         return self.config.num_blocks - len(self.blocks)
 
-    def _new_block(self, fill: int) -> int:
-        if self.config.num_blocks - len(self.blocks) - len(self.evictable) == 0:
-            old = next(iter(self.evictable))  # reuse the least recently freed cached block
-            del self.evictable[old]
-            h = self.hash_of.pop(old)
-            self.by_hash[h].remove(old)
-            if not self.by_hash[h]:
-                del self.by_hash[h]
-        b = self._next_block
-        self._next_block += 1
+    def _new_block(self, fill: int, group: int) -> int:
+        if self.free_stack:
+            b = self.free_stack.pop()
+        else:  # reuse the least recently freed cached block
+            b = next(iter(self.evictable))
+            del self.evictable[b]
+            key = self.hash_of.pop(b)
+            self.by_hash[key].remove(b)
+            if not self.by_hash[key]:
+                del self.by_hash[key]
         self.blocks[b] = [1, fill]
+        self.group_of[b] = group
         return b
 
     def _drop_ref(self, b: int) -> None:
         self.blocks[b][0] -= 1
         if self.blocks[b][0] == 0:
             del self.blocks[b]
+            del self.group_of[b]
             if b in self.hash_of:
                 self.evictable[b] = None
-
-    def _release(self, table) -> None:
-        """Drop a table's references tail first, so a freed prefix's tail is evicted first."""
-        for b in reversed(table):
-            self._drop_ref(b)
-
-    def _hits(self, hashes) -> list:
-        """Cached blocks for the leading run of ``hashes`` (a prefix hit stops at the first miss)."""
-        hits = []
-        for h in hashes:
-            if h not in self.by_hash:
-                break
-            hits.append(self.by_hash[h][0])
-        return hits
-
-    def _cache_hits(self, keys, tokens: int) -> tuple[list, int]:
-        """(cached blocks a request of ``tokens`` tokens takes, how many count as hits).
-
-        An engine that computes the last prompt token again counts at most (T - 1) // B; one
-        that keeps duplicates also computes those blocks again, into new blocks.
-        """
-        hits = self._hits(keys)
-        counted = len(hits)
-        if self.caps.hit_leaves_last_token:
-            counted = min(counted, max(0, tokens - 1) // self.B)
-        if self.caps.keeps_duplicate_blocks:
-            hits = hits[:counted]
-        return hits, counted
-
-    def _take(self, hits) -> None:
-        """One more reference to each hit, taking a freed one back out of the cache's free side."""
-        for b in hits:
-            if b in self.blocks:
-                self.blocks[b][0] += 1
             else:
-                del self.evictable[b]
-                self.blocks[b] = [1, self.B]
+                self.free_stack.append(b)
 
-    def _taken_need(self, n: int, hits, drop) -> int:
-        """New blocks for an n-block request, plus cached blocks it takes back from the free pool."""
-        return n - len(hits) + sum(1 for b in hits if b not in self.blocks
-                                   or self.blocks[b][0] == drop.get(b, 0))
+    def _release(self, st: SeqState) -> None:
+        """Drop every reference of a sequence: group by group, each tail first."""
+        for table in st.tables:
+            for b in reversed(table):
+                if b is not None:
+                    self._drop_ref(b)
 
-    def _register(self, b: int, key) -> None:
-        """Cache block ``b`` under ``key``; a key already cached gets a second block only in an
-        engine that keeps duplicates."""
-        if key in self.by_hash and not self.caps.keeps_duplicate_blocks:
+    # --- block keys (SPEC §9) --------------------------------------------------------------
+
+    def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
+                    tagged: bool = True) -> tuple:
+        """Keys of the prompt's full blocks: equal keys, equal prefix (and equal K/V).
+
+        From block hashes (each already names its prefix): the hash, with the tagged extra keys.
+        From token ids: the exact prefix, as a node of a trie whose root holds the extra keys.
+        ``tagged=False``: the same without extra keys (what the content alone would share).
+        """
+        n = tokens // self.B
+        extra = extra_keys(salt, adapter) if tagged else ()
+        if token_ids is not None:
+            keys, parent = [], ("root", extra)
+            for i in range(min(n, len(token_ids) // self.B)):
+                node = (parent, tuple(token_ids[i * self.B:(i + 1) * self.B]))
+                parent = ("ids", self._nodes.setdefault(node, len(self._nodes)))
+                keys.append(parent)
+            return tuple(keys)
+        hashes = tuple(hashes or ())[:n]
+        return tuple((extra, h) for h in hashes) if extra else hashes
+
+    def _hit_plan(self, keys) -> tuple[int, list]:
+        """The hit (SPEC §8): the longest prefix of L blocks such that every full group has its
+        blocks below L cached and every sliding group those covering [max(0, LB - W + 1), LB).
+        Returns L and, per group, {position: cached block}."""
+        if not keys:
+            return 0, [{} for _ in self.groups]
+        top = len(keys)
+        for g, w in enumerate(self.windows):
+            if w is None:
+                run = 0
+                while run < top and (g, keys[run]) in self.by_hash:
+                    run += 1
+                top = run
+        for L in range(top, 0, -1):
+            lows = [0 if w is None else F.first_held_block(L * self.B, w, self.B) for w in self.windows]
+            if all((g, keys[i]) in self.by_hash for g, w in enumerate(self.windows) if w is not None
+                   for i in range(lows[g], L)):
+                return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(lows[g], L)}
+                           for g in range(len(self.groups))]
+        return 0, [{} for _ in self.groups]
+
+    def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
+        """(L, per group the cached blocks taken by position, how many count as hits).
+
+        An engine that computes the last prompt token again counts positions below
+        (T - 1) // B only; one that keeps duplicates also computes the rest again, into new
+        blocks (its hit is then searched within the cap)."""
+        L, hits = self._hit_plan(keys)
+        counted = L
+        if self.caps.hit_leaves_last_token:
+            counted = min(L, max(0, tokens - 1) // self.B)
+        if self.caps.keeps_duplicate_blocks and counted < L:
+            L, hits = self._hit_plan(keys[:counted])
+            counted = L
+        return L, hits, sum(1 for per in hits for i in per if i < counted)
+
+    def _taken_back(self, hits, drop) -> int:
+        """Cached blocks of ``hits`` a request takes back from the free pool."""
+        return sum(1 for per in hits for b in per.values()
+                   if b not in self.blocks or self.blocks[b][0] == drop.get(b, 0))
+
+    def _take_hits(self, hits) -> None:
+        """One more reference to each hit, taking a freed one back out of the cache's free side."""
+        for per in hits:
+            for b in per.values():
+                if b in self.blocks:
+                    self.blocks[b][0] += 1
+                else:
+                    del self.evictable[b]
+                    self.blocks[b] = [1, self.B]
+                    self.group_of[b] = self.hash_of[b][0]
+
+    def _register(self, b: int, g: int, key) -> None:
+        """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
+        block only in an engine that keeps duplicates."""
+        if (g, key) in self.by_hash and not self.caps.keeps_duplicate_blocks:
             return
-        self.by_hash.setdefault(key, []).append(b)
-        self.hash_of[b] = key
+        self.by_hash.setdefault((g, key), []).append(b)
+        self.hash_of[b] = (g, key)
 
-    def _filled(self, b: int) -> None:
+    def _filled(self, b: int, g: int) -> None:
         """Block ``b`` just became full: an engine that caches every full block caches it."""
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
-            self._register(b, ("block", b))  # a key no other block has: never hit
+            self._register(b, g, ("block", b))  # a key no other block has: never hit
+
+    def _note_writers(self, seq, untagged, extra) -> None:
+        for key in untagged:
+            self.writers.setdefault(key, {}).setdefault(extra, seq)
+
+    def cross_key_writers(self, seq) -> list:
+        """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
+        (another salt or adapter): a block shared with one of them is a cross-tenant leak."""
+        st = self.seqs.get(seq) or self.preempted.get(seq)
+        if st is None or not st.prompt.get("untagged"):
+            return []
+        mine = st.prompt["extra"]
+        found = {}
+        for key in st.prompt["untagged"]:
+            for extra, s in self.writers.get(key, {}).items():
+                if extra != mine and s != seq:
+                    found.setdefault(s, extra)
+        return sorted(found.items())
 
     # --- what a call needs -----------------------------------------------------------------
 
     def _append_need(self, seqs, tokens, drop=None) -> int:
-        """Blocks a batched append takes, copy-on-write copies included, writers in batch order.
+        """Blocks a batched append takes over every group, copy-on-write copies included.
 
         ``drop``: references that sequences about to be evicted would release, per block.
         """
-        ref_delta: dict[int, int] = {b: -d for b, d in (drop or {}).items()}
         need = 0
-        for s, dt in zip(seqs, tokens):
-            st = self.seqs[s]
-            free_last = 0
-            if st.table:
-                tail = st.table[-1]
-                ref, fill = self.blocks[tail]
-                free_last = self.B - fill
-                if free_last > 0 and dt > 0 and ref + ref_delta.get(tail, 0) > 1:
-                    need += 1  # the writer gets its own copy of the shared tail
-                    ref_delta[tail] = ref_delta.get(tail, 0) - 1
-            need += F.append_new_blocks(dt, free_last, self.B)
+        for g in range(len(self.groups)):
+            ref_delta: dict[int, int] = {b: -d for b, d in (drop or {}).items()}
+            for s, dt in zip(seqs, tokens):
+                table = self.seqs[s].tables[g]
+                free_last = 0
+                if table and table[-1] is not None:
+                    tail = table[-1]
+                    ref, fill = self.blocks[tail]
+                    free_last = self.B - fill
+                    if free_last > 0 and dt > 0 and ref + ref_delta.get(tail, 0) > 1:
+                        need += 1  # the writer gets its own copy of the shared tail
+                        ref_delta[tail] = ref_delta.get(tail, 0) - 1
+                need += F.append_new_blocks(dt, free_last, self.B)
         return need
 
     def _slab_size(self, final: int) -> int:
@@ -195,9 +301,14 @@ class Oracle:
             return final
         raise ValueError(f"unknown reservation policy {policy!r} (max, pow2, oracle)")
 
+    def _slab_sizes(self, final: int) -> list:
+        """One slab per group; a sliding group's is a ring capped at its window."""
+        size = self._slab_size(final)
+        return [size if w is None else min(size, w) for w in self.windows]
+
     def _first_fit(self, size: int, exclude=(), placed=()) -> int | None:
         """Lowest arena offset with ``size`` free slots, ignoring ``exclude``, counting ``placed``."""
-        slabs = sorted([st.slab for s, st in self.seqs.items() if st.slab and s not in exclude]
+        slabs = sorted([slab for s, st in self.seqs.items() if s not in exclude for slab in st.slabs]
                        + list(placed))
         pos = 0
         for start, sz in slabs:
@@ -206,20 +317,23 @@ class Oracle:
             pos = max(pos, start + sz)
         return pos if self.config.arena_slots - pos >= size else None
 
+    def _place(self, sizes, exclude=()) -> list | None:
+        """First-fit offsets for a sequence's slabs, in group order; None if one does not fit."""
+        placed = []
+        for size in sizes:
+            pos = self._first_fit(size, exclude, placed)
+            if pos is None:
+                return None
+            placed.append((pos, size))
+        return placed
+
     def _fits(self, call, exclude=()) -> bool:
         """Would the call fit if the sequences in ``exclude`` were gone?"""
         if self.layout == "contiguous":
-            sizes = call[-1]
-            placed = []
-            for size in sizes:
-                pos = self._first_fit(size, exclude, placed)
-                if pos is None:
-                    return False
-                placed.append((pos, size))
-            return True
+            return self._place(call[-1], exclude) is not None
         drop: dict[int, int] = {}
         for v in exclude:
-            for b in self.seqs[v].table:
+            for b in self.seqs[v].held():
                 drop[b] = drop.get(b, 0) + 1
         freed = sum(1 for b, d in drop.items() if self.blocks[b][0] == d)
         return call[1](drop) <= self.blocks_free + freed
@@ -243,7 +357,7 @@ class Oracle:
         usage: dict[str, int] = {}
         for st in self.seqs.values():
             usage[st.tenant] = usage.get(st.tenant, 0) + (
-                len(st.table) if self.layout == "paged" else st.slab[1])
+                len(st.held()) if self.layout == "paged" else sum(size for _, size in st.slabs))
         return usage
 
     def weights(self) -> dict:
@@ -267,8 +381,8 @@ class Oracle:
 
     def _evict(self, victim: int) -> None:
         st = self.seqs.pop(victim)
-        self._release(st.table)
-        st.table, st.slab = [], None
+        self._release(st)
+        st.tables, st.slabs = [], []
         self.preempted[victim] = st
         self.tenant_stats.setdefault(st.tenant, TenantStats()).evictions += 1
 
@@ -286,42 +400,82 @@ class Oracle:
             victims.append(v)
         return victims
 
+    # --- sliding windows (SPEC §8) ---------------------------------------------------------
+
+    def _release_windows(self, seqs, lengths) -> None:
+        """Release every block of ``seqs`` whose positions all lie below ``T - W + 1``, with T
+        from ``lengths``: group by group, writers in batch order, highest position first."""
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            for s in seqs:
+                table = self.seqs[s].tables[g]
+                for i in range(min(F.first_held_block(lengths[s], w, self.B), len(table)) - 1, -1, -1):
+                    if table[i] is not None:
+                        self._drop_ref(table[i])
+                        table[i] = None
+
+    def _snapshot(self):
+        return copy.deepcopy((self.seqs, self.blocks, self.group_of, self.free_stack,
+                              self.evictable, self.by_hash, self.hash_of))
+
+    def _restore(self, snap) -> None:
+        (self.seqs, self.blocks, self.group_of, self.free_stack, self.evictable, self.by_hash,
+         self.hash_of) = snap
+
     # --- the operations --------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=()) -> list:
-        """A new sequence of ``tokens`` tokens; ``hashes`` name its full blocks."""
+    def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=(), *, salt=None,
+                adapter=None, token_ids=None) -> list:
+        """A new sequence of ``tokens`` tokens; ``hashes`` (or ``token_ids``) name its full
+        blocks, ``salt`` and ``adapter`` are their extra keys."""
         n = F.blocks_needed(tokens, self.B)
-        hashes = tuple(hashes or ())[:tokens // self.B]
-        lookup = hashes if self.caching else ()
-        sizes = [self._slab_size(final)] if self.layout == "contiguous" else None
+        keys = self.prompt_keys(tokens, hashes, token_ids, salt, adapter)
+        lookup = keys if self.caching else ()
+        G = len(self.groups)
+        sizes = self._slab_sizes(final) if self.layout == "contiguous" else None
 
-        def need(drop):
-            return self._taken_need(n, self._cache_hits(lookup, tokens)[0], drop)
+        def need(drop):  # new blocks, plus cached blocks it takes back from the free pool
+            L, hits, _ = self._cache_hits(lookup, tokens)
+            return G * (n - L) + self._taken_back(hits, drop)
 
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
+        untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False) if keys else ()
+        extra = extra_keys(salt, adapter)
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
-                      segments=content_segments(seq, tokens, hashes, self.B), hashes=hashes)
+                      segments=content_segments(seq, tokens, keys, self.B),
+                      prompt={"hashes": tuple(hashes or ()) or None, "salt": salt, "adapter": adapter,
+                              "token_ids": token_ids, "extra": extra, "untagged": untagged})
+        self._note_writers(seq, untagged, extra)
         if self.layout == "paged":
-            hits, counted = self._cache_hits(lookup, tokens)
-            self._take(hits)
+            L, hits, counted = self._cache_hits(lookup, tokens)
+            self._take_hits(hits)
             self.hit_blocks += counted
-            st.table = hits + [self._new_block(min(self.B, tokens - i * self.B))
-                               for i in range(len(hits), n)]
-            for i in range(len(hits), n):
-                if i < len(lookup):
-                    self._register(st.table[i], lookup[i])
-                elif self.blocks[st.table[i]][1] == self.B:
-                    self._filled(st.table[i])
+            st.tables = [[hits[g].get(i) for i in range(L)]
+                         + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
+                         for g in range(G)]
+            for g in range(G):
+                for i in range(L, n):
+                    if i < len(lookup):
+                        self._register(st.tables[g][i], g, lookup[i])
+                    elif self.blocks[st.tables[g][i]][1] == self.B:
+                        self._filled(st.tables[g][i], g)
+            self.seqs[seq] = st
+            if self.window_release == "end_of_operation":
+                self._release_windows([seq], {seq: tokens})
         else:
-            st.slab = (self._first_fit(sizes[0]), sizes[0])
-        self.seqs[seq] = st
+            st.slabs = self._place(sizes)
+            self.seqs[seq] = st
         self.tenant_stats.setdefault(tenant, TenantStats())
         return victims
 
     def recompute(self, seq, step, protect=()) -> list:
         """Re-prefill an evicted sequence to its current length, with the content it had."""
         st = self.preempted[seq]
-        victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, st.hashes)
+        p = st.prompt
+        victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, p.get("hashes"),
+                               salt=p.get("salt"), adapter=p.get("adapter"),
+                               token_ids=p.get("token_ids"))
         self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
         self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
@@ -330,97 +484,128 @@ class Oracle:
     def append(self, seqs, tokens, step) -> list:
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
-            if self.layout == "contiguous" and st.tokens + dt > st.slab[1]:
+            if self.layout == "contiguous" and any(
+                    st.tokens + dt > size for (_, size), w in zip(st.slabs, self.windows) if w is None):
                 raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
                                  f"{st.slab[1]}-slot reservation")
         call = ("append", lambda drop: self._append_need(seqs, tokens, drop), [])
-        victims = self._make_room(call, set(seqs))
+        lazy = self.layout == "paged" and self.window_release == "next_allocation"
+        snap = self._snapshot() if lazy and any(w is not None for w in self.windows) else None
+        if snap is not None:  # vLLM: the request's next allocation first drops what slid out
+            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
+        try:
+            victims = self._make_room(call, set(seqs))
+        except ModelOOM:
+            if snap is not None:
+                self._restore(snap)
+            raise
+        if self.layout == "paged":
+            self._paged_write(seqs, tokens)
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
-            if self.layout == "paged":
-                self._paged_write(st, dt)
             st.segments.append((s, st.tokens, dt))
             st.tokens += dt
             st.last_access = step
             st.use_count += 1
+        if self.layout == "paged" and not lazy:
+            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
         return victims
 
-    def _paged_write(self, st: SeqState, dt: int) -> None:
-        if st.table:
-            tail = st.table[-1]
-            ref, fill = self.blocks[tail]
-            if fill < self.B:
-                if ref > 1:  # copy-on-write: the writer gets a private copy of the tail
-                    self._drop_ref(tail)
-                    tail = self._new_block(fill)
-                    st.table[-1] = tail
-                take = min(dt, self.B - fill)
-                self.blocks[tail][1] += take
-                dt -= take
-                if self.blocks[tail][1] == self.B:
-                    self._filled(tail)
-        while dt > 0:
-            take = min(dt, self.B)
-            st.table.append(self._new_block(take))
-            dt -= take
-            if take == self.B:
-                self._filled(st.table[-1])
+    def _paged_write(self, seqs, tokens) -> None:
+        """Group by group: the copies of shared tails (writers in batch order), then the writes."""
+        for g in range(len(self.groups)):
+            for s, dt in zip(seqs, tokens):
+                table = self.seqs[s].tables[g]
+                tail = table[-1] if table else None
+                if tail is not None and dt > 0:
+                    ref, fill = self.blocks[tail]
+                    if fill < self.B and ref > 1:  # the writer gets a private copy of the tail
+                        self._drop_ref(tail)
+                        table[-1] = self._new_block(fill, g)
+            for s, dt in zip(seqs, tokens):
+                table = self.seqs[s].tables[g]
+                if table and table[-1] is not None:
+                    fill = self.blocks[table[-1]][1]
+                    take = min(dt, self.B - fill)
+                    self.blocks[table[-1]][1] += take
+                    dt -= take
+                    if take and fill + take == self.B:
+                        self._filled(table[-1], g)
+                while dt > 0:
+                    take = min(dt, self.B)
+                    table.append(self._new_block(take, g))
+                    dt -= take
+                    if take == self.B:
+                        self._filled(table[-1], g)
 
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
         via = self.caps.fork_via if self.layout == "paged" else "share"
+        G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
         victims = []
         if self.layout == "contiguous":
-            size = self._slab_size(final)
-            call = ("fork", None, [size])
-            victims = self._make_room(call, {seq, src})
+            sizes = self._slab_sizes(final)
+            victims = self._make_room(("fork", None, sizes), {seq, src})
         elif via != "share":
             keys = self._fork_keys(parent, via)
-            n = len(parent.table)
-            call = ("fork", lambda drop: self._taken_need(
-                n, self._cache_hits(keys, parent.tokens)[0], drop), [])
-            victims = self._make_room(call, {seq, src})
+
+            def need(drop):
+                L, hits, _ = self._cache_hits(keys, parent.tokens)
+                return G * (n - L) + self._taken_back(hits, drop)
+
+            victims = self._make_room(("fork", need, []), {seq, src})
         child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
                          segments=list(parent.segments), last_access=step, use_count=1)
+        self.seqs[seq] = child
         if self.layout == "contiguous":
-            child.slab = (self._first_fit(size), size)
+            child.slabs = self._place(sizes)
         elif via == "share":
-            child.table = list(parent.table)
-            for b in child.table:
+            child.tables = [list(t) for t in parent.tables]
+            for b in child.held():
                 self.blocks[b][0] += 1
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
-            hits = self._cache_hits(keys, parent.tokens)[0]
-            self._take(hits)
-            child.table = hits + [self._new_block(self.blocks[b][1]) for b in parent.table[len(hits):]]
-            for b, pb in zip(child.table[len(hits):], parent.table[len(hits):]):
-                if self.caching and pb in self.hash_of and self.blocks[b][1] == self.B:
-                    self._register(b, self.hash_of[pb])  # the same content as the parent's
-        self.seqs[seq] = child
+            L, hits, _ = self._cache_hits(keys, parent.tokens)
+            self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
+            child.tables = [[hits[g].get(i) for i in range(L)]
+                            + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
+                               for i in range(L, n)] for g in range(G)]
+            for g in range(G):
+                for i in range(L, min(n, len(keys))):
+                    if self.blocks[child.tables[g][i]][1] == self.B:
+                        self._register(child.tables[g][i], g, keys[i])  # the parent's content
+            if self.window_release == "end_of_operation":
+                self._release_windows([seq], {seq: child.tokens})
         return victims
 
     def _fork_keys(self, parent: SeqState, via: str) -> list:
-        """Cache keys a fork served as a new request looks up: the parent's full blocks' (none
-        with ``copy``, or without a prefix cache)."""
+        """Cache keys a fork served as a new request looks up: the parent's full blocks' (its
+        prompt's where a window released them; none with ``copy``, or without a prefix cache)."""
         if via == "copy" or not self.caching:
             return []
+        p = parent.prompt
+        prompt = self.prompt_keys(parent.tokens, p.get("hashes"), p.get("token_ids"), p.get("salt"),
+                                  p.get("adapter")) if p else ()
         keys = []
-        for b in parent.table[:parent.tokens // self.B]:
-            if b not in self.hash_of:
+        for i in range(parent.tokens // self.B):
+            held = [t[i] for t in parent.tables if t[i] is not None and t[i] in self.hash_of]
+            if held:
+                keys.append(self.hash_of[held[0]][1])
+            elif i < len(prompt):
+                keys.append(prompt[i])
+            else:
                 break
-            keys.append(self.hash_of[b])
         return keys
 
     def free(self, seq) -> None:
         if seq in self.preempted:
             del self.preempted[seq]
             return
-        self._release(self.seqs.pop(seq).table)
+        self._release(self.seqs.pop(seq))
 
     # --- the expected ledger ---------------------------------------------------------------
 
     def expected_ledger(self) -> Ledger:
-        B = self.B
-        bpt = self.config.model.bytes_per_token
+        B, N = self.B, self.config.num_blocks
         tokens = {s: st.tokens for s, st in self.seqs.items()}
         if self.layout == "paged":
             cap = len(self.blocks) * B
@@ -428,13 +613,17 @@ class Oracle:
             token_states = cap - free_slots
             reservation = 0
             for st in self.seqs.values():
-                if st.table:
-                    ref, fill = self.blocks[st.table[-1]]
-                    if ref == 1:
-                        reservation += min(B - fill, max(0, st.final - st.tokens))
+                for table in st.tables:
+                    if table and table[-1] is not None:
+                        ref, fill = self.blocks[table[-1]]
+                        if ref == 1:
+                            reservation += min(B - fill, max(0, st.final - st.tokens))
+            per_group = [0] * len(self.groups)
+            for g in self.group_of.values():
+                per_group[g] += 1
             return Ledger(
                 blocks_used=len(self.blocks), blocks_free=self.blocks_free, tokens=tokens,
-                seq_blocks={s: len(st.table) for s, st in self.seqs.items()},
+                seq_blocks={s: len(st.held()) for s, st in self.seqs.items()},
                 capacity_slots=cap, free_slots=free_slots,
                 fragmentation=F.fragmentation(free_slots, cap),
                 bytes_in_use=len(self.blocks) * self.block_bytes,
@@ -442,41 +631,70 @@ class Oracle:
                 token_states=token_states, reservation=reservation,
                 internal_fragmentation=free_slots - reservation, external_fragmentation=0,
                 free=self.blocks_free * B, cached_blocks=len(self.evictable),
-                prefix_hit_blocks=self.hit_blocks)
-        slabs = sorted(st.slab for st in self.seqs.values())
+                prefix_hit_blocks=self.hit_blocks,
+                group_blocks=tuple(per_group) if len(per_group) > 1 else (),
+                token_capacity=N * B, block_usage=len(self.blocks) / N if N else 0.0,
+                slot_usage=token_states / (N * B) if N else 0.0)
+        slabs = sorted(slab for st in self.seqs.values() for slab in st.slabs)
         cap = sum(size for _, size in slabs)
-        token_states = sum(tokens.values())
-        reservation = sum(min(st.slab[1], st.final) - st.tokens for st in self.seqs.values())
+        token_states = reservation = 0
+        for st in self.seqs.values():
+            for (_, size), w in zip(st.slabs, self.windows):
+                held = st.tokens if w is None else min(st.tokens, size)
+                token_states += held
+                reservation += min(size, st.final) - held
         high = max((start + size for start, size in slabs), default=0)
-        external = high - cap
+        arena = self.config.arena_slots
         return Ledger(
             blocks_used=None, blocks_free=None, tokens=tokens,
-            seq_blocks={s: st.slab[1] for s, st in self.seqs.items()},
+            seq_blocks={s: sum(size for _, size in st.slabs) for s, st in self.seqs.items()},
             capacity_slots=cap, free_slots=cap - token_states,
             fragmentation=F.fragmentation(cap - token_states, cap),
-            bytes_in_use=cap * bpt, shared_blocks=None,
+            bytes_in_use=cap * self.config.model.slot_bytes, shared_blocks=None,
             token_states=token_states, reservation=reservation,
             internal_fragmentation=cap - token_states - reservation,
-            external_fragmentation=external, free=self.config.arena_slots - high)
+            external_fragmentation=high - cap, free=arena - high,
+            token_capacity=arena, slot_usage=token_states / arena if arena else 0.0)
 
     def expected_content(self, seq) -> list:
         """[(writer, start, count)] segments whose K/V the sequence must read back."""
         return list(self.seqs[seq].segments)
 
+    def held_from(self, seq) -> tuple:
+        """Per group, the first position whose K/V the sequence still holds (a sliding group
+        holds only the blocks, or the ring, of its window; every position below reads 0)."""
+        st = self.seqs[seq]
+        if self.layout == "contiguous":
+            return tuple(0 if w is None else st.tokens - min(st.tokens, size)
+                         for (_, size), w in zip(st.slabs, self.windows))
+        out = []
+        for table in st.tables:
+            first = next((i for i, b in enumerate(table) if b is not None), len(table))
+            out.append(min(first * self.B, st.tokens))
+        return tuple(out)
+
     def family_of(self, seq) -> set:
         """Live sequences that share a block with ``seq`` (whose reads a bad write could change)."""
-        table = self.seqs[seq].table if self.layout == "paged" else ()
-        if not any(self.blocks[b][0] > 1 for b in table):
+        held = self.seqs[seq].held() if self.layout == "paged" else ()
+        if not any(self.blocks[b][0] > 1 for b in held):
             return {seq}
-        mine = set(table)
-        return {s for s, st in self.seqs.items() if mine.intersection(st.table)} | {seq}
+        mine = set(held)
+        return {s for s, st in self.seqs.items() if mine.intersection(st.held())} | {seq}
+
+    def block_state(self) -> BlockState:
+        """The block structures every backend declaring ``block_ids`` must have, id for id."""
+        return BlockState(free=self.free_stack[::-1], cached=list(self.evictable),
+                          tables={s: [[-1 if b is None else b for b in t] for t in st.tables]
+                                  for s, st in self.seqs.items()},
+                          refcount={b: ref for b, (ref, _) in self.blocks.items()})
 
 
-def content_segments(seq: int, tokens: int, hashes, block_size: int) -> list:
-    """Who "wrote" each position of a prefill: a hashed full block holds what its prefix
-    determines (the same for every sequence with that hash), the rest is the sequence's own."""
-    segments = [(hash_writer(h), i * block_size, block_size) for i, h in enumerate(hashes)]
-    done = len(hashes) * block_size
+def content_segments(seq: int, tokens: int, keys, block_size: int) -> list:
+    """Who "wrote" each position of a prefill: a keyed full block holds what its prefix (and
+    extra keys) determine, the same for every sequence with that key; the rest is the sequence's
+    own."""
+    segments = [(hash_writer(k), i * block_size, block_size) for i, k in enumerate(keys)]
+    done = len(keys) * block_size
     if tokens > done:
         segments.append((seq, done, tokens - done))
     return segments

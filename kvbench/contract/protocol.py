@@ -59,6 +59,7 @@ class CacheConfig:
 
 
 FORK_VIA = ("share", "prefix", "copy")
+WINDOW_RELEASE_RULES = ("end_of_operation", "next_allocation")
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,24 @@ class Capabilities:
     # A block computed again under a hash that is already cached stays cached as a second copy
     # (vLLM: "we don't de-duplicate the blocks in the cache") instead of being given back.
     keeps_duplicate_blocks: bool = False
+    # SPEC §8: runs models of several KV cache groups and sliding windows. When a sliding
+    # group's out-of-window blocks go back: "end_of_operation" (SPEC), or "next_allocation"
+    # (vLLM: when the request next allocates, judged on its length before that operation).
+    groups: bool = False
+    window_release: str = "end_of_operation"
+    # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
+    # A backend with prefix caching that does not declare it replays salted traces without.
+    cache_salt: bool = False
+    # block_state() hands out and releases blocks in kvbench's order (README, "Writing a
+    # backend"), so the checker compares its block ids with the oracle's, one by one.
+    block_ids: bool = False
 
     def __post_init__(self):
         if self.fork_via not in FORK_VIA:
             raise ValueError(f"fork_via must be one of {FORK_VIA}, got {self.fork_via!r}")
+        if self.window_release not in WINDOW_RELEASE_RULES:
+            raise ValueError(f"window_release must be one of {WINDOW_RELEASE_RULES}, "
+                             f"got {self.window_release!r}")
 
 
 @dataclass
@@ -118,13 +133,39 @@ class Ledger:
     external_fragmentation: int
     free: int
     cached_blocks: int = 0  # free blocks that still hold a cached prefix (counted in free)
-    prefix_hit_blocks: int = 0  # prompt blocks found in the prefix cache so far
+    prefix_hit_blocks: int = 0  # prompt blocks found in the prefix cache so far (every group)
+    # SPEC §8: blocks in use per KV cache group (empty for a model of one group).
+    group_blocks: tuple = ()
+    # SPEC §10, figures a backend reports about itself (None: not reported, not checked):
+    # token slots one group can address (num_blocks * block_size), and usage by blocks
+    # (blocks_used / num_blocks) and by slots (token_states / (num_blocks * block_size)).
+    token_capacity: int | None = None
+    block_usage: float | None = None
+    slot_usage: float | None = None
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 LEDGER_FIELDS = tuple(f.name for f in fields(Ledger))
+# The figures of SPEC §10 a backend may leave out: compared only when reported.
+REPORTED_FIELDS = ("token_capacity", "block_usage", "slot_usage")
+
+
+@dataclass
+class BlockState:
+    """A paged backend's own block structures, for SPEC §10's checks (``Backend.block_state``).
+
+    ``free``: uncached free blocks, next taken first. ``cached``: free blocks that hold a cached
+    prefix, next evicted first. ``tables``: live sequence -> one list of block ids per group,
+    by position (``-1`` where a sliding group released the block, or never took it).
+    ``refcount``: block -> references, for every block in use.
+    """
+
+    free: list
+    cached: list
+    tables: dict
+    refcount: dict
 
 
 class Backend(ABC):
@@ -155,7 +196,12 @@ class Backend(ABC):
     def prefill(self, seq: int, tokens: int, kv=None, *, tenant: str = "default",
                 final_tokens: int | None = None, step: int = 0, protect=(),
                 block_hashes=None) -> tuple:
-        """A new sequence of ``tokens`` tokens. ``protect``: sequences it may not evict."""
+        """A new sequence of ``tokens`` tokens. ``protect``: sequences it may not evict.
+
+        A backend declaring ``cache_salt`` also takes ``salt``, ``adapter`` (a LoRA name) and
+        ``token_ids`` (the prompt's ids, instead of ``block_hashes``); the checker passes them
+        only when the trace names them.
+        """
 
     @abstractmethod
     def append(self, seqs, tokens, kv=None, *, step: int = 0) -> tuple:
@@ -178,8 +224,15 @@ class Backend(ABC):
         """The K/V of positions ``start .. stop-1`` of the sequence (``stop`` None: its length),
         ``[stop - start, 2, layers, kv_heads, head_dim]``, as a NumPy array; written into
         ``out`` (an array of that shape and the pool's dtype) when given. A backend written
-        before ranges existed may define ``gather(self, seq)`` only: :func:`read_kv` slices it."""
+        before ranges existed may define ``gather(self, seq)`` only: :func:`read_kv` slices it.
+
+        Positions a sliding group no longer holds read as zeros in that group's layers.
+        """
         raise NotImplementedError(f"{self.name} holds no K/V data")
+
+    def block_state(self) -> BlockState:
+        """The backend's block structures (optional; SPEC §10's structural checks need it)."""
+        raise NotImplementedError(f"{self.name} does not expose its block structures")
 
     def close(self) -> None:
         """Release device memory (optional)."""
@@ -248,8 +301,16 @@ def hash_writer(block_hash) -> int:
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         key = block_hash
     else:
-        key = zlib.crc32(str(block_hash).encode())
+        key = zlib.crc32(repr(block_hash).encode() if isinstance(block_hash, tuple)
+                         else str(block_hash).encode())
     return -1 - (key % (1 << 31))
+
+
+def group_view(kv, layers: tuple, model: ModelSpec):
+    """The part of ``kv`` (``[tokens, 2, layers, ...]``) a group's blocks hold: its layers."""
+    if len(layers) == model.layers:
+        return kv
+    return kv[:, :, list(layers)]
 
 
 def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.float16) -> np.ndarray:
@@ -257,5 +318,6 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
     return kv_tokens(np.full(count, writer), np.arange(start, start + count), model, dtype)
 
 
-__all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS", "Backend",
-           "kv_tokens", "kv_values", "hash_writer", "read_kv", "ledger_of"]
+__all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
+           "REPORTED_FIELDS", "BlockState", "WINDOW_RELEASE_RULES", "Backend", "kv_tokens",
+           "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of"]

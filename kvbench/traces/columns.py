@@ -6,7 +6,7 @@ Columns: ``kind`` (prefill, append, fork, free), ``step``, ``seq`` (-1 for an ap
 (-1 but for a fork), ``tokens`` (a prefill's), ``tenant`` (an index into ``tenants``, -1 but for a
 prefill); a batched append's sequences and token counts in two flat arrays, ``batch[i]`` ..
 ``batch[i+1]`` being operation i's slice (empty for the other kinds); block hashes, rare and of
-any JSON type, in a dict by operation index.
+any JSON type, in a dict by operation index, and so a prefill's salt, adapter and token ids.
 
 :func:`first_invalid` checks a history with array operations: the same rules as the scalar
 ``_Validator`` of format.py (which names the error, and which a test holds this one to).
@@ -30,6 +30,7 @@ class TableBuilder:
         self.tenants: list = []
         self.tenant_index: dict = {}
         self.hashes: dict = {}
+        self.keys: dict = {}  # operation index -> (salt, adapter, token_ids) of a prefill
         self.n = 0
         self._reset()
 
@@ -64,6 +65,8 @@ class TableBuilder:
 
     def add(self, op) -> None:
         if isinstance(op, Prefill):
+            if op.salt is not None or op.adapter is not None or op.token_ids is not None:
+                self.keys[self.n] = (op.salt, op.adapter, op.token_ids)
             self.row(PREFILL, op.step, op.seq, tokens=op.tokens, tenant=op.tenant, hashes=op.block_hashes)
         elif isinstance(op, Append):
             if len(op.seqs) != len(op.tokens):
@@ -93,16 +96,18 @@ class TableBuilder:
         batch = np.zeros(len(kind) + 1, np.int64)
         np.cumsum(nbatch, out=batch[1:])
         return OpTable(kind, step, seq, src, tokens, tenant, list(self.tenants), batch, flat_seq,
-                       flat_tok, dict(self.hashes))
+                       flat_tok, dict(self.hashes), dict(self.keys))
 
 
 class OpTable:
     """A trace's operations as columns; a read-only sequence of op objects made on access."""
 
-    def __init__(self, kind, step, seq, src, tokens, tenant, tenants, batch, flat_seq, flat_tok, hashes):
+    def __init__(self, kind, step, seq, src, tokens, tenant, tenants, batch, flat_seq, flat_tok, hashes,
+                 keys=None):
         self.kind, self.step, self.seq, self.src = kind, step, seq, src
         self.tokens, self.tenant, self.tenants = tokens, tenant, tenants
         self.batch, self.flat_seq, self.flat_tok, self.hashes = batch, flat_seq, flat_tok, hashes
+        self.keys = keys or {}  # a prefill's salt, adapter and token ids, by operation index
 
     @classmethod
     def from_ops(cls, ops) -> OpTable:
@@ -123,7 +128,8 @@ class OpTable:
         if kind == APPEND:
             return Append(step, tuple(fs[b0:b1]), tuple(ft[b0:b1]))
         if kind == PREFILL:
-            return Prefill(step, seq, self.tenants[tenant], tokens, self.hashes.get(i))
+            return Prefill(step, seq, self.tenants[tenant], tokens, self.hashes.get(i),
+                           *self.keys.get(i, ()))
         if kind == FORK:
             return Fork(step, seq, src)
         return Free(step, seq)

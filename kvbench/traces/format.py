@@ -9,9 +9,13 @@ Canonical form is JSONL: line 1 is the header, then one operation per line::
     {"step": 3, "op": "free", "seq": 0}
 
 A fork's child inherits the tenant of its source. ``block_hashes`` on a prefill (optional) names
-the prompt's full blocks for prefix caching. Large traces can be stored as CSV (one row per
-sequence and step; a batched append is several rows with one step; the header is the first line,
-``# {json}``).
+the prompt's full blocks for prefix caching; ``token_ids`` (instead) gives the prompt's token ids,
+from which a backend derives its own block hashes. ``salt`` (the tenant's cache salt) and
+``adapter`` (a LoRA adapter's name) are extra keys of those hashes (SPEC §9): blocks are shared
+only between prefills with the same salt and adapter. The header may name the model's KV cache
+groups (``"groups": ["sliding(32)", "full"]``, SPEC §8). Large traces can be stored as CSV (one
+row per sequence and step; a batched append is several rows with one step; the header is the
+first line, ``# {json}``).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
+
+from kvbench.contract.formulas import parse_kind
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -48,6 +54,7 @@ class Header:
     tenants: dict = field(default_factory=dict)  # tenant -> weight (for Fair eviction)
     settings: dict = field(default_factory=dict)  # defaults for a run: block_size, budget, model
     version: int = FORMAT_VERSION
+    groups: tuple = ()  # the model's KV cache group kinds, "full" / "sliding(W)" (SPEC §8)
 
     def to_dict(self) -> dict:
         d = {"kvbench_trace": self.version, "family": self.family, "generator": self.generator,
@@ -56,6 +63,8 @@ class Header:
             d["tenants"] = self.tenants
         if self.settings:
             d["settings"] = self.settings
+        if self.groups:
+            d["groups"] = list(self.groups)
         return d
 
 
@@ -111,6 +120,12 @@ def op_to_dict(op: Op) -> dict:
         d = {"step": op.step, "op": "prefill", "seq": op.seq, "tenant": op.tenant, "tokens": op.tokens}
         if op.block_hashes is not None:
             d["block_hashes"] = list(op.block_hashes)
+        if op.token_ids is not None:
+            d["token_ids"] = list(op.token_ids)
+        if op.salt is not None:
+            d["salt"] = op.salt
+        if op.adapter is not None:
+            d["adapter"] = op.adapter
         return d
     if isinstance(op, Append):
         return {"step": op.step, "op": "append", "seqs": list(op.seqs), "tokens": list(op.tokens)}
@@ -162,7 +177,24 @@ def parse_op(d: dict, fail) -> Op:
             if not isinstance(hashes, list):
                 fail("'block_hashes' must be a list")
             hashes = tuple(hashes)
-        return Prefill(step, _int(d, "seq", fail, 0), tenant, _int(d, "tokens", fail, 1), hashes)
+        tokens = _int(d, "tokens", fail, 1)
+        ids = d.get("token_ids")
+        if ids is not None:
+            if hashes is not None:
+                fail("a prefill names either 'block_hashes' or 'token_ids', not both")
+            if not isinstance(ids, list) or len(ids) != tokens:
+                fail(f"'token_ids' must be a list of {tokens} ids (one per prompt token)")
+            for i, t in enumerate(ids):
+                _int({f"token_ids[{i}]": t}, f"token_ids[{i}]", fail, 0)
+            ids = tuple(ids)
+        extra = {}
+        for key in ("salt", "adapter"):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, str) or not v):
+                fail(f"{key!r} must be a non-empty string, got {v!r}")
+            extra[key] = v
+        return Prefill(step, _int(d, "seq", fail, 0), tenant, tokens, hashes, token_ids=ids,
+                       **extra)
     if kind == "append":
         seqs, tokens = d.get("seqs"), d.get("tokens")
         if not isinstance(seqs, list) or not isinstance(tokens, list):
@@ -227,9 +259,17 @@ def parse_header(d, fail) -> Header:
     for t, w in tenants.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
             fail(f"tenant {t!r} weight must be a positive number, got {w!r}")
+    groups = d.get("groups", []) or []
+    if not isinstance(groups, list):
+        fail("'groups' must be a list of group kinds (\"full\", \"sliding(W)\")")
+    for g in groups:
+        try:
+            parse_kind(g)
+        except ValueError as e:
+            fail(f"'groups': {e}")
     return Header(family=family, generator=d.get("generator", ""), params=d.get("params", {}) or {},
                   seed=d.get("seed"), tenants=tenants, settings=d.get("settings", {}) or {},
-                  version=version)
+                  version=version, groups=tuple(groups))
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
@@ -341,6 +381,9 @@ def csv_lines(trace: Trace) -> Iterator[str]:
     w.writerow(CSV_COLUMNS)
     for op in trace.ops:
         if isinstance(op, Prefill):
+            if op.salt is not None or op.adapter is not None or op.token_ids is not None:
+                raise TraceError(f"step {op.step}: CSV holds no salt, adapter or token ids: "
+                                 f"save the trace as .jsonl", trace.name)
             w.writerow([op.step, "prefill", op.seq, op.tenant, op.tokens, ""])
         elif isinstance(op, Append):
             for s, t in zip(op.seqs, op.tokens):

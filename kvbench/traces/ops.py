@@ -13,6 +13,9 @@ class Prefill:
     tenant: str
     tokens: int
     block_hashes: tuple | None = None
+    salt: str | None = None  # the tenant's cache salt (SPEC §9)
+    adapter: str | None = None  # the LoRA adapter the prompt runs under
+    token_ids: tuple | None = None  # the prompt's token ids (instead of block_hashes)
     kind = "prefill"
 
 

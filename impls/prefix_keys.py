@@ -1,0 +1,60 @@
+"""Host-side prefix caching shared by the paged backends: block keys and the hybrid prefix hit.
+
+Keys are the backends' own (SHA-256, stable across processes), derived from what a prefill names:
+the checker derives which blocks may be shared independently (kvbench.checking.oracle).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvbench.contract import formulas as F
+
+
+def tagged_extra(salt=None, adapter=None) -> bytes:
+    """A prefill's extra keys, each tagged with its kind (a salt "x" is no adapter "x")."""
+    return repr(tuple((k, v) for k, v in (("salt", salt), ("adapter", adapter)) if v is not None)).encode()
+
+
+NO_EXTRA = tagged_extra()
+
+
+def block_keys(tokens: int, block_size: int, block_hashes=None, token_ids=None,
+               extra: bytes = NO_EXTRA) -> list:
+    """The keys of a prompt's full blocks.
+
+    From token ids: ``H(parent, block_tokens)`` chained from ``H(extra keys)``. From the trace's
+    block hashes (each already names its prefix): the hash itself, or ``H(extra keys, hash)``.
+    """
+    n = tokens // block_size
+    if token_ids is not None:
+        keys, parent = [], hashlib.sha256(extra).digest()
+        ids = np.asarray(token_ids, dtype="<i8")
+        for i in range(min(n, len(ids) // block_size)):
+            parent = hashlib.sha256(parent + ids[i * block_size:(i + 1) * block_size].tobytes()).digest()
+            keys.append(parent)
+        return keys
+    hashes = list(block_hashes or ())[:n]
+    if extra == NO_EXTRA:
+        return hashes
+    return [hashlib.sha256(extra + b"|" + repr(h).encode()).digest() for h in hashes]
+
+
+def hit_plan(keys, by_hash: dict, windows, block_size: int) -> tuple[int, list]:
+    """The longest prefix of L blocks whose full groups have every block below L cached and
+    whose sliding groups have the blocks covering [max(0, LB - W + 1), LB) (SPEC §8); per group
+    the cached blocks of that hit, by position. ``by_hash`` maps (group, key) to a block."""
+    top = len(keys)
+    for g, w in enumerate(windows):
+        if w is None:
+            run = 0
+            while run < top and (g, keys[run]) in by_hash:
+                run += 1
+            top = run
+    for L in range(top, 0, -1):
+        lows = [0 if w is None else F.first_held_block(L * block_size, w, block_size) for w in windows]
+        if all((g, keys[i]) in by_hash for g, w in enumerate(windows) if w is not None
+               for i in range(lows[g], L)):
+            return L, [[by_hash[(g, keys[i])] for i in range(lows[g], L)] for g in range(len(windows))]
+    return 0, [[] for _ in windows]
