@@ -24,13 +24,16 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
                prefix_caching: bool | None = None) -> CacheConfig:
     """Settings: command line first, then the trace header's suggestions, then defaults.
 
-    Prefix caching is on by default for a trace whose prefills carry block hashes.
+    Prefix caching is on by default for a trace whose prefills carry block hashes or token ids.
+    A header that names KV cache groups re-shapes the model's layers into them.
 
     The default ``max_context`` of the contiguous baseline is the next power of two of the
     trace's longest sequence, so that `max` reservation can run every trace.
     """
     s = trace.header.settings
     spec = F.get_model(model or s.get("model", "tiny"))
+    if trace.header.groups:  # the trace names the model's KV cache groups (SPEC §8)
+        spec = F.with_group_kinds(spec, trace.header.groups)
     bs = int(block_size or s.get("block_size", 16))
     if budget is not None:
         blocks = F.budget_blocks(budget, bs, spec)
@@ -38,7 +41,8 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
         blocks = int(s.get("num_blocks", 256))
     finals = trace.final_lengths().values()
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
-    hashed = any(getattr(op, "block_hashes", None) for op in trace.ops)
+    hashed = any(getattr(op, "block_hashes", None) or getattr(op, "token_ids", None)
+                 for op in trace.ops)
     if prefix_caching is None:
         prefix_caching = bool(s.get("prefix_caching", hashed))
     if prefix_caching and hashed and s.get("block_size", bs) != bs:
