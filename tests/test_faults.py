@@ -168,7 +168,7 @@ class BestFit(Contiguous):
                 continue
             if start - pos >= size:
                 holes.append((start - pos, pos))
-            pos = max(pos, start + self.seqs[seq]["size"])
+            pos = max(pos, start + slab_size)
         if self.capacity - pos >= size:
             holes.append((self.capacity - pos, pos))
         return min(holes)[1] if holes else None

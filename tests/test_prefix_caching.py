@@ -86,21 +86,21 @@ class Counting(Oracle):
                            recompute_hit=0)
         self._recomputing = False
 
-    def _new_block(self, fill):
-        if self.config.num_blocks - len(self.blocks) - len(self.evictable) == 0:
+    def _new_block(self, fill, group):
+        if not self.free_stack:  # no uncached free block left: a cached one is reused
             self.events["cached_block_reused"] += 1
-        return super()._new_block(fill)
+        return super()._new_block(fill, group)
 
-    def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=()):
-        hashes = tuple(hashes or ())[:tokens // self.B]
-        hits = len(self._hits(hashes)) if self.caching else 0
-        victims = super().prefill(seq, tokens, tenant, final, step, protect, hashes)
+    def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=(), **keys):
+        lookup = self.prompt_keys(tokens, hashes, **keys) if self.caching else ()
+        hits = self._hit_plan(lookup)[0]
+        victims = super().prefill(seq, tokens, tenant, final, step, protect, hashes, **keys)
         full = tokens // self.B
         if hits and hits == -(-tokens // self.B):
             self.events["all_hit"] += 1
         elif hits:
             self.events["partial_hit"] += 1
-            self.events["miss_after_hit"] += hits < len(hashes) or hits < full
+            self.events["miss_after_hit"] += hits < len(lookup) or hits < full
         if hits and self._recomputing:
             self.events["recompute_hit"] += 1
         return victims

@@ -1,5 +1,9 @@
 """The checker: replay a trace through a backend and the oracle side by side.
 
+Over 500 lines: the replay's state (the oracle, the backend, what each operation changed, the
+refused and evicted sequences) is shared by every backend call, comparison and K/V window;
+what stands alone lives beside it (content.py, identities.py, series.py).
+
 After every trace operation it compares the backend's ledger, the victims it chose and the K/V it
 returns with what the oracle derives from the formulas. Its verdict is data: valid or not, and the
 first divergence (trace, step, operation, quantity, expected, actual), small enough to reproduce.
@@ -112,6 +116,14 @@ def applicable(trace: Trace, backend: Backend) -> str:
     return ""
 
 
+def _salted(trace: Trace) -> bool:
+    """Whether a prefill names a salt, an adapter or token ids."""
+    ops = trace.ops
+    if isinstance(ops, OpTable):
+        return bool(ops.keys)
+    return any(isinstance(op, Prefill) and (op.salt or op.adapter or op.token_ids) for op in ops)
+
+
 def _forks(trace: Trace) -> bool:
     ops = trace.ops
     return ops.count("fork") > 0 if isinstance(ops, OpTable) else any(isinstance(op, Fork) for op in ops)
@@ -158,8 +170,7 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     caching = backend.config.prefix_caching and caps.prefix_caching
     if backend.config.prefix_caching and not caps.prefix_caching:
         verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
-    elif caching and not caps.cache_salt and any(
-            isinstance(op, Prefill) and (op.salt or op.adapter or op.token_ids) for op in trace.ops):
+    elif caching and not caps.cache_salt and _salted(trace):
         caching = False
         verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
                                              f"trace salts its prompts: replayed without")
@@ -205,10 +216,8 @@ class _Replay:
         self.do_gather = gather != "none" and writes_kv
         self.paged = oracle.layout == "paged"
         self.fields = [f for f in LEDGER_FIELDS if self.paged or f not in BLOCK_FIELDS]
-        caps = backend.capabilities if backend is not None else None
-        self.keyed_calls = caps is not None and caps.cache_salt  # salt, adapter, token ids passed
-        self.exact_ids = caps is not None and caps.block_ids and self.paged
-        self.structures = backend is not None and self.paged  # until block_state() says otherwise
+        self.keyed_calls = backend is not None and backend.capabilities.cache_salt
+        self.figures = identities.Figures(backend, self.paged, verdict.skipped)
         self.unreported: set = set()
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv = Content(backend, oracle, quantized) if self.do_gather else None
@@ -224,7 +233,8 @@ class _Replay:
     def diverge(self, quantity, expected, actual, detail=""):
         op = self.op
         if isinstance(op, Prefill):
-            detail = "; ".join(x for x in (detail, self.cross_salt(op, quantity, expected, actual)) if x)
+            leak = identities.cross_salt(self.oracle, op.seq, quantity, expected, actual)
+            detail = "; ".join(x for x in (detail, leak) if x)
         raise _Stop(Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity,
                                expected, actual, detail))
 
@@ -233,19 +243,6 @@ class _Replay:
         writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments]) \
             if segments else np.zeros(0, np.int64)
         return kv_tokens(writers, np.arange(len(writers)), self.model, self.dtype)
-
-    def cross_salt(self, op, quantity, expected, actual) -> str:
-        """Name both requests when a prefill found more in the cache than its own extra keys
-        allow, and another request wrote the same prompt under other ones (SPEC §9)."""
-        more = (quantity == "prefix_hit_blocks" and actual > expected) or (
-            quantity in ("blocks_used", "blocks_free", "free") and actual != expected)
-        writers = self.oracle.cross_key_writers(op.seq) if more else []
-        if not writers:
-            return ""
-        mine = _keys_text(self.oracle.seqs.get(op.seq) or self.oracle.preempted.get(op.seq))
-        s, extra = writers[0]
-        return (f"a hit across salts: sequence {op.seq} ({mine}) may share no block with sequence "
-                f"{s} ({_extra_text(extra)}), which wrote the same prompt blocks")
 
     def prompt_kwargs(self, prompt) -> dict:
         """The salt, adapter and token ids a prefill passes, to a backend that takes them."""
@@ -469,7 +466,9 @@ class _Replay:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
         actual = ledger_of(self.backend, seqs)
-        self.check_identities(actual)
+        why = self.figures.check(actual)
+        if why:
+            self.diverge(*why)
         for f in self.fields:
             e, a = getattr(expected, f), getattr(actual, f)
             if f in REPORTED_FIELDS and a is None:
@@ -484,27 +483,10 @@ class _Replay:
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
                 self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
-        if self.exact_ids and self.structures:
-            why = identities.compare_structures(self.oracle.block_state(), self.backend.block_state())
-            if why:
-                self.diverge(*why)
-        return expected
-
-    def check_identities(self, actual) -> None:
-        """SPEC §10 on what the backend reports, before it is compared with the oracle."""
-        config = self.backend.config
-        why = identities.ledger_identities(actual, config, self.paged)
-        if why is None and self.structures:
-            try:
-                state = self.backend.block_state()
-            except NotImplementedError:
-                self.structures = False
-                self.verdict.skipped["block structures"] = (f"{self.backend.name} does not expose "
-                                                            f"block_state()")
-                return
-            why = identities.structure_identities(state, actual, config)
+        why = self.figures.block_ids(self.oracle)
         if why:
             self.diverge(*why)
+        return expected
 
     def verify(self, ranges) -> None:
         """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end)."""
@@ -548,14 +530,6 @@ class _Replay:
                                 if k not in ("tokens", "seq_blocks")}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
-
-
-def _extra_text(extra) -> str:
-    return ", ".join(f"{kind} {v!r}" for kind, v in extra) or "no salt, no adapter"
-
-
-def _keys_text(st) -> str:
-    return _extra_text(st.prompt.get("extra", ())) if st is not None else "?"
 
 
 def _dict_diff(e: dict, a: dict) -> str:

@@ -3,7 +3,8 @@
 Checked after every operation, before the ledger is compared with the oracle: each function
 returns the first identity that fails as ``(quantity, expected, actual, detail)``, or None.
 They read only what the backend reports (its ledger, and its block structures when it exposes
-them), so they hold any backend, engines included, to the same arithmetic.
+them), so they hold any backend, engines included, to the same arithmetic. Also here: the
+explanation of a hit across salts (SPEC §9), which names both requests.
 """
 from __future__ import annotations
 
@@ -14,6 +15,54 @@ from kvbench.contract.protocol import BlockState, CacheConfig, Ledger
 COUNT_FIELDS = ("blocks_used", "blocks_free", "capacity_slots", "free_slots", "bytes_in_use",
                 "shared_blocks", "token_states", "reservation", "internal_fragmentation",
                 "external_fragmentation", "free", "cached_blocks", "prefix_hit_blocks")
+
+
+class Figures:
+    """The checks of one replay: the ledger's identities always; the block structures' while
+    the backend exposes them (else ``skipped`` says so); block ids one by one when it declares
+    ``block_ids``."""
+
+    def __init__(self, backend, paged: bool, skipped: dict):
+        self.backend, self.paged, self.skipped = backend, paged, skipped
+        self.structures = backend is not None and paged  # until block_state() says otherwise
+        self.exact = self.structures and backend.capabilities.block_ids
+
+    def check(self, led: Ledger):
+        config = self.backend.config
+        why = ledger_identities(led, config, self.paged)
+        if why is None and self.structures:
+            try:
+                state = self.backend.block_state()
+            except NotImplementedError:
+                self.structures = self.exact = False
+                self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
+                return None
+            why = structure_identities(state, led, config)
+        return why
+
+    def block_ids(self, oracle):
+        if not self.exact:
+            return None
+        return compare_structures(oracle.block_state(), self.backend.block_state())
+
+
+def cross_salt(oracle, seq, quantity, expected, actual) -> str:
+    """Name both requests when a prefill found more in the cache than its own extra keys allow,
+    and another request wrote the same prompt under other ones (SPEC §9); '' otherwise."""
+    more = (quantity == "prefix_hit_blocks" and actual > expected) or (
+        quantity in ("blocks_used", "blocks_free", "free") and actual != expected)
+    writers = oracle.cross_key_writers(seq) if more else []
+    if not writers:
+        return ""
+    st = oracle.seqs.get(seq) or oracle.preempted.get(seq)
+    other, extra = writers[0]
+    return (f"a hit across salts: sequence {seq} ({_extra_text(st.prompt.get('extra', ()))}) may "
+            f"share no block with sequence {other} ({_extra_text(extra)}), which wrote the same "
+            f"prompt blocks")
+
+
+def _extra_text(extra) -> str:
+    return ", ".join(f"{kind} {v!r}" for kind, v in extra) or "no salt, no adapter"
 
 
 def ledger_identities(led: Ledger, config: CacheConfig, paged: bool):
