@@ -593,14 +593,14 @@ class NumpyPaged(Backend):
             token_capacity=N * B, block_usage=n_used / N if N else 0.0,
             slot_usage=token_states / (N * B) if N else 0.0)
 
-    def block_state(self) -> BlockState:
-        rows = np.flatnonzero(self.live)
-        used = np.flatnonzero(self.refcount > 0)
+    def block_state(self, seqs=None) -> BlockState:
+        rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
+                                                               if s in self.row_of]
         return BlockState(
-            free=self.free_stack[:self.free_top][::-1].tolist(), cached=list(self.evictable),
-            tables={int(self.seq_of_row[r]): [t[r, :self.nblocks[r]].tolist() for t in self.tables]
-                    for r in rows},
-            refcount=dict(zip(used.tolist(), self.refcount[used].tolist())))
+            free=self.free_stack[:self.free_top][::-1], cached=list(self.evictable),
+            refcount=self.refcount,
+            tables={int(self.seq_of_row[r]): [t[r, :self.nblocks[r]] for t in self.tables]
+                    for r in rows})
 
     def gather(self, seq) -> np.ndarray:
         if self.pool is None:

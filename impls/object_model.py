@@ -236,8 +236,8 @@ class ObjectModel(Backend):
             free=n_free * B, token_capacity=N * B, block_usage=len(used) / N if N else 0.0,
             slot_usage=(cap - free_slots) / (N * B) if N else 0.0)
 
-    def block_state(self) -> BlockState:
+    def block_state(self, seqs=None) -> BlockState:
         return BlockState(free=[b.block_id for b in reversed(self.free_blocks)], cached=[],
+                          refcount=[b.ref_count for b in self.blocks],
                           tables={s: [[b.block_id for b in q.block_table]]
-                                  for s, q in self.sequences.items()},
-                          refcount={b.block_id: b.ref_count for b in self.blocks if b.ref_count})
+                                  for s, q in self.sequences.items() if seqs is None or s in seqs})

@@ -608,15 +608,15 @@ class TorchPaged(Backend):
             token_capacity=N * B, block_usage=n_used / N if N else 0.0,
             slot_usage=token_states / (N * B) if N else 0.0)
 
-    def block_state(self) -> BlockState:
-        rows_h = np.flatnonzero(self.live)
-        used = (self.refcount > 0).nonzero().flatten()
+    def block_state(self, seqs=None) -> BlockState:
+        rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
+                                                               if s in self.row_of]
         nb = self._blocks_needed(self.tokens_host)
+        tables = [t.cpu().numpy() for t in self.tables]
         return BlockState(
-            free=self.free_stack[:self.free_top].flip(0).tolist(), cached=list(self.evictable),
-            tables={int(self.seq_of_row[r]): [t[r, :nb[r]].tolist() for t in self.tables]
-                    for r in rows_h},
-            refcount=dict(zip(used.tolist(), self.refcount[used].tolist())))
+            free=self.free_stack[:self.free_top].flip(0).cpu().numpy(), cached=list(self.evictable),
+            refcount=self.refcount.cpu().numpy(),
+            tables={int(self.seq_of_row[r]): [t[r, :nb[r]] for t in tables] for r in rows})
 
     def gather_tensor(self, seq):
         """The sequence's K/V as a tensor on the device, ``[tokens, 2, layers, kv_heads, head_dim]``."""

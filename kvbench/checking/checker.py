@@ -217,7 +217,7 @@ class _Replay:
         self.paged = oracle.layout == "paged"
         self.fields = [f for f in LEDGER_FIELDS if self.paged or f not in BLOCK_FIELDS]
         self.keyed_calls = backend is not None and backend.capabilities.cache_salt
-        self.figures = identities.Figures(backend, self.paged, verdict.skipped)
+        self.figures = identities.Figures(backend, oracle, self.paged, verdict.skipped)
         self.unreported: set = set()
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv = Content(backend, oracle, quantized) if self.do_gather else None
@@ -466,7 +466,7 @@ class _Replay:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
         actual = ledger_of(self.backend, seqs)
-        why = self.figures.check(actual)
+        why = self.figures.check(actual, seqs)
         if why:
             self.diverge(*why)
         for f in self.fields:
@@ -483,7 +483,7 @@ class _Replay:
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
                 self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
-        why = self.figures.block_ids(self.oracle)
+        why = self.figures.block_ids(seqs)
         if why:
             self.diverge(*why)
         return expected

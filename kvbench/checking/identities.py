@@ -8,7 +8,7 @@ explanation of a hit across salts (SPEC §9), which names both requests.
 """
 from __future__ import annotations
 
-from collections import Counter
+import numpy as np
 
 from kvbench.contract.protocol import BlockState, CacheConfig, Ledger
 
@@ -18,32 +18,41 @@ COUNT_FIELDS = ("blocks_used", "blocks_free", "capacity_slots", "free_slots", "b
 
 
 class Figures:
-    """The checks of one replay: the ledger's identities always; the block structures' while
-    the backend exposes them (else ``skipped`` says so); block ids one by one when it declares
-    ``block_ids``."""
+    """The checks of one replay: the ledger's identities after every operation; the block
+    structures while the backend exposes them (else ``skipped`` says so), the whole pool after
+    every operation and the tables of the sequences it changed (all of them when ``seqs`` is
+    None); and, for a backend declaring ``block_ids``, those tables (and, whole, the free and
+    cached order) block id for block id against the oracle's."""
 
-    def __init__(self, backend, paged: bool, skipped: dict):
-        self.backend, self.paged, self.skipped = backend, paged, skipped
+    def __init__(self, backend, oracle, paged: bool, skipped: dict):
+        self.backend, self.oracle, self.paged, self.skipped = backend, oracle, paged, skipped
         self.structures = backend is not None and paged  # until block_state() says otherwise
         self.exact = self.structures and backend.capabilities.block_ids
+        self.edits, self.state = -1, None
 
-    def check(self, led: Ledger):
+    def check(self, led: Ledger, seqs=None):
         config = self.backend.config
         why = ledger_identities(led, config, self.paged)
-        if why is None and self.structures:
-            try:
-                state = self.backend.block_state()
-            except NotImplementedError:
-                self.structures = self.exact = False
-                self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
-                return None
-            why = structure_identities(state, led, config)
-        return why
-
-    def block_ids(self, oracle):
-        if not self.exact:
+        self.state = None
+        if why is not None or not self.structures:
+            return why
+        if seqs is not None and self.oracle.edits == self.edits:
+            return None  # no reference moved: the ledger comparison covers the rest
+        self.edits = self.oracle.edits
+        try:
+            state = self.backend.block_state(seqs)
+        except NotImplementedError:
+            self.structures = self.exact = False
+            self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None
-        return compare_structures(oracle.block_state(), self.backend.block_state())
+        self.state = state
+        return structure_identities(state, led, config, whole=seqs is None)
+
+    def block_ids(self, seqs=None):
+        """After the ledger agreed with the oracle: the block ids of the last ``check``."""
+        if not self.exact or self.state is None:
+            return None
+        return compare_structures(self.oracle.block_state(seqs), self.state, whole=seqs is None)
 
 
 def cross_salt(oracle, seq, quantity, expected, actual) -> str:
@@ -102,73 +111,105 @@ def ledger_identities(led: Ledger, config: CacheConfig, paged: bool):
     return None
 
 
-def structure_identities(state: BlockState, led: Ledger, config: CacheConfig):
-    """No block twice in the free structure, nor free and in a table at once; the structures
-    agree with the ledger's counts (evictable + protected + free = pool); a block in use has
-    one reference per table that holds it, and serves one group."""
+def structure_identities(state: BlockState, led: Ledger, config: CacheConfig, whole: bool = True):
+    """No block twice in the free structure, nor free and in use (or in a table) at once; the
+    structures agree with the ledger's counts (evictable + protected + free = pool); a held
+    block has a reference, and (``whole``: every table given) one per table that holds it and
+    serves one group. Vectorized over the pool: O(num_blocks) array work per call."""
     N = config.num_blocks
-    free = list(state.free) + list(state.cached)
-    seen = Counter(free)
-    twice = sorted(b for b, c in seen.items() if c > 1)
-    if twice:
-        return ("free blocks", "each block once", f"block {twice[0]} {seen[twice[0]]} times",
+    free = np.asarray(state.free, dtype=np.int64).reshape(-1)
+    cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
+    pooled = np.concatenate([free, cached])
+    ref = np.asarray(state.refcount, dtype=np.int64).reshape(-1)
+    if len(ref) != N:
+        return "reference counts", f"{N} (one per block)", len(ref), "block_state().refcount covers the pool"
+    out = pooled[(pooled < 0) | (pooled >= N)]
+    if len(out):
+        return "block ids", f"in 0..{N - 1}", int(out[0]), "a free block id outside the pool"
+    seen = np.bincount(pooled, minlength=N)
+    if len(pooled) and seen.max() > 1:
+        b = int(seen.argmax())
+        return ("free blocks", "each block once", f"block {b} {seen[b]} times",
                 "a block appears twice in the free structure: the free count runs high")
-    out = [b for b in free if not 0 <= b < N]
-    holders: Counter = Counter()
-    group: dict = {}
-    for s, tables in state.tables.items():
-        for g, table in enumerate(tables):
-            for b in table:
-                if b == -1:
-                    continue
-                holders[b] += 1
-                if group.setdefault(b, g) != g:
-                    return (f"block {b}", f"in tables of group {group[b]} only", f"also in group {g}",
-                            f"sequence {s} holds in group {g} a block that serves group {group[b]}")
-    out += [b for b in holders if not 0 <= b < N]
-    if out:
-        return "block ids", f"in 0..{N - 1}", out[0], "a block id outside the pool"
-    both = sorted(set(seen) & set(holders))
-    if both:
-        owners = sorted(s for s, ts in state.tables.items() if any(both[0] in t for t in ts))
-        return (f"block {both[0]}", "free or in a table", "both",
-                f"free while sequences {owners} hold it")
-    if len(free) != led.blocks_free:
-        return ("blocks_free", len(free), led.blocks_free,
-                f"the free structure holds {len(state.free)} + {len(state.cached)} cached blocks")
-    if len(state.cached) != led.cached_blocks:
-        return "cached_blocks", len(state.cached), led.cached_blocks, "the cached (evictable) blocks listed"
-    if len(free) + len(holders) != N:
-        return ("evictable + protected + free", N, len(free) + len(holders),
-                f"{len(state.cached)} evictable + {len(holders)} in tables + {len(state.free)} free")
-    for b, n in sorted(holders.items()):
-        ref = state.refcount.get(b, 0)
-        if ref != n:
-            return (f"reference count of block {b}", n, ref,
-                    f"one reference per table that holds it (a free call drops one per sequence)")
-    stray = sorted(set(state.refcount) - set(holders))
-    if stray:
-        return (f"reference count of block {stray[0]}", 0, state.refcount[stray[0]],
-                "a block no table holds has no reference")
+    neg = np.flatnonzero(ref < 0)
+    if len(neg):
+        return f"reference count of block {neg[0]}", ">= 0", int(ref[neg[0]]), "no count is ever negative"
+    both = np.flatnonzero((seen > 0) & (ref > 0))
+    if len(both):
+        return (f"block {both[0]}", "free or in use", "both",
+                f"in the free structure with {ref[both[0]]} reference(s)")
+    if len(pooled) != led.blocks_free:
+        return ("blocks_free", len(pooled), led.blocks_free,
+                f"the free structure holds {len(free)} + {len(cached)} cached blocks")
+    if len(cached) != led.cached_blocks:
+        return "cached_blocks", len(cached), led.cached_blocks, "the cached (evictable) blocks listed"
+    used = int(np.count_nonzero(ref))
+    if len(pooled) + used != N:
+        return ("evictable + protected + free", N, len(pooled) + used,
+                f"{len(cached)} evictable + {used} in use + {len(free)} free")
+    holders = np.zeros(N, dtype=np.int64)
+    group = np.full(N, -1, dtype=np.int64)
+    for g, (ids, owner) in enumerate(_flatten(state.tables)):
+        held = ids != -1
+        ids, owner = ids[held], owner[held]
+        bad = np.flatnonzero((ids < 0) | (ids >= N))
+        if len(bad):
+            return "block ids", f"in 0..{N - 1}", int(ids[bad[0]]), f"in the table of sequence {owner[bad[0]]}"
+        unheld = np.flatnonzero((ref[ids] < 1) | (seen[ids] > 0))
+        if len(unheld):
+            b, s = int(ids[unheld[0]]), int(owner[unheld[0]])
+            return (f"block {b}", "in use while a table holds it",
+                    "free" if seen[b] else f"{ref[b]} references", f"sequence {s} holds it in group {g}")
+        other = np.flatnonzero(group[ids] != -1)
+        if len(other):
+            b, s = int(ids[other[0]]), int(owner[other[0]])
+            return (f"block {b}", f"in tables of group {group[b]} only", f"also in group {g}",
+                    f"sequence {s} holds in group {g} a block that serves group {group[b]}")
+        np.add.at(holders, ids, 1)
+        group[ids] = g
+    if whole:
+        wrong = np.flatnonzero(holders != ref)
+        if len(wrong):
+            b = int(wrong[0])
+            return (f"reference count of block {b}", int(holders[b]), int(ref[b]),
+                    "one reference per table that holds it (a free call drops one per sequence)")
     return None
 
 
-def compare_structures(expected: BlockState, actual: BlockState):
-    """Block ids one by one (a backend declaring ``block_ids``): free order, cached order,
-    every table."""
-    for name, e, a in (("free blocks (next taken first)", expected.free, actual.free),
-                       ("cached blocks (next evicted first)", expected.cached, actual.cached)):
-        if list(e) != list(a):
-            return name, list(e), list(a), _first_difference(e, a)
-    for s in sorted(expected.tables):
-        e, a = expected.tables[s], actual.tables.get(s)
-        if a is None or [list(t) for t in a] != [list(t) for t in e]:
-            g = next((g for g in range(len(e)) if a is None or g >= len(a) or list(a[g]) != list(e[g])), 0)
-            return (f"block table of sequence {s}, group {g}", list(e[g]),
-                    None if a is None or g >= len(a) else list(a[g]), "")
+def _flatten(tables: dict) -> list:
+    """Per group: every table entry of the given sequences (in sequence order) and its owner."""
+    seqs = sorted(tables)
+    if not seqs:
+        return []
+    out = []
+    for g in range(len(tables[seqs[0]])):
+        parts = [np.asarray(tables[s][g], dtype=np.int64).reshape(-1) for s in seqs]
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        out.append((ids, np.repeat(np.asarray(seqs, dtype=np.int64), [len(p) for p in parts])))
+    return out
+
+
+def compare_structures(expected: BlockState, actual: BlockState, whole: bool = True):
+    """Block ids one by one (a backend declaring ``block_ids``): the tables of the sequences
+    ``expected`` covers and, ``whole``, the free order and the cached order."""
+    same = set(expected.tables) <= set(actual.tables) and all(
+        np.array_equal(e_ids, a_ids) and np.array_equal(e_own, a_own) for (e_ids, e_own), (a_ids, a_own)
+        in zip(_flatten(expected.tables), _flatten({s: actual.tables[s] for s in expected.tables})))
+    if not same:  # which sequence and group
+        for s in sorted(expected.tables):
+            e, a = expected.tables[s], actual.tables.get(s)
+            for g in range(len(e)):
+                want = [int(b) for b in e[g]]
+                got = None if a is None or g >= len(a) else [int(b) for b in a[g]]
+                if want != got:
+                    return f"block table of sequence {s}, group {g}", want, got, ""
+    if whole:
+        for name, e, a in (("free blocks (next taken first)", expected.free, actual.free),
+                           ("cached blocks (next evicted first)", expected.cached, actual.cached)):
+            e, a = [int(b) for b in e], [int(b) for b in a]
+            if e != a:
+                return name, e, a, _first_difference(e, a)
     return None
-
-
 def _first_difference(e, a) -> str:
     e, a = list(e), list(a)
     i = next((i for i, (x, y) in enumerate(zip(e, a)) if x != y), min(len(e), len(a)))

@@ -109,6 +109,7 @@ class Oracle:
         self.hash_of: dict = {}  # block -> (group, key)
         self.evictable: dict = {}  # block -> None, in eviction order
         self.hit_blocks = 0
+        self.edits = 0  # changes of any reference count: what block structures a check must reread
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
 
@@ -130,6 +131,7 @@ class Oracle:
         return self.config.num_blocks - len(self.blocks)
 
     def _new_block(self, fill: int, group: int) -> int:
+        self.edits += 1
         if self.free_stack:
             b = self.free_stack.pop()
         else:  # reuse the least recently freed cached block
@@ -144,6 +146,7 @@ class Oracle:
         return b
 
     def _drop_ref(self, b: int) -> None:
+        self.edits += 1
         self.blocks[b][0] -= 1
         if self.blocks[b][0] == 0:
             del self.blocks[b]
@@ -233,6 +236,7 @@ class Oracle:
                     del self.evictable[b]
                     self.blocks[b] = [1, self.B]
                     self.group_of[b] = self.hash_of[b][0]
+                self.edits += 1
 
     def _register(self, b: int, g: int, key) -> None:
         """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
@@ -563,6 +567,7 @@ class Oracle:
             child.tables = [list(t) for t in parent.tables]
             for b in child.held():
                 self.blocks[b][0] += 1
+            self.edits += 1
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
             L, hits, _ = self._cache_hits(keys, parent.tokens)
             self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
@@ -681,12 +686,15 @@ class Oracle:
         mine = set(held)
         return {s for s, st in self.seqs.items() if mine.intersection(st.held())} | {seq}
 
-    def block_state(self) -> BlockState:
+    def block_state(self, seqs=None) -> BlockState:
         """The block structures every backend declaring ``block_ids`` must have, id for id."""
-        return BlockState(free=self.free_stack[::-1], cached=list(self.evictable),
-                          tables={s: [[-1 if b is None else b for b in t] for t in st.tables]
-                                  for s, st in self.seqs.items()},
-                          refcount={b: ref for b, (ref, _) in self.blocks.items()})
+        refcount = [0] * self.config.num_blocks
+        for b, (ref, _) in self.blocks.items():
+            refcount[b] = ref
+        live = self.seqs if seqs is None else [s for s in seqs if s in self.seqs]
+        return BlockState(free=self.free_stack[::-1], cached=list(self.evictable), refcount=refcount,
+                          tables={s: [[-1 if b is None else b for b in t] for t in self.seqs[s].tables]
+                                  for s in live})
 
 
 def content_segments(seq: int, tokens: int, keys, block_size: int) -> list:

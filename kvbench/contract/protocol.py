@@ -157,15 +157,16 @@ class BlockState:
     """A paged backend's own block structures, for SPEC §10's checks (``Backend.block_state``).
 
     ``free``: uncached free blocks, next taken first. ``cached``: free blocks that hold a cached
-    prefix, next evicted first. ``tables``: live sequence -> one list of block ids per group,
-    by position (``-1`` where a sliding group released the block, or never took it).
-    ``refcount``: block -> references, for every block in use.
+    prefix, next evicted first. ``refcount``: references of every block of the pool, by id (0
+    for a free one). ``tables``: sequence -> one list of block ids per group, by position (``-1``
+    where a sliding group released the block or never took it), for the sequences asked for
+    (every live one when ``seqs`` is None). Lists or 1-D arrays.
     """
 
-    free: list
-    cached: list
+    free: object
+    cached: object
+    refcount: object
     tables: dict
-    refcount: dict
 
 
 class Backend(ABC):
@@ -230,8 +231,10 @@ class Backend(ABC):
         """
         raise NotImplementedError(f"{self.name} holds no K/V data")
 
-    def block_state(self) -> BlockState:
-        """The backend's block structures (optional; SPEC §10's structural checks need it)."""
+    def block_state(self, seqs=None) -> BlockState:
+        """The backend's block structures (optional; SPEC §10's structural checks need it).
+        ``seqs``: the sequences whose tables the checker reads (None: every live one); the
+        free structure and the reference counts always cover the whole pool."""
         raise NotImplementedError(f"{self.name} does not expose its block structures")
 
     def close(self) -> None:
