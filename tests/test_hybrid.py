@@ -351,7 +351,7 @@ WINDOW_TRACE = trace(("p", 0, 100), ("a", {0: 12}), ("a", {0: 1}), ("a", {0: 20}
 def test_a_declared_later_release_is_held_to_its_rule():
     v = check(WINDOW_TRACE, NextAllocation(config()), gather="all")
     assert v.valid is True, str(v.divergence)
-    o = Oracle(config(), window_release="next_allocation")
+    o = Oracle(config(), capabilities=NextAllocation.capabilities)
     o.prefill(0, 100, "t", 100, 0)
     assert o.expected_ledger().group_blocks == (7, 7)  # nothing released until it allocates
     o.append([0], [12], 1)  # releases what lay below 100 - 31 = 69: blocks 0..3
