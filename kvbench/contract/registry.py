@@ -67,6 +67,9 @@ BUILTIN = [
     BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
                  overrides={"reservation": "oracle"}),
     BackendEntry("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool"),
+    BackendEntry("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager"),
+    BackendEntry("sglang-radix", "impls.engines.sglang_radix:SglangRadix"),
+    BackendEntry("sglang-radix-lfu", "impls.engines.sglang_radix:SglangRadixLFU"),
     # The straightforward per-object model: a reference for speed ratios, ledger only.
     BackendEntry("python-objects", "impls.object_model:ObjectModel"),
 ]

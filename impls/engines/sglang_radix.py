@@ -1,0 +1,368 @@
+"""SGLang's ``RadixCache`` and token allocator behind the kvbench protocol: ledger only.
+
+Opt-in: SGLang is not a dependency of kvbench (see the README's recipe). The module imports without
+SGLang; :meth:`SglangRadix.available` says why it cannot run.
+
+What is SGLang's (0.5.23), called as its scheduler calls it:
+
+- the pool: ``TokenToKVPoolAllocator`` (page size 1) or ``PagedTokenToKVPoolAllocator`` (page
+  size = kvbench's block size), on the CPU, with no K/V tensors behind it (``kvcache=None``);
+- allocation through ``sglang.srt.mem_cache.allocation`` (``alloc_token_slots``,
+  ``alloc_paged_token_slots_extend`` / ``_decode``), which first evict from the tree what the
+  allocation may need (``evict_from_tree_cache``);
+- the tree: ``RadixCache`` (what ``RadixCache.create_simulated`` builds, with the eviction policy
+  given), its ``match_prefix`` (keys capped at ``T - 1`` tokens as ``Req._compute_max_prefix_len``
+  does), ``insert``, ``lock`` / ``unlock`` (``inc_lock_ref`` / ``dec_lock_ref``) and ``evict``,
+  and its own figures ``evictable_size`` / ``protected_size``.
+
+What is the adapter's (the scheduler's glue, each step cited):
+
+- token ids for the trace: a hashed block's ids are a function of its hash, every other token new;
+- admission: a call is refused (out of memory) when SGLang's own figures, ``available_size() +
+  evictable_size()``, do not cover the pages it needs; that is the bound SGLang's ``PrefillAdder``
+  admits against (it also reserves room for the running requests' future tokens, which a trace
+  replay does not need), so SGLang's allocator never fails mid-call;
+- ``_checkpoint``: ``RadixCache.checkpoint`` for a request (``_insert_cache``: insert the
+  page-aligned tokens, free the duplicates the tree already had, point the request at the
+  tree's copy, move the lock), written against the public tree API because SGLang's needs a
+  scheduler ``Req`` and ``ReqToTokenPool``; run after a prefill (``checkpoint_kv_cache`` after
+  each extend) and at free (``release_kv_cache(checkpoint=True)``, which then frees the
+  unaligned tail and unlocks);
+- fork: SGLang has none. Parallel sampling is served as new requests whose prompt is the
+  parent's tokens, found in the tree: the parent is checkpointed first (what SGLang does after
+  each extend), then the child is admitted like a prompt. Declared ``fork_via="prefix"``.
+
+With ``prefix_caching`` off the tree is built ``disable=True`` (matches, inserts and evictions do
+nothing), and a fork computes every block again (``fork_via="copy"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import types
+
+from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+
+NOT_INSTALLED = "sglang is not installed: see README's opt-in recipe"
+VERSION = "0.5.23"
+
+CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
+                            prefix_caching=True, eviction=(), devices=("cpu",),
+                            hit_leaves_last_token=True, caches_every_full_block=True)
+
+
+def _torchvision_importable() -> None:
+    """SGLang's ``mem_cache`` imports ``sglang.srt.configs``, whose ``__init__`` imports every model
+    config; InternVL's imports ``torchvision.transforms``. PyPI's torchvision wheels are CUDA
+    builds: on a CPU torch their C++ ops fail to load (torchvision guards that), and torchvision
+    0.28 then stops at two fake-kernel registrations it does not guard (``nms``, ``qnms``).
+    Declaring those two schemas lets torchvision's Python part import; neither op is ever run."""
+    import torch
+
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError as e:
+        if "torchvision::" not in str(e):
+            raise
+        for op in ("nms", "qnms"):
+            if not hasattr(torch.ops.torchvision, op):
+                torch.library.define(f"torchvision::{op}",
+                                     "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision  # noqa: F401,F811
+
+
+@functools.lru_cache(maxsize=1)
+def _sglang():
+    """SGLang's allocator, tree and allocation modules, imported once."""
+    import importlib.metadata
+    import logging
+    import warnings
+    from array import array
+
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:  # "not installed" names sglang itself
+        raise ImportError("No module named 'sglang'", name="sglang")
+    _torchvision_importable()  # before anything of SGLang's: its __init__ imports it already
+    import torch
+
+    with warnings.catch_warnings():  # "Only CUDA ... support AWQ/GGUF": this is a CPU
+        warnings.simplefilter("ignore")
+        from sglang.srt.mem_cache import allocation
+        from sglang.srt.mem_cache.allocator import (PagedTokenToKVPoolAllocator,
+                                                    TokenToKVPoolAllocator)
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    return types.SimpleNamespace(
+        torch=torch, array=array, allocation=allocation, RadixCache=RadixCache, RadixKey=RadixKey,
+        CacheInitParams=CacheInitParams, InsertParams=InsertParams,
+        MatchPrefixParams=MatchPrefixParams, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
+        version=importlib.metadata.version("sglang"))
+
+
+def available() -> tuple[bool, str]:
+    try:
+        _sglang()
+    except ImportError as e:
+        if e.name == "sglang":
+            return False, NOT_INSTALLED
+        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    except Exception as e:  # a broken install fails in odd ways
+        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    return True, ""
+
+
+@dataclasses.dataclass
+class _Req:
+    """The scheduler's view of one request: its token ids and KV slots (SGLang's ``Req`` and
+    its ``req_to_token`` row), how much of it the tree owns, and its lock on the tree."""
+
+    ids: object  # array('q')
+    kv: object  # int64 tensor, one slot per token
+    prompt: int  # origin_input_ids length
+    final: int
+    lock: object = None
+    protected: int = 0  # cache_protected_len: the tree-owned prefix
+    inserted: int = 0  # cache_inserted_len
+
+
+class SglangRadix(Backend):
+    name = "sglang-radix"
+    capabilities = CAPABILITIES
+    radix_policy = "lru"  # SGLang's --radix-eviction-policy (which cached leaf goes first)
+    # No kvbench eviction policy: SGLang's tree evicts cached, unlocked prefixes only; running
+    # requests are retracted by its scheduler, so a config with a policy is reported n/a.
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return available()
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"{self.name}: {why}")
+        s = self._s = _sglang()
+        self.page = P = config.block_size
+        self.caching = bool(config.prefix_caching)
+        self.capabilities = dataclasses.replace(CAPABILITIES,
+                                                fork_via="prefix" if self.caching else "copy")
+        size = config.num_blocks * P
+        if P == 1:
+            self.alloc = s.TokenToKVPoolAllocator(size=size, dtype=s.torch.float16, device="cpu",
+                                                  kvcache=None, need_sort=False)
+        else:
+            self.alloc = s.PagedTokenToKVPoolAllocator(size=size, page_size=P, dtype=s.torch.float16,
+                                                       device="cpu", kvcache=None, need_sort=False)
+        self.tree = s.RadixCache(s.CacheInitParams(
+            disable=not self.caching, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
+            page_size=P, eviction_policy=self.radix_policy))
+        self.reqs: dict[int, _Req] = {}
+        self._ids = itertools.count(1)
+        self._hash_ids: dict = {}
+        self.hit_blocks = 0
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _req(self, seq) -> _Req:
+        try:
+            return self.reqs[seq]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown sequence {seq}") from None
+
+    def _new_ids(self, n: int) -> list:
+        return [next(self._ids) for _ in range(n)]
+
+    def _t(self, *values):
+        return self._s.torch.tensor(values, dtype=self._s.torch.int64)
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page)
+
+    def _room(self) -> int:
+        """Tokens an allocation can get: free, or held only by the tree and unlocked."""
+        return self.alloc.available_size() + self.tree.evictable_size()
+
+    def _refuse(self, what: str, pages: int) -> None:
+        room = self._room() // self.page
+        if pages > room:
+            raise OutOfMemory(f"{self.name}: {what} needs {pages} pages, "
+                              f"{room} free or evictable")
+
+    def _extend(self, reqs, new_tokens, decode: bool = False) -> list:
+        """SGLang's allocation for a batch: a decode step (one token each) or an extend."""
+        s, torch = self._s, self._s.torch
+        lens = [len(r.kv) for r in reqs]
+        if self.page == 1:
+            out = s.allocation.alloc_token_slots(self.tree, sum(new_tokens))
+        elif decode and all(n == 1 for n in new_tokens):
+            seq_lens = self._t(*(n + 1 for n in lens))
+            out = s.allocation.alloc_paged_token_slots_decode(
+                self.tree, seq_lens, seq_lens, self._t(*(int(r.kv[-1]) for r in reqs)))
+        else:
+            prefix, seq_lens = self._t(*lens), self._t(*(n + d for n, d in zip(lens, new_tokens)))
+            last = self._t(*(int(r.kv[-1]) if len(r.kv) else -1 for r in reqs))
+            out = s.allocation.alloc_paged_token_slots_extend(
+                self.tree, prefix, prefix, seq_lens, seq_lens, last, sum(new_tokens))
+        parts, at = [], 0
+        for n in new_tokens:
+            parts.append(out[at:at + n])
+            at += n
+        for r, part in zip(reqs, parts):
+            r.kv = torch.cat((r.kv, part))
+        return parts
+
+    def _checkpoint(self, r: _Req) -> None:
+        """SGLang's RadixCache.checkpoint (radix_cache.py, ``_insert_cache`` and ``checkpoint``)."""
+        s = self._s
+        key = s.RadixKey(r.ids[:len(r.kv)]).page_aligned(self.page)
+        n = len(key)
+        result = self.tree.insert(s.InsertParams(key=key, value=r.kv[:n].clone(),
+                                                 inserted_len=r.inserted, priority=0))
+        r.inserted = max(r.inserted, n)
+        prompt_key = s.RadixKey(r.ids[:r.prompt]).page_aligned(self.page)
+        if 0 < len(prompt_key) < n:  # split at the prompt so the output can go on its own
+            self.tree.insert(s.InsertParams(key=prompt_key, value=r.kv[:len(prompt_key)].clone(),
+                                            inserted_len=len(prompt_key), priority=1))
+        # The tree already held [protected, prefix_len): this request's copies are duplicates.
+        self.alloc.free_segment(r.kv[r.protected:result.prefix_len], start_pos=r.protected)
+        node = self.tree.match_prefix(s.MatchPrefixParams(key=key)).last_device_node
+        tree_kv = self.tree.path_device_indices(node)
+        assert len(tree_kv) == n, (len(tree_kv), n)
+        r.kv[r.protected:n] = tree_kv[r.protected:]
+        r.protected = n
+        self.tree.unlock(r.lock)
+        r.lock = self.tree.lock(node)
+
+    def _admit(self, seq, ids: list, prompt: int, final: int, what: str) -> int:
+        """A new request with these token ids: match, lock, allocate, checkpoint. Hit tokens."""
+        s, torch = self._s, self._s.torch
+        ids = s.array("q", ids)
+        T = len(ids)
+        # Req._compute_max_prefix_len: at most T - 1 tokens, for the last token's logits.
+        match = self.tree.match_prefix(s.MatchPrefixParams(key=s.RadixKey(ids, limit=max(0, T - 1))))
+        hit = match.device_prefix_len
+        lock = self.tree.lock(match.last_device_node)  # PrefillAdder: the hit stays put
+        try:
+            self._refuse(what, self._pages(T) - hit // self.page)
+        except OutOfMemory:
+            self.tree.unlock(lock)
+            raise
+        r = _Req(ids=ids, kv=self.tree.path_device_indices(match.last_device_node)[:hit].clone(),
+                 prompt=prompt, final=final, lock=lock, protected=hit)
+        if T > hit:
+            self._extend([r], [T - hit])
+        if self.caching:
+            self._checkpoint(r)
+        self.reqs[seq] = r
+        return hit
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        if seq in self.reqs:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        if tokens < 0:
+            raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
+        P = self.page
+        hashes = tuple(block_hashes or ())[:tokens // P] if self.caching else ()
+        ids = []
+        for h in hashes:
+            if h not in self._hash_ids:
+                self._hash_ids[h] = self._new_ids(P)
+            ids += self._hash_ids[h]
+        ids += self._new_ids(tokens - len(ids))
+        final = final_tokens if final_tokens is not None else tokens
+        hit = self._admit(seq, ids, tokens, final, f"prefill of sequence {seq} ({tokens} tokens)")
+        self.hit_blocks += hit // P
+        return ()
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        seqs, tokens = list(seqs), list(tokens)
+        reqs = [self._req(s) for s in seqs]
+        pages = sum(self._pages(len(r.kv) + d) - self._pages(len(r.kv)) for r, d in zip(reqs, tokens))
+        self._refuse(f"append of {tokens} tokens to sequences {seqs}", pages)
+        grow = [(r, d) for r, d in zip(reqs, tokens) if d > 0]
+        if grow:
+            self._extend([r for r, _ in grow], [d for _, d in grow], decode=True)
+            for r, d in grow:
+                r.ids.extend(self._new_ids(d))
+        return ()
+
+    def fork(self, seq, src, *, final_tokens=None, step=0):
+        if seq in self.reqs:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        parent = self._req(src)
+        if self.caching:
+            self._checkpoint(parent)  # the child finds the parent's tokens in the tree
+        T = len(parent.kv)
+        final = final_tokens if final_tokens is not None else T
+        self._admit(seq, list(parent.ids[:T]), T, final,
+                    f"fork of sequence {src} into {seq} ({T} tokens)")
+        return ()
+
+    def free(self, seq, *, step=0):
+        r = self._req(seq)
+        if self.caching:
+            self._checkpoint(r)
+        # release_kv_cache: what the tree does not own (the unaligned tail), then the lock.
+        if len(r.kv) > r.protected:
+            self.alloc.free_segment(r.kv[r.protected:], start_pos=r.protected)
+        self.tree.unlock(r.lock)
+        del self.reqs[seq]
+
+    def figures(self) -> dict:
+        """SGLang's own account, in tokens: free, evictable and protected, and the pool's size."""
+        return {"available": self.alloc.available_size(), "evictable": self.tree.evictable_size(),
+                "protected": self.tree.protected_size(), "pool": self.alloc.size}
+
+    def table(self, seq) -> list:
+        """The sequence's pages, in order."""
+        kv = self._req(seq).kv
+        return [int(x) // self.page for x in kv[::self.page]]
+
+    def ledger(self) -> Ledger:
+        P = self.page
+        fill: dict[int, int] = {}
+        holders: dict[int, int] = {}
+        tokens, seq_blocks = {}, {}
+        for s, r in self.reqs.items():
+            pages = self.table(s)
+            n = len(r.kv)
+            tokens[s], seq_blocks[s] = n, len(pages)
+            for i, p in enumerate(pages):
+                fill[p] = min(P, n - i * P)
+                holders[p] = holders.get(p, 0) + 1
+        # Reserved: the free slots of a private tail that the sequence's later tokens will use.
+        reservation = 0
+        for s, r in self.reqs.items():
+            n = len(r.kv)
+            if n % P and holders[self.table(s)[-1]] == 1:
+                reservation += min(P - n % P, max(0, r.final - n))
+        used = len(fill)
+        cap = used * P
+        free_slots = sum(P - f for f in fill.values())
+        f = self.figures()
+        free_pages = (f["available"] + f["evictable"]) // P
+        return Ledger(
+            blocks_used=used, blocks_free=free_pages, tokens=tokens, seq_blocks=seq_blocks,
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=cap * self.config.model.bytes_per_token,
+            shared_blocks=sum(1 for h in holders.values() if h > 1),
+            token_states=cap - free_slots, reservation=reservation,
+            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+            free=free_pages * P, cached_blocks=f["evictable"] // P,
+            prefix_hit_blocks=self.hit_blocks)
+
+
+class SglangRadixLFU(SglangRadix):
+    """SGLang's tree under its ``lfu`` radix policy: hit count, then last access."""
+
+    name = "sglang-radix-lfu"
+    radix_policy = "lfu"

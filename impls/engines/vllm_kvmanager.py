@@ -1,0 +1,272 @@
+"""vLLM's whole v1 ``KVCacheManager`` behind the kvbench protocol: the request path, ledger only.
+
+Opt-in: vLLM is not a dependency of kvbench (see the README's recipe). The module imports without
+vLLM; :meth:`VllmKVManager.available` says why it cannot run.
+
+Everything that decides memory is vLLM's, driven the way its scheduler drives it and its own tests
+build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` for the
+``KVCacheConfig``, ``make_request`` for the ``Request`` with vLLM's block hasher):
+
+- prefill: a ``Request`` whose prompt is the sequence's token ids, ``get_computed_blocks`` (the
+  prefix cache, with vLLM's cap of ``num_tokens - 1`` hit tokens), then ``allocate_slots`` for the
+  rest; ``None`` from it is an out-of-memory refusal.
+- append: the new token ids go into the request (``append_output_token_ids``, which runs vLLM's
+  block hasher), then ``allocate_slots`` for them, as the scheduler does for each decode step.
+- fork: vLLM v1 has no fork. It serves parallel sampling (and beam search, at its API layer) as new
+  requests whose prompt is the parent's tokens: with prefix caching the child hits the parent's
+  full blocks and computes the block holding its last token again; without it, the child computes
+  every block again. The adapter declares which (``Capabilities.fork_via``) and the checker holds
+  vLLM to it.
+- free: ``KVCacheManager.free`` (tail first, so a freed prefix's tail is evicted first).
+
+The adapter's own part: token ids for the trace (a hashed block's ids are a function of its hash,
+so equal hashes give equal vLLM hashes; every other token is new), the atomic check of a batched
+append (vLLM's scheduler allocates request by request and preempts; kvbench's append is one
+atomic operation, so the blocks every request of the batch needs are counted with vLLM's own
+``get_num_blocks_to_allocate`` first), and reading the ledger back from vLLM's blocks.
+
+vLLM reserves block 0 as its null block: a config of ``num_blocks = N`` builds N + 1 blocks, as the
+block-pool adapter does (results/vllm/README.md, point 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import types
+
+from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+
+NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
+MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
+
+CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
+                            prefix_caching=True, eviction=(), devices=("cpu",),
+                            hit_leaves_last_token=True, caches_every_full_block=True,
+                            keeps_duplicate_blocks=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm():
+    """vLLM's manager, request and config classes, imported once (importing vLLM takes seconds)."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request, RequestStatus
+
+    # vLLM's default prefix-caching hash (CacheConfig.prefix_caching_hash_algo = "sha256").
+    kv_cache_utils.init_none_hash(sha256)
+    return types.SimpleNamespace(
+        torch=torch, SamplingParams=SamplingParams, sha256=sha256, utils=kv_cache_utils,
+        KVCacheManager=KVCacheManager, FullAttentionSpec=FullAttentionSpec,
+        KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec, Request=Request,
+        RequestStatus=RequestStatus)
+
+
+def available() -> tuple[bool, str]:
+    try:
+        _vllm()
+    except ImportError as e:
+        if e.name == "vllm":
+            return False, NOT_INSTALLED
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    return True, ""
+
+
+def kv_cache_config(config: CacheConfig):
+    """vLLM's ``KVCacheConfig`` for kvbench's model and budget: one full-attention group holding
+    every layer (vLLM's tests' ``make_kv_cache_config``), plus vLLM's null block."""
+    v = _vllm()
+    m = config.model
+    dtype = {1: v.torch.int8, 2: v.torch.float16, 4: v.torch.float32}[m.dtype_bytes]
+    spec = v.FullAttentionSpec(block_size=config.block_size, num_kv_heads=m.kv_heads,
+                               head_size=m.head_dim, dtype=dtype)
+    group = v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in range(m.layers)], spec)
+    return v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
+                           kv_cache_groups=[group])
+
+
+class VllmKVManager(Backend):
+    name = "vllm-kvmanager"
+    capabilities = CAPABILITIES
+    # No eviction policy: vLLM preempts requests in its scheduler (the last admitted first), not
+    # in the manager, so a config with a policy is reported not applicable by the checker.
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return available()
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"{self.name}: {why}")
+        v = self._v = _vllm()
+        self.block_size = B = config.block_size
+        self.caching = bool(config.prefix_caching)
+        # Fork: a new request through the prefix cache, or, without one, computed again whole.
+        self.capabilities = dataclasses.replace(CAPABILITIES,
+                                                fork_via="prefix" if self.caching else "copy")
+        self.manager = v.KVCacheManager(kv_cache_config(config), max_model_len=MAX_MODEL_LEN,
+                                        scheduler_block_size=B, hash_block_size=B,
+                                        enable_caching=self.caching)
+        self.pool = self.manager.block_pool
+        self._blocks = self.manager.coordinator.single_type_managers[0].req_to_blocks
+        self._hasher = v.utils.get_request_block_hasher(B, v.sha256)
+        self._sampling = v.SamplingParams(max_tokens=1 << 20)
+        self.requests: dict[int, object] = {}
+        self.final: dict[int, int] = {}
+        self._ids = itertools.count(1)  # token ids no hashed block uses
+        self._hash_ids: dict = {}  # trace block hash -> its block's token ids
+        self._trace_hash: dict = {}  # vLLM block hash -> the trace's
+        self.hit_blocks = 0
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _request(self, seq):
+        try:
+            return self.requests[seq]
+        except KeyError:
+            raise KeyError(f"{self.name}: unknown sequence {seq}") from None
+
+    def _new_ids(self, n: int) -> list:
+        return [next(self._ids) for _ in range(n)]
+
+    def _prompt_ids(self, tokens: int, hashes) -> list:
+        """Token ids of a prompt: a hashed block's are its hash's (equal hashes, equal vLLM
+        block hashes, since the trace's hashes name a block with its whole prefix)."""
+        B = self.block_size
+        ids = []
+        for h in hashes:
+            if h not in self._hash_ids:
+                self._hash_ids[h] = self._new_ids(B)
+            ids += self._hash_ids[h]
+        return ids + self._new_ids(tokens - len(ids))
+
+    def _admit(self, seq, token_ids, final_tokens, count_hits: bool):
+        """A new request with these token ids, computed through vLLM's manager; None if refused."""
+        v = self._v
+        req = v.Request(request_id=str(seq), prompt_token_ids=token_ids,
+                        sampling_params=self._sampling, pooling_params=None,
+                        block_hasher=self._hasher)
+        if not token_ids:  # nothing to compute: vLLM has no empty request, and holds no block
+            self.requests[seq] = req
+            self.final[seq] = final_tokens
+            return req
+        computed, n_hit, _ = self.manager.get_computed_blocks(req)
+        got = self.manager.allocate_slots(req, len(token_ids) - n_hit, n_hit, computed)
+        if got is None:
+            return None
+        req.num_computed_tokens = len(token_ids)
+        req.status = v.RequestStatus.RUNNING
+        if count_hits:
+            self.hit_blocks += n_hit // self.block_size
+        self.requests[seq] = req
+        self.final[seq] = final_tokens
+        return req
+
+    # --- the protocol ----------------------------------------------------------------------
+
+    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        if seq in self.requests:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        if tokens < 0:
+            raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
+        hashes = tuple(block_hashes or ())[:tokens // self.block_size] if self.caching else ()
+        final = final_tokens if final_tokens is not None else tokens
+        req = self._admit(seq, self._prompt_ids(tokens, hashes), final, count_hits=True)
+        if req is None:
+            raise OutOfMemory(f"{self.name}: prefill of sequence {seq} ({tokens} tokens): "
+                              f"allocate_slots found too few free blocks "
+                              f"({self.pool.get_num_free_blocks()} free)")
+        self._trace_hash.update(zip(req.block_hashes, hashes))
+        return ()
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        seqs, tokens = list(seqs), list(tokens)
+        reqs = [self._request(s) for s in seqs]
+        coordinator = self.manager.coordinator
+        empty = self.manager.empty_kv_cache_blocks.blocks
+        need = 0
+        for req, dt in zip(reqs, tokens):
+            n = req.num_computed_tokens
+            need += coordinator.get_num_blocks_to_allocate(
+                request_id=req.request_id, num_tokens=n + dt, new_computed_blocks=empty,
+                num_encoder_tokens=0, total_computed_tokens=n, num_local_computed_tokens=n,
+                num_tokens_main_model=n + dt)
+        free = self.pool.get_num_free_blocks()
+        if need > free:
+            raise OutOfMemory(f"{self.name}: append of {tokens} tokens to sequences {seqs} needs "
+                              f"{need} blocks, {free} free")
+        for req, dt in zip(reqs, tokens):
+            if dt <= 0:
+                continue
+            req.append_output_token_ids(self._new_ids(dt))  # runs vLLM's block hasher
+            got = self.manager.allocate_slots(req, dt)
+            assert got is not None, "vLLM refused an append its own count said fits"
+            req.num_computed_tokens += dt
+        return ()
+
+    def fork(self, seq, src, *, final_tokens=None, step=0):
+        if seq in self.requests:
+            raise ValueError(f"{self.name}: sequence {seq} already exists")
+        parent = self._request(src)
+        final = final_tokens if final_tokens is not None else parent.num_tokens
+        if self._admit(seq, list(parent.all_token_ids), final, count_hits=False) is None:
+            raise OutOfMemory(f"{self.name}: fork of sequence {src} into {seq} "
+                              f"({parent.num_tokens} tokens): allocate_slots found too few free "
+                              f"blocks ({self.pool.get_num_free_blocks()} free)")
+        return ()
+
+    def free(self, seq, *, step=0):
+        req = self._request(seq)
+        self.manager.free(req)
+        del self.requests[seq], self.final[seq]
+
+    def table(self, seq) -> list:
+        """The sequence's blocks (vLLM's ``KVCacheBlock`` objects), in order."""
+        return list(self._blocks.get(self._request(seq).request_id, ()))
+
+    def ledger(self) -> Ledger:
+        B = self.block_size
+        fill: dict[int, int] = {}
+        tokens: dict[int, int] = {}
+        seq_blocks: dict[int, int] = {}
+        reservation = 0
+        for s, req in self.requests.items():
+            table = self._blocks.get(req.request_id, ())
+            n = req.num_computed_tokens
+            tokens[s], seq_blocks[s] = n, len(table)
+            for i, blk in enumerate(table):
+                fill[blk.block_id] = min(B, n - i * B)
+            if table and table[-1].ref_cnt == 1:
+                reservation += min((-n) % B, max(0, self.final[s] - n))
+        used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
+        cap = len(used) * B
+        free_slots = sum(B - fill.get(b.block_id, 0) for b in used)
+        n_free = self.pool.get_num_free_blocks()
+        return Ledger(
+            blocks_used=len(used), blocks_free=n_free, tokens=tokens, seq_blocks=seq_blocks,
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=cap * self.config.model.bytes_per_token,
+            shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
+            token_states=cap - free_slots, reservation=reservation,
+            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+            free=n_free * B,
+            cached_blocks=sum(1 for b in self.pool.blocks
+                              if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
+            prefix_hit_blocks=self.hit_blocks)
+
+    def cached_order(self) -> list:
+        """vLLM's eviction order: the cached blocks of its free queue, the next one evicted first,
+        each named by the trace hash it holds (None for a block the trace does not hash)."""
+        get = self._v.utils.get_block_hash
+        return [self._trace_hash.get(get(b.block_hash))
+                for b in self.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]

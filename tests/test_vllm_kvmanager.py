@@ -1,0 +1,187 @@
+"""vLLM's whole KVCacheManager behind the protocol (impls/engines/vllm_kvmanager.py).
+
+vLLM is opt-in (the README's recipe builds /work/vllm-env); CI does not install it, so every test
+that needs it is skipped there with the reason. Run them with::
+
+    /work/vllm-env/bin/python -m pytest tests/test_vllm_kvmanager.py
+
+Expected values come from the formulas and from vLLM's documented rules (the adapter declares
+them as capabilities): a fork is a new request through the prefix cache, a whole prefix hit
+computes its last block again, every full block is cached, duplicates are kept.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+
+from kvbench.analyses import prefix
+from kvbench.checking.checker import check
+from kvbench.checking.oracle import Oracle
+from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.contract.protocol import OutOfMemory
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.loaders import load_requests
+
+SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
+TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
+MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
+B = 16
+
+# Makes `import vllm` / `import sglang` fail as they do where they are not installed.
+NO_ENGINES = textwrap.dedent("""
+    import sys
+
+    class NoEngines:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("vllm", "sglang"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+
+    sys.meta_path.insert(0, NoEngines())
+    from kvbench.cli import main
+    main(["list"])
+""")
+
+
+def test_without_the_engines_both_adapters_are_listed_unavailable_with_the_recipe(tmp_path):
+    got = subprocess.run([sys.executable, "-c", NO_ENGINES], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = {ln.split()[0]: ln for ln in got.stdout.splitlines() if ln.strip()}
+    for name, engine in (("vllm-kvmanager", "vllm"), ("sglang-radix", "sglang"),
+                         ("sglang-radix-lfu", "sglang")):
+        assert lines[name].split()[1:3] == ["built-in", "no"], lines[name]
+        assert f"{engine} is not installed: see README's opt-in recipe" in lines[name]
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
+def manager(num_blocks=8, caching=False):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    return VllmKVManager(make_config(block_size=B, num_blocks=num_blocks, store_kv=False,
+                                     prefix_caching=caching))
+
+
+def refs(be, seq):
+    return [b.ref_cnt for b in be.table(seq)]
+
+
+# --- the adapter under the checker ------------------------------------------------------------
+
+@pytest.mark.parametrize("caching", [None, True], ids=["trace-default", "prefix-caching"])
+@pytest.mark.parametrize("path", committed_workloads(), ids=lambda p: p.stem)
+def test_checks_clean_on_every_committed_workload(vllm, path, caching):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = load_traces([path])[0]
+    v = check(trace, VllmKVManager(config_for(trace, policy=None, prefix_caching=caching)))
+    assert v.valid is True, str(v.divergence)
+    assert v.ops == len(trace.ops)
+
+
+def test_an_eviction_policy_is_not_applicable(vllm):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = load_traces([committed_workloads()[0]])[0]
+    v = check(trace, VllmKVManager(config_for(trace, policy="lru")))
+    assert v.not_applicable == "vllm-kvmanager does not implement eviction policy 'lru'"
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason=f"shared trace not found: {MOONCAKE}")
+def test_mooncake_prefix_cache_checks_clean(vllm):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = prefix.cache_trace(load_requests(str(MOONCAKE), "mooncake")[:300], 512)
+    cfg = make_config(block_size=512, num_blocks=300, store_kv=False, prefix_caching=True)
+    v = check(trace, VllmKVManager(cfg), gather="none")
+    assert v.valid is True, str(v.divergence)
+    assert v.final_ledger["prefix_hit_blocks"] > 0
+
+
+# --- vLLM's rules, hand-worked ----------------------------------------------------------------
+
+def test_null_block_is_added_so_that_n_blocks_are_usable(vllm):
+    be = manager(num_blocks=4)
+    assert be.pool.num_gpu_blocks == 5  # 5 = 4 + 1: vLLM keeps block 0 as its null block
+    be.prefill(0, 64)  # 64 = 4 * 16: every usable block
+    assert (be.ledger().blocks_used, be.ledger().blocks_free) == (4, 0)
+    with pytest.raises(OutOfMemory):
+        be.prefill(1, 1)
+
+
+def test_without_prefix_caching_a_fork_computes_every_block_again(vllm):
+    be = manager(num_blocks=6)
+    be.prefill(0, 40)  # ceil(40/16) = 3 blocks
+    be.fork(1, 0)
+    led = be.ledger()
+    assert (led.blocks_used, led.shared_blocks) == (6, 0)  # 2 * 3, nothing shared
+    assert set(b.block_id for b in be.table(0)).isdisjoint(b.block_id for b in be.table(1))
+    before = led.as_dict()
+    with pytest.raises(OutOfMemory):  # a third copy needs 3 blocks, 0 are free
+        be.fork(2, 0)
+    assert be.ledger().as_dict() == before
+
+
+def test_with_prefix_caching_a_fork_shares_the_full_blocks(vllm):
+    be = manager(caching=True)
+    be.prefill(0, 40)
+    be.fork(1, 0)
+    assert be.table(1)[:2] == be.table(0)[:2]  # 40 // 16 = 2 full blocks, hit in the cache
+    assert refs(be, 0) == [2, 2, 1]  # the tail of 40 - 32 = 8 tokens is computed again
+    assert be.ledger().blocks_used == 4
+
+
+def test_a_whole_prefix_hit_computes_its_last_block_again_and_caches_it_twice(vllm):
+    be = manager(caching=True)
+    be.prefill(0, 32, block_hashes=["a", "b"])
+    be.free(0)
+    assert be.ledger().cached_blocks == 2
+    be.prefill(1, 32, block_hashes=["a", "b"])
+    led = be.ledger()
+    assert led.prefix_hit_blocks == 1  # (32 - 1) // 16: vLLM's cap of num_tokens - 1 hit tokens
+    assert led.blocks_used == 2 and led.cached_blocks == 1  # the first "b" block stays cached
+    be.free(1)
+    assert be.ledger().cached_blocks == 3  # "a", and "b" twice: no de-duplication
+
+
+def test_blocks_filled_by_decode_are_cached(vllm):
+    be = manager(caching=True)
+    be.prefill(0, 20)  # 1 full block, 4 tokens in the tail
+    be.append([0], [12])  # the tail fills: 32 = 2 * 16
+    be.free(0)
+    assert be.ledger().cached_blocks == 2
+
+
+def test_a_batched_append_that_does_not_fit_changes_nothing(vllm):
+    be = manager(num_blocks=4)
+    be.prefill(0, 16)
+    be.prefill(1, 16)
+    before = be.ledger().as_dict()
+    with pytest.raises(OutOfMemory):  # 1 + 2 new blocks (17 = 16 + 1 tokens), 2 free
+        be.append([0, 1], [1, 17])
+    assert be.ledger().as_dict() == before
+    assert [r.num_tokens for r in be.requests.values()] == [16, 16]  # no token id went in
+
+
+def test_the_free_queue_evicts_in_the_oracles_order(vllm):
+    """vLLM's own eviction order, read back from its free queue, is the oracle's: cached blocks
+    least recently freed first, a sequence's tail first."""
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    ops = [Prefill(0, 0, "a", 40, ("x1", "x2")), Prefill(1, 1, "a", 56, ("y1", "y2")),
+           Free(2, 1), Prefill(3, 2, "a", 20, ("x1",)), Free(4, 0), Free(5, 2)]
+    trace = validate(Trace(Header(family="test", settings={"block_size": B}), ops, name="order"))
+    cfg = make_config(block_size=B, num_blocks=12, store_kv=False, prefix_caching=True)
+    be = VllmKVManager(cfg)
+    assert check(trace, be).valid is True
+    oracle = Oracle(cfg, capabilities=be.capabilities)
+    check(trace, None, model=oracle)
+    want = [h if isinstance(h, str) else None for h in (oracle.hash_of[b] for b in oracle.evictable)]
+    # Sequence 1 goes first (its third full block, unhashed, then y2, y1), then sequence 0's x2,
+    # then x1, released last by sequence 2.
+    assert want == [None, "y2", "y1", "x2", "x1"]
+    assert be.cached_order() == want
