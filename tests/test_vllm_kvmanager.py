@@ -180,7 +180,8 @@ def test_the_free_queue_evicts_in_the_oracles_order(vllm):
     assert check(trace, be).valid is True
     oracle = Oracle(cfg, capabilities=be.capabilities)
     check(trace, None, model=oracle)
-    want = [h if isinstance(h, str) else None for h in (oracle.hash_of[b] for b in oracle.evictable)]
+    keys = [oracle.hash_of[b][1] for b in oracle.evictable]  # hash_of: block -> (group, key)
+    want = [k if isinstance(k, str) else None for k in keys]
     # Sequence 1 goes first (its third full block, unhashed, then y2, y1), then sequence 0's x2,
     # then x1, released last by sequence 2.
     assert want == [None, "y2", "y1", "x2", "x1"]
