@@ -14,7 +14,7 @@ def test_run_on_a_tenant_mix_prints_the_tenant_tables(tmp_path, capsys):
     assert code == 0, text
     assert "per tenant" in text and "the oracle's replay under each policy" in text
     assert "KV formats for a" in text  # the capacity table
-    assert "3 runs: 3 pass, 0 fail, 0 n/a" in text  # lru, lfu, fair
+    assert "3 runs: 3 pass, 0 fail, 0 error, 0 n/a" in text  # lru, lfu, fair
     assert out.exists()
 
 

@@ -239,12 +239,23 @@ def test_cli_lists_plugins_with_origin_and_availability(installed_dir, tmp_path)
             "No module named 'kvbench_missing_dependency'") in lines["my-broken"]
 
 
+def test_cli_refuses_a_named_backend_that_cannot_be_imported(installed_dir, tmp_path):
+    out = tmp_path / "run.json"
+    got = kvbench("run", str(WORKLOADS["prefill-alpaca"]), "--backend", "my-nofork", "--backend",
+                  "my-broken", "--quiet", "--output", str(out), path=installed_dir, cwd=tmp_path)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert got.stderr == ("kvbench: error: --backend my-broken: cannot import mypkg.broken:Pool: "
+                          "ModuleNotFoundError: No module named 'kvbench_missing_dependency' "
+                          "(--allow-unavailable runs the others and reports it as n/a)\n")
+    assert not out.exists()  # refused before any work
+
+
 def test_cli_reports_unsupported_fork_and_broken_import_as_not_applicable(installed_dir, tmp_path):
     out = tmp_path / "run.json"
     traces = [str(WORKLOADS[w]) for w in ("fork-beam", "prefill-alpaca")]
     got = kvbench("run", *traces, "--backend", "my-nofork", "--backend", "my-broken",
-                  "--policy", "none", "--quiet", "--output", str(out), path=installed_dir,
-                  cwd=tmp_path)
+                  "--allow-unavailable", "--policy", "none", "--quiet", "--output", str(out),
+                  path=installed_dir, cwd=tmp_path)
     assert got.returncode == 0, got.stdout + got.stderr  # n/a is not a failure ...
     rows = json.loads(out.read_text())["rows"]
     status = rows_by(rows, "status")

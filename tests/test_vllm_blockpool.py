@@ -72,7 +72,9 @@ NO_VLLM = textwrap.dedent("""
     sys.meta_path.insert(0, NoVllm())
     from kvbench.cli import main
     main(["list"])
-    main(["check", sys.argv[1], "--backend", "vllm-blockpool", "--policy", "none"])
+    print("exit", main(["check", sys.argv[1], "--backend", "vllm-blockpool", "--policy", "none"]))
+    print("exit", main(["check", sys.argv[1], "--backend", "vllm-blockpool", "--policy", "none",
+                        "--allow-unavailable"]))
 """)
 
 
@@ -83,7 +85,9 @@ def test_without_vllm_the_backend_is_listed_unavailable_with_the_recipe(tmp_path
     line = next(ln for ln in got.stdout.splitlines() if ln.startswith("vllm-blockpool"))
     assert line.split()[1:4] == ["built-in", "no", "vllm"]
     assert NOT_INSTALLED in line  # "vllm is not installed: see README's opt-in recipe"
-    # A run on it is not applicable, never passed, and says why.
+    # Named, it is an error (exit 2) that says why; allowed, it is not applicable, never passed.
+    assert f"kvbench: error: --backend vllm-blockpool: {NOT_INSTALLED}" in got.stderr
+    assert [ln for ln in got.stdout.splitlines() if ln.startswith("exit")] == ["exit 2", "exit 2"]
     assert "n/a  vllm-blockpool policy=- ops=0" in got.stdout
     assert f"not applicable: {NOT_INSTALLED}" in got.stdout
 

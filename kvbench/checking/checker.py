@@ -20,19 +20,26 @@ One trace operation may take several backend calls: a sequence that was evicted 
 (re-prefilled to its current length, with the content it had) in the same step before the
 operation touches it. Each call is atomic on its own. A prefill or fork that fails for lack of
 memory leaves its sequence refused, and later operations on it are dropped, on both sides.
+
+Three verdicts, never mixed up: pass; FAIL, the backend diverged from the oracle or raised in any
+call (prefill, append, fork, free, ledger, gather, close); ERROR, the harness could not do its part
+(its own memory, a setting the trace cannot run under). A FAIL or ERROR keeps the traceback. The
+K/V of a call are built only once the oracle says it fits (a refused one gets a view of one row
+of zeros, which takes no memory).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+import traceback
 
 import numpy as np
 
 from kvbench.checking import identities
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
-from kvbench.checking.series import Series
+from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.protocol import (
     LEDGER_FIELDS,
     REPORTED_FIELDS,
@@ -47,53 +54,6 @@ from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks", "group_blocks", "block_usage")
 PER_SEQUENCE = ("tokens", "seq_blocks")  # the ledger's per-sequence dicts
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
-
-
-@dataclass
-class Divergence:
-    trace: str
-    index: int  # 0-based operation number in the trace
-    step: int
-    op: dict
-    quantity: str
-    expected: object
-    actual: object
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return (f"{self.trace}: step {self.step} (op #{self.index} {self.op}): {self.quantity} "
-                f"expected {self.expected!r}, got {self.actual!r}" + (f" ({self.detail})" if self.detail else ""))
-
-
-@dataclass
-class Verdict:
-    trace: str
-    backend: str
-    valid: bool | None  # None: not applicable
-    ops: int = 0  # operations checked
-    divergence: Divergence | None = None
-    not_applicable: str = ""
-    skipped: dict = field(default_factory=dict)  # what was not checked, and why
-    ooms: int = 0
-    evictions: int = 0
-    recomputed_tokens: int = 0
-    gathers: int = 0
-    hits: int = 0  # operations that found the sequence they touch still resident
-    misses: int = 0  # ... that found it evicted, and recomputed it
-    tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
-    backend_seconds: float = 0.0
-    final_ledger: dict = field(default_factory=dict)
-    series: Series = field(default_factory=Series)  # ledger figures after each operation
-
-    @property
-    def status(self) -> str:
-        return {True: "pass", False: "FAIL", None: "n/a"}[self.valid]
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("series", "divergence")}
-        d["divergence"] = None if self.divergence is None else dict(self.divergence.__dict__)
-        d["status"] = self.status
-        return d
 
 
 class _Stop(Exception):
@@ -199,6 +159,12 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
     except _Stop as stop:
         verdict.valid = False
         verdict.divergence = stop.divergence
+        verdict.traceback = replay.traceback
+    except Exception as e:  # the harness's own failure (its memory, a setting): never the backend's
+        verdict.valid = None
+        verdict.error = (f"{trace.name}: op #{replay.index} {op_to_dict(replay.op)}: the checker "
+                         f"could not do its part: {type(e).__name__}: {e}")
+        verdict.traceback = "".join(traceback.format_exception(e))
     replay.finish()
     return verdict
 
@@ -229,6 +195,7 @@ class _Replay:
         self.touches: dict = {}  # tenant -> [hits, misses]
         self.refused: set = set()
         self.index, self.op = -1, None
+        self.traceback = ""
 
     def diverge(self, quantity, expected, actual, detail=""):
         op = self.op
@@ -237,6 +204,31 @@ class _Replay:
             detail = "; ".join(x for x in (detail, leak) if x)
         raise _Stop(Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity,
                                expected, actual, detail))
+
+    def raised(self, e: BackendRaised, expected=SUCCESS):
+        """A backend call that raised: the divergence names the call and what the oracle expected."""
+        self.traceback = e.traceback
+        self.diverge(f"outcome of {e.what}", expected, f"{type(e.error).__name__}: {e.error}")
+
+    def ask(self, what: str, fn, *args):
+        """A backend query (ledger, gather): its exception is the backend's FAIL."""
+        try:
+            return guarded(what, fn, *args)
+        except BackendRaised as e:
+            self.raised(e)
+
+    def kv_for(self, tokens: int, fits: bool, build):
+        """The K/V of a call of ``tokens`` tokens: ``build()`` when the oracle says it fits; a
+        view of one row of zeros, taking no memory, when it says it does not (a correct backend
+        refuses it before writing); None for a backend that stores no K/V."""
+        if not self.writes_kv:
+            return None
+        if fits:
+            return build()
+        row = np.zeros((1, 2, self.model.layers, self.model.kv_heads, self.model.head_dim),
+                       self.dtype)  # writable, so that torch takes it without a warning
+        return np.lib.stride_tricks.as_strided(row, (tokens,) + row.shape[1:],
+                                               (0,) + row.strides[1:], writeable=True)
 
     def content(self, seq, segments):
         """The K/V a sequence wrote or inherited, from its segments [(writer, start, count)]."""
@@ -264,8 +256,11 @@ class _Replay:
 
     # --- one backend call beside the same oracle call ------------------------------------------
 
-    def call(self, what, backend_call, oracle_call):
-        """Returns the victims, None on out-of-memory (on both sides, or it diverges)."""
+    def call(self, what, backend_call, oracle_call, tokens: int = 0, build_kv=None):
+        """Returns the victims, None on out-of-memory (on both sides, or it diverges).
+
+        ``backend_call(kv)`` gets the call's K/V, built by ``build_kv()`` only if the oracle
+        says the call fits (``tokens`` of them)."""
         backend, verdict = self.backend, self.verdict
         try:
             expected = oracle_call()
@@ -277,27 +272,28 @@ class _Replay:
             verdict.ooms += expected is None
             verdict.evictions += len(expected or ())
             return None if expected is None else tuple(expected)
-        before = backend.ledger() if expected is None else None
+        kv = self.kv_for(tokens, expected is not None, build_kv) if build_kv else None
+        outcome = OOM if expected is None else SUCCESS
+        before = self.ask("ledger", backend.ledger) if expected is None else None
         t0 = time.perf_counter()
         try:
-            actual = tuple(backend_call() or ())
+            actual = tuple(guarded(what, backend_call, kv) or ())
         except OutOfMemory:
             actual = None
-        except Exception as e:  # a crash is a verdict, not a crash of the checker
-            self.diverge(f"outcome of {what}", "success", f"{type(e).__name__}: {e}")
+        except BackendRaised as e:
+            self.raised(e, outcome)
         verdict.backend_seconds += time.perf_counter() - t0
         if (expected is None) != (actual is None):
-            self.diverge(f"outcome of {what}", "out of memory" if expected is None else "success",
-                         "out of memory" if actual is None else "success",
+            self.diverge(f"outcome of {what}", outcome, OOM if actual is None else SUCCESS,
                          "the oracle finds no room even after evicting every candidate"
                          if expected is None else "the backend refused an operation that fits")
         if expected is None:
             verdict.ooms += 1
-            after = backend.ledger()
+            after = self.ask("ledger", backend.ledger)
             for f in self.fields:
                 if getattr(after, f) != getattr(before, f):
                     self.diverge(f"{f} after a refused {what}", getattr(before, f), getattr(after, f),
-                                 "an operation that fails must leave the cache exactly as it was")
+                                 refusal_detail(before, after))
             return None
         if list(expected) != list(actual):
             self.diverge("victims", list(expected), list(actual))
@@ -314,15 +310,17 @@ class _Replay:
     def restore(self, seq, protect):
         """Recompute an evicted sequence (its old content, its current length) before the op."""
         st = self.oracle.preempted[seq]
-        kv = self.content(seq, st.segments) if self.writes_kv else None
+        segments = list(st.segments)
         step = self.op.step
         extra = self.prompt_kwargs(st.prompt)
         got = self.call("recompute",
-                        lambda: self.backend.prefill(seq, st.tokens, kv, tenant=st.tenant,
-                                                     final_tokens=st.final, step=step,
-                                                     protect=tuple(protect),
-                                                     block_hashes=st.prompt.get("hashes"), **extra),
-                        lambda: self.oracle.recompute(seq, step, protect))
+                        lambda kv: self.backend.prefill(seq, st.tokens, kv, tenant=st.tenant,
+                                                        final_tokens=st.final, step=step,
+                                                        protect=tuple(protect),
+                                                        block_hashes=st.prompt.get("hashes"),
+                                                        **extra),
+                        lambda: self.oracle.recompute(seq, step, protect),
+                        st.tokens, lambda: self.content(seq, segments))
         if got is not None:
             self.verdict.recomputed_tokens += st.tokens
             self.mark(seq)
@@ -355,19 +353,18 @@ class _Replay:
         keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
 
         def kv():  # the prompt's K/V as the oracle sees them (a keyed block holds its prefix's)
-            if not self.writes_kv:
-                return None
             segments = content_segments(op.seq, op.tokens, oracle.prompt_keys(
                 op.tokens, op.block_hashes, **keys), oracle.B)
             return self.content(op.seq, segments)
 
         got = self.call("prefill",
-                        lambda: self.backend.prefill(op.seq, op.tokens, kv(), tenant=op.tenant,
-                                                     final_tokens=self.final[op.seq], step=op.step,
-                                                     block_hashes=op.block_hashes,
-                                                     **self.prompt_kwargs(keys)),
+                        lambda kv: self.backend.prefill(op.seq, op.tokens, kv, tenant=op.tenant,
+                                                        final_tokens=self.final[op.seq],
+                                                        step=op.step, block_hashes=op.block_hashes,
+                                                        **self.prompt_kwargs(keys)),
                         lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
-                                               op.step, hashes=op.block_hashes, **keys))
+                                               op.step, hashes=op.block_hashes, **keys),
+                        op.tokens, kv)
         if got is None:
             self.refused.add(op.seq)
             return
@@ -386,14 +383,15 @@ class _Replay:
         toks = np.array([t for _, t in pairs], dtype=np.int64)
         starts = np.array([oracle.seqs[s].tokens for s in seqs], dtype=np.int64)
         sharers = self._tail_sharers(seqs)
-        kv = None
-        if self.writes_kv:
+
+        def kv():
             writers = np.repeat(np.asarray(seqs, dtype=np.int64), toks)
             positions = np.arange(int(toks.sum())) + np.repeat(starts - (np.cumsum(toks) - toks), toks)
-            kv = kv_tokens(writers, positions, self.model, self.dtype)
+            return kv_tokens(writers, positions, self.model, self.dtype)
+
         toks_list = toks.tolist()
-        got = self.call("append", lambda: self.backend.append(seqs, toks_list, kv, step=op.step),
-                        lambda: oracle.append(seqs, toks_list, op.step))
+        got = self.call("append", lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step),
+                        lambda: oracle.append(seqs, toks_list, op.step), sum(toks_list), kv)
         if got is None:
             return
         B = oracle.B if oracle.layout == "paged" else 1
@@ -429,8 +427,8 @@ class _Replay:
             self.refused.add(op.seq)
             return
         got = self.call("fork",
-                        lambda: self.backend.fork(op.seq, op.src, final_tokens=self.final[op.seq],
-                                                  step=op.step),
+                        lambda kv: self.backend.fork(op.seq, op.src,
+                                                     final_tokens=self.final[op.seq], step=op.step),
                         lambda: oracle.fork(op.seq, op.src, self.final[op.seq], op.step))
         if got is None:
             self.refused.add(op.seq)
@@ -447,9 +445,11 @@ class _Replay:
         if self.backend is not None and not evicted:
             t0 = time.perf_counter()
             try:
-                self.backend.free(op.seq, step=op.step)
-            except Exception as e:
-                self.diverge("outcome of free", "success", f"{type(e).__name__}: {e}")
+                guarded("free", self.backend.free, op.seq, step=op.step)
+            except OutOfMemory as e:
+                self.raised(BackendRaised("free", e))
+            except BackendRaised as e:
+                self.raised(e)
             self.verdict.backend_seconds += time.perf_counter() - t0
 
     # --- what is compared after every operation ------------------------------------------------
@@ -465,8 +465,11 @@ class _Replay:
         if whole:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
-        actual = ledger_of(self.backend, seqs)
-        why = self.figures.check(actual, seqs)
+        actual = self.ask("ledger", ledger_of, self.backend, seqs)
+        try:
+            why = self.figures.check(actual, seqs)
+        except BackendRaised as e:
+            self.raised(e)
         if why:
             self.diverge(*why)
         for f in self.fields:
@@ -482,7 +485,7 @@ class _Replay:
                 e = {s: e[s] for s in seqs if s in e}
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
-                self.diverge(f, e, a, _dict_diff(e, a) if isinstance(e, dict) else "")
+                self.diverge(f, e, a, dict_diff(e, a) if isinstance(e, dict) else "")
         why = self.figures.block_ids(seqs)
         if why:
             self.diverge(*why)
@@ -492,7 +495,10 @@ class _Replay:
         """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end)."""
         if self.kv is None or not ranges:
             return
-        bad, read = self.kv.mismatch(ranges)
+        try:
+            bad, read = self.kv.mismatch(ranges)
+        except BackendRaised as e:
+            self.raised(e)
         self.verdict.gathers += read
         if bad:
             seq, *what = bad
@@ -525,16 +531,13 @@ class _Replay:
         for t, (hits, misses) in self.touches.items():
             verdict.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(
                 hits=hits, misses=misses)
-        final_ledger = oracle.expected_ledger() if verdict.valid else self.backend.ledger()
+        final_ledger = oracle.expected_ledger()
+        if verdict.valid is False:  # what the failing backend says it holds, if it can say
+            try:
+                final_ledger = guarded("ledger", self.backend.ledger)
+            except (BackendRaised, OutOfMemory):
+                pass
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                                 if k not in ("tokens", "seq_blocks")}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
-
-
-def _dict_diff(e: dict, a: dict) -> str:
-    keys = sorted(set(e) | set(a))
-    for k in keys:
-        if e.get(k) != a.get(k):
-            return f"sequence {k}: expected {e.get(k)}, got {a.get(k)}"
-    return ""

@@ -10,6 +10,7 @@ import bisect
 
 import numpy as np
 
+from kvbench.checking.raised import guarded
 from kvbench.contract.protocol import kv_tokens, read_kv
 from kvbench.quant import pool as quant_pool
 
@@ -103,7 +104,7 @@ class Content:
             self._mask_released(want, todo, lengths)
         got, offset, token_shape = [], 0, want.shape[1:]
         for seq, start, stop in todo:
-            g = read_kv(self.backend, seq, start, stop)
+            g = guarded("gather", read_kv, self.backend, seq, start, stop)
             if g.shape[1:] != token_shape or len(g) != stop - start:
                 return (seq, "what it wrote or inherited", "different values",
                         f"shape {tuple(g.shape)} instead of {(stop - start,) + token_shape}"), len(got) + 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.protocol import BlockState, CacheConfig, Ledger
 
 COUNT_FIELDS = ("blocks_used", "blocks_free", "capacity_slots", "free_slots", "bytes_in_use",
@@ -40,8 +41,10 @@ class Figures:
             return None  # no reference moved: the ledger comparison covers the rest
         self.edits = self.oracle.edits
         try:
-            state = self.backend.block_state(seqs)
-        except NotImplementedError:
+            state = guarded("block_state", self.backend.block_state, seqs)
+        except BackendRaised as e:
+            if not isinstance(e.error, NotImplementedError):
+                raise
             self.structures = self.exact = False
             self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None

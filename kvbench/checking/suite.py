@@ -1,10 +1,11 @@
 """Run workloads through backends under the checker: the engine behind `kvbench run` and `check`."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kvbench.analyses import eviction
-from kvbench.checking.checker import Verdict, check
+from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
@@ -35,12 +36,22 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     if trace.header.groups:  # the trace names the model's KV cache groups (SPEC §8)
         spec = F.with_group_kinds(spec, trace.header.groups)
     bs = int(block_size or s.get("block_size", 16))
+    if bs <= 0:
+        raise ValueError(f"--block-size: must be a positive integer, got {bs}")
     if budget is not None:
-        blocks = F.budget_blocks(budget, bs, spec)
+        try:
+            blocks = F.budget_blocks(budget, bs, spec)
+        except ValueError as e:
+            raise ValueError(f"--budget: {e}") from None
+        if blocks < 1:
+            raise ValueError(f"--budget {budget}: less than one block (a block of {bs} tokens of "
+                             f"{spec.name} is {F.block_bytes(bs, spec):,} bytes)")
     else:
         blocks = int(s.get("num_blocks", 256))
     finals = trace.final_lengths().values()
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
+    if int(mc) <= 0:
+        raise ValueError(f"--max-context: must be a positive integer, got {mc}")
     hashed = any(getattr(op, "block_hashes", None) or getattr(op, "token_ids", None)
                  for op in trace.ops)
     if prefix_caching is None:
@@ -48,9 +59,29 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     if prefix_caching and hashed and s.get("block_size", bs) != bs:
         raise ValueError(f"{trace.name}: block hashes are for block size {s['block_size']}, "
                          f"not {bs}")
+    if store_kv and blocks * F.block_bytes(bs, spec) > machine_memory():
+        store_kv = False  # ledger only: memory_note() says so
     return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
                        device=device, max_context=int(mc), policy=policy,
                        tenant_weights=dict(trace.header.tenants), prefix_caching=prefix_caching)
+
+
+def machine_memory() -> int:
+    """Bytes of memory this machine has (the most K/V a pool here can hold)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no limit known
+        return 1 << 62
+
+
+def memory_note(config: CacheConfig) -> str:
+    """One line when ``config`` runs ledger-only because its budget exceeds this machine's memory."""
+    need = config.num_blocks * F.block_bytes(config.block_size, config.model)
+    if config.store_kv or need <= machine_memory():
+        return ""
+    return (f"note: a budget of {config.num_blocks:,} blocks is {need / 2**30:,.1f} GiB of K/V, more "
+            f"than this machine's {machine_memory() / 2**30:,.1f} GiB: running ledger-only (no K/V "
+            f"stored or checked)")
 
 
 def policies_for(trace: Trace, policy: str | None) -> list:
@@ -64,7 +95,8 @@ def policies_for(trace: Trace, policy: str | None) -> list:
     return [policy]
 
 
-def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict) -> dict:
+def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict,
+                unavailable: str = "") -> dict:
     series = v.series
     mean = {k: float(series.column(k).mean()) for k in
             ("fragmentation", "token_states", "reservation", "internal_fragmentation",
@@ -74,7 +106,8 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "policy": config.policy or "-", "device": config.device, "model": config.model.name,
         "block_size": config.block_size, "num_blocks": config.num_blocks,
         "status": v.status, "ops": v.ops,
-        "divergence": str(v.divergence) if v.divergence else "",
+        "divergence": str(v.divergence) if v.divergence else "", "error": v.error,
+        "traceback": v.traceback, "unavailable": unavailable,
         "not_applicable": v.not_applicable, "skipped": "; ".join(f"{k}: {r}" for k, r in v.skipped.items()),
         "ooms": v.ooms, "evictions": v.evictions, "recomputed_tokens": v.recomputed_tokens,
         "peak_blocks": max(0, int(series.column("blocks_used").max())) if series else 0,
@@ -95,16 +128,22 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
 
 
 def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched") -> dict:
-    entry = registry.resolve(backend_name)
-    ok, why = entry.available()
-    if not ok:
-        v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=why)
-        return verdict_row(trace, backend_name, config, v)
-    backend = entry.create(config)
+    """One backend on one trace under the checker, as a row. A backend that cannot be made here
+    is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs."""
     try:
-        v = check(trace, backend, gather=gather, series=True)
-    finally:
-        backend.close()
+        backend = registry.resolve(backend_name).create(config)
+    except registry.BackendUnavailable as e:
+        v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
+        return verdict_row(trace, backend_name, config, v, unavailable=str(e))
+    v = check(trace, backend, gather=gather, series=True)
+    try:
+        guarded("close", backend.close)
+    except BackendRaised as e:
+        if v.valid:
+            v.valid, v.traceback = False, e.traceback
+            v.divergence = Divergence(trace.name, len(trace.ops), trace.ops[-1].step if trace.ops
+                                      else 0, {"op": "close"}, "outcome of close", "success",
+                                      f"{type(e.error).__name__}: {e.error}")
     return verdict_row(trace, backend_name, backend.config, v)
 
 

@@ -11,9 +11,10 @@ import pandas as pd
 from kvbench.analyses import eviction
 from kvbench.bench import records
 from kvbench.checking import suite
-from kvbench.cli import serve
+from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import registry
+from kvbench.outputs import check_writable
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
                "final_fragmentation", "evictions", "recomputed_tokens", "hit_rate", "jain",
@@ -23,16 +24,23 @@ RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache settings (default: the trace header's, else tiny model, B=16, 256 blocks)")
     g.add_argument("--model", help="model preset (kvbench list shows them)")
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--budget", help="budget in blocks ('1024') or bytes ('12GiB')")
-    g.add_argument("--max-context", type=int, help="contiguous `max` reservation (default: next pow2 of the longest sequence)")
+    g.add_argument("--block-size", type=options.positive_int, help="tokens per block")
+    g.add_argument("--budget", help="budget in blocks ('1024') or bytes ('12GiB'); at least one "
+                                    "block; beyond this machine's memory, the run is ledger-only")
+    g.add_argument("--max-context", type=options.positive_int,
+                   help="contiguous `max` reservation (default: next pow2 of the longest sequence)")
     g.add_argument("--device", default="cpu", help="device for the torch backend: cpu or cuda")
-    g.add_argument("--policy", default="auto",
+    g.add_argument("--policy", default="auto", choices=["auto", "lru", "lfu", "fair", "all", "none"],
                    help="eviction policy: lru, lfu, fair, all, none, auto (all three for tenant mixes)")
     g.add_argument("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
                    help="reuse cached blocks by block hash (default: on when the trace has hashes)")
     g.add_argument("--gather", default="touched", choices=["touched", "all", "end", "none"],
                    help="which sequences' K/V to verify after each operation")
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-unavailable", action="store_true",
+                   help="a --backend that cannot run here is reported as n/a instead of an error")
 
 
 def settings(args) -> dict:
@@ -43,6 +51,78 @@ def settings(args) -> dict:
 
 def default_backends() -> list[str]:
     return [n for n in registry.DEFAULT_BACKENDS if registry.resolve(n).available()[0]]
+
+
+def select_backends(args, trace) -> list[str]:
+    """The backends to run, decided before any work. Named ones (--backend) must be known and able
+    to run here with the run's settings, else a UsageError (unless --allow-unavailable: then they
+    run as n/a with the reason). With none named: every default built-in that can run here; the
+    others are named with the reason."""
+    cfg = suite.config_for(trace, **settings(args))
+    if not args.backend:
+        chosen = []
+        for name in registry.DEFAULT_BACKENDS:
+            why = probe(name, cfg)
+            if why:
+                print(f"not run here: {name}: {why}")
+            else:
+                chosen.append(name)
+        return chosen
+    for name in args.backend:
+        try:
+            registry.resolve(name)
+        except ValueError as e:
+            raise options.UsageError(f"--backend {name}: {e}") from None
+        why = probe(name, cfg)
+        if why and not getattr(args, "allow_unavailable", False):
+            raise options.UsageError(f"--backend {name}: {why} (--allow-unavailable runs the "
+                                     f"others and reports it as n/a)")
+        if why:
+            print(f"not run here: {name}: {why}")
+    return list(dict.fromkeys(args.backend))
+
+
+def print_memory_note(trace, args) -> None:
+    note = suite.memory_note(suite.config_for(trace, **settings(args)))
+    if note:
+        print(note)
+
+
+def probe(name: str, config) -> str:
+    """'' when backend ``name`` can be made with ``config`` here, else why not (one line)."""
+    try:
+        backend = registry.resolve(name).create(config)
+    except registry.BackendUnavailable as e:
+        return str(e)
+    backend.close()
+    return ""
+
+
+def exit_code(df: pd.DataFrame, extra_failures: int = 0) -> int:
+    """0 when every check that ran passed and at least one did; 1 on a FAIL; 2 on an ERROR or
+    when nothing passed (a gate that checked nothing must not pass)."""
+    if (df.status == "FAIL").any() or extra_failures:
+        return options.EXIT_FAIL
+    if (df.status == "ERROR").any():
+        return options.EXIT_ERROR
+    if not (df.status == "pass").any():
+        print("kvbench: error: nothing passed: every run was n/a (see the reasons above)",
+              file=sys.stderr)
+        return options.EXIT_ERROR
+    return options.EXIT_OK
+
+
+def verdict_lines(df: pd.DataFrame) -> list[str]:
+    """FAIL, ERROR and n/a lines under the table; a FAIL names the backend, policy and workload."""
+    lines = []
+    for _, r in df[df.status.isin(["FAIL", "ERROR"])].iterrows():
+        pol = "" if r.policy in ("-", None) else f" {r.policy}"
+        what = r.divergence if r.status == "FAIL" else r.error
+        lines.append(f"{r.status} {r.backend}{pol} on {r.workload}: {what}")
+    na = df[df.status == "n/a"]
+    for _, r in na.drop_duplicates(["backend", "not_applicable"]).iterrows():
+        lines.append(f"n/a  {r.backend} on {r.workload}: {r.not_applicable}")
+    return lines
 
 
 def print_eviction(trace, rows, cache_settings) -> list[str]:
@@ -70,21 +150,21 @@ def cmd_run(args) -> int:
         return serve.run_serving(args)
     paths = args.traces or suite.committed_workloads()
     if not paths:
-        print("no workloads: run `kvbench gen` first", file=sys.stderr)
-        return 2
+        raise options.UsageError("no workloads: run `kvbench gen` first")
     traces = suite.load_traces(paths)
-    backends = args.backend or default_backends()
+    if args.output:
+        check_writable(args.output, option="--output")
+    else:
+        check_writable(records.RESULTS_DIR / "runs", option="results folder", folder=True)
+    backends = select_backends(args, traces[0])
+    print_memory_note(traces[0], args)
     rows = suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
                            gather=args.gather, **settings(args))
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
     print_capacity(traces[0], args)
-    failed = df[df.status == "FAIL"]
-    for _, r in failed.iterrows():
-        print(f"FAIL {r.backend} on {r.workload}: {r.divergence}")
-    na = df[df.status == "n/a"]
-    for _, r in na.drop_duplicates(["backend", "not_applicable"]).iterrows():
-        print(f"n/a  {r.backend} on {r.workload}: {r.not_applicable}")
+    for line in verdict_lines(df):
+        print(line)
     beyond_optimum = [msg for t in traces if t.header.tenants
                       for msg in print_eviction(t, rows, settings(args))]
     for msg in beyond_optimum:
@@ -93,9 +173,10 @@ def cmd_run(args) -> int:
                                        **{k: v for k, v in settings(args).items()},
                                        "policy": args.policy}, device=args.device)
     path = records.write(rec, args.output)
-    print(f"{len(df)} runs: {int((df.status == 'pass').sum())} pass, {len(failed)} fail, "
-          f"{len(na)} n/a; results in {path}")
-    return 1 if len(failed) or beyond_optimum else 0
+    counts = df.status.value_counts()
+    print(f"{len(df)} runs: {counts.get('pass', 0)} pass, {counts.get('FAIL', 0)} fail, "
+          f"{counts.get('ERROR', 0)} error, {counts.get('n/a', 0)} n/a; results in {path}")
+    return exit_code(df, len(beyond_optimum))
 
 
 def print_capacity(trace, args) -> None:
@@ -124,21 +205,25 @@ def print_capacity(trace, args) -> None:
 
 def cmd_check(args) -> int:
     trace = suite.load_traces([args.trace])[0]
-    code = 0
-    for name in args.backend or default_backends():
+    rows = []
+    backends = select_backends(args, trace)
+    print_memory_note(trace, args)
+    for name in backends:
         for pol in suite.policies_for(trace, args.policy):
             cfg = suite.config_for(trace, policy=pol, **settings(args))
             row = suite.run_one(trace, name, cfg, args.gather)
+            rows.append(row)
             line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
             if row["divergence"]:
                 line += f"\n     first divergence: {row['divergence']}"
+            if row["error"]:
+                line += f"\n     error: {row['error']}"
             if row["not_applicable"]:
                 line += f"\n     not applicable: {row['not_applicable']}"
             if row["skipped"]:
                 line += f"\n     not checked: {row['skipped']}"
             print(line)
-            code = max(code, 1 if row["status"] == "FAIL" else 0)
-    return code
+    return exit_code(pd.DataFrame(rows) if rows else pd.DataFrame({"status": []}))
 
 
 def register(sub) -> None:
@@ -147,12 +232,16 @@ def register(sub) -> None:
     p.add_argument("--backend", action="append", help="backend name or package.module:Factory (repeatable)")
     p.add_argument("--output", help="results file (default results/runs/run-<time>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_backend_args(p)
     add_cache_args(p)
     serve.add_serve_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="check one trace, print the first divergence")
-    p.add_argument("trace")
-    p.add_argument("--backend", action="append")
+    p.add_argument("trace", help="trace file (.jsonl or .csv)")
+    p.add_argument("--backend", action="append",
+                   help="backend name or package.module:Factory (repeatable; default: every "
+                        "default backend that can run here)")
+    add_backend_args(p)
     add_cache_args(p)
     p.set_defaults(func=cmd_check)

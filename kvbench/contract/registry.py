@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from kvbench.contract.protocol import Backend, CacheConfig
 
 ENTRY_POINT_GROUP = "kvbench.backends"
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot be made here: its import fails, ``available()`` says no, its factory
+    does not take a CacheConfig or returns something else than a Backend, or it refuses the
+    settings. The message is one line: the reason."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +53,29 @@ class BackendEntry:
         return check() if callable(check) else (True, "")
 
     def create(self, config: CacheConfig) -> Backend:
+        """A backend for ``config``, or BackendUnavailable saying in one line why not."""
+        ok, why = self.available()
+        if not ok:
+            raise BackendUnavailable(why)
         factory = self.load()
         if self.overrides:
             config = dataclasses.replace(config, **self.overrides)
-        backend = factory(config)
+        try:
+            inspect.signature(factory).bind(config)
+        except TypeError:
+            raise BackendUnavailable(
+                f"{self.target}{inspect.signature(factory)}: a backend factory must take one "
+                f"argument, a CacheConfig") from None
+        except ValueError:  # a builtin without a signature: let the call tell
+            pass
+        try:
+            backend = factory(config)
+        except Exception as e:
+            raise BackendUnavailable(f"{self.name} cannot run with these settings: "
+                                     f"{type(e).__name__}: {e}") from e
         if not isinstance(backend, Backend):
-            raise TypeError(f"{self.target} made a {type(backend).__name__}, not a kvbench Backend")
+            raise BackendUnavailable(f"{self.target} made a {type(backend).__name__}, not a "
+                                     f"kvbench Backend (subclass kvbench.protocol.Backend)")
         if backend.name == Backend.name:
             backend.name = self.name
         return backend

@@ -1,0 +1,90 @@
+"""The checker's verdict as data: pass, FAIL with the first divergence (trace, step, operation,
+quantity, expected, actual), ERROR when the harness could not check, n/a when the trace does not
+apply; and the words a divergence is told in."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbench.checking.series import Series
+
+
+@dataclass
+class Divergence:
+    trace: str
+    index: int  # 0-based operation number in the trace
+    step: int
+    op: dict
+    quantity: str
+    expected: object
+    actual: object
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return (f"{self.trace}: step {self.step} (op #{self.index} {self.op}): {self.quantity} "
+                f"expected {_show(self.expected)}, got {_show(self.actual)}"
+                + (f" ({self.detail})" if self.detail else ""))
+
+
+def _show(value) -> str:
+    """A figure as the verdict prints it: words as they are, anything else as its repr."""
+    return value if isinstance(value, str) else repr(value)
+
+
+OOM, SUCCESS = "out-of-memory", "success"  # the outcomes of a call
+
+
+@dataclass
+class Verdict:
+    trace: str
+    backend: str
+    valid: bool | None  # None: not judged (not applicable, or an ERROR of the harness)
+    ops: int = 0  # operations checked
+    divergence: Divergence | None = None
+    not_applicable: str = ""
+    skipped: dict = field(default_factory=dict)  # what was not checked, and why
+    ooms: int = 0
+    evictions: int = 0
+    recomputed_tokens: int = 0
+    gathers: int = 0
+    hits: int = 0  # operations that found the sequence they touch still resident
+    misses: int = 0  # ... that found it evicted, and recomputed it
+    tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
+    backend_seconds: float = 0.0
+    final_ledger: dict = field(default_factory=dict)
+    series: Series = field(default_factory=Series)  # ledger figures after each operation
+    error: str = ""  # why the harness could not check (status ERROR)
+    traceback: str = ""  # of the backend's exception (FAIL) or the harness's (ERROR)
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "ERROR"
+        return {True: "pass", False: "FAIL", None: "n/a"}[self.valid]
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("series", "divergence")}
+        d["divergence"] = None if self.divergence is None else dict(self.divergence.__dict__)
+        d["status"] = self.status
+        return d
+
+
+def refusal_detail(before, after) -> str:
+    """Why a refused call's ledger change fails, naming the first sequence that differs, if any."""
+    why = "an operation that fails must leave the cache exactly as it was"
+
+    def held(led, s):
+        return (f"{led.tokens[s]} tokens in {led.seq_blocks.get(s)} blocks" if s in led.tokens
+                else "absent")
+
+    for s in sorted(set(before.tokens) | set(after.tokens)):
+        if held(before, s) != held(after, s):
+            return f"{why}; sequence {s}: {held(before, s)} before, {held(after, s)} after"
+    return why
+
+
+def dict_diff(e: dict, a: dict) -> str:
+    keys = sorted(set(e) | set(a))
+    for k in keys:
+        if e.get(k) != a.get(k):
+            return f"sequence {k}: expected {e.get(k)}, got {a.get(k)}"
+    return ""

@@ -1,0 +1,107 @@
+"""What every kvbench command line shares: one error path and option types that refuse a bad value
+before any work starts.
+
+Every entry point (``kvbench``, ``python -m kvbench.cli``, ``python -m kvbench.cli.gates``,
+``python -m kvbench.bench.gpu``, ``python -m kvbench.bench.compare``) runs through :func:`run`:
+
+- a bad option or input prints one line, ``kvbench: error: FILE:LINE: reason`` or
+  ``kvbench: error: --option: reason``, and exits 2, never with a traceback;
+- Ctrl-C prints ``kvbench: interrupted`` and exits 130 (outputs are written to temporary names
+  and renamed when complete: kvbench.outputs, so nothing partial is left);
+- ``--debug`` anywhere on the line prints the traceback as well.
+
+Exit codes: 0 every check passed; 1 a check FAILed; 2 an error (bad input, a backend that cannot
+run, the harness could not check, nothing passed); 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import traceback
+
+from kvbench.contract.registry import BackendUnavailable
+
+EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+# Errors a user's input or machine causes: one line, no "internal" and no hint.
+USER_ERRORS = (ValueError, OSError, LookupError, MemoryError, BackendUnavailable)
+
+
+class UsageError(ValueError):
+    """A bad option or input, reported as one line (``--option: reason``), exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's own errors (unknown option, bad choice, a type's refusal) as a UsageError, so
+    they take the one error path: ``kvbench: error: --block-size: must be ... (see --help)``."""
+
+    def error(self, message):
+        if message.startswith("argument "):
+            message = message[len("argument "):]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def describe(error: BaseException) -> str:
+    """One line for an error: an OSError names its file; a MemoryError says it is memory."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    if isinstance(error, MemoryError):
+        return f"out of memory ({error or 'MemoryError'})"
+    text = str(error).strip().replace("\n", " ") or type(error).__name__
+    if isinstance(error, USER_ERRORS):
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+def run(command, argv=None, prog: str = "kvbench") -> int:
+    """``command(argv)`` with the one error path: the exit code, never a traceback (unless
+    ``--debug`` is among the arguments, which is taken out before ``command`` sees them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return command(argv)
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `kvbench run | head`: the reader left, nothing to say
+        return EXIT_ERROR
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (--debug shows the traceback)"
+        kind = "" if isinstance(e, USER_ERRORS) else "internal "
+        print(f"{prog}: {kind}error: {describe(e)}" + (hint if kind else ""), file=sys.stderr)
+        return EXIT_ERROR
