@@ -263,7 +263,11 @@ class NumpyPaged(Backend):
                 table[r, first[r]:new_first[i]] = -1
                 first[r] = new_first[i]
             blocks = np.concatenate(order)
-            self._release_blocks(blocks[blocks >= 0])
+            self._release_window(blocks[blocks >= 0])
+
+    def _release_window(self, blocks: np.ndarray) -> None:
+        """The blocks a window slid past, in release order: one reference each."""
+        self._release_blocks(blocks)
 
     # --- block arithmetic, vectorized over a batch ----------------------------------------
 
@@ -350,6 +354,9 @@ class NumpyPaged(Backend):
             self._drop_row(r)
         return victims
 
+    def _extra_keys(self, salt, adapter) -> bytes:
+        return tagged_extra(salt, adapter)
+
     def _hit_plan(self, keys) -> tuple[int, list]:
         L, hits = hit_plan(keys, self.by_hash, self.windows, self.B)
         return L, [np.array(h, dtype=np.intp) for h in hits]
@@ -364,7 +371,7 @@ class NumpyPaged(Backend):
         n = -(-tokens // self.B)
         keys = []
         if self.config.prefix_caching:
-            keys = block_keys(tokens, self.B, block_hashes, token_ids, tagged_extra(salt, adapter))
+            keys = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter))
 
         if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
             r = self._new_row(seq)

@@ -1,189 +1,35 @@
 """Planted faults: each broken backend is caught at the right step with the right quantity.
 
-Every fault is a small subclass of a correct backend. For each, a short trace where the fault
-shows; the comment says why the checker must part ways with it exactly there. The same trace
+Every fault is a small subclass of a correct backend (impls/faults.py, which `kvbench faults`
+also replays over the default suite). For each, a short trace where the fault shows; the comment says why the checker must part ways with it exactly there. The same trace
 passes the correct backend (the control), so what the checker reports is the fault.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 from conftest import A, K, P, X, make_config, make_trace
 
 from impls.contiguous import Contiguous
+from impls.faults import (
+    BestFit,
+    CopyWithoutData,
+    EvictsServed,
+    FairByUsage,
+    FairInFloat,
+    FloorBlocks,
+    ForkWithoutData,
+    LeakyAppend,
+    LeakyPrefill,
+    LfuWithoutRecency,
+    LruTiesWrongWay,
+    NoCopyOnWrite,
+    PoolFragmentation,
+    SharedCountedTwice,
+)
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
-from kvbench.contract.protocol import OutOfMemory
-
-# --- the faults -----------------------------------------------------------------------------
-
-class NoCopyOnWrite(NumpyPaged):
-    """(a) Writes into a shared tail in place."""
-
-    def _append_plan(self, rows, dts, refcount, group=0):
-        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
-        return tails, free_last, np.zeros_like(cow), new
-
-
-class CopyWithoutData(NumpyPaged):
-    """(a') Copy-on-write takes a block and copies the fill count, but not the K/V."""
-
-    def append(self, seqs, tokens, kv=None, *, step=0):
-        rows = np.array([self.row_of[s] for s in seqs])
-        tail_index = self.nblocks[rows] - 1
-        old_tails, old_fill = self.table[rows, tail_index].copy(), self.fill[self.table[rows, tail_index]]
-        victims = super().append(seqs, tokens, kv, step=step)
-        for r, i, old, n in zip(rows, tail_index, old_tails, old_fill):
-            new = self.table[r, i]
-            if new != old:  # this writer copied: forget the data it should have brought along
-                self.pool[new, :n] = 0
-        return victims
-
-
-class FloorBlocks(NumpyPaged):
-    """(b) floor instead of ceil for the new blocks of an append."""
-
-    def _append_plan(self, rows, dts, refcount, group=0):
-        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
-        return tails, free_last, cow, np.maximum(0, dts - free_last) // self.B
-
-
-class PoolFragmentation(NumpyPaged):
-    """(c) Fragmentation over the whole pool instead of the blocks in use."""
-
-    def ledger(self):
-        led = super().ledger()
-        total = self.config.num_blocks * self.B
-        led.fragmentation = (total - led.token_states) / total
-        return led
-
-
-class SharedCountedTwice(NumpyPaged):
-    """(d) blocks_used and capacity summed over block tables: a shared block counts per sharer."""
-
-    def ledger(self):
-        led = super().ledger()
-        led.blocks_used = sum(led.seq_blocks.values())
-        led.capacity_slots = led.blocks_used * self.B
-        return led
-
-
-class LeakyPrefill(NumpyPaged):
-    """(e) Out of memory after grabbing blocks one at a time: those it took stay taken."""
-
-    def prefill(self, seq, tokens, kv=None, **kw):
-        try:
-            return super().prefill(seq, tokens, kv, **kw)
-        except OutOfMemory:
-            self._take(self.free_top)
-            raise
-
-
-class LeakyAppend(NumpyPaged):
-    """(e') Out of memory in an append pops the free blocks it found off the free stack and
-    loses them: never referenced, never returned."""
-
-    def append(self, seqs, tokens, kv=None, **kw):
-        try:
-            return super().append(seqs, tokens, kv, **kw)
-        except OutOfMemory:
-            self.free_top = 0
-            raise
-
-
-class LruTiesWrongWay(NumpyPaged):
-    """(f) LRU that breaks a tie on last access towards the larger sequence id."""
-
-    def _victim(self, candidates):
-        if self.config.policy != "lru":
-            return super()._victim(candidates)
-        order = np.lexsort((-self.seq_of_row[candidates], self.last_access[candidates]))
-        return int(candidates[order[0]])
-
-
-class LfuWithoutRecency(NumpyPaged):
-    """(g) LFU on (use_count, id), ignoring recency."""
-
-    def _victim(self, candidates):
-        order = np.lexsort((self.seq_of_row[candidates], self.use_count[candidates]))
-        return int(candidates[order[0]])
-
-
-def _lru_row(backend, rows):
-    return int(rows[np.lexsort((backend.seq_of_row[rows], backend.last_access[rows]))[0]])
-
-
-class FairInFloat(NumpyPaged):
-    """(h) Fair with quotas in floating point: w_t / sum(w) * B_total."""
-
-    def _fair_victim(self, candidates):
-        live = np.flatnonzero(self.live)
-        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
-        present = {self.tenants[i] for i in self.tenant_idx[live].tolist()}
-        weights = {t: float(w) for t, w in self.config.tenant_weights.items()}
-        weights.update({t: 1.0 for t in sorted(present - set(weights))})
-        total = sum(weights.values())  # 0.1 + 0.2 + 0.3 = 0.6000000000000001
-        over = []
-        for t in present:
-            quota = weights[t] / total * self.config.num_blocks
-            u = usage[self.tenants.index(t)]
-            if u > quota:
-                over.append((u - quota, t))
-        for _, t in sorted(over, reverse=True):
-            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
-            if len(mine):
-                return _lru_row(self, mine)
-        return None
-
-
-class FairByUsage(NumpyPaged):
-    """(i) Fair that takes the tenant using the most blocks, over its quota or not."""
-
-    def _fair_victim(self, candidates):
-        live = np.flatnonzero(self.live)
-        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
-        for t in np.argsort(-usage, kind="stable"):
-            mine = candidates[self.tenant_idx[candidates] == t]
-            if len(mine):
-                return _lru_row(self, mine)
-        return None
-
-
-class EvictsServed(NumpyPaged):
-    """(j) Eviction that does not protect the sequences being served."""
-
-    def _make_room(self, need_fn, protect_rows):
-        return super()._make_room(need_fn, np.array([], dtype=np.int64))
-
-
-class BestFit(Contiguous):
-    """Contiguous baseline placing a slab in the smallest hole that fits, not the first."""
-
-    def _hole(self, size, skip=frozenset(), placed=()):
-        holes, pos = [], 0
-        for start, slab_size, seq in sorted(self.starts + [(a, n, -1) for a, n in placed]):
-            if seq in skip:
-                continue
-            if start - pos >= size:
-                holes.append((start - pos, pos))
-            pos = max(pos, start + slab_size)
-        if self.capacity - pos >= size:
-            holes.append((self.capacity - pos, pos))
-        return min(holes)[1] if holes else None
-
-
-class ForkWithoutData(Contiguous):
-    """Contiguous fork that reserves and accounts the child's slab but copies no K/V."""
-
-    def fork(self, seq, src, **kw):
-        victims = super().fork(seq, src, **kw)
-        st = self.seqs[seq]
-        start = st["slabs"][0][0]
-        self.arena[start:start + st["tokens"]] = 0
-        return victims
-
 
 # --- where each one shows -------------------------------------------------------------------
 

@@ -69,7 +69,8 @@ REPLAYED = ["numpy", "torch-cpu", "torch-cuda", "object",
 # Committed workloads (workloads/<name>.jsonl); a tenant mix runs under each eviction policy.
 WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "prefill-sharegpt",
              "tenant-flood", "tenant-fractional", "tenant-late",
-             "prefix-reuse", "prefix-tenants"]
+             "prefix-reuse", "prefix-tenants",
+             "hybrid-windows"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants"]
 POLICIES = ["lru", "lfu", "fair"]

@@ -267,7 +267,10 @@ class Oracle:
             for extra, s in self.writers.get(key, {}).items():
                 if extra != mine and s != seq:
                     found.setdefault(s, extra)
-        return sorted(found.items())
+        # First those whose keys carry the same values under other kinds (a salt "x" and an
+        # adapter "x"): what an untagged hash confuses.
+        values = sorted(v for _, v in mine)
+        return sorted(found.items(), key=lambda item: (sorted(v for _, v in item[1]) != values, item[0]))
 
     # --- what a call needs -----------------------------------------------------------------
 

@@ -26,10 +26,12 @@ class _Builder:
         self.length: dict = {}
         self.next_seq = 0
 
-    def prefill(self, tokens: int, tenant: str = DEFAULT_TENANT, block_hashes=None) -> int:
+    def prefill(self, tokens: int, tenant: str = DEFAULT_TENANT, block_hashes=None, *,
+                salt=None, adapter=None, token_ids=None) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         self.ops.append(Prefill(len(self.ops), seq, tenant, int(tokens),
-                                tuple(block_hashes) if block_hashes else None))
+                                tuple(block_hashes) if block_hashes else None, salt, adapter,
+                                None if token_ids is None else tuple(int(t) for t in token_ids)))
         self.length[seq] = int(tokens)
         return seq
 

@@ -60,6 +60,15 @@ CANONICAL = [
       "decode_chunk": 6, "block_size": 8, "budget_fraction": 0.5,
       "tenants": [{"name": "chat", "weight": 2, "rate": 0.7},
                   {"name": "batch", "weight": 1, "rate": 0.3}]}, 0),
+    # Hybrid models (issue 14): prompts over a small sliding window, decode past it, forks on
+    # either side of its edge, prefix reuse under four tenants' salts and adapters (alice's
+    # salt "x" is bob's adapter name), cached blocks evicted over a tight budget. `kvbench
+    # faults` shows what it catches.
+    ("hybrid-windows.jsonl", "hybrid_windows",
+     {"model": "tiny-hybrid", "num_requests": 48, "prompts": 1, "prompt_tokens": [24, 120],
+      "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
+      "fork_rate": 0.25, "concurrency": 5, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
+      "budget_fraction": 0.6}, 0),
 ]
 
 

@@ -38,6 +38,7 @@ from kvbench.traces.builder import (
     peak_blocks,
 )
 from kvbench.traces.format import Trace
+from kvbench.traces.hybrid import hybrid_windows
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -387,6 +388,7 @@ FAMILIES = {
     "fork_trees": fork_trees,
     "tenant_mixes": tenant_mixes,
     "prefix_sharing": prefix_sharing,
+    "hybrid_windows": hybrid_windows,
 }
 
 
@@ -405,5 +407,5 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
-    "prefix_sharing", "FAMILIES", "generate",
+    "prefix_sharing", "hybrid_windows", "FAMILIES", "generate",
 ]

@@ -1,0 +1,417 @@
+"""The engine-bug catalogue: planted faults, each a small subclass of a correct backend.
+
+`kvbench faults` replays the default suite (every committed workload, as `kvbench run` does)
+through each of them and reports where the checker first parts ways with it: each bug of issue
+14's list (an upstream engine bug, reproduced in kvbench's terms), and the faults the tests plant
+at a hand-picked step (tests/test_faults.py). A fault is a subclass, never a flag in a backend:
+the backends stay what they are.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from impls.contiguous import Contiguous
+from impls.numpy_paged import NumpyPaged
+from kvbench.contract.protocol import OutOfMemory
+
+# --- the faults tests/test_faults.py plants at a chosen step --------------------------------
+
+class NoCopyOnWrite(NumpyPaged):
+    """(a) Writes into a shared tail in place."""
+
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
+        return tails, free_last, np.zeros_like(cow), new
+
+
+class CopyWithoutData(NumpyPaged):
+    """(a') Copy-on-write takes a block and copies the fill count, but not the K/V."""
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        rows = np.array([self.row_of[s] for s in seqs])
+        tail_index = self.nblocks[rows] - 1
+        old_tails, old_fill = self.table[rows, tail_index].copy(), self.fill[self.table[rows, tail_index]]
+        victims = super().append(seqs, tokens, kv, step=step)
+        for r, i, old, n in zip(rows, tail_index, old_tails, old_fill):
+            new = self.table[r, i]
+            if new != old:  # this writer copied: forget the data it should have brought along
+                self.pool[new, :n] = 0
+        return victims
+
+
+class FloorBlocks(NumpyPaged):
+    """(b) floor instead of ceil for the new blocks of an append."""
+
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, new = super()._append_plan(rows, dts, refcount, group)
+        return tails, free_last, cow, np.maximum(0, dts - free_last) // self.B
+
+
+class PoolFragmentation(NumpyPaged):
+    """(c) Fragmentation over the whole pool instead of the blocks in use."""
+
+    def ledger(self):
+        led = super().ledger()
+        total = self.config.num_blocks * self.B
+        led.fragmentation = (total - led.token_states) / total
+        return led
+
+
+class SharedCountedTwice(NumpyPaged):
+    """(d) blocks_used and capacity summed over block tables: a shared block counts per sharer."""
+
+    def ledger(self):
+        led = super().ledger()
+        led.blocks_used = sum(led.seq_blocks.values())
+        led.capacity_slots = led.blocks_used * self.B
+        return led
+
+
+class LeakyPrefill(NumpyPaged):
+    """(e) Out of memory after grabbing blocks one at a time: those it took stay taken."""
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        try:
+            return super().prefill(seq, tokens, kv, **kw)
+        except OutOfMemory:
+            self._take(self.free_top)
+            raise
+
+
+class LeakyAppend(NumpyPaged):
+    """(e') Out of memory in an append pops the free blocks it found off the free stack and
+    loses them: never referenced, never returned."""
+
+    def append(self, seqs, tokens, kv=None, **kw):
+        try:
+            return super().append(seqs, tokens, kv, **kw)
+        except OutOfMemory:
+            self.free_top = 0
+            raise
+
+
+class LruTiesWrongWay(NumpyPaged):
+    """(f) LRU that breaks a tie on last access towards the larger sequence id."""
+
+    def _victim(self, candidates):
+        if self.config.policy != "lru":
+            return super()._victim(candidates)
+        order = np.lexsort((-self.seq_of_row[candidates], self.last_access[candidates]))
+        return int(candidates[order[0]])
+
+
+class LfuWithoutRecency(NumpyPaged):
+    """(g) LFU on (use_count, id), ignoring recency."""
+
+    def _victim(self, candidates):
+        order = np.lexsort((self.seq_of_row[candidates], self.use_count[candidates]))
+        return int(candidates[order[0]])
+
+
+def _lru_row(backend, rows):
+    return int(rows[np.lexsort((backend.seq_of_row[rows], backend.last_access[rows]))[0]])
+
+
+class FairInFloat(NumpyPaged):
+    """(h) Fair with quotas in floating point: w_t / sum(w) * B_total."""
+
+    def _fair_victim(self, candidates):
+        live = np.flatnonzero(self.live)
+        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
+        present = {self.tenants[i] for i in self.tenant_idx[live].tolist()}
+        weights = {t: float(w) for t, w in self.config.tenant_weights.items()}
+        weights.update({t: 1.0 for t in sorted(present - set(weights))})
+        total = sum(weights.values())  # 0.1 + 0.2 + 0.3 = 0.6000000000000001
+        over = []
+        for t in present:
+            quota = weights[t] / total * self.config.num_blocks
+            u = usage[self.tenants.index(t)]
+            if u > quota:
+                over.append((u - quota, t))
+        for _, t in sorted(over, reverse=True):
+            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
+            if len(mine):
+                return _lru_row(self, mine)
+        return None
+
+
+class FairByUsage(NumpyPaged):
+    """(i) Fair that takes the tenant using the most blocks, over its quota or not."""
+
+    def _fair_victim(self, candidates):
+        live = np.flatnonzero(self.live)
+        usage = np.bincount(self.tenant_idx[live], weights=self.nblocks[live], minlength=len(self.tenants))
+        for t in np.argsort(-usage, kind="stable"):
+            mine = candidates[self.tenant_idx[candidates] == t]
+            if len(mine):
+                return _lru_row(self, mine)
+        return None
+
+
+class EvictsServed(NumpyPaged):
+    """(j) Eviction that does not protect the sequences being served."""
+
+    def _make_room(self, need_fn, protect_rows):
+        return super()._make_room(need_fn, np.array([], dtype=np.int64))
+
+
+class BestFit(Contiguous):
+    """Contiguous baseline placing a slab in the smallest hole that fits, not the first."""
+
+    def _hole(self, size, skip=frozenset(), placed=()):
+        holes, pos = [], 0
+        for start, slab_size, seq in sorted(self.starts + [(a, n, -1) for a, n in placed]):
+            if seq in skip:
+                continue
+            if start - pos >= size:
+                holes.append((start - pos, pos))
+            pos = max(pos, start + slab_size)
+        if self.capacity - pos >= size:
+            holes.append((self.capacity - pos, pos))
+        return min(holes)[1] if holes else None
+
+
+class ForkWithoutData(Contiguous):
+    """Contiguous fork that reserves and accounts the child's slab but copies no K/V."""
+
+    def fork(self, seq, src, **kw):
+        victims = super().fork(seq, src, **kw)
+        st = self.seqs[seq]
+        start = st["slabs"][0][0]
+        self.arena[start:start + st["tokens"]] = 0
+        return victims
+
+
+
+# --- engine bugs (issue 14) ------------------------------------------------------------------
+
+class DoubleWindowRelease(NumpyPaged):
+    """A sliding window's release names its first block twice, and the free path drops one
+    reference per mention, giving a block back each time its count is at or below zero."""
+
+    def _release_window(self, blocks):
+        for b in np.concatenate([blocks, blocks[:1]]).tolist():
+            self.refcount[b] -= 1
+            if self.refcount[b] <= 0:
+                self._give_back(np.array([b], dtype=np.intp))
+
+
+class GroupsReversedAsOne(NumpyPaged):
+    """A freed sequence's blocks, every group's in one list, reversed once: the last group's
+    tail goes back first, and the first group's head last (not each group tail first)."""
+
+    def _row_blocks(self, r):
+        nb = self.nblocks[r]
+        return np.concatenate([t[r, f[r]:nb] for t, f in zip(self.tables, self.first)])[::-1]
+
+
+class FifoReuse(NumpyPaged):
+    """Freed uncached blocks go to the bottom of the free stack: reuse cycles through every id."""
+
+    def _give_back(self, dead):
+        cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
+        for b in dead[cached].tolist():
+            self.evictable[b] = None
+        dead = dead[~cached]
+        self.fill[dead] = 0
+        k = len(dead)
+        self.free_stack[k:self.free_top + k] = self.free_stack[:self.free_top].copy()
+        self.free_stack[:k] = dead[::-1]
+        self.free_top += k
+
+
+class PartialBlocksInLru(NumpyPaged):
+    """With prefix caching on, every freed block joins the cache's eviction queue, unhashed
+    (partial) ones too, so they count as cached and are reused after older real entries."""
+
+    def _give_back(self, dead):
+        if not self.config.prefix_caching:
+            return super()._give_back(dead)
+        for b in dead.tolist():
+            self.evictable[b] = None
+        self.fill[dead[[b not in self.hash_of for b in dead.tolist()]]] = 0
+
+    def _take(self, n):
+        k = min(n, self.free_top)
+        ids = self.free_stack[self.free_top - k:self.free_top][::-1].copy()
+        self.free_top -= k
+        if n > k:
+            old = list(self.evictable)[:n - k]
+            for b in old:
+                del self.evictable[b]
+                key = self.hash_of.pop(b, None)
+                if key is not None:
+                    del self.by_hash[key]
+            ids = np.concatenate([ids, np.array(old, dtype=np.intp)])
+        self.refcount[ids] = 1
+        return ids
+
+
+def _full_run(backend, keys) -> int:
+    run = len(keys)
+    for g, w in enumerate(backend.windows):
+        if w is None:
+            k = 0
+            while k < run and (g, keys[k]) in backend.by_hash:
+                k += 1
+            run = k
+    return run
+
+
+class HitPastMissingWindow(NumpyPaged):
+    """A hybrid hit as long as the full groups' cached run, whether or not each sliding group
+    has its window's blocks cached: where one is missing a fresh block stands in, unwritten."""
+
+    def _hit_plan(self, keys):
+        L = _full_run(self, keys)
+        hits = []
+        for g, w in enumerate(self.windows):
+            lo = 0 if w is None else max(0, L * self.B - w + 1) // self.B
+            found = [self.by_hash.get((g, keys[i])) for i in range(lo, L)]
+            if any(b is None for b in found):
+                cut = max(i for i, b in enumerate(found) if b is None) + 1
+                found = found[cut:]  # the blocks after the last missing one
+            hits.append(np.array(found, dtype=np.intp))
+        return L, hits
+
+
+class SlidingHitLikeFull(NumpyPaged):
+    """A sliding group held to a full group's rule: every block below the hit cached, not only
+    those of its window (hits end at the first sliding block the cache lost)."""
+
+    def _hit_plan(self, keys):
+        run = len(keys)
+        for g in range(self.G):
+            k = 0
+            while k < run and (g, keys[k]) in self.by_hash:
+                k += 1
+            run = k
+        return super()._hit_plan(keys[:run])
+
+
+class LcmHitGranularity(NumpyPaged):
+    """The hit rounded down to the least common multiple of the block size and the windows: no
+    hit shorter than that (vllm-ascend: under 4096 tokens, none)."""
+
+    def _hit_plan(self, keys):
+        unit = math.lcm(self.B, *[w for w in self.windows if w is not None]) // self.B
+        L, _ = super()._hit_plan(keys)
+        return super()._hit_plan(keys[:L // unit * unit])
+
+
+class UntaggedExtraKeys(NumpyPaged):
+    """The salt and the adapter name enter the block hash untagged: salt "x" = adapter "x"."""
+
+    def _extra_keys(self, salt, adapter):
+        return repr(tuple(v for v in (salt, adapter) if v is not None)).encode()
+
+
+class EvictableCountsShared(NumpyPaged):
+    """The evictable (cached) count adds the shared blocks once more per extra reference."""
+
+    def ledger(self, seqs=None):
+        led = super().ledger()
+        led.cached_blocks += int(np.maximum(0, self.refcount - 1).sum())
+        return led
+
+
+class WrongBlockOnAlignedHit(NumpyPaged):
+    """A whole-prompt hit at an exact multiple of the block size takes its last block from
+    another prompt's cache entry (one as busy as the right one)."""
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        self._aligned = tokens % self.B == 0 and tokens > 0
+        return super().prefill(seq, tokens, kv, **kw)
+
+    def _hit_plan(self, keys):
+        L, hits = super()._hit_plan(keys)
+        if not getattr(self, "_aligned", False) or L * self.B == 0 or L != len(keys):
+            return L, hits
+        g = self.G - 1
+        right = int(hits[g][-1])
+        wrong = next((b for (grp, _), b in self.by_hash.items() if grp == g and b not in hits[g]
+                      and (self.refcount[b] > 0) == (self.refcount[right] > 0)), None)
+        if wrong is not None:
+            hits[g] = hits[g].copy()
+            hits[g][-1] = wrong
+        return L, hits
+
+
+class TokenCapacityPerGroup(NumpyPaged):
+    """Token capacity with the pool split evenly among the groups: num_blocks // G * B."""
+
+    def ledger(self, seqs=None):
+        led = super().ledger()
+        led.token_capacity = self.config.num_blocks // self.G * self.B
+        return led
+
+
+class BlockUsageAsSlotUsage(NumpyPaged):
+    """Usage by slots reported as usage by blocks (66.7% of blocks, 36.5% of slots filled)."""
+
+    def ledger(self, seqs=None):
+        led = super().ledger()
+        led.slot_usage = led.block_usage
+        return led
+
+
+class UsedFromFreeAndCached(NumpyPaged):
+    """Blocks in use as the pool minus the free and the cached ones (cached counted twice):
+    too low, negative once the cache is large."""
+
+    def ledger(self, seqs=None):
+        led = super().ledger()
+        led.blocks_used = self.config.num_blocks - led.blocks_free - led.cached_blocks
+        return led
+
+
+# --- the catalogue ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    upstream: str  # the engine bug it reproduces, or "kvbench" for a fault the tests plant
+    fault: type
+    why: bool  # one of issue 14's list: the default suite must catch it
+
+
+CATALOGUE = [
+    Bug("window release names a block twice: its count drops twice, the free count runs high",
+        "vLLM #42571", DoubleWindowRelease, True),
+    Bug("deferred free reverses every group's blocks as one list", "vLLM #48489",
+        GroupsReversedAsOne, True),
+    Bug("freed blocks reused first in, first out (LIFO flipped to FIFO)", "vLLM PR #51482",
+        FifoReuse, True),
+    Bug("partial (unhashed) blocks join the cache's LRU and push out real entries", "vLLM #42656",
+        PartialBlocksInLru, True),
+    Bug("hybrid hit past a sliding window the cache lacks", "vLLM #50457", HitPastMissingWindow, True),
+    Bug("hybrid hit: the sliding group held to a full group's rule", "vLLM #50457",
+        SlidingHitLikeFull, True),
+    Bug("hit length rounded to an LCM of the groups' units", "vllm-ascend #16270",
+        LcmHitGranularity, True),
+    Bug("salt and adapter name untagged in the block hash", "vLLM #44701", UntaggedExtraKeys, True),
+    Bug("evictable count adds shared blocks twice", "SGLang #35270", EvictableCountsShared, True),
+    Bug("aligned whole-prompt hit returns another prompt's K/V", "LMCache #5151, TensorRT-LLM #8813",
+        WrongBlockOnAlignedHit, True),
+    Bug("token capacity split evenly among groups", "vLLM #40691, #51163", TokenCapacityPerGroup, True),
+    Bug("usage by slots reported as usage by blocks", "vLLM PR #57336", BlockUsageAsSlotUsage, True),
+    Bug("blocks in use = pool - free - cached (negative)", "TensorRT-LLM #11879",
+        UsedFromFreeAndCached, True),
+    Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
+    Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
+    Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),
+    Bug("(c) fragmentation over the whole pool", "kvbench", PoolFragmentation, False),
+    Bug("(d) shared blocks counted per table", "kvbench", SharedCountedTwice, False),
+    Bug("(e) out of memory leaks a prefill's blocks", "kvbench", LeakyPrefill, False),
+    Bug("(e') out of memory loses an append's free blocks", "kvbench", LeakyAppend, False),
+    Bug("(f) LRU ties towards the larger id", "kvbench", LruTiesWrongWay, False),
+    Bug("(g) LFU without recency", "kvbench", LfuWithoutRecency, False),
+    Bug("(h) Fair quotas in floating point", "kvbench", FairInFloat, False),
+    Bug("(i) Fair by usage, not excess over quota", "kvbench", FairByUsage, False),
+    Bug("(j) eviction of the sequence being served", "kvbench", EvictsServed, False),
+    Bug("contiguous: best fit instead of first fit", "kvbench", BestFit, False),
+    Bug("contiguous: fork without the K/V", "kvbench", ForkWithoutData, False),
+]

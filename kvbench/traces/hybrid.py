@@ -1,0 +1,152 @@
+"""The hybrid family: prompts over sliding windows, forks at the window's edge, prefix reuse
+under several salts and adapters (SPEC §8, §9). A pure function of a seed, like the others.
+
+Requests draw a tenant (each with a cache salt and a LoRA adapter, or none: by default one
+tenant's salt is another tenant's adapter name, vLLM issue 44701), one of a few base prompts
+(token ids), and a prompt that is the base prompt's first ``m`` tokens (block-aligned with
+``aligned_rate``), then ``own`` tokens of its own with ``own_rate``. Prompts run well past the
+model's windows and decode past them; a fork (``fork_rate``) happens at a random point of the
+decoding, so it falls on either side of a window edge. Over a budget of ``num_blocks`` (default
+``ceil(budget_fraction * peak)``, the peak counted with every group's blocks), cached blocks
+are evicted and reused: later prompts find their full groups' blocks cached and their sliding
+groups' windows gone, or the reverse.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from kvbench.contract import formulas as F
+from kvbench.traces.builder import _Builder, _recorded
+from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
+from kvbench.traces.laws import _pair, _positive_int
+
+TENANTS = [{"name": "alice", "salt": "x"}, {"name": "bob", "adapter": "x"},
+           {"name": "carol", "salt": "y", "adapter": "x"}, {"name": "dave"}]
+VOCAB = 32000
+
+
+def hybrid_windows(seed: int = 0, *, model: str = "tiny-hybrid", num_requests: int = 36,
+                   prompts: int = 3, prompt_tokens=(24, 120), aligned_rate: float = 0.3,
+                   own_rate: float = 0.4, own_tokens=(1, 24), output=(8, 48),
+                   fork_rate: float = 0.25, concurrency: int = 4, max_batch: int = 3,
+                   decode_chunk: int = 6, block_size: int = 8, num_blocks: int | None = None,
+                   budget_fraction: float = 0.6, tenants=None) -> Trace:
+    """Requests on a model of KV cache groups with sliding windows (see the module docstring)."""
+    params = _recorded(dict(locals()))
+    spec = F.get_model(model)
+    tenants = params["tenants"] = _tenants(tenants if tenants is not None else TENANTS)
+    n = _positive_int("num_requests", num_requests)
+    k_max = _positive_int("prompts", prompts)
+    p_lo, p_hi = _pair("prompt_tokens", prompt_tokens)
+    own_lo, own_hi = _pair("own_tokens", own_tokens)
+    out_lo, out_hi = _pair("output", output)
+    for name, v in (("concurrency", concurrency), ("max_batch", max_batch),
+                    ("decode_chunk", decode_chunk), ("block_size", block_size)):
+        _positive_int(name, v)
+    for name, v in (("aligned_rate", aligned_rate), ("own_rate", own_rate), ("fork_rate", fork_rate)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{name} must be a probability in [0, 1], got {v!r}")
+    B = block_size
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, VOCAB, size=(k_max, p_hi))
+    own_ids = iter(range(VOCAB, VOCAB + n * own_hi))  # ids no base prompt has
+
+    b, left, order, arrived, forks = _Builder(), {}, deque(), 0, {}
+    while arrived < n or left:
+        while arrived < n and len(left) < concurrency:
+            t = tenants[int(rng.integers(len(tenants)))]
+            k = int(rng.integers(k_max))
+            m = int(rng.integers(p_lo, p_hi, endpoint=True))
+            if rng.random() < aligned_rate:
+                m = max(B, m // B * B)
+            ids = list(base[k, :m])
+            if rng.random() < own_rate:
+                ids += [next(own_ids) for _ in range(int(rng.integers(own_lo, own_hi, endpoint=True)))]
+            seq = b.prefill(len(ids), t["name"], salt=t.get("salt"), adapter=t.get("adapter"),
+                            token_ids=ids)
+            left[seq] = int(rng.integers(out_lo, out_hi, endpoint=True))
+            if rng.random() < fork_rate:  # forks after a random share of the decoding
+                forks[seq] = int(rng.integers(0, left[seq]))
+            order.append(seq)
+            arrived += 1
+        batch = [order.popleft() for _ in range(min(max_batch, len(order)))]
+        chunk = [min(decode_chunk, left[s]) for s in batch]
+        b.append(batch, chunk)
+        for s, c in zip(batch, chunk):
+            left[s] -= c
+            if s in forks and left[s] <= forks[s]:
+                del forks[s]
+                child = b.fork(s)
+                left[child] = int(rng.integers(out_lo, out_hi, endpoint=True))
+                order.append(child)
+            if left[s] == 0:
+                del left[s]
+                b.free(s)
+            else:
+                order.append(s)
+
+    peak, need = _peak_and_demand(b.ops, spec, B)
+    if num_blocks is None:
+        if not 0 < budget_fraction <= 1:
+            raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
+        num_blocks = max(need, math.ceil(budget_fraction * peak))
+    _positive_int("num_blocks", num_blocks)
+    if num_blocks < need:
+        raise ValueError(f"hybrid_windows: num_blocks={num_blocks} must be >= {need} (the most "
+                         f"one operation takes)")
+    return b.trace("hybrid_windows", params, seed, name="hybrid_windows",
+                   groups=tuple(g.kind for g in spec.kv_groups),
+                   settings={"model": model, "block_size": B, "num_blocks": num_blocks,
+                             "prefix_caching": True})
+
+
+def _peak_and_demand(ops, model, block_size: int) -> tuple[int, int]:
+    """Upper bounds, sharing ignored: the most blocks the live sequences hold over every group
+    (sum_g blocks_g(T)), and the most one operation takes before its windows slide (a prefill
+    writes every position in every group)."""
+    G = len(model.kv_groups)
+    length, held, peak, need = {}, {}, 0, 0
+    for op in ops:
+        if isinstance(op, Prefill):
+            length[op.seq] = op.tokens
+            touched = (op.seq,)
+            need = max(need, G * F.blocks_needed(op.tokens, block_size))
+        elif isinstance(op, Append):
+            for s, t in zip(op.seqs, op.tokens):
+                length[s] += t
+            touched = op.seqs
+        elif isinstance(op, Fork):
+            length[op.seq] = length[op.src]
+            touched = (op.seq,)
+        else:
+            del length[op.seq]
+            held.pop(op.seq)
+            touched = ()
+        for s in touched:
+            held[s] = F.request_blocks(length[s], model, block_size)
+        peak = max(peak, sum(held.values()))
+    return peak, need
+
+
+def _tenants(tenants) -> list:
+    if not isinstance(tenants, (list, tuple)) or not tenants:
+        raise ValueError(f"tenants must be a non-empty list of dicts, got {tenants!r}")
+    out = []
+    for i, t in enumerate(tenants):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise ValueError(f"tenants[{i}] must be a dict with a non-empty string 'name', got {t!r}")
+        unknown = set(t) - {"name", "salt", "adapter"}
+        if unknown:
+            raise ValueError(f"tenants[{i}] ({t['name']!r}) has unknown key(s) {sorted(unknown)}; "
+                             f"known: name, salt, adapter")
+        for key in ("salt", "adapter"):
+            if t.get(key) is not None and (not isinstance(t[key], str) or not t[key]):
+                raise ValueError(f"tenants[{i}] ({t['name']!r}): {key} must be a non-empty string")
+        out.append({k: t[k] for k in ("name", "salt", "adapter") if t.get(k) is not None})
+    return out
+
+
+__all__ = ["hybrid_windows", "TENANTS"]

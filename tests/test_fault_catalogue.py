@@ -1,0 +1,55 @@
+"""The engine-bug catalogue (`kvbench faults`): every bug of issue 14's list, planted into a copy
+of a backend, is caught by the default suite, the committed workloads `kvbench run` checks, not
+only by a trace written for it; and the suite passes the backends the faults were planted into."""
+from __future__ import annotations
+
+import pytest
+
+from impls.faults import CATALOGUE
+from kvbench.checking import suite
+from kvbench.checking.checker import check
+from kvbench.cli import faults as cli
+from kvbench.cli import main
+
+
+@pytest.fixture(scope="module")
+def table():
+    return {r["bug"]: r for r in cli.catalogue()}
+
+
+@pytest.mark.parametrize("bug", [b for b in CATALOGUE if b.why], ids=lambda b: b.upstream)
+def test_every_engine_bug_is_caught_by_the_default_suite(table, bug):
+    row = table[bug.name]
+    assert row["caught"] == "yes", f"{bug.name} ({bug.upstream}) passes every committed workload"
+    assert row["workload"] and isinstance(row["step"], int)
+    assert row["first divergence"].startswith(row["divergence"].quantity)
+
+
+def test_the_planted_faults_of_the_tests_are_caught_too(table):
+    missed = [b.name for b in CATALOGUE if not b.why and table[b.name]["caught"] != "yes"]
+    assert missed == []
+
+
+def test_a_salt_leak_names_both_requests(table):
+    d = table["salt and adapter name untagged in the block hash"]["divergence"]
+    assert "a hit across salts" in d.detail and "salt 'x'" in d.detail and "adapter 'x'" in d.detail
+
+
+@pytest.mark.parametrize("base", sorted({b.fault.__mro__[1] for b in CATALOGUE}, key=lambda c: c.__name__),
+                         ids=lambda c: c.__name__)
+def test_the_backends_the_faults_are_planted_into_pass_the_suite(base):
+    # The control: what the catalogue reports is the fault, not the suite or the backend.
+    for trace in suite.load_traces(suite.committed_workloads()):
+        for policy in suite.policies_for(trace, "auto"):
+            v = check(trace, base(suite.config_for(trace, policy=policy)))
+            assert v.valid is True, f"{trace.name}@{policy}: {v.divergence}"
+
+
+def test_the_command_prints_the_table_and_says_what_it_missed(capsys):
+    # One workload: the table, and exit status 1 exactly when an engine bug went unnoticed.
+    code = main(["faults", "--quiet", "--width", "40", str(suite.WORKLOADS_DIR / "fork-beam.jsonl")])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split()[:4] == ["bug", "upstream", "caught", "workload"]
+    assert len(out.splitlines()) == 1 + len(CATALOGUE) + 1
+    assert code == (1 if "MISSED" in err else 0)
+    assert f"of {sum(b.why for b in CATALOGUE)} engine bugs of issue 14" in out
