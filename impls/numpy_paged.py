@@ -32,12 +32,15 @@ POLICIES = ("lru", "lfu", "fair")
 DENSE_IDS = 1 << 20  # sequence ids below this are looked up in an array, others in a dict
 
 
-def reserved_zeros(shape, dtype) -> np.ndarray:
-    """Zeros written now, not left to the OS to fault in lazily: a pool's memory is reserved up
-    front, as a serving engine's is, so no page fault lands in a timed decode step."""
-    a = np.empty(shape, dtype=dtype)
-    a.fill(0)
-    return a
+COMMIT_BYTES = 16 << 20  # a pool commits its memory at least this much at a time
+
+
+def lazy_zeros(shape, dtype) -> np.ndarray:
+    """Zeros whose memory the OS gives only when written (calloc: untouched pages are shared zero
+    pages), so that a pool costs the memory of the blocks it has used, not of its whole budget.
+    The pool writes its blocks' pages itself, in chunks, as it first hands them out (``_commit``),
+    so that no page fault lands in a timed decode step."""
+    return np.zeros(shape, dtype=dtype)
 
 
 class NumpyPaged(Backend):
@@ -59,6 +62,7 @@ class NumpyPaged(Backend):
         self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)  # one token, every layer
         self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # one slot of one group
         self.pool = self._make_pool(n, B) if config.store_kv else None
+        self.ready = 0  # blocks below this have their storage's memory written (committed)
         self.refcount = np.zeros(n, dtype=np.int32)
         self.fill = np.zeros(n, dtype=np.int32)
         self.block_group = np.zeros(n, dtype=np.int8)
@@ -100,10 +104,27 @@ class NumpyPaged(Backend):
     # --- K/V storage: every read and write goes through these (a quantized pool overrides them)
 
     def _make_pool(self, n: int, B: int):
-        pool = reserved_zeros((n, B) + self.token_shape, self.config.kv_dtype)
+        pool = lazy_zeros((n, B) + self.token_shape, self.config.kv_dtype)
         # One row per token slot: fancy-indexed writes on a 2-D view are many times faster.
         self.slots = pool.reshape(n * B, -1)
         return pool
+
+    def _storage(self) -> list:
+        """The arrays holding K/V, each indexed by block along its first axis."""
+        return [self.pool]
+
+    def _commit(self, blocks: int) -> None:
+        """Write the memory of the storage of blocks below ``blocks``, and some beyond (an eighth
+        of what is committed, COMMIT_BYTES at least): the pool grows with the blocks it uses, in
+        chunks, and a block's first write finds its pages already there."""
+        arrays = self._storage()
+        n = self.config.num_blocks
+        per_block = sum(a.nbytes for a in arrays) // max(1, n)
+        chunk = max(self.ready // 8, COMMIT_BYTES // max(1, per_block), 1)
+        hi = min(n, max(blocks, self.ready + chunk))
+        for a in arrays:
+            a[self.ready:hi] = 0
+        self.ready = hi
 
     def _write_slots(self, slots: np.ndarray, kv) -> None:
         self.slots[slots] = np.asarray(kv).reshape(len(slots), self.slots.shape[1])
@@ -178,6 +199,8 @@ class NumpyPaged(Backend):
                 del self.by_hash[self.hash_of.pop(b)]
             ids = np.concatenate([ids, np.array(old, dtype=np.intp)])
         self.refcount[ids] = 1
+        if self.pool is not None and len(ids) and ids.max() >= self.ready:
+            self._commit(int(ids.max()) + 1)
         return ids
 
     def _give_back(self, dead: np.ndarray) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from impls import quant_numpy
-from impls.numpy_paged import NumpyPaged, reserved_zeros
+from impls.numpy_paged import NumpyPaged, lazy_zeros
 from kvbench import quant as Q
 from kvbench.contract.protocol import Ledger
 from kvbench.quant.pool import scheme_of
@@ -37,10 +37,17 @@ class NumpyQuantPaged(NumpyPaged):
         super().__init__(config)
 
     def _make_pool(self, n: int, B: int):
-        self.codes = reserved_zeros((n * B,) + self.code_shape, self.code_dtype)
-        self.scale = reserved_zeros((n * B, self.rows_per_slot), np.float32)
-        self.zero = None if self.scheme.symmetric else reserved_zeros(self.scale.shape, np.float32)
+        codes = lazy_zeros((n, B) + self.code_shape, self.code_dtype)
+        scale = lazy_zeros((n, B, self.rows_per_slot), np.float32)
+        zero = None if self.scheme.symmetric else lazy_zeros(scale.shape, np.float32)
+        self._by_block = [a for a in (codes, scale, zero) if a is not None]  # committed by block
+        # One row per token slot for writes and reads.
+        self.codes, self.scale = codes.reshape(n * B, -1), scale.reshape(n * B, -1)
+        self.zero = None if zero is None else zero.reshape(n * B, -1)
         return self.codes  # "the pool": present when K/V are stored
+
+    def _storage(self) -> list:
+        return self._by_block
 
     def _write_slots(self, slots, kv) -> None:
         kv = np.asarray(kv, dtype=np.float32)

@@ -32,6 +32,7 @@ from kvbench.contract.protocol import (
 )
 
 POLICIES = ("lru", "lfu", "fair")
+COMMIT_BYTES = 16 << 20  # the CPU pool commits its memory at least this much at a time
 
 
 def _import_torch():
@@ -95,8 +96,17 @@ class TorchPaged(Backend):
         self.kv_dtype = getattr(torch, np.dtype(config.kv_dtype).name)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.layer_index = [torch.tensor(g.layers, **i64) for g in self.groups]
-        self.pool = (torch.zeros((n, B) + self.token_shape, dtype=self.kv_dtype, device=self.device)
-                     if config.store_kv else None)
+        # On a GPU the pool is reserved whole up front, as a serving engine's is. On the CPU its
+        # pages are written as blocks are first handed out (_commit), so it costs the memory of
+        # the blocks it has used, not of its whole budget.
+        self.lazy = self.device.type == "cpu"
+        self.ready = 0 if self.lazy else n  # blocks below this have their memory written
+        if not config.store_kv:
+            self.pool = None
+        elif self.lazy:
+            self.pool = torch.empty((n, B) + self.token_shape, dtype=self.kv_dtype)
+        else:
+            self.pool = torch.zeros((n, B) + self.token_shape, dtype=self.kv_dtype, device=self.device)
         self.refcount = torch.zeros(n, **i64)
         self.fill = torch.zeros(n, **i64)
         self.block_group = torch.zeros(n, **i64)
@@ -228,7 +238,21 @@ class TorchPaged(Backend):
             ids = self.torch.cat([ids, self._dev(old)])
             self.fill[ids] = 0  # a cached block comes back full: the append below sets its fill
         self.refcount[ids] = 1
+        if self.pool is not None and self.lazy and len(ids):
+            top = int(ids.max()) + 1
+            if top > self.ready:
+                self._commit(top)
         return ids
+
+    def _commit(self, blocks: int) -> None:
+        """Zero the pool's blocks below ``blocks`` and some beyond (an eighth of what is
+        committed, COMMIT_BYTES at least): the CPU pool grows with the blocks it uses, in chunks."""
+        n = self.config.num_blocks
+        per_block = self.pool[0].numel() * self.pool.element_size()
+        chunk = max(self.ready // 8, COMMIT_BYTES // max(1, per_block), 1)
+        hi = min(n, max(blocks, self.ready + chunk))
+        self.pool[self.ready:hi].zero_()
+        self.ready = hi
 
     def _give_back(self, dead: list) -> None:
         """Blocks at zero references, in release order: cached ones to the end of the evictable
