@@ -456,3 +456,50 @@ def test_header_groups_reshape_the_model():
     cfg = config_for(t, model="tiny")
     assert [g.kind for g in cfg.model.kv_groups] == ["sliding(8)", "full"]
     assert cfg.model.kv_groups[0].layers == (0,)  # tiny: 2 layers, layer i in group i mod 2
+
+
+# --- the capacity report (SPEC §8) ----------------------------------------------------------------
+
+def test_capacity_against_hand_arithmetic():
+    # Gemma 3 in 16 GiB, blocks of 16: a block of one group (8 layers) is
+    # 16 * 2 * 8 * 8 * 256 * 2 = 1 MiB, so 16384 blocks; as full attention (48 layers) 6 MiB,
+    # so 16384 // 6 = 2730 blocks.
+    g3 = F.get_model("gemma-3-12b")
+    blocks = F.budget_blocks("16GiB", 16, g3)
+    assert blocks == 16384
+    rows = {r["length"]: r for r in F.capacity(g3, blocks, 16, [4096, 32768])}
+    # 4096 tokens: the full group 256 blocks, each of 5 sliding groups min(256, ceil(1023/16) + 1).
+    assert rows[4096]["blocks_per_request"] == 256 + 5 * 65
+    assert rows[4096]["max_concurrency"] == 28  # 28 = floor(16384 / 581)
+    assert rows[4096]["full_max_concurrency"] == 10  # 10 = floor(2730 / 256)
+    # 32768 tokens: 2048 + 5 * 65 = 2373 blocks.
+    assert rows[32768]["max_concurrency"] == 6  # 6 = floor(16384 / 2373)
+    assert rows[32768]["tokens_fit"] == 6 * 32768
+    assert rows[32768]["full_max_concurrency"] == 1  # 1 = floor(2730 / 2048)
+    # Gemma 2 in 16 GiB: blocks of 16 * 2 * 21 * 8 * 256 * 2 = 2,752,512 bytes: 6241 of them.
+    g2 = F.get_model("gemma-2-9b")
+    blocks = F.budget_blocks("16GiB", 16, g2)
+    assert blocks == 6241  # floor(17179869184 / 2752512)
+    row = F.capacity(g2, blocks, 16, [8192])[0]
+    # 8 = floor(6241 / (ceil(8192/16) + ceil((4096-1)/16) + 1)) = floor(6241 / (512 + 257))
+    assert row["max_concurrency"] == 8
+    # 6 = floor((6241 // 2) / ceil(8192/16)) = floor(3120 / 512)
+    assert row["full_max_concurrency"] == 6
+
+
+def test_kvbench_run_prints_the_capacity_of_a_hybrid_model(tmp_path, capsys):
+    from kvbench.checking import suite
+    from kvbench.cli import main
+    path = suite.WORKLOADS_DIR / "hybrid-windows.jsonl"
+    assert main(["run", "--quiet", "--backend", "numpy", "--output", str(tmp_path / "r.json"),
+                 str(path)]) == 0
+    out = capsys.readouterr().out
+    blocks = suite.config_for(suite.load_traces([path])[0]).num_blocks
+    assert f"Capacity of tiny-hybrid (sliding(32), full) in {blocks} blocks of 8" in out
+    rows = out.split("Capacity of tiny-hybrid")[1].splitlines()[2:6]
+    length, need, conc, fit, *full = map(int, rows[1].split())
+    # 64 tokens in blocks of 8: the full group 8 blocks, the sliding one min(8, ceil(31/8) + 1).
+    assert (length, need) == (64, 8 + 5)
+    assert conc == blocks // 13 and fit == conc * 64
+    # As full attention: blocks of both groups' layers, half as many; 8 per request.
+    assert full == [8, blocks // 2 // 8, blocks // 2 // 8 * 64]

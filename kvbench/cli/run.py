@@ -13,6 +13,7 @@ from kvbench.bench import records
 from kvbench.checking import suite
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
+from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.outputs import check_writable
 
@@ -163,6 +164,7 @@ def cmd_run(args) -> int:
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
     print_capacity(traces[0], args)
+    print_group_capacity(traces, args)
     for line in verdict_lines(df):
         print(line)
     beyond_optimum = [msg for t in traces if t.header.tenants
@@ -186,7 +188,7 @@ def print_capacity(trace, args) -> None:
     from kvbench.checking.oracle import content_segments
     from kvbench.contract.protocol import kv_tokens
     cfg = suite.config_for(trace, **settings(args))
-    budget = cfg.num_blocks * cfg.block_size * cfg.model.bytes_per_token
+    budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)
     writers, positions = [], []
     for op in trace.ops:
         if getattr(op, "tokens", None) and hasattr(op, "tenant") and len(writers) < 256:
@@ -201,6 +203,27 @@ def print_capacity(trace, args) -> None:
     print_table(table, ["format", "keys", "values", "block_bytes", "metadata_fraction", "tokens",
                         "tokens_vs_fp16", "key_max_abs_error", "key_rmse", "value_max_abs_error",
                         "value_rmse"])
+
+
+def print_group_capacity(traces, args) -> None:
+    """For each hybrid model of the run (SPEC §8): requests of a few lengths, the blocks each
+    holds over every group, the largest concurrency and the tokens that fit, beside the same
+    layers as full attention in the same bytes: the formulas the checker holds backends to."""
+    seen = set()
+    for trace in traces:
+        cfg = suite.config_for(trace, **settings(args))
+        key = (cfg.model, cfg.num_blocks, cfg.block_size)
+        if not cfg.model.hybrid or key in seen or not any(g.sliding for g in cfg.model.kv_groups):
+            continue
+        seen.add(key)
+        kinds = ", ".join(g.kind for g in cfg.model.kv_groups)
+        print(f"\nCapacity of {cfg.model.name} ({kinds}) in {cfg.num_blocks} blocks of {cfg.block_size} "
+              f"({cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model):,} bytes), and of its "
+              f"layers as full attention in the same bytes:")
+        table = pd.DataFrame(F.capacity(cfg.model, cfg.num_blocks, cfg.block_size,
+                                        F.capacity_lengths(cfg.model)))
+        print_table(table, ["length", "blocks_per_request", "max_concurrency", "tokens_fit",
+                            "full_blocks_per_request", "full_max_concurrency", "full_tokens_fit"])
 
 
 def cmd_check(args) -> int:

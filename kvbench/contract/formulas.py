@@ -295,6 +295,34 @@ def max_concurrency(num_blocks: int, tokens: int, model: ModelSpec, block_size: 
     return num_blocks // need if need else 0
 
 
+def full_attention_twin(model: ModelSpec) -> ModelSpec:
+    """The same layers as one full-attention group (what the model costs without its windows)."""
+    return dataclasses.replace(model, name=f"{model.name} as full attention", groups=())
+
+
+def capacity(model: ModelSpec, num_blocks: int, block_size: int, lengths) -> list[dict]:
+    """SPEC §8's capacity at each request length X: blocks per request (sum_g blocks_g(X)), the
+    largest concurrency floor(num_blocks / that), tokens that fit (concurrency * X); beside them
+    the full-attention twin's in the same bytes (its blocks hold every layer: num_blocks // G of
+    them)."""
+    twin = full_attention_twin(model)
+    twin_blocks = num_blocks * block_bytes(block_size, model) // block_bytes(block_size, twin)
+    rows = []
+    for x in lengths:
+        need, twin_need = request_blocks(x, model, block_size), request_blocks(x, twin, block_size)
+        c, tc = max_concurrency(num_blocks, x, model, block_size), max_concurrency(twin_blocks, x, twin, block_size)
+        rows.append({"length": x, "blocks_per_request": need, "max_concurrency": c, "tokens_fit": c * x,
+                     "full_blocks_per_request": twin_need, "full_max_concurrency": tc,
+                     "full_tokens_fit": tc * x})
+    return rows
+
+
+def capacity_lengths(model: ModelSpec) -> list[int]:
+    """Lengths worth a capacity report: 1, 2, 4 and 8 times the largest window."""
+    w = max(g.window for g in model.kv_groups if g.window is not None)
+    return [w * k for k in (1, 2, 4, 8)]
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -306,7 +334,8 @@ def next_pow2(n: int) -> int:
 
 __all__ = [
     "KVGroup", "hybrid_groups", "parse_kind", "with_group_kinds", "window_start",
-    "first_held_block", "group_blocks", "request_blocks", "max_concurrency",
+    "first_held_block", "group_blocks", "request_blocks", "max_concurrency", "capacity",
+    "capacity_lengths", "full_attention_twin",
     "ModelSpec", "PRESETS", "get_model", "bytes_per_token", "kv_bytes", "block_bytes",
     "blocks_needed", "tail_waste", "append_new_blocks", "fragmentation", "sharing_saving",
     "jain_index", "parse_bytes", "budget_blocks", "ceil_div", "next_pow2",
