@@ -13,6 +13,7 @@ module docstring), so the checker compares block ids one by one.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from fractions import Fraction
 
 import numpy as np
@@ -89,8 +90,16 @@ class NumpyPaged(Backend):
         # first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
-        self.evictable: dict = {}
+        self.evictable: OrderedDict = OrderedDict()  # popitem(last=False): the oldest, O(1)
         self.hit_blocks = 0
+        # The ledger's figures, kept as blocks change hands (ledger() scans nothing): blocks in
+        # use, blocks with 2+ references, slots filled in blocks in use, blocks in use per
+        # group; reservation per row, recomputed for the rows an operation touched.
+        self.n_used = self.n_shared = self.filled = 0
+        self.group_used = np.zeros(self.G, dtype=np.int64)
+        self.res_row = np.zeros(rows, dtype=np.int64)
+        self.res_total = 0
+        self.dirty: set = set()
 
     @property
     def table(self) -> np.ndarray:
@@ -147,7 +156,7 @@ class NumpyPaged(Backend):
         extra = old
         self.tables = [np.vstack([t, np.full((extra, t.shape[1]), -1, np.intp)]) for t in self.tables]
         self.first = [np.concatenate([f, np.zeros(extra, f.dtype)]) for f in self.first]
-        for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx"):
+        for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx", "res_row"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(extra, arr.dtype)]))
         self.live = np.concatenate([self.live, np.zeros(extra, bool)])
@@ -189,23 +198,44 @@ class NumpyPaged(Backend):
         return self.tenants.index(tenant)
 
     def _take(self, n: int) -> np.ndarray:
+        """n blocks at one reference, fill 0 (their group is the caller's to count)."""
         k = min(n, self.free_top)
         ids = self.free_stack[self.free_top - k:self.free_top][::-1].copy()
         self.free_top -= k
         if n > k:  # reuse the least recently freed cached blocks
-            old = list(self.evictable)[:n - k]
+            old = [self.evictable.popitem(last=False)[0] for _ in range(n - k)]
             for b in old:
-                del self.evictable[b]
                 del self.by_hash[self.hash_of.pop(b)]
             ids = np.concatenate([ids, np.array(old, dtype=np.intp)])
+            self.fill[ids[k:]] = 0
         self.refcount[ids] = 1
         if self.pool is not None and len(ids) and ids.max() >= self.ready:
             self._commit(int(ids.max()) + 1)
+        self.n_used += n
         return ids
+
+    def _add_refs(self, blocks: np.ndarray, delta: int) -> None:
+        """``delta`` references per mention of a block in use (it stays in use), keeping the
+        count of shared blocks."""
+        u = np.unique(blocks)
+        before = int(np.count_nonzero(self.refcount[u] > 1))
+        np.add.at(self.refcount, blocks, delta)
+        self.n_shared += int(np.count_nonzero(self.refcount[u] > 1)) - before
+
+    def _set_fill(self, blocks: np.ndarray, values) -> None:
+        """fill of blocks in use (each named once), keeping the count of filled slots."""
+        values = np.broadcast_to(np.asarray(values, dtype=np.int64), blocks.shape)
+        used = self.refcount[blocks] > 0  # as a recount would see them
+        self.filled += int(values[used].sum()) - int(self.fill[blocks][used].sum())
+        self.fill[blocks] = values
 
     def _give_back(self, dead: np.ndarray) -> None:
         """Blocks at zero references, in release order: cached ones to the end of the evictable
         queue, the others pushed on the free stack."""
+        self.n_used -= len(dead)
+        self.filled -= int(self.fill[dead].sum())
+        if len(dead):
+            self.group_used -= np.bincount(self.block_group[dead], minlength=self.G)
         if self.hash_of:
             cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
             for b in dead[cached].tolist():
@@ -219,7 +249,7 @@ class NumpyPaged(Backend):
         """Drop one reference per mention, in order; a block dies at its last mention."""
         if not len(blocks):
             return
-        np.subtract.at(self.refcount, blocks, 1)
+        self._add_refs(blocks, -1)
         dead = blocks[self.refcount[blocks] == 0]
         if len(dead) > 1:
             rev = dead[::-1]
@@ -247,6 +277,9 @@ class NumpyPaged(Backend):
             t[r, :nb] = -1
             f[r] = 0
         self.nblocks[r] = 0
+        self.res_total -= int(self.res_row[r])
+        self.res_row[r] = 0
+        self.dirty.discard(r)
         self.live[r] = False
         self.seq_of_row[r] = -1
         self.free_rows.append(r)
@@ -413,8 +446,14 @@ class NumpyPaged(Backend):
         self._grow_cols(n)
         L, hits = self._hit_plan(keys)
         for h in hits:
-            for b in h[self.refcount[h] == 0].tolist():
+            back = h[self.refcount[h] == 0]  # cached blocks back in use, full
+            for b in back.tolist():
                 del self.evictable[b]
+            self.n_used += len(back)
+            self.filled += int(self.fill[back].sum())
+            if len(back):
+                self.group_used += np.bincount(self.block_group[back], minlength=self.G)
+            self.n_shared += int(np.count_nonzero(self.refcount[h] == 1))
             self.refcount[h] += 1
             self.hit_blocks += len(h)
         fresh = self._take(self.G * (n - L)).reshape(self.G, n - L)
@@ -434,10 +473,14 @@ class NumpyPaged(Backend):
             held = ids[g][first[g]:]
             self.tables[g][r, :n] = ids[g]
             self.first[g][r] = first[g]
-            self.block_group[held] = g
-            self.fill[held] = self.B
-            if n:
-                self.fill[ids[g][-1]] = tokens - (n - 1) * self.B
+            fresh = ids[g][n_hit:]
+            self.block_group[fresh] = g
+            self.group_used[g] += len(fresh)
+            if len(held):  # full blocks; the last holds what is left
+                fills = np.full(len(held), self.B, dtype=np.int64)
+                fills[-1] = tokens - (n - 1) * self.B
+                self._set_fill(held, fills)
+        self.dirty.add(r)
         self.nblocks[r] = n
         self.tokens[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
@@ -498,12 +541,13 @@ class NumpyPaged(Backend):
             tails, free_last, cow, new = self._append_plan(rows, dts, self.refcount, g)
             ids = self._take(int(cow.sum() + new.sum()))
             self.block_group[ids] = g
+            self.group_used[g] += len(ids)
             # Copy-on-write: each copying writer gets a private copy of its tail (data and fill).
             n_cow = int(cow.sum())
             if n_cow:
                 src, dst = tails[cow], ids[:n_cow]
-                np.subtract.at(self.refcount, src, 1)
-                self.fill[dst] = self.fill[src]
+                self._add_refs(src, -1)
+                self._set_fill(dst, self.fill[src])
                 if self.pool is not None:
                     self._copy_blocks(src, dst)
                 table[rows[cow], nb_old[cow] - 1] = dst
@@ -517,7 +561,7 @@ class NumpyPaged(Backend):
             table[rows[owner], logical] = fresh
             # Every new token: its block and offset.
             phys = table[rows[writer], pos // self.B]
-            self.fill[phys[last_in_block]] = off[last_in_block] + 1
+            self._set_fill(phys[last_in_block], off[last_in_block] + 1)
             if self.pool is not None:
                 self._write_group(g, phys * self.B + off, kv)
             if g == self.G - 1:
@@ -525,6 +569,7 @@ class NumpyPaged(Backend):
         self.tokens[rows] = end
         self.last_access[rows] = step
         self.use_count[rows] += 1
+        self.dirty.update(rows.tolist())
         if any(w is not None for w in self.windows):
             self._slide(rows, end)
         return tuple(victims)
@@ -555,17 +600,20 @@ class NumpyPaged(Backend):
             if full.any():
                 ids = self._take(int(full.sum()))
                 self.block_group[ids] = g
+                self.group_used[g] += len(ids)
                 self.tables[g][rows[full], nb[full]] = ids
                 tails[full] = ids
                 fill[full] = 0
             if self.pool is not None:
                 self._write_group(g, tails * self.B + fill, kv)
             self.fill[tails] = fill + 1
+            self.filled += len(tails)
         if grew.any():
             self.nblocks[rows[grew]] += 1
         self.tokens[rows] += 1
         self.last_access[rows] = step
         self.use_count[rows] += 1
+        self.dirty.update(rows.tolist())
         if any(w is not None for w in self.windows):
             self._slide(rows, self.tokens[rows])
         return True
@@ -580,8 +628,9 @@ class NumpyPaged(Backend):
             t[r, :nb] = t[rs, :nb]
             f[r] = f[rs]
         self.nblocks[r] = nb
-        np.add.at(self.refcount, self._row_blocks(r), 1)
+        self._add_refs(self._row_blocks(r), 1)
         self.sharing_rows.update((r, rs))
+        self.dirty.update((r, rs))
         self.tokens[r] = self.tokens[rs]
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
@@ -591,7 +640,57 @@ class NumpyPaged(Backend):
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))
 
-    def ledger(self) -> Ledger:
+    def _reservation(self) -> int:
+        """Slots of private tails that later tokens of their sequence will fill, summed; each
+        row's share recomputed only if the row was touched or may share a block."""
+        rows = self.dirty | self.sharing_rows
+        self.dirty = set()
+        if rows:
+            rows = np.fromiter(rows, dtype=np.int64, count=len(rows))
+            rows = rows[self.live[rows]]
+            B = self.B
+            res = np.zeros(len(rows), dtype=np.int64)
+            for table in self.tables:
+                tails = table[rows, self.nblocks[rows] - 1]
+                private = (self.refcount[tails] == 1) & (tails >= 0)
+                reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
+                res += np.where(private, reserve, 0)
+            self.res_total += int(res.sum() - self.res_row[rows].sum())
+            self.res_row[rows] = res
+        return self.res_total
+
+    def ledger(self, seqs=None) -> Ledger:
+        """The ledger from the counters kept as blocks change hands; ``seqs``: the per-sequence
+        figures of these sequences only (None: every live one)."""
+        B, N = self.B, self.config.num_blocks
+        n_used = self.n_used
+        cap = n_used * B
+        free_slots = cap - self.filled
+        reservation = self._reservation()
+        if seqs is None:
+            rows = np.flatnonzero(self.live)
+        else:
+            rows = np.array([self.row_of[s] for s in seqs if s in self.row_of], dtype=np.int64)
+        ids = self.seq_of_row[rows].tolist()
+        token_states = self.filled
+        return Ledger(
+            blocks_used=n_used, blocks_free=self.n_free,
+            tokens=dict(zip(ids, self.tokens[rows].tolist())),
+            seq_blocks=dict(zip(ids, self._held(rows).tolist())),
+            capacity_slots=cap, free_slots=free_slots,
+            fragmentation=free_slots / cap if cap else 0.0,
+            bytes_in_use=n_used * B * self.config.model.slot_bytes,
+            shared_blocks=self.n_shared,
+            token_states=token_states, reservation=reservation,
+            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
+            free=self.n_free * B, cached_blocks=len(self.evictable),
+            prefix_hit_blocks=self.hit_blocks,
+            group_blocks=tuple(self.group_used.tolist()) if self.G > 1 else (),
+            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
+            slot_usage=token_states / (N * B) if N else 0.0)
+
+    def scanned_ledger(self) -> Ledger:
+        """The same figures recounted from the arrays (O(pool)): what the counters must equal."""
         B, N = self.B, self.config.num_blocks
         used = self.refcount > 0
         n_used = int(used.sum())
@@ -604,24 +703,18 @@ class NumpyPaged(Backend):
             private = (self.refcount[tails] == 1) & (tails >= 0)
             reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
             reservation += int(reserve[private].sum())
-        seqs = self.seq_of_row[rows].tolist()
-        token_states = cap - free_slots
-        return Ledger(
-            blocks_used=n_used, blocks_free=self.n_free,
-            tokens=dict(zip(seqs, self.tokens[rows].tolist())),
-            seq_blocks=dict(zip(seqs, self._held(rows).tolist())),
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=n_used * B * self.config.model.slot_bytes,
-            shared_blocks=int((self.refcount > 1).sum()),
-            token_states=token_states, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=self.n_free * B, cached_blocks=len(self.evictable),
-            prefix_hit_blocks=self.hit_blocks,
-            group_blocks=tuple(np.bincount(self.block_group[used], minlength=self.G).tolist())
-            if self.G > 1 else (),
-            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
-            slot_usage=token_states / (N * B) if N else 0.0)
+        led = NumpyPaged.ledger(self)
+        led.blocks_used, led.capacity_slots, led.free_slots = n_used, cap, free_slots
+        led.fragmentation = free_slots / cap if cap else 0.0
+        led.bytes_in_use = n_used * B * self.config.model.slot_bytes
+        led.shared_blocks = int((self.refcount > 1).sum())
+        led.token_states, led.reservation = cap - free_slots, reservation
+        led.internal_fragmentation = free_slots - reservation
+        led.group_blocks = tuple(np.bincount(self.block_group[used], minlength=self.G).tolist()) \
+            if self.G > 1 else ()
+        led.block_usage = n_used / N if N else 0.0
+        led.slot_usage = (cap - free_slots) / (N * B) if N else 0.0
+        return led
 
     def block_state(self, seqs=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
@@ -632,21 +725,39 @@ class NumpyPaged(Backend):
             tables={int(self.seq_of_row[r]): [t[r, :self.nblocks[r]] for t in self.tables]
                     for r in rows})
 
-    def gather(self, seq) -> np.ndarray:
+    def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
+        """Positions ``start .. stop-1`` of the sequence: the blocks that hold them and no
+        others (a range costs what it holds), into ``out`` when given."""
         if self.pool is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
         T, nb = int(self.tokens[r]), self.nblocks[r]
-        if self.G == 1 and not self.first[0][r]:
-            return self._read_blocks(self.tables[0][r, :nb], T)
-        out = None
+        stop = T if stop is None else stop
+        if not 0 <= start <= stop <= T:
+            raise IndexError(f"{self.name}: positions {start}..{stop} of sequence {seq} ({T} tokens)")
+        if self.G == 1 and int(self.first[0][r]) * self.B <= start:
+            return self._read_range(self.tables[0][r], start, stop, out)
+        result = out if out is not None else None
         for g, group in enumerate(self.groups):
-            f = int(self.first[g][r])
-            data = self._read_blocks(self.tables[g][r, f:nb], T - f * self.B)
-            if out is None:  # the pool's read dtype (a quantized pool dequantizes to float32)
-                out = np.zeros((T,) + self.kv_shape, dtype=data.dtype)
-            if self.G == 1:
-                out[f * self.B:] = data
-            else:
-                out[f * self.B:, :, list(group.layers)] = data
+            lo = max(start, int(self.first[g][r]) * self.B)  # below: released by the window
+            data = self._read_range(self.tables[g][r], lo, stop, None) if lo < stop else None
+            if result is None:  # the pool's read dtype (a quantized pool dequantizes to float32)
+                dtype = data.dtype if data is not None else self._read_range(self.tables[g][r], 0, 0, None).dtype
+                result = np.zeros((stop - start,) + self.kv_shape, dtype=dtype)
+            elif out is not None and g == 0:
+                result[...] = 0
+            layers = slice(None) if self.G == 1 else list(group.layers)
+            if data is not None:
+                result[lo - start:, :, layers] = data
+            if self.G > 1 and lo > start:
+                result[:lo - start, :, layers] = 0
+        return result
+
+    def _read_range(self, table_row: np.ndarray, start: int, stop: int, out) -> np.ndarray:
+        """Slots ``start .. stop-1`` of a table row: one gather of the slot rows (into ``out``)."""
+        p = np.arange(start, stop)
+        slots = table_row[p // self.B] * self.B + p % self.B
+        if out is None:
+            return self.slots[slots].reshape((stop - start,) + self.token_shape)
+        np.take(self.slots, slots, axis=0, out=out.reshape(stop - start, self.slots.shape[1]))
         return out

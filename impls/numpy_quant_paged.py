@@ -71,6 +71,15 @@ class NumpyQuantPaged(NumpyPaged):
             compute_dtype="float32")
         return quant_numpy.dequantize(qt, np.float32).reshape((-1,) + self.token_shape)
 
+    def _read_range(self, table_row, start: int, stop: int, out) -> np.ndarray:
+        """Dequantized slots ``start .. stop-1``: the blocks that hold them, then the range."""
+        b0, b1 = start // self.B, -(-stop // self.B)
+        data = self._read_blocks(table_row[b0:b1], (b1 - b0) * self.B)[start - b0 * self.B:stop - b0 * self.B]
+        if out is None:
+            return data
+        out[...] = data
+        return out
+
     def _copy_blocks(self, src, dst) -> None:
         B = self.B
         s = (np.asarray(src)[:, None] * B + np.arange(B)).reshape(-1)
@@ -89,7 +98,7 @@ class NumpyQuantPaged(NumpyPaged):
             self.meta_count * self.rows_per_slot * np.dtype(np.float32).itemsize
         return self.B * row
 
-    def ledger(self) -> Ledger:
-        led = super().ledger()
+    def ledger(self, seqs=None) -> Ledger:
+        led = super().ledger(seqs)
         led.bytes_in_use = led.blocks_used * self.block_bytes()
         return led

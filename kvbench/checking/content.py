@@ -21,16 +21,20 @@ class Runs:
     range must not walk them all. Rebuilt when the sequence gets a new segment list (a fork or
     a recompute copies one)."""
 
-    __slots__ = ("source", "seen", "writers", "starts", "end")
+    __slots__ = ("source", "seen", "last", "writers", "starts", "end")
 
     def __init__(self):
-        self.source, self.seen, self.writers, self.starts, self.end = None, 0, [], [], 0
+        self.source, self.seen, self.last, self.writers, self.starts, self.end = None, 0, None, [], [], 0
 
     def update(self, segments) -> None:
         if segments is not self.source or len(segments) < self.seen:
-            self.source, self.seen, self.writers, self.starts, self.end = segments, 0, [], [], 0
+            self.source, self.seen, self.last, self.writers, self.starts, self.end = \
+                segments, 0, None, [], [], 0
+        if self.seen and segments[self.seen - 1] is not self.last:  # the last one grew in place
+            w, s, c = self.last = segments[self.seen - 1]
+            self.end = s + c
         for k in range(self.seen, len(segments)):
-            w, s, c = segments[k]
+            w, s, c = self.last = segments[k]
             if not (self.writers and self.writers[-1] == w and self.end == s):
                 self.writers.append(w)
                 self.starts.append(s)

@@ -49,7 +49,9 @@ class Figures:
             self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None
         self.state = state
-        return structure_identities(state, led, config, whole=seqs is None)
+        if seqs is not None:  # the pool-wide identities with the whole ledger (amortised O(1))
+            return table_identities(state, config)
+        return structure_identities(state, led, config, whole=True)
 
     def block_ids(self, seqs=None):
         """After the ledger agreed with the oracle: the block ids of the last ``check``."""
@@ -176,6 +178,25 @@ def structure_identities(state: BlockState, led: Ledger, config: CacheConfig, wh
             b = int(wrong[0])
             return (f"reference count of block {b}", int(holders[b]), int(ref[b]),
                     "one reference per table that holds it (a free call drops one per sequence)")
+    return None
+
+
+def table_identities(state: BlockState, config: CacheConfig):
+    """The tables given (the sequences an operation changed): every held block id lies in the
+    pool and has a reference. O(blocks of those tables)."""
+    N = config.num_blocks
+    ref = state.refcount
+    for g, (ids, owner) in enumerate(_flatten(state.tables)):
+        held = ids != -1
+        ids, owner = ids[held], owner[held]
+        bad = np.flatnonzero((ids < 0) | (ids >= N))
+        if len(bad):
+            return "block ids", f"in 0..{N - 1}", int(ids[bad[0]]), f"in the table of sequence {owner[bad[0]]}"
+        unheld = np.flatnonzero(np.asarray(ref)[ids] < 1) if len(ids) else []
+        if len(unheld):
+            b, s = int(ids[unheld[0]]), int(owner[unheld[0]])
+            return (f"block {b}", "in use while a table holds it", f"{ref[b]} references",
+                    f"sequence {s} holds it in group {g}")
     return None
 
 

@@ -33,8 +33,11 @@ backend"), so a backend that declares ``block_ids`` is compared with it block by
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from fractions import Fraction
+
+import numpy as np
 
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import BlockState, CacheConfig, Capabilities, Ledger, hash_writer
@@ -107,8 +110,20 @@ class Oracle:
         self.caching = bool(config.prefix_caching) and layout == "paged"
         self.by_hash: dict = {}  # (group, key) -> [cached blocks], first registered first
         self.hash_of: dict = {}  # block -> (group, key)
-        self.evictable: dict = {}  # block -> None, in eviction order
+        self.evictable: OrderedDict = OrderedDict()  # block -> None, in eviction order
         self.hit_blocks = 0
+        # The ledger's sums, kept as references and fills change (expected_ledger() walks no
+        # block): slots filled in blocks in use, blocks with 2+ references, blocks in use per
+        # group, each block's references; and per sequence (reservation, blocks held, tenant),
+        # settled for the sequences changed since and those that may share a tail (forks).
+        self.filled = self.shared = 0
+        self.group_used = [0] * len(self.groups)
+        self.refs = np.zeros(config.num_blocks, dtype=np.int64)
+        self._per_seq: dict = {}
+        self._dirty: set = set()
+        self._sharing: set = set()
+        self._res_total = 0
+        self._usage: dict = {}  # tenant -> [blocks (slots) held, live sequences]
         self.edits = 0  # changes of any reference count: what block structures a check must reread
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
@@ -135,20 +150,26 @@ class Oracle:
         if self.free_stack:
             b = self.free_stack.pop()
         else:  # reuse the least recently freed cached block
-            b = next(iter(self.evictable))
-            del self.evictable[b]
+            b = self.evictable.popitem(last=False)[0]
             key = self.hash_of.pop(b)
             self.by_hash[key].remove(b)
             if not self.by_hash[key]:
                 del self.by_hash[key]
         self.blocks[b] = [1, fill]
         self.group_of[b] = group
+        self.filled += fill
+        self.group_used[group] += 1
+        self.refs[b] = 1
         return b
 
     def _drop_ref(self, b: int) -> None:
         self.edits += 1
         self.blocks[b][0] -= 1
+        self.refs[b] -= 1
+        self.shared -= self.blocks[b][0] == 1
         if self.blocks[b][0] == 0:
+            self.filled -= self.blocks[b][1]
+            self.group_used[self.group_of[b]] -= 1
             del self.blocks[b]
             del self.group_of[b]
             if b in self.hash_of:
@@ -231,12 +252,20 @@ class Oracle:
         for per in hits:
             for b in per.values():
                 if b in self.blocks:
-                    self.blocks[b][0] += 1
+                    self._add_ref(b)
                 else:
                     del self.evictable[b]
                     self.blocks[b] = [1, self.B]
                     self.group_of[b] = self.hash_of[b][0]
+                    self.filled += self.B
+                    self.group_used[self.group_of[b]] += 1
+                    self.refs[b] = 1
                 self.edits += 1
+
+    def _add_ref(self, b: int) -> None:
+        self.blocks[b][0] += 1
+        self.refs[b] += 1
+        self.shared += self.blocks[b][0] == 2
 
     def _register(self, b: int, g: int, key) -> None:
         """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
@@ -361,11 +390,9 @@ class Oracle:
         raise ValueError(f"unknown eviction policy {policy!r} (lru, lfu, fair)")
 
     def tenant_usage(self) -> dict:
-        usage: dict[str, int] = {}
-        for st in self.seqs.values():
-            usage[st.tenant] = usage.get(st.tenant, 0) + (
-                len(st.held()) if self.layout == "paged" else sum(size for _, size in st.slabs))
-        return usage
+        """Blocks (slots, contiguous) in the tables of each tenant with a live sequence."""
+        self._settle()
+        return {t: u for t, (u, n) in self._usage.items() if n}
 
     def weights(self) -> dict:
         tenants = {st.tenant for st in self.seqs.values()} | set(self.config.tenant_weights)
@@ -387,6 +414,7 @@ class Oracle:
         return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
 
     def _evict(self, victim: int) -> None:
+        self._dirty.add(victim)
         st = self.seqs.pop(victim)
         self._release(st)
         st.tables, st.slabs = [], []
@@ -416,6 +444,7 @@ class Oracle:
             if w is None:
                 continue
             for s in seqs:
+                self._dirty.add(s)
                 table = self.seqs[s].tables[g]
                 for i in range(min(F.first_held_block(lengths[s], w, self.B), len(table)) - 1, -1, -1):
                     if table[i] is not None:
@@ -424,11 +453,13 @@ class Oracle:
 
     def _snapshot(self):
         return copy.deepcopy((self.seqs, self.blocks, self.group_of, self.free_stack,
-                              self.evictable, self.by_hash, self.hash_of))
+                              self.evictable, self.by_hash, self.hash_of, self.filled, self.shared,
+                              self.group_used, self.refs))
 
     def _restore(self, snap) -> None:
         (self.seqs, self.blocks, self.group_of, self.free_stack, self.evictable, self.by_hash,
-         self.hash_of) = snap
+         self.hash_of, self.filled, self.shared, self.group_used, self.refs) = snap
+        self._dirty.update(self.seqs)  # sequences are new objects: settle them again
 
     # --- the operations --------------------------------------------------------------------
 
@@ -468,11 +499,13 @@ class Oracle:
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g)
             self.seqs[seq] = st
+            self._dirty.add(seq)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: tokens})
         else:
             st.slabs = self._place(sizes)
             self.seqs[seq] = st
+            self._dirty.add(seq)
         self.tenant_stats.setdefault(tenant, TenantStats())
         return victims
 
@@ -508,6 +541,7 @@ class Oracle:
             raise
         if self.layout == "paged":
             self._paged_write(seqs, tokens)
+        self._dirty.update(seqs)
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
             st.segments.append((s, st.tokens, dt))
@@ -535,6 +569,7 @@ class Oracle:
                     fill = self.blocks[table[-1]][1]
                     take = min(dt, self.B - fill)
                     self.blocks[table[-1]][1] += take
+                    self.filled += take
                     dt -= take
                     if take and fill + take == self.B:
                         self._filled(table[-1], g)
@@ -564,13 +599,15 @@ class Oracle:
         child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
                          segments=list(parent.segments), last_access=step, use_count=1)
         self.seqs[seq] = child
+        self._dirty.update((seq, src))
         if self.layout == "contiguous":
             child.slabs = self._place(sizes)
         elif via == "share":
             child.tables = [list(t) for t in parent.tables]
             for b in child.held():
-                self.blocks[b][0] += 1
+                self._add_ref(b)
             self.edits += 1
+            self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
             L, hits, _ = self._cache_hits(keys, parent.tokens)
             self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
@@ -608,34 +645,73 @@ class Oracle:
         if seq in self.preempted:
             del self.preempted[seq]
             return
+        self._dirty.add(seq)
         self._release(self.seqs.pop(seq))
 
     # --- the expected ledger ---------------------------------------------------------------
 
-    def expected_ledger(self) -> Ledger:
+    def _held_count(self, st: SeqState) -> int:
+        """Blocks a sequence holds (slots of its slabs, contiguous); a full group's table holds
+        every position's block."""
+        if self.layout != "paged":
+            return sum(size for _, size in st.slabs)
+        return sum(len(t) if w is None else sum(1 for b in t if b is not None)
+                   for t, w in zip(st.tables, self.windows))
+
+    def _reservation_of(self, st: SeqState) -> int:
+        B, res = self.B, 0
+        for table in st.tables:
+            if table and table[-1] is not None:
+                ref, fill = self.blocks[table[-1]]
+                if ref == 1:
+                    res += min(B - fill, max(0, st.final - st.tokens))
+        return res
+
+    def _settle(self) -> None:
+        """Bring the per-sequence figures of the sequences changed since the last call (and of
+        those sharing a tail, whose reservation a copy-on-write elsewhere changes) up to date."""
+        todo = self._dirty | self._sharing
+        self._dirty = set()
+        for s in todo:
+            old = self._per_seq.pop(s, None)
+            if old is not None:
+                res, held, tenant = old
+                self._res_total -= res
+                u = self._usage[tenant]
+                u[0] -= held
+                u[1] -= 1
+            st = self.seqs.get(s)
+            if st is None:
+                self._sharing.discard(s)
+                continue
+            res = self._reservation_of(st) if self.layout == "paged" else 0
+            held = self._held_count(st)
+            self._per_seq[s] = (res, held, st.tenant)
+            self._res_total += res
+            u = self._usage.setdefault(st.tenant, [0, 0])
+            u[0] += held
+            u[1] += 1
+
+    def expected_ledger(self, seqs=None) -> Ledger:
+        """The ledger every correct backend reports; ``seqs``: the per-sequence figures of these
+        sequences only (None: every live one). Paged: from the sums kept as blocks change."""
         B, N = self.B, self.config.num_blocks
-        tokens = {s: st.tokens for s, st in self.seqs.items()}
+        live = self.seqs if seqs is None else [s for s in seqs if s in self.seqs]
+        tokens = {s: self.seqs[s].tokens for s in live}
         if self.layout == "paged":
+            self._settle()
             cap = len(self.blocks) * B
-            free_slots = sum(B - fill for _, fill in self.blocks.values())
-            token_states = cap - free_slots
-            reservation = 0
-            for st in self.seqs.values():
-                for table in st.tables:
-                    if table and table[-1] is not None:
-                        ref, fill = self.blocks[table[-1]]
-                        if ref == 1:
-                            reservation += min(B - fill, max(0, st.final - st.tokens))
-            per_group = [0] * len(self.groups)
-            for g in self.group_of.values():
-                per_group[g] += 1
+            token_states = self.filled
+            free_slots = cap - token_states
+            reservation = self._res_total
+            per_group = self.group_used
             return Ledger(
                 blocks_used=len(self.blocks), blocks_free=self.blocks_free, tokens=tokens,
-                seq_blocks={s: len(st.held()) for s, st in self.seqs.items()},
+                seq_blocks={s: self._per_seq[s][1] for s in live},
                 capacity_slots=cap, free_slots=free_slots,
                 fragmentation=F.fragmentation(free_slots, cap),
                 bytes_in_use=len(self.blocks) * self.block_bytes,
-                shared_blocks=sum(1 for ref, _ in self.blocks.values() if ref > 1),
+                shared_blocks=self.shared,
                 token_states=token_states, reservation=reservation,
                 internal_fragmentation=free_slots - reservation, external_fragmentation=0,
                 free=self.blocks_free * B, cached_blocks=len(self.evictable),
@@ -655,7 +731,7 @@ class Oracle:
         arena = self.config.arena_slots
         return Ledger(
             blocks_used=None, blocks_free=None, tokens=tokens,
-            seq_blocks={s: sum(size for _, size in st.slabs) for s, st in self.seqs.items()},
+            seq_blocks={s: sum(size for _, size in self.seqs[s].slabs) for s in live},
             capacity_slots=cap, free_slots=cap - token_states,
             fragmentation=F.fragmentation(cap - token_states, cap),
             bytes_in_use=cap * self.config.model.slot_bytes, shared_blocks=None,
@@ -690,12 +766,14 @@ class Oracle:
         return {s for s, st in self.seqs.items() if mine.intersection(st.held())} | {seq}
 
     def block_state(self, seqs=None) -> BlockState:
-        """The block structures every backend declaring ``block_ids`` must have, id for id."""
-        refcount = [0] * self.config.num_blocks
-        for b, (ref, _) in self.blocks.items():
-            refcount[b] = ref
-        live = self.seqs if seqs is None else [s for s in seqs if s in self.seqs]
-        return BlockState(free=self.free_stack[::-1], cached=list(self.evictable), refcount=refcount,
+        """The block structures every backend declaring ``block_ids`` must have, id for id.
+        ``seqs``: the tables of these sequences only, and no free or cached order (only a whole
+        comparison reads those)."""
+        whole = seqs is None
+        live = self.seqs if whole else [s for s in seqs if s in self.seqs]
+        return BlockState(free=self.free_stack[::-1] if whole else [],
+                          cached=list(self.evictable) if whole else [],
+                          refcount=self.refs.tolist() if whole else self.refs,
                           tables={s: [[-1 if b is None else b for b in t] for t in self.seqs[s].tables]
                                   for s in live})
 
