@@ -503,3 +503,22 @@ def test_kvbench_run_prints_the_capacity_of_a_hybrid_model(tmp_path, capsys):
     assert conc == blocks // 13 and fit == conc * 64
     # As full attention: blocks of both groups' layers, half as many; 8 per request.
     assert full == [8, blocks // 2 // 8, blocks // 2 // 8 * 64]
+
+
+def test_a_fork_served_through_the_prefix_cache_on_a_hybrid_model():
+    # An engine that serves a fork as a new request (vLLM): the child finds the parent's full
+    # blocks, cached under keys every group shares at a position, in both groups.
+    from kvbench.contract.protocol import Capabilities
+    o = Oracle(config(prefix_caching=True), capabilities=Capabilities(
+        fork_via="prefix", caches_every_full_block=True, groups=True))
+    o.prefill(0, 40, "t", 64, step=0)  # per group 3 blocks, 2 of them full; (40 - 31) // 16 = 0
+    o.fork(1, 0, 64, step=1)
+    led = o.expected_ledger()
+    # The hit: L = 2 full blocks; the sliding group needs [32 - 31, 32) = blocks 0 and 1: cached.
+    # Each group computes its tail (40 - 32 = 8 tokens) again: 6 + 2 blocks, 2 * 2 shared.
+    assert (led.blocks_used, led.shared_blocks, led.prefix_hit_blocks) == (8, 4, 0)
+    o.append([1], [24], step=2)
+    # 64 tokens: the tail fills, one new block per group; the child's window starts at
+    # (64 - 31) // 16 = 2: it drops blocks 0 and 1 of its sliding group, which the parent holds.
+    assert o.expected_ledger().group_blocks == (3 + 2, 3 + 2)
+    assert o.seqs[1].tables[0][:2] == [None, None]

@@ -275,10 +275,13 @@ class Oracle:
         self.by_hash.setdefault((g, key), []).append(b)
         self.hash_of[b] = (g, key)
 
-    def _filled(self, b: int, g: int) -> None:
-        """Block ``b`` just became full: an engine that caches every full block caches it."""
+    def _filled(self, b: int, g: int, seq, i: int) -> None:
+        """Block ``b`` (position ``i`` of ``seq``, group ``g``) just became full: an engine that
+        caches every full block caches it, under a key no other sequence's block has (never hit
+        by another prompt) and that every group of ``seq`` shares at that position (so a fork
+        served through the prefix cache finds the parent's blocks in every group)."""
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
-            self._register(b, g, ("block", b))  # a key no other block has: never hit
+            self._register(b, g, ("filled", seq, i))
 
     def _note_writers(self, seq, untagged, extra) -> None:
         for key in untagged:
@@ -497,7 +500,7 @@ class Oracle:
                     if i < len(lookup):
                         self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
-                        self._filled(st.tables[g][i], g)
+                        self._filled(st.tables[g][i], g, seq, i)
             self.seqs[seq] = st
             self._dirty.add(seq)
             if self.window_release == "end_of_operation":
@@ -572,13 +575,13 @@ class Oracle:
                     self.filled += take
                     dt -= take
                     if take and fill + take == self.B:
-                        self._filled(table[-1], g)
+                        self._filled(table[-1], g, s, len(table) - 1)
                 while dt > 0:
                     take = min(dt, self.B)
                     table.append(self._new_block(take, g))
                     dt -= take
                     if take == self.B:
-                        self._filled(table[-1], g)
+                        self._filled(table[-1], g, s, len(table) - 1)
 
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
