@@ -753,6 +753,22 @@ class NumpyPaged(Backend):
                 result[:lo - start, :, layers] = 0
         return result
 
+    def gather_ranges(self, seqs, starts, stops) -> np.ndarray:
+        """Several ranges in one fancy-indexed read of their slots (one group, nothing released
+        by a window, the plain pool); else a gather per range."""
+        if self.pool is None or self.G != 1 or type(self)._read_range is not NumpyPaged._read_range:
+            return super().gather_ranges(seqs, starts, stops)
+        rows = self._rows(seqs)
+        a = np.asarray(starts, dtype=np.int64)
+        b = np.asarray(stops, dtype=np.int64)
+        if ((a < self.first[0][rows] * self.B) | (a > b) | (b > self.tokens[rows]) | (a < 0)).any():
+            return super().gather_ranges(seqs, starts, stops)
+        n = b - a
+        owner = np.repeat(np.arange(len(rows)), n)
+        p = np.arange(int(n.sum())) + np.repeat(a - (np.cumsum(n) - n), n)
+        slots = self.tables[0][rows[owner], p // self.B] * self.B + p % self.B
+        return self.slots[slots].reshape((len(p),) + self.token_shape)
+
     def _read_range(self, table_row: np.ndarray, start: int, stop: int, out) -> np.ndarray:
         """Slots ``start .. stop-1`` of a table row: one gather of the slot rows (into ``out``)."""
         p = np.arange(start, stop)

@@ -21,6 +21,10 @@ class Counting(NumpyPaged):
         self.read += len(got)
         return got
 
+    def gather_ranges(self, seqs, starts, stops):
+        from kvbench.contract.protocol import Backend
+        return Backend.gather_ranges(self, seqs, starts, stops)  # one counted gather per range
+
 
 class PerOperation:
     """A progress hook (check calls update(1) after each operation): positions read in each."""

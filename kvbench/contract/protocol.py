@@ -231,6 +231,13 @@ class Backend(ABC):
         """
         raise NotImplementedError(f"{self.name} holds no K/V data")
 
+    def gather_ranges(self, seqs, starts, stops) -> np.ndarray:
+        """Positions ``starts[i] .. stops[i]-1`` of ``seqs[i]`` for every i, concatenated in
+        order: what the checker reads back after an operation, in one call. The default is one
+        gather per range."""
+        parts = [read_kv(self, s, a, b) for s, a, b in zip(seqs, starts, stops)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def block_state(self, seqs=None) -> BlockState:
         """The backend's block structures (optional; SPEC §10's structural checks need it).
         ``seqs``: the sequences whose tables the checker reads (None: every live one); the
