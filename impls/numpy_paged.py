@@ -756,7 +756,9 @@ class NumpyPaged(Backend):
     def gather_ranges(self, seqs, starts, stops) -> np.ndarray:
         """Several ranges in one fancy-indexed read of their slots (one group, nothing released
         by a window, the plain pool); else a gather per range."""
-        if self.pool is None or self.G != 1 or type(self)._read_range is not NumpyPaged._read_range:
+        cls = type(self)
+        if self.pool is None or self.G != 1 or cls._read_range is not NumpyPaged._read_range \
+                or cls.gather is not NumpyPaged.gather:  # a subclass's gather is what it reads
             return super().gather_ranges(seqs, starts, stops)
         rows = self._rows(seqs)
         a = np.asarray(starts, dtype=np.int64)
