@@ -117,7 +117,7 @@ def test_expected_values_agree_with_the_formulas():
     """Peak bytes of a paged backend = peak blocks * B * bytes per token of the tiny model (128),
     B read off the workload's header (16 unless it says otherwise)."""
     expected = G.read_expected()
-    for name in ("numpy", "object", "torch-cpu"):
+    for name in ("numpy", "python-objects", "torch"):
         for case, figs in expected["replay"][name].items():
             B = common.load_workload(case.split("@")[0]).header.settings.get("block_size", 16)
             assert figs["peak_bytes"] == figs["peak_blocks"] * B * 128, (name, case)

@@ -49,6 +49,9 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
 @functools.lru_cache(maxsize=1)
 def _vllm():
     """vLLM's manager, request and config classes, imported once (importing vLLM takes seconds)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:  # before torch: `kvbench list` must stay quick
+        raise ImportError("No module named 'vllm'", name="vllm")
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256

@@ -35,6 +35,7 @@ from fractions import Fraction
 
 import pandas as pd
 
+from kvbench.charts import finish
 from kvbench.checking.checker import Verdict, check
 from kvbench.checking.oracle import Oracle
 from kvbench.contract.formulas import blocks_needed, jain_index
@@ -365,6 +366,6 @@ def plot_usage(trace: Trace, verdicts_by_policy: dict, path) -> str:
     fig.suptitle(f"{trace.name}: {unit} held against quota per tenant "
                  f"(gaps: the tenant has no request in flight)", fontsize=12)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+    finish(fig, path, dpi=110)
     plt.close(fig)
     return str(path)

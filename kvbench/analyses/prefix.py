@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvbench.charts import finish
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import blocks_needed, get_model
@@ -78,6 +79,6 @@ def plot_curve(curve: pd.DataFrame, path, title: str) -> None:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    finish(fig, path, dpi=120)
     plt.close(fig)

@@ -141,10 +141,11 @@ def _prompt_hashes(req: Request, index: int, block_size: int):
 def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              max_batch: int = DEFAULT_MAX_BATCH, max_steps: int | None = None,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
-             source: dict | None = None) -> SimResult:
+             source: dict | None = None, progress=None) -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
+    ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
     """
     reqs = list(requests)
     _check_options(max_batch, max_steps, step_seconds)
@@ -183,6 +184,8 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                       finished=finished + admitted_done,
                       waiting_for_memory=bool(blocked or (preempted and queue)))
         t += 1
+        if progress is not None:
+            progress.set(server.counts["finished"] + sum(server.rejected.values()))
     wall = time.perf_counter() - wall0
     be.close()  # the samples hold all the ledger we need; free device memory
 

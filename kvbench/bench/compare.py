@@ -29,6 +29,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.bench import records
+from kvbench.charts import CATEGORY_COLORS
+from kvbench.outputs import check_writable, save_figure, staged
 
 # What identifies a row across records (whichever a record has); the device is left out on purpose.
 KEY_COLUMNS = ["bench", "workload", "backend", "impl", "policy", "what", "batch", "format",
@@ -44,7 +46,7 @@ DEFAULT_METRICS = {
 }
 BREAKDOWN = ["token_states", "reservation", "internal_fragmentation", "external_fragmentation",
              "free"]
-BREAKDOWN_COLORS = ["#4c72b0", "#8fb0d9", "#dd8452", "#c44e52", "#e5e5e5"]
+BREAKDOWN_COLORS = [CATEGORY_COLORS[c] for c in BREAKDOWN]  # the same colours as every chart
 
 
 def labels(n: int) -> list[str]:
@@ -139,7 +141,13 @@ def _grid(n: int, ncols: int = 4):
     return math.ceil(n / ncols), ncols
 
 
-def chart_memory(frames, names, out: Path):
+def _footer(fig, legend) -> None:
+    """The records' legend lines (commit, machine, date of each) at the figure's foot."""
+    fig.subplots_adjust(bottom=max(fig.subplotpars.bottom, 0.04 + 0.035 * len(legend)))
+    fig.text(0.01, 0.005, "\n".join(legend), ha="left", va="bottom", fontsize=6, color="#555555")
+
+
+def chart_memory(frames, names, out: Path, legend=()):
     cols = [f"mean_{c}" for c in BREAKDOWN]
     data = []
     for f, name in zip(frames, names):
@@ -184,12 +192,13 @@ def chart_memory(frames, names, out: Path):
                ncol=5, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / fig.get_figheight()))
     path = out / "memory_breakdown.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _footer(fig, legend)
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def chart_series(frames, names, out: Path, quantity: str, ylabel: str):
+def chart_series(frames, names, out: Path, quantity: str, ylabel: str, legend=()):
     lines = []
     for f, name in zip(frames, names):
         if "series" not in f.columns:
@@ -221,12 +230,13 @@ def chart_series(frames, names, out: Path, quantity: str, ylabel: str):
         ax.axis("off")
     fig.tight_layout()
     path = out / f"{quantity}_over_replay.png".replace("blocks_used", "blocks")
-    fig.savefig(path, dpi=110)
+    _footer(fig, legend)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
 
-def chart_throughput(frames, names, out: Path):
+def chart_throughput(frames, names, out: Path, legend=()):
     plt = _plt()
     panels = []
     runs = [(f, n) for f, n in zip(frames, names) if {"backend", "ops_per_s"} <= set(f.columns)]
@@ -274,17 +284,18 @@ def chart_throughput(frames, names, out: Path):
             ax.set_title("Write and gather against a plain copy", fontsize=10)
     fig.tight_layout()
     path = out / "throughput.png"
-    fig.savefig(path, dpi=110)
+    _footer(fig, legend)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
 
-def charts(frames, names, out: Path) -> list[Path]:
+def charts(frames, names, out: Path, legend=()) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    made = [chart_memory(frames, names, out),
-            chart_series(frames, names, out, "blocks_used", "blocks in use"),
-            chart_series(frames, names, out, "fragmentation", "fragmentation"),
-            chart_throughput(frames, names, out)]
+    made = [chart_memory(frames, names, out, legend),
+            chart_series(frames, names, out, "blocks_used", "blocks in use", legend),
+            chart_series(frames, names, out, "fragmentation", "fragmentation", legend),
+            chart_throughput(frames, names, out, legend)]
     return [p for p in made if p is not None]
 
 
@@ -303,6 +314,12 @@ def compare(paths, metrics=None, out: str | Path | None = None):
         legend.append(f"note: records of different kinds ({', '.join(sorted(kinds))}): only rows "
                       f"with the same identifying columns line up")
     frames = [frame(r) for r in recs]
+    if metrics is not None:
+        known = sorted({c for f in frames for c in f.columns} - set(KEY_COLUMNS))
+        for m in metrics:
+            if m not in known:
+                raise ValueError(f"--metric {m}: not a column of these records; valid: "
+                                 f"{', '.join(known)}")
     if metrics is None:
         metrics = []
         for r in recs:
@@ -311,7 +328,7 @@ def compare(paths, metrics=None, out: str | Path | None = None):
                     metrics.append(m)
         metrics = metrics or None
     table = side_by_side(frames, names, metrics)
-    made = charts(frames, names, Path(out)) if out else []
+    made = charts(frames, names, Path(out), legend) if out else []
     return legend, table, made
 
 
@@ -342,6 +359,10 @@ def number(x: float) -> str:
 
 
 def cmd_compare(args) -> int:
+    if not args.no_charts:
+        check_writable(args.out, option="--out", folder=True)
+    if args.csv:
+        check_writable(args.csv, option="--csv")
     legend, table, made = compare(args.records, args.metric, None if args.no_charts else args.out)
     print("\n".join(legend))
     with pd.option_context("display.width", 250, "display.max_columns", 60, "display.max_rows", 1000,
@@ -353,18 +374,21 @@ def cmd_compare(args) -> int:
     for p in made:
         print(f"chart: {p}")
     if args.csv:
-        table.to_csv(args.csv)
+        with staged(args.csv) as (tmp,):
+            table.to_csv(tmp)
         print(f"table: {args.csv}")
     return 0
 
 
 def add_compare_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("compare", help="result records side by side (ratios to the first), charts")
+    p = sub.add_parser("compare", help="result records side by side (ratios to the first), charts",
+                       description="Result records side by side (ratios to the first), charts.")
     p.add_argument("records", nargs="+", help="two or more result records (JSON); the first is A")
-    p.add_argument("--metric", action="append", help="column to show (repeatable; default by kind)")
+    p.add_argument("--metric", action="append",
+                   help="column to show (repeatable; default by kind; an unknown one lists the valid)")
     p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "compare"),
                    help="directory for the PNG charts (default results/scratch/compare)")
-    p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--no-charts", action="store_true", help="print the table only")
     p.add_argument("--csv", help="also write the table as CSV")
     p.set_defaults(func=cmd_compare)
     return p
@@ -372,14 +396,8 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """``python -m kvbench.bench.compare``: the same as ``kvbench compare``."""
-    parser = argparse.ArgumentParser(prog="kvbench")
-    add_compare_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"kvbench compare: error: {e}", file=sys.stderr)
-        return 2
+    from kvbench.cli import main as kvbench
+    return kvbench(["compare", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -37,12 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
+from kvbench.outputs import write_text
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
 COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
 
-GATED_BACKENDS = ["numpy", "torch-cpu", "object", "contiguous-max", "contiguous-pow2",
+# Backends by their `kvbench list` names, and each one's name in the asv suite (common.BACKENDS),
+# where torch on the CPU and the per-object model have benchmark names of their own.
+GATED_BACKENDS = ["numpy", "torch", "python-objects", "contiguous-max", "contiguous-pow2",
                   "contiguous-oracle"]
+ASV_NAMES = {"torch": "torch-cpu", "python-objects": "object"}
+LIST_NAMES = {v: k for k, v in ASV_NAMES.items()}
 GATED_QUANTIZERS = ["reference", "numpy", "torch-cpu"]
 REPLAY_QUANTITIES = ("peak_blocks", "peak_bytes", "final_fragmentation", "mean_fragmentation",
                      "peak_wasted_slots", "mean_wasted_slots", "evictions", "recomputed_tokens",
@@ -139,7 +144,7 @@ def measure_replay(backends=None, factories: dict | None = None, cases=None) -> 
                     finally:
                         backend.close()
                 else:
-                    figures = common.case_stats(name, case)
+                    figures = common.case_stats(ASV_NAMES.get(name, name), case)
             except NotImplementedError as e:
                 skipped[f"{name} / {case}"] = str(e)
                 continue
@@ -163,14 +168,35 @@ def measure_quant(quantizers=None) -> tuple[dict, dict]:
     return values, skipped
 
 
+def pool_backends() -> list[str]:
+    """The paged pools whose bytes per token are gated, by their `kvbench list` names."""
+    return [LIST_NAMES.get(p, p) for p in bench_common().POOLS]
+
+
+def replay_cases(names) -> list[str]:
+    """The replay cases ``names`` name (a case, or a workload: all of its cases); a ValueError
+    naming the one that matches nothing."""
+    known = bench_common().REPLAY_CASES
+    out = []
+    for name in names:
+        found = [c for c in known if c == name or c.split("@")[0] == name]
+        if not found:
+            workloads = sorted({c.split("@")[0] for c in known})
+            raise ValueError(f"--case {name}: no such replay case; workloads: {', '.join(workloads)} "
+                             f"(a tenant mix as workload@lru, @lfu or @fair)")
+        out += [c for c in found if c not in out]
+    return out
+
+
 def measure_pools(backends=None) -> tuple[dict, dict]:
     """{backend: {"asv-1k": {"bytes_per_token": ...}}}: each paged pool's bytes per token slot
     from its own ledger (quantized pools: codes plus scales)."""
     common = bench_common()
     values, skipped = {}, {}
-    for name in common.POOLS if backends is None else backends:
+    for name in pool_backends() if backends is None else backends:
         try:
-            values[name] = {"asv-1k": {"bytes_per_token": common.pool_bytes_per_token(name)}}
+            values[name] = {"asv-1k": {"bytes_per_token": common.pool_bytes_per_token(
+                ASV_NAMES.get(name, name))}}
         except NotImplementedError as e:
             skipped[f"{name} / asv-1k"] = str(e)
     return values, skipped
@@ -219,15 +245,15 @@ def read_expected(path: Path | str = EXPECTED_PATH) -> dict:
     path = Path(path)
     if not path.exists():
         return {"replay": {}, "quant": {}, "ratios": {}}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not an expected-values file (not JSON: {e})") from None
 
 
 def write_expected(expected: dict, path: Path | str = EXPECTED_PATH) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
-    return path
+    return write_text(path, json.dumps(expected, indent=1, sort_keys=True) + "\n")
 
 
 def exact_gates(expected: dict | None = None, *, backends=None, cases=None, quantizers=None,
@@ -245,7 +271,7 @@ def exact_gates(expected: dict | None = None, *, backends=None, cases=None, quan
     report.checked += checked
     report.values["replay"] = replay
     if quant:
-        pools = None if backends is None else [b for b in backends if b in bench_common().POOLS]
+        pools = None if backends is None else [b for b in backends if b in pool_backends()]
         pvalues, pskipped = measure_pools(pools)
         report.skipped.update(pskipped)
         drifts, checked = compare_exact("pool", expected.get("pool", {}), pvalues, pskipped, only)

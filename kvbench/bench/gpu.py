@@ -29,7 +29,6 @@ passed and the memory figures agree, 1 otherwise, 2 for bad arguments.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -43,6 +42,7 @@ from kvbench.bench import records
 from kvbench.checking import suite
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig
+from kvbench.outputs import check_writable
 
 # full: for a GPU. tiny: the same code paths in seconds, on any machine.
 SIZES = {
@@ -108,7 +108,8 @@ def run_checks(traces, device: str, out: Path) -> list[dict]:
                                        "device": device, "policy": "auto"}, device=device)
     records.write(rec, out / f"run-torch-{device.replace(':', '')}.json")
     return [{"bench": "check", "workload": r["workload"], "policy": r["policy"], "status": r["status"],
-             "ops": r["ops"], "divergence": r["divergence"], "not_applicable": r["not_applicable"],
+             "ops": r["ops"], "divergence": r["divergence"], "error": r["error"],
+             "not_applicable": r["not_applicable"],
              "evictions": r["evictions"], "backend_ms": r["backend_ms"]} for r in rows]
 
 
@@ -235,11 +236,19 @@ def memory_check(torch, device, size: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.bench.gpu", description=__doc__.split("\n\n")[0])
+    """``python -m kvbench.bench.gpu``, through kvbench's one error path (one line, exit 2)."""
+    from kvbench.cli.options import run
+    return run(_main, argv, prog="python -m kvbench.bench.gpu")
+
+
+def _main(argv) -> int:
+    from kvbench.cli.options import Parser, UsageError
+    p = Parser(prog="python -m kvbench.bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device: cuda (default), cuda:N or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(records.RESULTS_DIR / "runs"),
                    help="output directory (default $OUT, else results/runs)")
-    p.add_argument("--size", choices=sorted(SIZES), default="full")
+    p.add_argument("--size", choices=sorted(SIZES), default="full",
+                   help="full (for a GPU) or tiny (the same code paths in seconds, anywhere)")
     p.add_argument("--traces", nargs="*", help="trace files to check (default: every committed workload)")
     p.add_argument("--skip-check", action="store_true", help="benchmarks only")
     p.add_argument("--skip-bench", action="store_true", help="checker only")
@@ -248,16 +257,15 @@ def main(argv=None) -> int:
     from impls.torch_paged import TorchPaged, resolve_device
     ok, why = TorchPaged.available()
     if not ok:
-        print(f"gpu_check: {why}", file=sys.stderr)
-        return 2
+        raise UsageError(f"the torch backend cannot run here: {why}")
     import torch
     try:
         device = resolve_device(torch, args.device)
     except ValueError as e:
-        print(f"gpu_check: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"--device {args.device}: {e}") from None
+    out = check_writable(args.out, option="--out", folder=True)
+    traces = [Path(t) for t in args.traces] if args.traces else suite.committed_workloads()
+    suite.load_traces(traces)  # a bad trace is refused before any work
     size = SIZES[args.size]
     clock = Clock(torch, device)
     rows: list[dict] = []
@@ -272,7 +280,6 @@ def main(argv=None) -> int:
 
     checks = []
     if not args.skip_check:
-        traces = [Path(t) for t in args.traces] if args.traces else suite.committed_workloads()
         checks = stage("checker", lambda: run_checks(traces, str(device), out))
     memory = stage("memory", lambda: memory_check(torch, device, size))
     if not args.skip_bench:
@@ -288,9 +295,10 @@ def main(argv=None) -> int:
     rec = records.record("gpu_check", rows, params, device=str(device))
     path = records.write(rec, out / f"gpu_check-{str(device).replace(':', '')}.json")
 
-    failed = [r for r in checks if r["status"] == "FAIL"]
+    failed = [r for r in checks if r["status"] in ("FAIL", "ERROR")]
     for r in failed:
-        print(f"FAIL torch on {r['workload']} (policy {r['policy']}): {r['divergence']}")
+        print(f"{r['status']} torch on {r['workload']} (policy {r['policy']}): "
+              f"{r['divergence'] or r['error']}")
     for r in rows:
         if r["bench"] == "decode" and r["torch_vs_numpy"] is not None:
             print(f"decode batch {r['batch']:5d} {r['impl']:16s} {r['tokens_per_s']:12.0f} tokens/s "

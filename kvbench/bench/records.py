@@ -3,13 +3,17 @@ parameters it was measured with."""
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from kvbench.outputs import write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
@@ -36,14 +40,18 @@ def machine_info(device: str | None = None) -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
-    try:
-        import torch
+    # torch costs seconds to import: its GPU is named only when a torch backend ran (imported it).
+    torch = sys.modules.get("torch")
+    if torch is not None:
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["cuda"] = torch.version.cuda
             info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        info["torch"] = None
+    else:
+        try:
+            info["torch"] = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            info["torch"] = None
     if device:
         info["device"] = device
     return info
@@ -73,20 +81,28 @@ def record(kind: str, rows: list, params: dict, device: str | None = None) -> di
 
 
 def write(rec: dict, path: str | Path | None = None) -> Path:
-    """Write a record; by default under results/runs/ (kept out of git: scratch runs)."""
+    """Write a record (under a temporary name, renamed when complete); by default under
+    results/runs/ (kept out of git: scratch runs)."""
     if path is None:
         stamp = rec["created"].replace(":", "").replace("-", "")[:15]
         path = RESULTS_DIR / "runs" / f"{rec['kind']}-{stamp}-{rec['commit'][:8]}.json"
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=1, default=_default) + "\n")
-    return path
+    return write_text(path, json.dumps(rec, indent=1, default=_default) + "\n")
 
 
 def read(path: str | Path) -> dict:
-    with open(path) as f:
-        rec = json.load(f)
+    """A result record, or a ValueError naming the file and what it is not."""
+    try:
+        with open(path, "rb") as f:
+            rec = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a kvbench result record (not a JSON document: "
+                         f"{getattr(e, 'msg', None) or e.reason}; a trace? compare takes the "
+                         f"records `kvbench run` writes)") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{path}: not a kvbench result record (a JSON {type(rec).__name__})")
     for key in ("kind", "machine", "commit", "rows"):
         if key not in rec:
             raise ValueError(f"{path}: not a kvbench result record (no {key!r})")
+    if not isinstance(rec["rows"], list) or not all(isinstance(r, dict) for r in rec["rows"]):
+        raise ValueError(f"{path}: not a kvbench result record ('rows' is not a list of objects)")
     return rec

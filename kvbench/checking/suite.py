@@ -9,10 +9,12 @@ from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, 
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
+from kvbench.progress import Progress
 from kvbench.traces.format import Trace, load
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 POLICIES = ("lru", "lfu", "fair")
+INDEX_BYTES_PER_BLOCK = 64  # a pool's arrays per block without K/V: ids, counts, tables (generous)
 
 
 def committed_workloads() -> list[Path]:
@@ -59,6 +61,10 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     if prefix_caching and hashed and s.get("block_size", bs) != bs:
         raise ValueError(f"{trace.name}: block hashes are for block size {s['block_size']}, "
                          f"not {bs}")
+    if blocks * INDEX_BYTES_PER_BLOCK > machine_memory() // 4:
+        raise ValueError(f"--budget {budget}: {blocks:,} blocks of {bs} tokens of {spec.name}: even "
+                         f"a ledger-only pool's own bookkeeping (about {INDEX_BYTES_PER_BLOCK} B a "
+                         f"block) would not fit this machine's {machine_memory() / 2**30:,.1f} GiB")
     if store_kv and blocks * F.block_bytes(bs, spec) > machine_memory():
         store_kv = False  # ledger only: memory_note() says so
     return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
@@ -155,10 +161,15 @@ def run_suite(traces: list, backends: list, *, policy: str | None = "auto", prog
             cfg = config_for(trace, policy=pol, **settings)
             for name in backends:
                 jobs.append((trace, name, cfg))
-    if progress:
-        from tqdm import tqdm
-        jobs = tqdm(jobs, desc="replaying", unit="run", leave=False)
-    return [run_one(t, n, c, gather) for t, n, c in jobs]
+    rows = []
+    bar = Progress(len(jobs), "replaying", "runs") if progress else None
+    for t, n, c in jobs:
+        rows.append(run_one(t, n, c, gather))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return rows
 
 
 def load_traces(paths) -> list[Trace]:

@@ -6,13 +6,17 @@ exit 2 (130 on Ctrl-C); ``--debug`` anywhere shows the traceback.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
-from kvbench.bench.compare import add_compare_parser
-from kvbench.cli import data, eviction, faults, gates, options, run
+from kvbench.cli import options
 
-REGISTER = (run.register, data.register_gen_prefix, add_compare_parser, gates.register,
-            data.register_list, eviction.register, faults.register)
+# Each command group's register function, imported when the parser is built (so that
+# `python -m kvbench.cli.gates` finds its module not yet imported by this package).
+REGISTER = ("kvbench.cli.run:register", "kvbench.cli.data:register_gen_prefix",
+            "kvbench.bench.compare:add_compare_parser", "kvbench.cli.gates:register",
+            "kvbench.cli.data:register_list", "kvbench.cli.eviction:register",
+            "kvbench.cli.faults:register")
 
 EPILOG = ("exit status: 0 every check passed, 1 a check FAILed, 2 an error (bad input, a backend "
           "that cannot run, nothing checked or passed), 130 interrupted. --debug (anywhere on the "
@@ -23,8 +27,9 @@ def parser() -> options.Parser:
     p = options.Parser(prog="kvbench", description=__doc__.splitlines()[0], epilog=EPILOG)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for register in REGISTER:
-        register(sub)
+    for target in REGISTER:
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(sub)
     return p
 
 

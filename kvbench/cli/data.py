@@ -1,49 +1,82 @@
 """`kvbench gen`, `kvbench prefix` and `kvbench list`: workloads, prefix-cache curves, backends."""
 from __future__ import annotations
 
+import argparse
+
 import pandas as pd
 
 from kvbench.checking import suite
+from kvbench.cli import options
 from kvbench.cli.tables import print_table
 from kvbench.contract import registry
+from kvbench.outputs import check_writable
 
 
 def cmd_gen(args) -> int:
     from kvbench.traces import generators
     if args.family:
-        trace = generators.generate(args.family, seed=args.seed)
         out = args.out or f"{args.family}-{args.seed}.jsonl"
+        check_writable(out, option="--out")
+        trace = generators.generate(args.family, seed=args.seed)
         from kvbench.traces.format import save
         save(trace, out)
         print(f"wrote {out} ({len(trace)} ops)")
         return 0
     from kvbench.traces.canonical import write_canonical
-    written = write_canonical(args.out or suite.WORKLOADS_DIR)
-    for p in written:
+    out = args.out or suite.WORKLOADS_DIR
+    check_writable(out, option="--out", folder=True)
+    for p in write_canonical(str(out)):
         print(f"wrote {p}")
     return 0
+
+
+def cache_sizes(text: str) -> list:
+    """``--sizes 64,256,1024`` (blocks) or ``--sizes 32768t,65536t`` (tokens: whole blocks of them)."""
+    sizes = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        unit = "tokens" if item.endswith("t") else "blocks"
+        number = item.rstrip("tb")
+        if not number.isdigit() or int(number) <= 0:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not a positive size (give blocks, as 256, or tokens, as 4096t)")
+        sizes.append((int(number), unit))
+    return sizes
 
 
 def cmd_prefix(args) -> int:
     from pathlib import Path
 
     from kvbench.analyses import prefix
+    from kvbench.outputs import staged
     from kvbench.traces.loaders import load_requests, prefix_hit_rate_unbounded
-    requests = load_requests(args.trace, args.format)[:args.max_requests]
-    trace = prefix.cache_trace(requests, args.block_size)
-    curve = prefix.hit_rate_curve(trace, backend=args.backend)
-    ids = prefix_hit_rate_unbounded(requests)
-    print_table(curve, ["backend", "cache_blocks", "hit_blocks", "hashed_blocks", "hit_rate", "refused"])
-    print(f"unbounded cache, counted by the trace's own block ids (partial last blocks included): "
-          f"{ids[0]}/{ids[1]} = {ids[0] / ids[1]:.1%}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        check_writable(args.out, option="--out", folder=True)
+    requests = load_requests(args.trace, args.format)
+    if args.max_requests is not None:
+        requests = requests[:args.max_requests]
+    trace = prefix.cache_trace(requests, args.block_size)
+    sizes = None if args.sizes is None else sorted(
+        {n if unit == "blocks" else n // args.block_size for n, unit in args.sizes})
+    if sizes is not None and min(sizes) < 1:
+        raise options.UsageError(f"--sizes: less than one block of {args.block_size} tokens")
+    curve = prefix.hit_rate_curve(trace, sizes=sizes, backend=args.backend)
+    print(f"{Path(args.trace).name}: {len(requests)} requests, blocks of {args.block_size} tokens. "
+          f"hit_rate = full blocks found in the cache / full blocks looked up (the backend's own "
+          f"count, confirmed by the oracle after every operation)")
+    print_table(curve, ["backend", "cache_blocks", "hit_blocks", "hashed_blocks", "hit_rate", "refused"])
+    hits, refs, *_ = prefix_hit_rate_unbounded(requests)
+    if refs:
+        print(f"hit rate by the trace's own block ids (an unbounded cache, partial last blocks "
+              f"included): {hits}/{refs} = {hits / refs:.1%}")
+    if args.out:
         stem = f"{Path(args.trace).stem}-B{args.block_size}"
-        curve.to_csv(out / f"{stem}.csv", index=False)
-        prefix.plot_curve(curve, out / f"{stem}.png",
-                          f"{Path(args.trace).stem}: prefix cache hit rate, {args.block_size}-token blocks")
-        print(f"wrote {out / stem}.csv and .png")
+        csv_path, png_path = Path(args.out) / f"{stem}.csv", Path(args.out) / f"{stem}.png"
+        with staged(csv_path, png_path) as (csv_tmp, png_tmp):
+            curve.to_csv(csv_tmp, index=False)
+            prefix.plot_curve(curve, png_tmp, f"{Path(args.trace).stem}: prefix cache hit rate "
+                                              f"(full blocks), {args.block_size}-token blocks")
+        print(f"wrote {csv_path} and {png_path}")
     return 0
 
 
@@ -61,18 +94,28 @@ def cmd_list(args) -> int:
 
 
 def register_gen_prefix(sub) -> None:
-    p = sub.add_parser("gen", help="regenerate the committed workloads (or one family)")
-    p.add_argument("--family")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out")
+    from kvbench.traces.generators import FAMILIES
+    families = ", ".join(FAMILIES)
+    p = sub.add_parser("gen", help="regenerate the committed workloads (or one family)",
+                       description=f"Regenerate the committed workloads byte for byte, or write one "
+                                   f"trace of a family. Families: {families}.")
+    p.add_argument("--family", choices=list(FAMILIES), metavar="FAMILY",
+                   help=f"write one trace of this family instead ({families})")
+    p.add_argument("--seed", type=int, default=0, help="seed of --family's trace (default 0)")
+    p.add_argument("--out", help="file for --family (default FAMILY-SEED.jsonl), else the folder "
+                                 "of the canonical workloads (default workloads/)")
     p.set_defaults(func=cmd_gen)
 
     p = sub.add_parser("prefix", help="prefix-cache hit rate over cache sizes, checked by the oracle")
-    p.add_argument("trace")
-    p.add_argument("--format", default="mooncake", help="a loader with block hashes (mooncake)")
-    p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--backend", default="numpy")
-    p.add_argument("--max-requests", type=int)
+    p.add_argument("trace", help="a request trace with block hashes")
+    p.add_argument("--format", default="mooncake", help="its loader (mooncake: the one with block hashes)")
+    p.add_argument("--block-size", type=options.positive_int, default=512,
+                   help="tokens per block (default 512, Mooncake's)")
+    p.add_argument("--sizes", type=cache_sizes,
+                   help="cache sizes to evaluate, comma-separated, in blocks (256) or tokens "
+                        "(4096t); default: from the largest prompt up to an unbounded cache")
+    p.add_argument("--backend", default="numpy", help="backend whose prefix cache is measured")
+    p.add_argument("--max-requests", type=options.positive_int, help="only the first N requests")
     p.add_argument("--out", help="folder for the curve's CSV and PNG")
     p.set_defaults(func=cmd_prefix)
 

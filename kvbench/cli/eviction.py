@@ -14,26 +14,40 @@ from kvbench.analyses.eviction import (
 )
 from kvbench.checking import suite
 from kvbench.checking.checker import check
+from kvbench.cli import options
 from kvbench.contract import registry
+from kvbench.outputs import check_writable
 from kvbench.traces.format import load
 
 
 def cmd_eviction(args) -> int:
     trace = load(args.trace)
+    check_writable(args.out, option="--out", folder=True)
+    try:
+        registry.resolve(args.backend)
+    except ValueError as e:
+        raise options.UsageError(f"--backend {args.backend}: {e}") from None
     verdicts = {}
     for policy in ONLINE_POLICIES:
         config = suite.config_for(trace, policy=policy)
-        v = check(trace, registry.create(args.backend, config), series=True)
-        if not v.valid:
-            print(f"kvbench: error: {args.backend} {policy}: {v.divergence or v.not_applicable}")
-            return 1
+        try:
+            backend = registry.create(args.backend, config)
+        except registry.BackendUnavailable as e:
+            raise options.UsageError(f"--backend {args.backend}: {e}") from None
+        try:
+            v = check(trace, backend, series=True)
+        finally:
+            backend.close()
+        if v.status != "pass":
+            print(f"{v.status} {args.backend} {policy} on {trace.name}: "
+                  f"{v.divergence or v.error or v.not_applicable}")
+            return options.EXIT_FAIL if v.status == "FAIL" else options.EXIT_ERROR
         verdicts[policy] = v
     with pd.option_context("display.width", 200, "display.max_columns", 30,
                            "display.float_format", "{:.3g}".format):
         print(tenant_table(trace, verdicts).to_string(index=False))
         print()
         print(policy_table(trace, suite.config_for(trace)).to_string(index=False))
-    os.makedirs(args.out, exist_ok=True)
     print(plot_usage(trace, verdicts, os.path.join(args.out, f"{trace.name}-usage.png")))
     return 0
 
@@ -41,8 +55,8 @@ def cmd_eviction(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("eviction", help="a tenant mix under LRU, LFU and Fair: per-tenant tables and "
                                         "a usage-against-quota chart")
-    p.add_argument("trace")
-    p.add_argument("--backend", default="numpy")
+    p.add_argument("trace", help="a tenant-mix trace (its header names tenant weights)")
+    p.add_argument("--backend", default="numpy", help="backend replayed under each policy (default numpy)")
     p.add_argument("--out", default=str(suite.WORKLOADS_DIR.parent / "results" / "eviction"),
                    help="folder for <trace>-usage.png")
     p.set_defaults(func=cmd_eviction)

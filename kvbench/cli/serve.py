@@ -10,12 +10,16 @@ from kvbench.analyses.breakdown import (
     OPT13B,
     available_backends,
     memory_breakdown,
+    opt13b_config,
     plot_breakdown,
     run_opt13b,
     write_paper_files,
 )
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
+from kvbench.checking.suite import machine_memory
+from kvbench.cli.options import UsageError, positive_float, positive_int
+from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
@@ -42,14 +46,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--format", choices=sorted(LOADERS), help="format of --trace")
     add("--scenario", choices=SCENARIOS,
         help="opt13b: the PagedAttention paper's setting (OPT-13B, 12 GiB, ShareGPT lengths)")
-    add("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="most running sequences")
-    add("--max-steps", type=int, help="admission horizon in steps (running requests then finish)")
-    add("--step-seconds", type=float, default=STEP_SECONDS,
+    add("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, help="most running sequences")
+    add("--max-steps", type=positive_int, help="admission horizon in steps (running requests then finish)")
+    add("--step-seconds", type=positive_float, default=STEP_SECONDS,
         help="simulated seconds per step: maps trace arrivals onto steps")
-    add("--max-requests", type=int, help="serve only the first N requests")
+    add("--max-requests", type=positive_int, help="serve only the first N requests")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
-    add("--rate", type=float, default=1.0, help="--format lengths: arrivals per second")
-    add("--prefix-caching", action="store_true", help="reuse prompt blocks by their hashes")
+    add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
+    add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
+        help="reuse prompt blocks by their hashes (default: on when the trace carries block hashes)")
     add("--store-kv", action="store_true", help="hold real K/V arrays (default: ledger only)")
     add("--check", action="store_true", help="replay each backend's logged trace through the checker")
     add("--save-traces", metavar="DIR", help="write each backend's logged trace there")
@@ -58,12 +63,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="--scenario opt13b: write breakdown.csv/.md/.png there (e.g. results/paper)")
     add("--backend", action="append", help="backend name (repeatable)")
     add("--model", help="model preset (default opt-13b)")
-    add("--block-size", type=int, help="default 16")
+    add("--block-size", type=positive_int, help="default 16")
     add("--budget", help="blocks ('1024') or bytes (default '12GiB')")
-    add("--max-context", type=int, help="default: next pow2 of the longest request")
-    add("--device", default="cpu")
-    add("--output", help="results file")
-    add("--quiet", action="store_true")
+    add("--max-context", type=positive_int, help="default: next pow2 of the longest request")
+    add("--device", default="cpu", help="device of the torch backend: cpu or cuda")
+    add("--output", help="results file (default results/runs/serve-<time>-<commit>.json)")
+    add("--quiet", action="store_true", help="no progress")
 
 
 def wants_serving(args) -> bool:
@@ -78,13 +83,36 @@ SERVE_COLUMNS = ["backend", *CATEGORIES, "averaged_over", "steps_averaged", "max
 def _serve_config(args, requests) -> CacheConfig:
     model = F.get_model(getattr(args, "model", None) or OPT13B["model"])
     bs = getattr(args, "block_size", None) or OPT13B["block_size"]
-    blocks = F.budget_blocks(getattr(args, "budget", None) or OPT13B["budget"], bs, model)
+    budget = getattr(args, "budget", None) or OPT13B["budget"]
+    try:
+        blocks = F.budget_blocks(budget, bs, model)
+    except ValueError as e:
+        raise UsageError(f"--budget: {e}") from None
+    if blocks < 1:
+        raise UsageError(f"--budget {budget}: less than one block (a block of {bs} tokens of "
+                         f"{model.name} is {F.block_bytes(bs, model):,} bytes)")
     longest = max((r.prompt_tokens + r.output_tokens for r in requests), default=1)
     mc = getattr(args, "max_context", None) or F.next_pow2(longest)
-    return CacheConfig(model=model, block_size=bs, num_blocks=blocks,
-                       store_kv=bool(getattr(args, "store_kv", False)),
+    caching = getattr(args, "prefix_caching", None)
+    if caching is None:  # on for a trace that names its prompts' blocks, as the help says
+        caching = any(r.block_hashes for r in requests)
+    store_kv = bool(getattr(args, "store_kv", False))
+    if store_kv and blocks * F.block_bytes(bs, model) > machine_memory():
+        print(f"note: {blocks:,} blocks of K/V are more than this machine's memory: --store-kv "
+              f"is dropped (ledger only)")
+        store_kv = False
+    return CacheConfig(model=model, block_size=bs, num_blocks=blocks, store_kv=store_kv,
                        device=getattr(args, "device", "cpu") or "cpu", max_context=int(mc),
-                       prefix_caching=bool(getattr(args, "prefix_caching", False)))
+                       prefix_caching=bool(caching))
+
+
+def settings_line(cfg: CacheConfig, requests: int) -> str:
+    """What a serving run uses: model, budget, block size, context, prefix caching."""
+    budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)
+    return (f"serving {requests} requests: model {cfg.model.name}, budget {cfg.num_blocks:,} blocks "
+            f"({budget / 2**30:.2f} GiB), blocks of {cfg.block_size} tokens, max context "
+            f"{cfg.max_context}, prefix caching {'on' if cfg.prefix_caching else 'off'}"
+            f"{'' if cfg.store_kv else ', ledger only'}")
 
 
 def _load(args) -> list[Request]:
@@ -105,13 +133,25 @@ def run_serving(args) -> int:
     if policy not in (None, "auto", "none"):
         raise ValueError(f"the serving simulation preempts by itself; --policy {policy} does not apply")
     if args.trace and args.scenario:
-        raise ValueError("give --trace or --scenario, not both")
+        raise UsageError("give --trace or --scenario, not both")
+    if getattr(args, "output", None):
+        check_writable(args.output, option="--output")
+    for option, folder in (("--save-traces", True), ("--paper-out", True), ("--plot", False)):
+        value = getattr(args, option[2:].replace("-", "_"), None)
+        if value:
+            check_writable(value, option=option, folder=folder)
     backends = getattr(args, "backend", None) or available_backends(getattr(args, "device", "cpu") or "cpu")
     sim = {"max_batch": args.max_batch, "max_steps": args.max_steps, "seed": args.seed}
     progress = not getattr(args, "quiet", False)
+    for name in backends:
+        try:
+            registry.resolve(name)
+        except ValueError as e:
+            raise UsageError(f"--backend {name}: {e}") from None
     if args.scenario == "opt13b":
         n = args.max_requests or OPT13B["num_requests"]
         steps = args.max_steps if args.max_steps is not None else OPT13B["max_steps"]
+        print(settings_line(opt13b_config(getattr(args, "device", "cpu") or "cpu"), n))
         table, sims = run_opt13b(backends, num_requests=n, max_steps=steps, seed=args.seed,
                                  max_batch=args.max_batch, device=getattr(args, "device", "cpu"),
                                  progress=progress)
@@ -125,6 +165,7 @@ def run_serving(args) -> int:
                              f"({', '.join(sorted(LOADERS))}), or --scenario opt13b")
         reqs = _load(args)
         cfg = _serve_config(args, reqs)
+        print(settings_line(cfg, len(reqs)))
         source = {"trace": str(args.trace), "format": args.format}
         table, sims = memory_breakdown(reqs, cfg, backends, step_seconds=args.step_seconds,
                                        source=source, progress=progress, **sim)
@@ -134,6 +175,10 @@ def run_serving(args) -> int:
     paper = ["paper_token_states"] if "paper_token_states" in table else []
     cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
     print_table(table, cols)
+    for r in table.itertuples():
+        if r.requests and not r.finished:
+            print(f"warning: {r.backend} refused every request ({r.rejected} rejected, {r.unserved} "
+                  f"unserved): is the budget smaller than one request?")
     code = 0
     if args.check:
         from kvbench.checking.checker import check
@@ -144,8 +189,9 @@ def run_serving(args) -> int:
             finally:
                 fresh.close()
             print(f"{v.status:4} {name}: replay of {len(r.trace)} logged ops"
-                  + (f"\n     first divergence: {v.divergence}" if v.divergence else ""))
-            code = max(code, 1 if v.valid is False else 0)
+                  + (f"\n     first divergence: {v.divergence}" if v.divergence else "")
+                  + (f"\n     error: {v.error}" if v.error else ""))
+            code = max(code, {"FAIL": 1, "ERROR": 2}.get(v.status, 0))
     if args.save_traces:
         out = Path(args.save_traces)
         out.mkdir(parents=True, exist_ok=True)

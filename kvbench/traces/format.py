@@ -31,6 +31,8 @@ from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
 
 from kvbench.contract.formulas import parse_kind
+from kvbench.outputs import staged
+from kvbench.traces.inputs import check_prefill, text_lines
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -152,6 +154,9 @@ def final_lengths(ops: Iterable[Op]) -> dict:
 
 # --- parsing and validation -------------------------------------------------------------------
 
+INT64_MAX = (1 << 63) - 1  # ids, steps and lengths are stored as int64
+
+
 def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     if key not in d:
         fail(f"missing field {key!r}")
@@ -160,6 +165,8 @@ def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
         fail(f"field {key!r} must be an integer, got {v!r}")
     if minimum is not None and v < minimum:
         fail(f"field {key!r} must be >= {minimum}, got {v}")
+    if v > INT64_MAX:
+        fail(f"field {key!r} = {v} is outside int64 (at most 2**63 - 1)")
     return v
 
 
@@ -345,7 +352,9 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
                 header = parse_header(d, fail)
                 continue
             if not _batch_row(d, b):
-                b.add(parse_op(d, fail))
+                op = parse_op(d, fail)
+                check_prefill(header, d, fail)
+                b.add(op)
             where.append(lineno)
     except TraceError as e:  # a history error on an earlier line comes first
         _check_history(b.table(), path, where, fields=False)
@@ -425,7 +434,9 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
     batch_line = 0
 
     def add(d, line):
-        b.add(parse_op(d, fail_at(line)))
+        op = parse_op(d, fail_at(line))
+        check_prefill(header, d, fail_at(line))
+        b.add(op)
         where.append(line)
 
     def flush():
@@ -466,11 +477,17 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
 def load(path: str) -> Trace:
     """Load a trace file: .jsonl (canonical) or .csv, streamed into columns (a file larger
     than memory loads into arrays of a few dozen bytes per operation)."""
-    with open(path, encoding="utf-8") as f:
-        return read_csv(f, path) if path.endswith(".csv") else read_jsonl(f, path)
+    def fail(reason, line):
+        raise TraceError(reason, path, line)
+
+    with open(path, "rb") as f:
+        lines = text_lines(f, fail)
+        return read_csv(lines, path) if path.endswith(".csv") else read_jsonl(lines, path)
 
 
 def save(trace: Trace, path: str) -> None:
+    """Write ``trace`` to ``path`` (.csv or .jsonl) under a temporary name, renamed when complete."""
     lines = csv_lines(trace) if path.endswith(".csv") else trace.jsonl_lines()
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(lines)
+    with staged(path) as (tmp,):
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(lines)

@@ -35,8 +35,13 @@ class Request:
 
 def _numbered_lines(path: str) -> list[tuple[int, str]]:
     """Non-blank lines with their 1-based line numbers (CRLF, BOM and a missing final newline ok)."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"not UTF-8 text (byte 0x{data[e.start]:02x}): is this a {path.rsplit('.', 1)[-1]} "
+                         f"trace?", path, data.count(b"\n", 0, e.start) + 1) from None
     lines = [(i, line) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not lines:
         raise TraceError("empty file", path, 1)

@@ -1,0 +1,35 @@
+"""What every kvbench chart shares: one colour and one label per memory category, a line naming
+where and when the figures were measured (commit, machine, date), and an atomic write."""
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+from kvbench.outputs import save_figure
+
+CATEGORY_LABELS = {"token_states": "token states", "reservation": "reservation",
+                   "internal_fragmentation": "internal fragmentation",
+                   "external_fragmentation": "external fragmentation", "free": "free"}
+CATEGORY_COLORS = {"token_states": "#4c72b0", "reservation": "#dd8452",
+                   "internal_fragmentation": "#c44e52", "external_fragmentation": "#8172b3",
+                   "free": "#cccccc"}
+
+
+def provenance(rec: dict | None = None) -> str:
+    """'commit abc12345 (dirty), host (cpu, 2 cpus), 2026-01-01 12:00 UTC' of a result record, or
+    of this checkout and machine now."""
+    if rec is None:
+        from kvbench.bench.records import commit_info, machine_info
+        rec = {**commit_info(), "machine": machine_info(),
+               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    m = rec.get("machine", {})
+    where = m.get("gpu") or m.get("device") or m.get("processor") or "?"
+    created = str(rec.get("created", "?")).replace("T", " ").replace("+00:00", " UTC")
+    return (f"commit {str(rec.get('commit', '?'))[:8]}{' (dirty)' if rec.get('dirty') else ''}, "
+            f"{m.get('hostname', '?')} ({where}, {m.get('cpus', '?')} cpus), {created}")
+
+
+def finish(fig, path, rec: dict | None = None, **savefig) -> Path:
+    """Put the provenance line at the figure's foot and write it to ``path`` atomically."""
+    fig.text(0.99, 0.005, provenance(rec), ha="right", va="bottom", fontsize=6, color="#555555")
+    return save_figure(fig, path, **savefig)
