@@ -49,7 +49,11 @@ def _machine() -> dict:
 
 
 def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
-    """Replay one cell, write its record into ``store``; a small summary for the progress."""
+    """Replay one cell, write its record into ``store``; a small summary for the progress.
+
+    ``commit``: the driver's code_version(), and ``machine`` where the driver knows the machine
+    the cell runs on (the local pool: then no worker spends a second importing torch to say so).
+    """
     where = known_settings()
     kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in cell.settings.items()}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -67,11 +71,11 @@ def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     if "tenant_metrics" in rec:
         rec["tenant_metrics"] = json.dumps(rec["tenant_metrics"], default=records._default)
     rec.update(cell.columns())
-    rec.update({"cell_id": cell.id, "parameters": ",".join(cell.columns()), "error": error, "code": cell.code, "commit": commit["commit"],
-                "dirty": commit["dirty"], "wall_s": wall, "started": started, "worker_pid": os.getpid(),
-                "worker_cores": ",".join(map(str, sorted(os.sched_getaffinity(0))))
-                if hasattr(os, "sched_getaffinity") else "",
-                **_machine()})
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    rec.update({"cell_id": cell.id, "parameters": ",".join(cell.columns()), "error": error,
+                "code": cell.code, "commit": commit["commit"], "dirty": commit["dirty"], "wall_s": wall,
+                "started": started, "worker_pid": os.getpid(), "worker_cores": ",".join(map(str, cores)),
+                **(commit.get("machine") or _machine())})
     store.write_cell(cell.sweep, cell.backend, cell.id, rec)
     return {"id": cell.id, "status": rec["status"], "wall_s": wall, "error": error}
 
@@ -165,6 +169,7 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     workers = workers or len(cores)
     ctx = mp.get_context("spawn")
+    commit = {**commit, "machine": _machine()}  # this machine's, measured once
     lost, interrupted = [], False
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                   initargs=(traces, ctx.Value("i", 0), cores if pin else None))

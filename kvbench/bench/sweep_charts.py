@@ -16,8 +16,8 @@ import pandas as pd
 from kvbench.bench.grid import parameter_columns
 from kvbench.contract.formulas import parse_bytes
 
-CHART_KEYS = {"heatmap": ("kind", "x", "y", "metric", "facet", "agg", "name"),
-              "lines": ("kind", "x", "metric", "hue", "facet", "agg", "name")}
+CHART_KEYS = {"heatmap": ("kind", "x", "y", "metric", "facet", "agg", "where", "name"),
+              "lines": ("kind", "x", "metric", "hue", "facet", "agg", "where", "name")}
 
 
 def natural_order(values) -> list:
@@ -79,10 +79,12 @@ def heatmap(df: pd.DataFrame, x: str, y: str, metric: str, *, facet="backend", a
     xs, ys = natural_order(df[x]), natural_order(df[y])
     fig, axes = plt.subplots(nrows, ncols, figsize=(0.9 * len(xs) * ncols + 2.5, 0.6 * len(ys) * nrows + 2),
                              squeeze=False, layout="constrained")
-    values = df[metric].astype(float)
-    lo, hi = values.min(), values.max()
-    for ax, (name, part) in zip(axes.flat, facets):
-        table = part.pivot_table(index=y, columns=x, values=metric, aggfunc=agg).reindex(index=ys, columns=xs)
+    tables = [part.assign(**{metric: part[metric].astype(float)})
+              .pivot_table(index=y, columns=x, values=metric, aggfunc=agg).reindex(index=ys, columns=xs)
+              for _, part in facets]
+    lo = min(float(np.nanmin(t.to_numpy(dtype=float))) for t in tables)
+    hi = max(float(np.nanmax(t.to_numpy(dtype=float))) for t in tables)
+    for ax, (name, _), table in zip(axes.flat, facets, tables):
         im = ax.imshow(table.to_numpy(dtype=float), aspect="auto", origin="lower", cmap="viridis",
                        vmin=lo, vmax=hi)
         ax.set_xticks(range(len(xs)), [_label(v) for v in xs], fontsize=7)
@@ -154,9 +156,19 @@ def check_spec(spec: dict, where: str = "chart") -> None:
         raise ValueError(f"{where}: a {kind} needs {', '.join(missing)}")
 
 
+def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
+    """The cells whose column ``k`` is ``v`` (or one of the list ``v``) for each item of ``where``."""
+    for k, v in (where or {}).items():
+        if k not in df.columns:
+            raise ValueError(f"where: no column {k!r} in the cells")
+        df = df[df[k].astype(str).isin([str(x) for x in (v if isinstance(v, list) else [v])])]
+    return df
+
+
 def draw(df: pd.DataFrame, spec: dict) -> tuple[str, bytes]:
     """(file name, PNG bytes) of one chart spec (a grid's [[charts]] entry)."""
     check_spec(spec)
+    df = select(df, spec.get("where"))
     opts = {k: spec[k] for k in ("facet", "agg") if k in spec}
     if spec["kind"] == "heatmap":
         fig = heatmap(df, spec["x"], spec["y"], spec["metric"], **opts)
@@ -168,4 +180,4 @@ def draw(df: pd.DataFrame, spec: dict) -> tuple[str, bytes]:
     return chart_name(spec) + ".png", buf.getvalue()
 
 
-__all__ = ["heatmap", "lines", "draw", "check_spec", "chart_name", "natural_order"]
+__all__ = ["heatmap", "lines", "draw", "select", "check_spec", "chart_name", "natural_order"]

@@ -76,13 +76,14 @@ def cmd_sweep(args) -> int:
 
 
 def _where(df: pd.DataFrame, conditions) -> pd.DataFrame:
+    where = {}
     for cond in conditions or []:
         key, sep, value = cond.partition("=")
         if not sep or key not in df.columns:
             raise ValueError(f"--where {cond!r}: expected COLUMN=VALUE with a column of the cells "
                              f"({', '.join(sorted(df.columns))})")
-        df = df[df[key].astype(str).isin(value.split(","))]
-    return df
+        where[key] = value.split(",")
+    return sweep_charts.select(df, where)
 
 
 def list_sweeps(store: Store) -> int:
