@@ -172,7 +172,7 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
     commit = {**commit, "machine": _machine()}  # this machine's, measured once
     lost, interrupted = [], False
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                  initargs=(traces, ctx.Value("i", 0), cores if pin else None))
+                                  initargs=(traces, ctx.Value("i", 0) if pin else None, cores if pin else None))
     pending = {}
 
     def collect(finished) -> None:
