@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,9 @@ def commit_info(root: Path = REPO_ROOT) -> dict:
     return {"commit": sha or "unknown", "dirty": dirty}
 
 
-def machine_info(device: str | None = None) -> dict:
+def machine_info(device: str | None = None, probe_torch: bool = True) -> dict:
+    """This machine. ``probe_torch=False``: torch's version from its metadata, without importing
+    torch (a second or two) to ask for CUDA, unless something imported it already."""
     info = {
         "hostname": platform.node(),
         "platform": platform.platform(),
@@ -36,14 +39,21 @@ def machine_info(device: str | None = None) -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
-    try:
-        import torch
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["cuda"] = torch.version.cuda
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        info["torch"] = None
+    if not probe_torch and "torch" not in sys.modules:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            info["torch"] = version("torch")
+        except PackageNotFoundError:
+            info["torch"] = None
+    else:
+        try:
+            import torch
+            info["torch"] = torch.__version__
+            if torch.cuda.is_available():
+                info["cuda"] = torch.version.cuda
+                info["gpu"] = torch.cuda.get_device_name(0)
+        except ImportError:
+            info["torch"] = None
     if device:
         info["device"] = device
     return info

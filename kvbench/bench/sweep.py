@@ -20,7 +20,9 @@ import datetime as _dt
 import json
 import multiprocessing as mp
 import os
+import pickle
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -43,17 +45,17 @@ _MACHINE: dict = {}
 
 
 def _machine() -> dict:
-    if not _MACHINE:
-        _MACHINE.update({MACHINE_PREFIX + k: v for k, v in records.machine_info().items()})
-    return _MACHINE
+    """This process's machine, once (and again once a cell has imported torch: then the GPU is
+    named too); torch is not imported for it, which would cost every worker a second or two."""
+    key = "torch" in sys.modules
+    if key not in _MACHINE:
+        _MACHINE[key] = {MACHINE_PREFIX + k: v for k, v in records.machine_info(probe_torch=False).items()}
+    return _MACHINE[key]
 
 
 def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     """Replay one cell, write its record into ``store``; a small summary for the progress.
-
-    ``commit``: the driver's code_version(), and ``machine`` where the driver knows the machine
-    the cell runs on (the local pool: then no worker spends a second importing torch to say so).
-    """
+    ``commit``: the driver's code_version()."""
     where = known_settings()
     kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in cell.settings.items()}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -75,7 +77,7 @@ def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     rec.update({"cell_id": cell.id, "parameters": ",".join(cell.columns()), "error": error,
                 "code": cell.code, "commit": commit["commit"], "dirty": commit["dirty"], "wall_s": wall,
                 "started": started, "worker_pid": os.getpid(), "worker_cores": ",".join(map(str, cores)),
-                **(commit.get("machine") or _machine())})
+                **_machine()})
     store.write_cell(cell.sweep, cell.backend, cell.id, rec)
     return {"id": cell.id, "status": rec["status"], "wall_s": wall, "error": error}
 
@@ -147,10 +149,12 @@ class Progress:
 _TRACES: dict = {}
 
 
-def _init_worker(traces: dict, counter, cores) -> None:
+def _init_worker(traces_file: str, counter, cores) -> None:
+    import pickle
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt stops
-    _TRACES.update(traces)
+    with open(traces_file, "rb") as f:
+        _TRACES.update(pickle.load(f))
     if cores:
         with counter.get_lock():
             k = counter.value
@@ -168,11 +172,19 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
     the run was interrupted."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     workers = workers or len(cores)
-    ctx = mp.get_context("spawn")
-    commit = {**commit, "machine": _machine()}  # this machine's, measured once
+    # Workers fork from a server that imported kvbench once (spawn where there is no forkserver).
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+    else:
+        ctx = mp.get_context("spawn")
     lost, interrupted = [], False
+    # The traces go through a file: in the start arguments, a worker would be started only once
+    # the one before had read them all.
+    with tempfile.NamedTemporaryFile(prefix="kvbench-traces-", suffix=".pickle", delete=False) as tf:
+        pickle.dump(traces, tf, protocol=pickle.HIGHEST_PROTOCOL)
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                  initargs=(traces, ctx.Value("i", 0) if pin else None, cores if pin else None))
+                                  initargs=(tf.name, ctx.Value("i", 0) if pin else None, cores if pin else None))
     pending = {}
 
     def collect(finished) -> None:
@@ -193,6 +205,7 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
     finally:
         # Cells already running finish (and are recorded); queued ones are dropped.
         pool.shutdown(wait=True, cancel_futures=True)
+        os.unlink(tf.name)
     collect([f for f in pending if f.done() and not f.cancelled()])
     return {"lost": lost, "interrupted": interrupted}
 
