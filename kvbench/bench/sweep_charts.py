@@ -68,17 +68,19 @@ def _facets(df: pd.DataFrame, facet) -> list:
             for k, part in df.groupby(cols, sort=True)]
 
 
+def _panels(n: int, size):
+    """A figure of ``n`` panels, three to a row; ``size(rows, cols)`` is its size in inches."""
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    return _plt().subplots(nrows, ncols, figsize=size(nrows, ncols), squeeze=False, layout="constrained")
+
+
 def heatmap(df: pd.DataFrame, x: str, y: str, metric: str, *, facet="backend", agg: str = "mean",
             title: str = ""):
     df = _usable(df, metric, [x, y])
     facets = _facets(df, facet)
-    plt = _plt()
-    n = len(facets)
-    ncols = min(n, 3)
-    nrows = math.ceil(n / ncols)
     xs, ys = natural_order(df[x]), natural_order(df[y])
-    fig, axes = plt.subplots(nrows, ncols, figsize=(0.9 * len(xs) * ncols + 2.5, 0.6 * len(ys) * nrows + 2),
-                             squeeze=False, layout="constrained")
+    fig, axes = _panels(len(facets), lambda nr, nc: (0.9 * len(xs) * nc + 2.5, 0.6 * len(ys) * nr + 2))
     tables = [part.assign(**{metric: part[metric].astype(float)})
               .pivot_table(index=y, columns=x, values=metric, aggfunc=agg).reindex(index=ys, columns=xs)
               for _, part in facets]
@@ -96,7 +98,7 @@ def heatmap(df: pd.DataFrame, x: str, y: str, metric: str, *, facet="backend", a
             if not math.isnan(v):
                 ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=6,
                         color="white" if hi > lo and (v - lo) / (hi - lo) < 0.5 else "black")
-    for ax in list(axes.flat)[n:]:
+    for ax in list(axes.flat)[len(facets):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label=metric)
     fig.suptitle(title or f"{metric} over {x} x {y}{_averaged(df, [x, y, metric, *_cols(facet)])}",
@@ -108,13 +110,8 @@ def lines(df: pd.DataFrame, x: str, metric: str, *, hue: str = "backend", facet=
           agg: str = "mean", title: str = ""):
     df = _usable(df, metric, [x, hue])
     facets = _facets(df, facet)
-    plt = _plt()
-    n = len(facets)
-    ncols = min(n, 3)
-    nrows = math.ceil(n / ncols)
     xs = natural_order(df[x])
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.5 * nrows), squeeze=False,
-                             layout="constrained")
+    fig, axes = _panels(len(facets), lambda nr, nc: (5 * nc, 3.5 * nr))
     for ax, (name, part) in zip(axes.flat, facets):
         table = part.pivot_table(index=x, columns=hue, values=metric, aggfunc=agg).reindex(xs)
         for col in table.columns:
@@ -124,7 +121,7 @@ def lines(df: pd.DataFrame, x: str, metric: str, *, hue: str = "backend", facet=
         ax.set_ylabel(metric, fontsize=8)
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
+    for ax in list(axes.flat)[len(facets):]:
         ax.axis("off")
     fig.suptitle(title or f"{metric} against {x}{_averaged(df, [x, hue, metric, *_cols(facet)])}",
                  fontsize=10)
