@@ -1,7 +1,9 @@
 """`kvbench compare A.json B.json [C.json ...]`: result records side by side, with ratios and charts.
 
 Records are those of kvbench.bench.records (``kvbench run``, ``kvbench.bench.gpu``, ``kvbench serve``...):
-each names its machine, commit and parameters. The first record is the baseline ``A``; every
+each names its machine, commit and parameters. A sweep's cells in the results store are a record
+too: ``sweep:NAME`` (its newest code version) or ``sweep:NAME@COMMIT`` (``--store`` says which
+store), matched on the sweep's parameters, so two commits of one sweep line up cell by cell. The first record is the baseline ``A``; every
 other one gets a ratio column (``B/A``, ``C/A``). Rows are matched on what identifies a
 measurement (workload, backend, policy, bench, impl, batch, ...), never on the device, so a CPU
 run here lines up with the same rows of a GPU run.
@@ -41,6 +43,8 @@ DEFAULT_METRICS = {
             "backend_ms", "ops_per_s"],
     "gpu_check": ["status", "backend_ms", "median_s", "tokens_per_s", "torch_vs_numpy",
                   "fraction_of_copy", "pool_bytes"],
+    "sweep": ["status", "peak_blocks", "mean_fragmentation", "evictions", "recomputed_tokens",
+              "hit_rate", "backend_ms", "ops_per_s"],
     "serve": ["token_states", "reservation", "internal_fragmentation", "external_fragmentation",
               "preemptions", "ops_per_s"],
 }
@@ -62,22 +66,41 @@ def describe(label: str, path, rec: dict) -> str:
             f"({where}, {m.get('cpus', '?')} cpus), {rec.get('created', '?')}")
 
 
+def sweep_record(spec: str, store_url=None) -> dict:
+    """``sweep:NAME[@COMMIT]``: the sweep's cells in the store as a record (kind 'sweep')."""
+    from kvbench.bench.grid import parameter_columns
+    from kvbench.bench.store import Store
+    name, _, commit = spec[len("sweep:"):].partition("@")
+    df, _ = Store(store_url).cells(name, commit or None)
+    first = df.sort_values("started").iloc[-1]
+    machine = {k[len("machine_"):]: first[k] for k in df.columns if k.startswith("machine_")}
+    return {"kind": "sweep", "created": first["started"], "machine": machine,
+            "commit": first["code"], "dirty": bool(first["dirty"]), "params": {"sweep": name},
+            "key_columns": parameter_columns(df), "rows": df.to_dict("records")}
+
+
+def read_record(path, store_url=None) -> dict:
+    return sweep_record(str(path), store_url) if str(path).startswith("sweep:") else records.read(path)
+
+
 def frame(rec: dict) -> pd.DataFrame:
     df = pd.DataFrame(rec["rows"])
-    for k in KEY_COLUMNS:
+    for k in KEY_COLUMNS + [k for k in rec.get("key_columns", []) if k not in KEY_COLUMNS]:
         if k in df.columns:
             df[k] = df[k].map(lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v))
                               else (str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)))
     return df
 
 
-def keys_of(frames) -> list[str]:
-    return [k for k in KEY_COLUMNS if any(k in f.columns for f in frames)]
+def keys_of(frames, extra=()) -> list[str]:
+    known = KEY_COLUMNS + [k for k in extra if k not in KEY_COLUMNS]
+    return [k for k in known if any(k in f.columns for f in frames)]
 
 
-def side_by_side(frames: list, names: list, metrics=None) -> pd.DataFrame:
-    """One row per measurement, columns (metric, record) and (metric, 'X/A') ratios."""
-    keys = keys_of(frames)
+def side_by_side(frames: list, names: list, metrics=None, extra_keys=()) -> pd.DataFrame:
+    """One row per measurement, columns (metric, record) and (metric, 'X/A') ratios;
+    ``extra_keys``: columns that identify a row beside KEY_COLUMNS (a sweep's parameters)."""
+    keys = keys_of(frames, extra_keys)
     if not keys:
         raise ValueError("the records have no column that identifies a row "
                          f"(looked for {', '.join(KEY_COLUMNS)})")
@@ -302,11 +325,11 @@ def charts(frames, names, out: Path, legend=()) -> list[Path]:
 # --- command -------------------------------------------------------------------------------------
 
 
-def compare(paths, metrics=None, out: str | Path | None = None):
+def compare(paths, metrics=None, out: str | Path | None = None, store=None):
     """(legend lines, side-by-side table, charts written)."""
     if len(paths) < 2:
         raise ValueError("compare needs two or more result records")
-    recs = [records.read(p) for p in paths]
+    recs = [read_record(p, store) for p in paths]
     names = labels(len(recs))
     legend = [describe(n, p, r) for n, p, r in zip(names, paths, recs)]
     kinds = {r["kind"] for r in recs}
@@ -327,7 +350,8 @@ def compare(paths, metrics=None, out: str | Path | None = None):
                 if m not in metrics:
                     metrics.append(m)
         metrics = metrics or None
-    table = side_by_side(frames, names, metrics)
+    extra = list(dict.fromkeys(k for r in recs for k in r.get("key_columns", [])))
+    table = side_by_side(frames, names, metrics, extra)
     made = charts(frames, names, Path(out), legend) if out else []
     return legend, table, made
 
@@ -363,7 +387,8 @@ def cmd_compare(args) -> int:
         check_writable(args.out, option="--out", folder=True)
     if args.csv:
         check_writable(args.csv, option="--csv")
-    legend, table, made = compare(args.records, args.metric, None if args.no_charts else args.out)
+    legend, table, made = compare(args.records, args.metric, None if args.no_charts else args.out,
+                                  args.store)
     print("\n".join(legend))
     with pd.option_context("display.width", 250, "display.max_columns", 60, "display.max_rows", 1000,
                            "display.float_format", number):
@@ -383,7 +408,9 @@ def cmd_compare(args) -> int:
 def add_compare_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="result records side by side (ratios to the first), charts",
                        description="Result records side by side (ratios to the first), charts.")
-    p.add_argument("records", nargs="+", help="two or more result records (JSON); the first is A")
+    p.add_argument("records", nargs="+", help="two or more result records (JSON files, or sweep:NAME[@COMMIT] "
+                                              "from the results store); the first is A")
+    p.add_argument("--store", help="results store of sweep: records (default results/sweeps/store)")
     p.add_argument("--metric", action="append",
                    help="column to show (repeatable; default by kind; an unknown one lists the valid)")
     p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "compare"),

@@ -32,6 +32,8 @@ def commit_info(root: Path = REPO_ROOT) -> dict:
 
 
 def machine_info(device: str | None = None) -> dict:
+    """This machine. torch is never imported here (a second or two): its version comes from its
+    metadata unless a torch backend already imported it."""
     info = {
         "hostname": platform.node(),
         "platform": platform.platform(),

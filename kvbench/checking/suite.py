@@ -101,9 +101,17 @@ def policies_for(trace: Trace, policy: str | None) -> list:
     return [policy]
 
 
+def hashed_blocks(trace: Trace) -> int:
+    """Prompt blocks the trace names by hash (what a prefix-cache hit rate is out of)."""
+    table = getattr(trace.ops, "hashes", None)  # a columnar trace keeps them apart
+    hashes = table.values() if table is not None else (getattr(op, "block_hashes", None) for op in trace.ops)
+    return sum(len(h or ()) for h in hashes)
+
+
 def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict,
                 unavailable: str = "") -> dict:
     series = v.series
+    hashed = hashed_blocks(trace)
     mean = {k: float(series.column(k).mean()) for k in
             ("fragmentation", "token_states", "reservation", "internal_fragmentation",
              "external_fragmentation", "free")} if series else {}
@@ -125,6 +133,9 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "backend_ms": v.backend_seconds * 1e3,
         "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
         "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),
+        # Prefix caching: prompt blocks found cached, of all the trace's hashed prompt blocks.
+        "prefix_hit_blocks": v.final_ledger.get("prefix_hit_blocks", 0),
+        "prefix_hit_rate": (v.final_ledger.get("prefix_hit_blocks", 0) / hashed) if hashed else float("nan"),
         "layout": eviction.layout_of(v),
     }
     if trace.header.tenants and series:  # a tenant mix: fairness and per-tenant figures
