@@ -1,0 +1,522 @@
+"""Shrink a failing trace to a small one that fails the same way (`kvbench shrink`).
+
+:func:`shrink` replays a trace through a backend under the checker. If the backend fails, it cuts
+the trace down, keeping every candidate that still fails with the same kind of divergence
+(:func:`divergence_kind`: the same quantity, or the same exception type), and returns the
+smallest it found with a header that records where it came from. A backend that passes gives
+nothing to shrink; a trace the checker cannot judge (not applicable, or an error of the harness
+itself) is refused with the reason.
+
+The moves (kvbench/traces/edits.py), cheapest first, repeated until none helps:
+
+1. everything after the first divergence is irrelevant: cut there (after every success too, so a
+   replay never runs past the failure);
+2. keep only the sequences touched in the last ``w`` operations before the failure (with what
+   they were forked from), for ``w`` = 1, 2, 4, ...: a deep failure that depends on recent state
+   costs a few replays of small traces instead of a bisection of the whole history;
+3. delta debugging (Zeller's ddmin: halves, then smaller chunks down to one at a time) over whole
+   sequences (each with its forks and every operation on them), then over append members and frees;
+4. token counts: halving, then a bisection down to the smallest that fails (one by one last);
+5. dense numbering of steps, sequences and tenants, unused tenant weights dropped;
+6. the budget lowered to the smallest number of blocks that fails (bisection), then the block
+   size (powers of two below it, the same token capacity) where no block hashes pin it.
+
+Every candidate is validated by the trace loader's rules (:func:`kvbench.traces.format.validate`)
+before it runs, so a shrunk trace is always a legal one. The checker is used only through
+``check()`` and its Verdict/Divergence; the backend comes as a factory, so this module imports no
+backend (tests/test_architecture.py holds it to that).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvbench.checking.checker import Divergence, Verdict, check
+from kvbench.contract import formulas as F
+from kvbench.contract.protocol import Backend, CacheConfig
+from kvbench.traces import edits
+from kvbench.traces.format import Header, Trace, TraceError, op_to_dict, validate
+
+DEFAULT_MAX_SECONDS = 600.0
+DEFAULT_MAX_ATTEMPTS = 20_000
+GENERATOR = "kvbench shrink"
+
+BackendFactory = Callable[[CacheConfig], Backend]
+
+
+# --- what counts as the same failure --------------------------------------------------------
+
+def divergence_kind(d: Divergence) -> str:
+    """What a shrunk trace must still show: the quantity that diverged (sequence ids left out,
+    since shrinking renumbers them), or the type of the exception the backend raised. For the
+    outcome of an operation, which way it went (refused where it fits, or the reverse)."""
+    actual = str(d.actual)
+    if d.quantity.startswith("outcome of") and actual not in ("success", "out of memory"):
+        return f"raises {actual.split(':', 1)[0]}"
+    quantity = re.sub(r"sequence \d+", "sequence *", d.quantity)
+    if d.quantity.startswith("outcome of"):
+        return f"outcome: {d.expected} expected, {d.actual} actual"
+    return quantity
+
+
+@dataclass
+class Outcome:
+    """One replay: 'fail' (with the divergence and its kind), 'pass', 'n/a', 'error' (the harness
+    failed, not the backend), 'setup' (the factory refused the settings), 'invalid' (not a
+    legal trace; never run)."""
+
+    status: str
+    kind: str = ""
+    divergence: Divergence | None = None
+    reason: str = ""
+    pressure: bool = False  # the replay evicted or refused something: the budget matters
+
+
+class _OpCounter:
+    """A progress sink for check(): how many operations passed before an escaping exception."""
+
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+def _raised_by_backend(exc: BaseException, backend: Backend) -> bool:
+    """Whether the traceback passes through the backend's own code (its class or any base
+    class outside kvbench); otherwise the harness raised it on its own."""
+    own = {c.__module__ for c in type(backend).__mro__}
+    own = {m for m in own if m not in ("builtins", "abc") and not m.startswith("kvbench.")}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") in own:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
+           gather: str = "touched") -> Outcome:
+    """Check ``trace`` on a fresh backend from ``factory(config)`` and classify the verdict."""
+    try:
+        backend = factory(config)
+    except Exception as e:
+        return Outcome("setup", reason=f"the backend refused the settings: {type(e).__name__}: {e}")
+    counter = _OpCounter()
+    try:
+        v = check(trace, backend, gather=gather, progress=counter)
+    except Exception as e:  # escaped the checker: the backend's fault or the harness's own
+        why = f"{type(e).__name__}: {e}"
+        if not _raised_by_backend(e, backend):
+            return Outcome("error", reason=f"the harness raised {why}")
+        i = min(counter.n, len(trace.ops) - 1)
+        op = trace.ops[i]
+        d = Divergence(trace.name, i, op.step, op_to_dict(op), "exception", "none", why)
+        return Outcome("fail", f"raises {type(e).__name__}", d)
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    return _classify(v)
+
+
+def _classify(v: Verdict) -> Outcome:
+    status = getattr(v, "status", "")
+    if status == "ERROR":  # the harness's own failure (issue 12's verdict kind)
+        reason = getattr(v, "error", "") or getattr(v, "reason", "") or str(v.divergence or "")
+        return Outcome("error", reason=reason)
+    if v.valid is None:
+        return Outcome("n/a", reason=v.not_applicable)
+    if v.valid:
+        return Outcome("pass")
+    kind = divergence_kind(v.divergence)
+    return Outcome("fail", kind, v.divergence, pressure=bool(
+        v.ooms or v.evictions or kind == "victims" or "out of memory" in kind or "refused" in kind))
+
+
+# --- the result ------------------------------------------------------------------------------
+
+@dataclass
+class ShrinkResult:
+    """What :func:`shrink` found. ``status``: 'shrunk' (``trace`` fails like the original),
+    'passes' (nothing to shrink), 'not-applicable' or 'error' (refused, ``reason`` says why).
+    ``stopped``: 'done' (no move helps any more), 'max-seconds', 'max-attempts', 'interrupted'."""
+
+    status: str
+    original: Trace
+    config: CacheConfig
+    backend: str
+    reason: str = ""
+    divergence: Divergence | None = None  # the original's first divergence
+    kind: str = ""
+    trace: Trace | None = None  # the shrunk trace, its header saying where it came from
+    shrunk_config: CacheConfig | None = None  # the settings it fails under (budget lowered, ...)
+    shrunk_divergence: Divergence | None = None
+    attempts: int = 0  # replays run (memoized and invalid candidates not counted)
+    seconds: float = 0.0
+    stopped: str = ""
+    gather: str = "touched"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "shrunk"
+
+    def summary(self) -> str:
+        if self.status == "passes":
+            return "passes: nothing to shrink"
+        if not self.ok:
+            return f"{self.status}: {self.reason}"
+        return (f"shrunk {len(self.original)} ops to {len(self.trace)} ({self.attempts} attempts, "
+                f"{self.seconds:.1f} s, {self.stopped}): {self.kind}")
+
+    def as_record(self) -> dict:
+        """A JSON-able record to attach to a divergence (results pages, the fault catalogue)."""
+        return {"status": self.status, "reason": self.reason, "backend": self.backend,
+                "kind": self.kind, "ops_before": len(self.original),
+                "ops_after": len(self.trace) if self.trace is not None else None,
+                "attempts": self.attempts, "seconds": round(self.seconds, 3), "stopped": self.stopped,
+                "divergence": _jsonable(self.divergence),
+                "shrunk_divergence": _jsonable(self.shrunk_divergence),
+                "trace": self.trace.to_jsonl() if self.trace is not None else None}
+
+
+def _jsonable(d):
+    if d is None:
+        return None
+    raw = d.__dict__ if isinstance(d, Divergence) else d
+    return json.loads(json.dumps(raw, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def settings_of(config: CacheConfig) -> dict:
+    """The settings a trace header carries so that `kvbench check` replays with them."""
+    s = {"model": config.model.name, "block_size": config.block_size,
+         "num_blocks": config.num_blocks, "max_context": config.max_context,
+         "prefix_caching": bool(config.prefix_caching)}
+    if config.policy:
+        s["policy"] = config.policy
+    return s
+
+
+def failure_trace(trace: Trace, config: CacheConfig, divergence: Divergence, *, backend: str,
+                  generator: str = GENERATOR, source: dict | None = None,
+                  name: str | None = None) -> Trace:
+    """``trace`` under a header that says how its failure replays: the settings (which
+    `kvbench check` reads back), the backend, the divergence and its kind, and where it came from."""
+    params = {"backend": backend, "kind": divergence_kind(divergence),
+              "divergence": _jsonable(divergence)}
+    if source:
+        params["source"] = source
+    h = trace.header
+    header = Header(family=h.family, generator=generator, params=params, seed=h.seed,
+                    tenants=dict(h.tenants), settings=settings_of(config))
+    return Trace(header, list(trace.ops), name=name or trace.name)
+
+
+def _label(factory) -> str:
+    if isinstance(factory, type):
+        return f"{factory.__module__}:{factory.__qualname__}"
+    return getattr(factory, "__name__", repr(factory))
+
+
+# --- the search --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    ops: tuple
+    tenants: tuple  # the header's tenant weights, as sorted items
+    config: CacheConfig
+
+    def key(self):
+        k = (self.ops, self.tenants, self.config.num_blocks, self.config.block_size,
+             tuple(sorted(self.config.tenant_weights.items())))
+        try:
+            hash(k)
+            return k
+        except TypeError:  # a field holding a list: compare by text
+            return repr(k)
+
+
+@dataclass
+class Progress:
+    """Where a shrink stands, passed to the ``progress`` callback after every replay."""
+
+    phase: str
+    ops: int  # operations in the smallest failing trace so far
+    original_ops: int
+    attempts: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class _Stop(Exception):
+    def __init__(self, why: str):
+        self.why = why
+
+
+class _Shrinker:
+    def __init__(self, trace, factory, gather, max_seconds, max_attempts, progress):
+        self.trace, self.factory, self.gather = trace, factory, gather
+        self.max_seconds, self.max_attempts, self.progress = max_seconds, max_attempts, progress
+        self.start = time.monotonic()
+        self.attempts = 0
+        self.seen: dict = {}
+        self.phase = "first replay"
+        self.best: Candidate | None = None
+        self.best_outcome: Outcome | None = None
+        self.kind = ""
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def outcome(self, cand: Candidate) -> Outcome:
+        key = cand.key()
+        if key in self.seen:
+            return self.seen[key]
+        if self.best is not None:  # the first replay always runs
+            if self.elapsed() >= self.max_seconds:
+                raise _Stop("max-seconds")
+            if self.attempts >= self.max_attempts:
+                raise _Stop("max-attempts")
+        h = self.trace.header
+        header = dataclasses.replace(h, tenants=dict(cand.tenants))
+        trace = Trace(header, list(cand.ops), name=self.trace.name)
+        try:
+            validate(trace)
+        except TraceError as e:
+            out = Outcome("invalid", reason=str(e))
+        else:
+            self.attempts += 1
+            out = replay(trace, self.factory, cand.config, self.gather)
+        self.seen[key] = out
+        if self.progress is not None:
+            self.progress(Progress(self.phase, len(self.best.ops) if self.best else len(cand.ops),
+                                   len(self.trace), self.attempts, self.elapsed()))
+        return out
+
+    def fails(self, cand: Candidate) -> bool:
+        """Whether ``cand`` fails the same way; if so it becomes the best, cut after its failure."""
+        if not cand.ops:
+            return False
+        out = self.outcome(cand)
+        if out.status != "fail" or out.kind != self.kind:
+            return False
+        self.best, self.best_outcome = cand, out
+        if out.divergence.index < len(cand.ops) - 1:
+            cut = dataclasses.replace(cand, ops=cand.ops[:out.divergence.index + 1])
+            short = self.outcome(cut)
+            if short.status == "fail" and short.kind == self.kind:
+                self.best, self.best_outcome = cut, short
+        return True
+
+    def fails_or_tighter(self, cand: Candidate) -> bool:
+        """``fails(cand)``; else, when the failure came under memory pressure, ``cand`` with the
+        budget lowered by the blocks its edit freed (ceil(T/B) of the sequences live at the
+        end), so that dropping a sequence or tokens does not also take the pressure away."""
+        if self.fails(cand):
+            return True
+        if not self.best_outcome.pressure:
+            return False
+        B = cand.config.block_size
+        freed = (sum(F.blocks_needed(n, B) for n in edits.live_lengths(self.best.ops).values())
+                 - sum(F.blocks_needed(n, B) for n in edits.live_lengths(cand.ops).values()))
+        blocks = cand.config.num_blocks - freed
+        return freed > 0 and blocks >= 1 and self.fails(
+            dataclasses.replace(cand, config=dataclasses.replace(cand.config, num_blocks=blocks)))
+
+    def with_ops(self, ops) -> Candidate:
+        return dataclasses.replace(self.best, ops=tuple(ops))
+
+    # --- the moves ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        moves = (self.window, self.drop_sequences, self.drop_members, self.coalesce,
+                 self.shorten_tokens, self.budget, self.block_size, self.renumber, self.tenants)
+        while True:
+            before = self.best.key()
+            for move in moves:
+                self.phase = move.__name__.replace("_", " ")
+                move()
+            if self.best.key() == before:
+                return
+
+    def window(self) -> None:
+        ops, k = self.best.ops, self.best_outcome.divergence.index
+        last = {}
+        for i, op in enumerate(ops[:k + 1]):
+            for s in edits.sequences_of(op):
+                last[s] = i
+        w = 1
+        while True:
+            keep = edits.ancestors(ops, {s for s, i in last.items() if i >= k - w})
+            drop = set(edits.sequences(ops)) - keep
+            if not drop or len(keep) >= len(last):
+                return
+            if self.fails(self.with_ops(edits.drop_sequences(ops, drop))):
+                return
+            w *= 2
+
+    def ddmin(self, units_of, remove) -> None:
+        """Delta debugging over the units ``units_of(ops)`` lists: drop chunks of half of them,
+        then of a quarter, ... down to one unit at a time. Each level is one scan that stays where
+        a drop succeeded (Zeller's ddmin restarts there from the first chunk: O(n^2) replays);
+        the last level repeats until it drops nothing, so no single unit can go (1-minimal)."""
+        units = units_of(self.best.ops)
+        size = max(1, len(units) // 2)
+        while units:
+            i, dropped = 0, False
+            while i < len(units):
+                chunk = units[i:i + size]
+                if self.fails_or_tighter(self.with_ops(remove(self.best.ops, chunk))):
+                    left = set(units) - set(chunk)
+                    units = [u for u in units_of(self.best.ops) if u in left]
+                    dropped = True
+                else:
+                    i += size
+            if size == 1 and not dropped:
+                return
+            size = max(1, size // 2)
+
+    def drop_sequences(self) -> None:
+        self.ddmin(edits.sequences, edits.drop_sequences)
+
+    def drop_members(self) -> None:
+        self.ddmin(edits.members, edits.drop_members)
+
+    def coalesce(self) -> None:
+        """Fewer operations for the same tokens: adjacent appends merged, an append folded into
+        its sequence's prefill."""
+        i = 0
+        while i + 1 < len(self.best.ops):
+            merged = edits.merge_appends(self.best.ops, i)
+            if merged is None or not self.fails(self.with_ops(merged)):
+                i += 1
+        for seq in edits.sequences(self.best.ops):
+            while True:
+                folded = edits.fold_into_prefill(self.best.ops, seq)
+                if folded is None or not self.fails(self.with_ops(folded)):
+                    break
+
+    def shorten_tokens(self) -> None:
+        B = self.best.config.block_size
+        for unit, _ in edits.token_counts(self.best.ops):
+            def tokens():
+                return dict(edits.token_counts(self.best.ops)).get(unit, 1)
+
+            def tries(n):
+                return self.fails_or_tighter(self.with_ops(edits.set_tokens(self.best.ops, unit, n, B)))
+
+            while tokens() > 1 and tries(tokens() // 2):  # halving
+                pass
+            lo, hi = tokens() // 2 + 1, tokens()  # then down by bisection, one by one at the end
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tries(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+
+    def renumber(self) -> None:
+        ops = list(self.best.ops)
+        for kw in ({}, {"seqs": False}, {"steps": False}):
+            cand = edits.renumber(ops, **kw)
+            if cand != ops and self.fails(self.with_ops(cand)):
+                return
+
+    def tenants(self) -> None:
+        ops, cand = self.best.ops, self.best
+        used = edits.tenants_used(ops)
+        names = edits.dense_tenant_names(used)
+
+        def under(rename: dict, new_ops) -> Candidate:
+            weights = {rename.get(t, t): w for t, w in cand.tenants if t in used}
+            config_w = {rename.get(t, t): w for t, w in cand.config.tenant_weights.items() if t in used}
+            return Candidate(tuple(new_ops), tuple(sorted(weights.items())),
+                             dataclasses.replace(cand.config, tenant_weights=config_w))
+
+        renamed = under(names, edits.rename_tenants(ops, names))
+        if renamed.key() != cand.key() and self.fails(renamed):
+            return
+        kept = under({}, ops)
+        if kept.key() != cand.key():
+            self.fails(kept)
+
+    def budget(self) -> None:
+        lo, hi = 1, self.best.config.num_blocks  # hi fails
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.fails(dataclasses.replace(
+                    self.best, config=dataclasses.replace(self.best.config, num_blocks=mid))):
+                hi = mid
+            else:
+                lo = mid + 1
+
+    def block_size(self) -> None:
+        if any(getattr(op, "block_hashes", None) for op in self.best.ops):
+            return  # the hashes name blocks of this size
+        config = self.best.config
+        b = 1
+        while b < config.block_size:
+            slots = config.num_blocks * config.block_size
+            smaller = dataclasses.replace(config, block_size=b, num_blocks=-(-slots // b))
+            if self.fails(dataclasses.replace(self.best, config=smaller)):
+                return
+            b *= 2
+
+
+def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *,
+           gather: str = "touched", max_seconds: float = DEFAULT_MAX_SECONDS,
+           max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: Callable[[Progress], None] | None = None,
+           backend: str | None = None, source: str | None = None) -> ShrinkResult:
+    """Cut ``trace`` down to a small trace on which ``backend_factory(config)`` fails the same way.
+
+    ``backend_factory`` makes a fresh backend from a CacheConfig (a Backend subclass, or e.g.
+    ``lambda c: registry.create(name, c)``); ``backend`` names it in the records (default: the
+    factory's ``module:Class``); ``source`` names the trace (a path) in the shrunk trace's header.
+    ``gather`` is check()'s. The search stops when no move helps, after ``max_seconds`` or
+    ``max_attempts`` replays, or on Ctrl-C, and returns the smallest failing trace found so far.
+    This signature is stable: the results pages and the fault catalogue call it.
+    """
+    label = backend or _label(backend_factory)
+    result = ShrinkResult("shrunk", trace, config, label, gather=gather)
+    s = _Shrinker(trace, backend_factory, gather, max_seconds, max_attempts, progress)
+    first = Candidate(tuple(trace.ops), tuple(sorted(trace.header.tenants.items())), config)
+    out = s.outcome(first)
+    result.attempts, result.seconds = s.attempts, s.elapsed()
+    if out.status == "pass":
+        result.status = "passes"
+        return result
+    if out.status != "fail":
+        result.status = "not-applicable" if out.status == "n/a" else "error"
+        result.reason = out.reason if out.status != "invalid" else f"not a legal trace: {out.reason}"
+        return result
+    s.kind = result.kind = out.kind
+    result.divergence = out.divergence
+    s.fails(first)
+    try:
+        s.run()
+        result.stopped = "done"
+    except _Stop as stop:
+        result.stopped = stop.why
+    except KeyboardInterrupt:
+        result.stopped = "interrupted"
+    best, d = s.best, s.best_outcome.divergence
+    result.shrunk_config, result.shrunk_divergence = best.config, d
+    result.attempts, result.seconds = s.attempts, s.elapsed()
+    h = dataclasses.replace(trace.header, tenants=dict(best.tenants))
+    origin = {"trace": source or trace.name, "family": trace.header.family,
+              "generator": trace.header.generator, "seed": trace.header.seed, "ops": len(trace),
+              "index": result.divergence.index, "step": result.divergence.step,
+              "divergence": _jsonable(result.divergence), "settings": settings_of(config),
+              "gather": gather, "attempts": result.attempts, "seconds": round(result.seconds, 3),
+              "stopped": result.stopped}
+    result.trace = failure_trace(Trace(h, list(best.ops), trace.name), best.config, d,
+                                 backend=label, source=origin, name=f"{trace.name}.min")
+    return result
+
+
+__all__ = ["shrink", "ShrinkResult", "Progress", "Outcome", "replay", "divergence_kind",
+           "failure_trace", "settings_of", "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_ATTEMPTS"]
