@@ -29,8 +29,6 @@ backend (tests/test_architecture.py holds it to that).
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,29 +37,22 @@ from kvbench.checking.checker import Divergence, Verdict, check
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, CacheConfig
 from kvbench.traces import edits
-from kvbench.traces.format import Header, Trace, TraceError, op_to_dict, validate
+from kvbench.checking.reproduce import (
+    divergence_kind,
+    emit_pytest,
+    failure_trace,
+    jsonable,
+    settings_of,
+)
+from kvbench.traces.format import Trace, TraceError, op_to_dict, validate
 
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_MAX_ATTEMPTS = 20_000
-GENERATOR = "kvbench shrink"
 
 BackendFactory = Callable[[CacheConfig], Backend]
 
 
 # --- what counts as the same failure --------------------------------------------------------
-
-def divergence_kind(d: Divergence) -> str:
-    """What a shrunk trace must still show: the quantity that diverged (sequence ids left out,
-    since shrinking renumbers them), or the type of the exception the backend raised. For the
-    outcome of an operation, which way it went (refused where it fits, or the reverse)."""
-    actual = str(d.actual)
-    if d.quantity.startswith("outcome of") and actual not in ("success", "out of memory"):
-        return f"raises {actual.split(':', 1)[0]}"
-    quantity = re.sub(r"sequence \d+", "sequence *", d.quantity)
-    if d.quantity.startswith("outcome of"):
-        return f"outcome: {d.expected} expected, {d.actual} actual"
-    return quantity
-
 
 @dataclass
 class Outcome:
@@ -116,7 +107,7 @@ def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
         i = min(counter.n, len(trace.ops) - 1)
         op = trace.ops[i]
         d = Divergence(trace.name, i, op.step, op_to_dict(op), "exception", "none", why)
-        return Outcome("fail", f"raises {type(e).__name__}", d)
+        return Outcome("fail", divergence_kind(d), d)
     finally:
         close = getattr(backend, "close", None)
         if close is not None:
@@ -173,47 +164,22 @@ class ShrinkResult:
         return (f"shrunk {len(self.original)} ops to {len(self.trace)} ({self.attempts} attempts, "
                 f"{self.seconds:.1f} s, {self.stopped}): {self.kind}")
 
+    def pytest_source(self, factory: BackendFactory) -> str:
+        """The shrunk trace as a pytest case (kvbench.checking.reproduce.emit_pytest)."""
+        title = (f"Shrunk by `kvbench shrink` from {self.trace.header.params['source']['trace']} "
+                 f"({len(self.original)} ops, first divergence at step {self.divergence.step})")
+        return emit_pytest(self.trace, factory, self.shrunk_config, self.backend,
+                           gather=self.gather, title=title)
+
     def as_record(self) -> dict:
         """A JSON-able record to attach to a divergence (results pages, the fault catalogue)."""
         return {"status": self.status, "reason": self.reason, "backend": self.backend,
                 "kind": self.kind, "ops_before": len(self.original),
                 "ops_after": len(self.trace) if self.trace is not None else None,
                 "attempts": self.attempts, "seconds": round(self.seconds, 3), "stopped": self.stopped,
-                "divergence": _jsonable(self.divergence),
-                "shrunk_divergence": _jsonable(self.shrunk_divergence),
+                "divergence": jsonable(self.divergence),
+                "shrunk_divergence": jsonable(self.shrunk_divergence),
                 "trace": self.trace.to_jsonl() if self.trace is not None else None}
-
-
-def _jsonable(d):
-    if d is None:
-        return None
-    raw = d.__dict__ if isinstance(d, Divergence) else d
-    return json.loads(json.dumps(raw, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
-def settings_of(config: CacheConfig) -> dict:
-    """The settings a trace header carries so that `kvbench check` replays with them."""
-    s = {"model": config.model.name, "block_size": config.block_size,
-         "num_blocks": config.num_blocks, "max_context": config.max_context,
-         "prefix_caching": bool(config.prefix_caching)}
-    if config.policy:
-        s["policy"] = config.policy
-    return s
-
-
-def failure_trace(trace: Trace, config: CacheConfig, divergence: Divergence, *, backend: str,
-                  generator: str = GENERATOR, source: dict | None = None,
-                  name: str | None = None) -> Trace:
-    """``trace`` under a header that says how its failure replays: the settings (which
-    `kvbench check` reads back), the backend, the divergence and its kind, and where it came from."""
-    params = {"backend": backend, "kind": divergence_kind(divergence),
-              "divergence": _jsonable(divergence)}
-    if source:
-        params["source"] = source
-    h = trace.header
-    header = Header(family=h.family, generator=generator, params=params, seed=h.seed,
-                    tenants=dict(h.tenants), settings=settings_of(config))
-    return Trace(header, list(trace.ops), name=name or trace.name)
 
 
 def _label(factory) -> str:
@@ -495,8 +461,9 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
         return result
     s.kind = result.kind = out.kind
     result.divergence = out.divergence
-    s.fails(first)
     try:
+        s.phase = "cut after the failure"
+        s.fails(first)
         s.run()
         result.stopped = "done"
     except _Stop as stop:
@@ -510,7 +477,7 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     origin = {"trace": source or trace.name, "family": trace.header.family,
               "generator": trace.header.generator, "seed": trace.header.seed, "ops": len(trace),
               "index": result.divergence.index, "step": result.divergence.step,
-              "divergence": _jsonable(result.divergence), "settings": settings_of(config),
+              "divergence": jsonable(result.divergence), "settings": settings_of(config),
               "gather": gather, "attempts": result.attempts, "seconds": round(result.seconds, 3),
               "stopped": result.stopped}
     result.trace = failure_trace(Trace(h, list(best.ops), trace.name), best.config, d,
@@ -519,4 +486,4 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
 
 
 __all__ = ["shrink", "ShrinkResult", "Progress", "Outcome", "replay", "divergence_kind",
-           "failure_trace", "settings_of", "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_ATTEMPTS"]
+           "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_ATTEMPTS"]

@@ -1,4 +1,4 @@
-"""The `kvbench` command: run, check, gen, prefix, compare, gates, list, eviction, faults.
+"""The `kvbench` command: run, check, gen, prefix, compare, gates, list, eviction, faults, shrink.
 
 Each command group lives in a module of its own with a ``register(subparsers)`` function;
 this module only puts them together. Errors take the one path of kvbench.cli.options: one line,
@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 
 from kvbench.bench.compare import add_compare_parser
-from kvbench.cli import data, eviction, faults, gates, options, run
+from kvbench.cli import data, eviction, faults, gates, options, run, shrink
 
 REGISTER = (run.register, data.register_gen_prefix, add_compare_parser, gates.register,
-            data.register_list, eviction.register, faults.register)
+            data.register_list, eviction.register, faults.register, shrink.register)
 
 EPILOG = ("exit status: 0 every check passed, 1 a check FAILed, 2 an error (bad input, a backend "
           "that cannot run, nothing checked or passed), 130 interrupted. --debug (anywhere on the "
