@@ -44,8 +44,10 @@ from kvbench.checking.reproduce import (
     jsonable,
     settings_of,
 )
-from kvbench.traces.format import Trace, TraceError, op_to_dict, validate
+from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, TraceError, op_to_dict, validate
 
+COLUMNS_FROM = 1000  # candidates this long run as columns (ops with fields of their own never)
+BASE_OPS = (Prefill, Append, Fork, Free)
 DEFAULT_MAX_SECONDS = 600.0
 DEFAULT_MAX_ATTEMPTS = 20_000
 
@@ -250,6 +252,8 @@ class _Shrinker:
         h = self.trace.header
         header = dataclasses.replace(h, tenants=dict(cand.tenants))
         trace = Trace(header, list(cand.ops), name=self.trace.name)
+        if len(trace) >= COLUMNS_FROM and all(type(op) in BASE_OPS for op in cand.ops):
+            trace = trace.columnar()  # validated by array operations, replayed a little faster
         try:
             validate(trace)
         except TraceError as e:
@@ -263,7 +267,7 @@ class _Shrinker:
                                    len(self.trace), self.attempts, self.elapsed()))
         return out
 
-    def fails(self, cand: Candidate) -> bool:
+    def fails(self, cand: Candidate, cut: bool = True) -> bool:
         """Whether ``cand`` fails the same way; if so it becomes the best, cut after its failure."""
         if not cand.ops:
             return False
@@ -271,12 +275,18 @@ class _Shrinker:
         if out.status != "fail" or out.kind != self.kind:
             return False
         self.best, self.best_outcome = cand, out
-        if out.divergence.index < len(cand.ops) - 1:
-            cut = dataclasses.replace(cand, ops=cand.ops[:out.divergence.index + 1])
-            short = self.outcome(cut)
-            if short.status == "fail" and short.kind == self.kind:
-                self.best, self.best_outcome = cut, short
+        if cut:
+            self.cut()
         return True
+
+    def cut(self) -> None:
+        """Everything after the failure goes (a candidate of its own: the final lengths change)."""
+        cand, index = self.best, self.best_outcome.divergence.index
+        if index < len(cand.ops) - 1:
+            short = dataclasses.replace(cand, ops=cand.ops[:index + 1])
+            out = self.outcome(short)
+            if out.status == "fail" and out.kind == self.kind:
+                self.best, self.best_outcome = short, out
 
     def fails_or_tighter(self, cand: Candidate) -> bool:
         """``fails(cand)``; else, when the failure came under memory pressure, ``cand`` with the
@@ -310,6 +320,12 @@ class _Shrinker:
                 return
 
     def window(self) -> None:
+        """Runs on the original trace uncut (cutting it first would cost a replay as long as the
+        first), so it drops the sequences born after the failure too; then cuts."""
+        self.keep_recent()
+        self.cut()
+
+    def keep_recent(self) -> None:
         ops, k = self.best.ops, self.best_outcome.divergence.index
         last = {}
         for i, op in enumerate(ops[:k + 1]):
@@ -462,8 +478,7 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     s.kind = result.kind = out.kind
     result.divergence = out.divergence
     try:
-        s.phase = "cut after the failure"
-        s.fails(first)
+        s.fails(first, cut=False)
         s.run()
         result.stopped = "done"
     except _Stop as stop:
