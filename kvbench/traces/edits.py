@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvbench.traces.format import Append, Fork, Free, Prefill
+from kvbench.traces.format import Append, Fork, Free, Prefill, final_lengths
 
 SEQ_FIELDS = ("seq", "src", "seqs")
 PER_BLOCK_FIELDS = ("block_hashes",)
@@ -121,18 +121,8 @@ def drop_members(ops, units) -> list:
 
 def live_lengths(ops) -> dict:
     """The length of every sequence still live after the last operation."""
-    length = {}
-    for op in ops:
-        if isinstance(op, Prefill):
-            length[op.seq] = op.tokens
-        elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
-                length[s] += t
-        elif isinstance(op, Fork):
-            length[op.seq] = length[op.src]
-        else:
-            del length[op.seq]
-    return length
+    freed = {op.seq for op in ops if isinstance(op, Free)}
+    return {s: n for s, n in final_lengths(ops).items() if s not in freed}
 
 
 def token_counts(ops) -> list:
