@@ -7,19 +7,10 @@ smallest it found with a header that records where it came from. A backend that 
 nothing to shrink; a trace the checker cannot judge (not applicable, or an error of the harness
 itself) is refused with the reason.
 
-The moves (kvbench/traces/edits.py), cheapest first, repeated until none helps:
-
-1. everything after the first divergence is irrelevant: cut there (after every success too, so a
-   replay never runs past the failure);
-2. keep only the sequences touched in the last ``w`` operations before the failure (with what
-   they were forked from), for ``w`` = 1, 2, 4, ...: a deep failure that depends on recent state
-   costs a few replays of small traces instead of a bisection of the whole history;
-3. delta debugging (Zeller's ddmin: halves, then smaller chunks down to one at a time) over whole
-   sequences (each with its forks and every operation on them), then over append members and frees;
-4. token counts: halving, then a bisection down to the smallest that fails (one by one last);
-5. dense numbering of steps, sequences and tenants, unused tenant weights dropped;
-6. the budget lowered to the smallest number of blocks that fails (bisection), then the block
-   size (powers of two below it, the same token capacity) where no block hashes pin it.
+The moves (edits in kvbench/traces/edits.py), cheapest first and repeated until none helps:
+cut after the failure; keep only the sequences touched in the last 1, 2, 4, ... operations before
+it; ddmin over sequences, then over append members and frees; merge appends; shorten token
+counts; lower the budget and the block size; renumber (the README's "Shrinking" section says more).
 
 Every candidate is validated by the trace loader's rules (:func:`kvbench.traces.format.validate`)
 before it runs, so a shrunk trace is always a legal one. The checker is used only through
