@@ -13,10 +13,11 @@ import dataclasses
 import json
 import re
 
-from kvbench.checking.checker import Divergence, check
-from kvbench.contract.formulas import PRESETS
+from kvbench.checking.checker import check
+from kvbench.checking.verdict import OOM, SUCCESS, Divergence
+from kvbench.contract.formulas import PRESETS, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
-from kvbench.traces.format import Header, Trace
+from kvbench.traces.format import Trace
 
 # Ledger figures the pytest comments show, by layout (contiguous backends have no blocks).
 PAGED_FIGURES = ("blocks_used", "blocks_free", "shared_blocks", "tokens")
@@ -28,8 +29,8 @@ def divergence_kind(d: Divergence) -> str:
     since shrinking renumbers them), or the type of the exception the backend raised. For the
     outcome of an operation, which way it went (refused where it fits, or the reverse)."""
     actual = str(d.actual)
-    if d.quantity.startswith("outcome of") or d.quantity == "exception":
-        if actual not in ("success", "out of memory"):
+    if d.quantity.startswith("outcome of"):
+        if actual not in (SUCCESS, OOM):
             return f"raises {actual.split(':', 1)[0]}"
         return f"outcome: {d.expected} expected, {d.actual} actual"
     return re.sub(r"sequence \d+", "sequence *", d.quantity)
@@ -61,9 +62,8 @@ def failure_trace(trace: Trace, config: CacheConfig, divergence: Divergence, *, 
     params = {"backend": backend, "kind": divergence_kind(divergence), "divergence": jsonable(divergence)}
     if source:
         params["source"] = source
-    h = trace.header
-    header = Header(family=h.family, generator=generator, params=params, seed=h.seed,
-                    tenants=dict(h.tenants), settings=settings_of(config))
+    header = dataclasses.replace(trace.header, generator=generator, params=params,
+                                 tenants=dict(trace.header.tenants), settings=settings_of(config))
     return Trace(header, list(trace.ops), name=name or trace.name)
 
 
@@ -85,17 +85,23 @@ def _op_source(op) -> str:
     return f"{type(op).__name__}({args})"
 
 
-def _config_source(config: CacheConfig) -> tuple[str, bool]:
-    """CacheConfig(...) as code (fields that differ from the defaults), and whether it needs
-    ModelSpec (a model that is not a preset)."""
-    preset = PRESETS.get(config.model.name) == config.model
-    parts = [f"model=get_model({config.model.name!r})" if preset else f"model={config.model!r}"]
+def _config_source(config: CacheConfig, groups) -> tuple[str, str]:
+    """CacheConfig(...) as code (fields that differ from the defaults), and what it imports from
+    kvbench.contract.formulas."""
+    m, base = config.model, PRESETS.get(config.model.name)
+    if base == m:
+        model, names = f"get_model({m.name!r})", "get_model"
+    elif base is not None and groups and with_group_kinds(base, groups) == m:
+        model, names = f"with_group_kinds(get_model({m.name!r}), {list(groups)!r})", "get_model, with_group_kinds"
+    else:
+        model, names = repr(m), "KVGroup, ModelSpec"
+    parts = [f"model={model}"]
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if f.name != "model" and v != default:
             parts.append(f"{f.name}={v!r}")
-    return f"CacheConfig({', '.join(parts)})", not preset
+    return f"CacheConfig({', '.join(parts)})", names
 
 
 def _figures(row: dict, quantity: str) -> str:
@@ -126,10 +132,12 @@ def emit_pytest(trace: Trace, factory, config: CacheConfig, backend: str, *,
         else:
             note = "(not reached)"
         lines.append(f"    {_op_source(op)},  # {note}")
-    config_src, needs_spec = _config_source(config)
+    config_src, formulas = _config_source(config, trace.header.groups)
     ident = re.sub(r"\W+", "_", trace.name).strip("_").lower() or "trace"
     used = sorted({type(op).__name__ for op in trace.ops})
-    header = f"Header(family={trace.header.family!r}, tenants={dict(trace.header.tenants)!r})"
+    h = trace.header
+    header = (f"Header(family={h.family!r}, tenants={dict(h.tenants)!r}"
+              + (f", groups={tuple(h.groups)!r})" if h.groups else ")"))
     verdict = (f"fails at step {d.step}: {d.quantity} expected {d.expected!r}, actual {d.actual!r}"
                if d is not None else f"does not fail here ({v.status})")
     return f'''"""{title or f"{trace.name}: {backend}"}
@@ -140,7 +148,7 @@ failing one). The test passes once the backend is fixed.
 """
 from kvbench.checking.checker import check
 from kvbench.contract import registry
-from kvbench.contract.formulas import get_model{", ModelSpec" if needs_spec else ""}
+from kvbench.contract.formulas import {formulas}
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import {", ".join(used + ["Header", "Trace", "validate"])}
 

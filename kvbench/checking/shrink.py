@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvbench.checking.checker import Divergence, Verdict, check
+from kvbench.checking.checker import check
+from kvbench.checking.verdict import OOM, Divergence, Verdict
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, CacheConfig
 from kvbench.traces import edits
@@ -35,7 +36,7 @@ from kvbench.checking.reproduce import (
     jsonable,
     settings_of,
 )
-from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, TraceError, op_to_dict, validate
+from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, TraceError, validate
 
 COLUMNS_FROM = 1000  # candidates this long run as columns (ops with fields of their own never)
 BASE_OPS = (Prefill, Append, Fork, Free)
@@ -60,29 +61,6 @@ class Outcome:
     pressure: bool = False  # the replay evicted or refused something: the budget matters
 
 
-class _OpCounter:
-    """A progress sink for check(): how many operations passed before an escaping exception."""
-
-    def __init__(self):
-        self.n = 0
-
-    def update(self, k):
-        self.n += k
-
-
-def _raised_by_backend(exc: BaseException, backend: Backend) -> bool:
-    """Whether the traceback passes through the backend's own code (its class or any base
-    class outside kvbench); otherwise the harness raised it on its own."""
-    own = {c.__module__ for c in type(backend).__mro__}
-    own = {m for m in own if m not in ("builtins", "abc") and not m.startswith("kvbench.")}
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") in own:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
            gather: str = "touched") -> Outcome:
     """Check ``trace`` on a fresh backend from ``factory(config)`` and classify the verdict."""
@@ -90,17 +68,10 @@ def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
         backend = factory(config)
     except Exception as e:
         return Outcome("setup", reason=f"the backend refused the settings: {type(e).__name__}: {e}")
-    counter = _OpCounter()
     try:
-        v = check(trace, backend, gather=gather, progress=counter)
-    except Exception as e:  # escaped the checker: the backend's fault or the harness's own
-        why = f"{type(e).__name__}: {e}"
-        if not _raised_by_backend(e, backend):
-            return Outcome("error", reason=f"the harness raised {why}")
-        i = min(counter.n, len(trace.ops) - 1)
-        op = trace.ops[i]
-        d = Divergence(trace.name, i, op.step, op_to_dict(op), "exception", "none", why)
-        return Outcome("fail", divergence_kind(d), d)
+        v = check(trace, backend, gather=gather)
+    except Exception as e:  # check() reports its own failures as ERROR; this is a last resort
+        return Outcome("error", reason=f"the harness raised {type(e).__name__}: {e}")
     finally:
         close = getattr(backend, "close", None)
         if close is not None:
@@ -110,16 +81,15 @@ def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
 
 def _classify(v: Verdict) -> Outcome:
     status = getattr(v, "status", "")
-    if status == "ERROR":  # the harness's own failure (issue 12's verdict kind)
-        reason = getattr(v, "error", "") or getattr(v, "reason", "") or str(v.divergence or "")
-        return Outcome("error", reason=reason)
+    if status == "ERROR":  # the harness could not do its part: nothing the backend did
+        return Outcome("error", reason=v.error)
     if v.valid is None:
         return Outcome("n/a", reason=v.not_applicable)
     if v.valid:
         return Outcome("pass")
     kind = divergence_kind(v.divergence)
     return Outcome("fail", kind, v.divergence, pressure=bool(
-        v.ooms or v.evictions or kind == "victims" or "out of memory" in kind or "refused" in kind))
+        v.ooms or v.evictions or kind == "victims" or OOM in kind or "refused" in kind))
 
 
 # --- the result ------------------------------------------------------------------------------
