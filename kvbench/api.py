@@ -7,6 +7,7 @@ plug-in backends, notebooks. Names are only ever added here, never moved or remo
 from kvbench import quant
 from kvbench.checking.checker import Divergence, Verdict, check
 from kvbench.checking.oracle import Oracle
+from kvbench.checking.shrink import ShrinkResult, shrink
 from kvbench.contract import registry
 from kvbench.contract.formulas import ModelSpec, blocks_needed, budget_blocks, get_model
 from kvbench.contract.protocol import (
@@ -34,4 +35,4 @@ from kvbench.traces.format import (
 __all__ = ["quant", "check", "Verdict", "Divergence", "Oracle", "registry", "ModelSpec",
            "blocks_needed", "budget_blocks", "get_model", "Backend", "CacheConfig", "Capabilities",
            "Ledger", "OutOfMemory", "kv_tokens", "kv_values", "Append", "Fork", "Free", "Header",
-           "Prefill", "Trace", "TraceError", "load", "loads", "save"]
+           "Prefill", "Trace", "TraceError", "load", "loads", "save", "shrink", "ShrinkResult"]

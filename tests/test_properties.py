@@ -1,8 +1,10 @@
 """Random histories of prefill / append (batched) / fork / free under a small budget.
 
 A ``RuleBasedStateMachine`` builds a history out of the trace format's own operations; at the end
-each backend replays it under the checker. A failing history (shrunk by Hypothesis) is saved as a
-trace with ``kvbench.traces.format.save`` so that ``kvbench check`` can replay it.
+each backend replays it under the checker. A failing history (shrunk by Hypothesis) is saved in
+the trace format under the header `kvbench shrink` writes (``failure_trace``: the settings, the
+backend, the divergence), so that ``kvbench check`` replays it as it failed and ``kvbench shrink``
+can cut it further.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from hypothesis.stateful import (
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
+from kvbench.checking.reproduce import failure_trace
 from kvbench.contract import registry
 from kvbench.traces.format import (
     Append,
@@ -56,7 +59,8 @@ def check_history(trace: Trace, config, backends) -> list:
             label = name if isinstance(name, str) else name.__name__
             path = os.path.join(tempfile.gettempdir(),
                                 f"kvbench-hypothesis-{label.replace(':', '-').replace('.', '-')}.jsonl")
-            save(trace, path)
+            save(failure_trace(trace, config, v.divergence, backend=label,
+                               generator="tests/test_properties.py (hypothesis)"), path)
             failures.append(f"{label}: {v.divergence} (policy {config.policy}; history saved to {path})")
             continue
         if name == "numpy":  # what the histories exercise: --hypothesis-show-statistics

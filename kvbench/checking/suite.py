@@ -91,8 +91,11 @@ def memory_note(config: CacheConfig) -> str:
 
 
 def policies_for(trace: Trace, policy: str | None) -> list:
-    """'auto': all three policies for a tenant mix (a trace that names tenant weights), else none."""
+    """'auto': the policy the trace's header settings name (a shrunk or saved failure), else all
+    three for a tenant mix (a trace that names tenant weights), else none."""
     if policy in (None, "auto"):
+        if trace.header.settings.get("policy"):
+            return [trace.header.settings["policy"]]
         return list(POLICIES) if trace.header.tenants else [None]
     if policy == "none":
         return [None]

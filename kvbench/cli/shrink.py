@@ -1,0 +1,122 @@
+"""`kvbench shrink TRACE --backend B`: a failing trace cut down to a small one that fails the same
+way, written beside it as NAME.min.jsonl (and, with --emit pytest, as a pytest case).
+
+Exit status: 1 when the backend fails (a shrunk trace was written), 0 when it passes (nothing to
+shrink), 2 when the trace cannot be judged (not applicable, an error of the harness) or the input
+is bad.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvbench.checking import suite
+from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, Progress, shrink
+from kvbench.cli.run import add_cache_args, settings
+from kvbench.contract import registry
+from kvbench.traces.format import load
+
+PLAIN_EVERY_S = 5.0  # a progress line this often when stderr is not a terminal
+
+
+class _Report:
+    """Progress on stderr: a tqdm line on a terminal, else a plain line every few seconds."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.bar, self.last = quiet, None, time.monotonic()
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(desc="shrinking", unit=" replays", file=sys.stderr, leave=False)
+
+    def __call__(self, p: Progress) -> None:
+        text = f"{p.ops} ops left of {p.original_ops}, {p.attempts} attempts, {p.phase}"
+        if self.bar is not None:
+            self.bar.n = p.attempts
+            self.bar.set_postfix_str(text, refresh=True)
+        elif not self.quiet and time.monotonic() - self.last >= PLAIN_EVERY_S:
+            self.last = time.monotonic()
+            print(f"shrink: {text}, {p.seconds:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: a temporary file beside the target, renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def default_output(trace_path: str) -> Path:
+    p = Path(trace_path)
+    return p.with_name(p.stem + ".min.jsonl")
+
+
+def cmd_shrink(args) -> int:
+    trace = load(args.trace)
+    entry = registry.resolve(args.backend)
+    ok, why = entry.available()
+    if not ok:
+        print(f"kvbench shrink: {args.backend} cannot run here: {why}", file=sys.stderr)
+        return 2
+    for policy in suite.policies_for(trace, args.policy):
+        config = suite.config_for(trace, policy=policy, **settings(args))
+        label = args.backend + (f" policy={policy}" if policy else "")
+        report = _Report(args.quiet)
+        try:
+            result = shrink(trace, entry.create, config, gather=args.gather,
+                            max_seconds=args.max_seconds, max_attempts=args.max_attempts,
+                            progress=report, backend=args.backend, source=args.trace)
+        finally:
+            report.close()
+        if result.status == "passes":
+            print(f"pass {label}")
+            continue
+        if not result.ok:
+            print(f"kvbench shrink: refused ({label}): {result.status}: {result.reason}", file=sys.stderr)
+            return 2
+        out = Path(args.out) if args.out else default_output(args.trace)
+        _write(out, result.trace.to_jsonl())
+        c = result.shrunk_config
+        print(f"FAIL {label}: {result.divergence}")
+        print(result.summary() + ("" if result.stopped == "done" else
+                                  " (the smallest found before it stopped)"))
+        print(f"  {result.shrunk_divergence}")
+        print(f"  settings: block_size {c.block_size}, num_blocks {c.num_blocks}"
+              + (f", policy {c.policy}" if c.policy else ""))
+        print(f"wrote {out}\nreproduce: kvbench check {out} --backend {args.backend}"
+              + (f" --gather {args.gather}" if args.gather != "touched" else ""))
+        if args.emit == "pytest":
+            test = out.with_name("test_" + out.name.split(".")[0].replace("-", "_") + "_min.py")
+            _write(test, result.pytest_source(entry.create))
+            print(f"wrote {test}")
+        return 1
+    print("passes: nothing to shrink")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("shrink", help="cut a failing trace down to a small one that fails the same way",
+                       description=__doc__)
+    p.add_argument("trace")
+    p.add_argument("--backend", required=True, help="backend name or package.module:Factory")
+    p.add_argument("--out", help="the shrunk trace (default: NAME.min.jsonl beside TRACE)")
+    p.add_argument("--emit", choices=["pytest"],
+                   help="also write the shrunk trace as a pytest case, test_NAME_min.py beside it")
+    p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                   help=f"stop after this long, keeping the smallest failing trace (default {DEFAULT_MAX_SECONDS:g})")
+    p.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
+                   help=f"stop after this many replays (default {DEFAULT_MAX_ATTEMPTS})")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_cache_args(p)
+    p.set_defaults(func=cmd_shrink)
