@@ -16,8 +16,6 @@ numpy row ``<engine>_vs_numpy`` = the engine's median / numpy's (above 1: NumPy 
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import pytest
 
@@ -28,43 +26,14 @@ if not ENGINES:
     pytest.skip("neither vLLM nor SGLang is installed (opt-in): see the README's recipes",
                 allow_module_level=True)
 
-from kvbench.analyses import prefix  # noqa: E402
-from kvbench.checking.suite import committed_workloads, config_for, load_traces  # noqa: E402
-from kvbench.contract.formulas import get_model  # noqa: E402
-from kvbench.contract.protocol import CacheConfig  # noqa: E402
-from kvbench.traces.loaders import load_requests  # noqa: E402
+from replay_traces import replay_cases, trace_and_config  # noqa: E402
 
 ROUNDS = {"small": 15, "mooncake": 5}
-TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
-MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-MOONCAKE_REQUESTS, MOONCAKE_BLOCK, MOONCAKE_CACHE = 500, 512, 1000
 MEDIANS: dict = {}
-_traces: dict = {}
-
-
-def workloads():
-    cases = [(p.stem, "small") for p in committed_workloads()]
-    if MOONCAKE.exists():
-        cases.append(("mooncake-500", "mooncake"))
-    return cases
-
-
-def trace_and_config(name: str):
-    if name not in _traces:
-        if name == "mooncake-500":
-            requests = load_requests(str(MOONCAKE), "mooncake")[:MOONCAKE_REQUESTS]
-            trace = prefix.cache_trace(requests, MOONCAKE_BLOCK, name=name)
-            cfg = CacheConfig(model=get_model("tiny"), block_size=MOONCAKE_BLOCK,
-                              num_blocks=MOONCAKE_CACHE, store_kv=False, prefix_caching=True)
-        else:
-            trace = load_traces([p for p in committed_workloads() if p.stem == name])[0]
-            cfg = config_for(trace, policy=None, store_kv=False)
-        _traces[name] = trace, cfg
-    return _traces[name]
 
 
 # numpy last for each trace, so that its row can carry the ratios.
-CASES = [(w, kind, impl) for w, kind in workloads() for impl in (*ENGINES, "numpy")]
+CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in (*ENGINES, "numpy")]
 
 
 @pytest.mark.parametrize("workload,kind,impl", CASES, ids=[f"{impl}-{w}" for w, _, impl in CASES])
