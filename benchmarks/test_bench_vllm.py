@@ -21,8 +21,6 @@ eviction policy.
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import pytest
 
@@ -30,20 +28,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see the READ
 
 from impls.engines.vllm_blockpool import VllmBlockPool, _vllm  # noqa: E402
 from impls.numpy_paged import NumpyPaged  # noqa: E402
-from kvbench.analyses import prefix  # noqa: E402
-from kvbench.checking.suite import committed_workloads, config_for, load_traces  # noqa: E402
 from kvbench.contract.formulas import get_model  # noqa: E402
 from kvbench.contract.protocol import CacheConfig  # noqa: E402
-from kvbench.traces.loaders import load_requests  # noqa: E402
+from replay_traces import replay_cases, trace_and_config  # noqa: E402
 
 BLOCK = 16
 POOL_BLOCKS = 1024
 SIZES = (1, 16, 256)
 ALLOC_ROUNDS, ALLOC_ITER = 200, 10
 REPLAY_ROUNDS = {"small": 15, "mooncake": 5}
-TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
-MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-MOONCAKE_REQUESTS, MOONCAKE_BLOCK, MOONCAKE_CACHE = 500, 512, 1000
 MEDIANS: dict = {}
 
 
@@ -91,30 +84,6 @@ def test_alloc_free(benchmark, n, impl):
 
 
 # --- whole traces ----------------------------------------------------------------------------
-
-def replay_cases():
-    cases = [(p.stem, "small") for p in committed_workloads()]
-    if MOONCAKE.exists():
-        cases.append(("mooncake-500", "mooncake"))
-    return cases
-
-
-_traces: dict = {}
-
-
-def trace_and_config(name: str):
-    if name not in _traces:
-        if name == "mooncake-500":
-            requests = load_requests(str(MOONCAKE), "mooncake")[:MOONCAKE_REQUESTS]
-            trace = prefix.cache_trace(requests, MOONCAKE_BLOCK, name=name)
-            cfg = CacheConfig(model=get_model("tiny"), block_size=MOONCAKE_BLOCK,
-                              num_blocks=MOONCAKE_CACHE, store_kv=False, prefix_caching=True)
-        else:
-            trace = load_traces([p for p in committed_workloads() if p.stem == name])[0]
-            cfg = config_for(trace, policy=None, store_kv=False)
-        _traces[name] = trace, cfg
-    return _traces[name]
-
 
 REPLAY_CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in ("vllm-blockpool", "numpy")]
 

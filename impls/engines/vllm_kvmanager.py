@@ -265,7 +265,8 @@ class VllmKVManager(Backend):
             free=n_free * B,
             cached_blocks=sum(1 for b in self.pool.blocks
                               if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
-            prefix_hit_blocks=self.hit_blocks)
+            prefix_hit_blocks=self.hit_blocks,
+            block_usage=self.manager.usage)  # vLLM's own figure (its logged KV cache usage)
 
     def cached_order(self) -> list:
         """vLLM's eviction order: the cached blocks of its free queue, the next one evicted first,
