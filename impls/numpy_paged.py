@@ -769,7 +769,7 @@ class NumpyPaged(Backend):
         if self.pool is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
-        T, nb = int(self.tokens[r]), self.nblocks[r]
+        T = int(self.tokens[r])
         stop = T if stop is None else stop
         if not 0 <= start <= stop <= T:
             raise IndexError(f"{self.name}: positions {start}..{stop} of sequence {seq} ({T} tokens)")

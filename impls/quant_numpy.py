@@ -274,7 +274,7 @@ def quantize_compiled(x, scheme: Q.QuantScheme, *, out: Q.QuantizedTensor | None
 def _quantize_steps(x, X, lay, scheme, ar, narrow, dname, codes_arr, codes, s_all, z_all, scale,
                     zero_point, chunk):
     """The NumPy steps of quantize()."""
-    R, C, n = lay.rows, lay.channels, lay.size
+    C, n = lay.channels, lay.size
     slot = scheme.slot_bits
     per = 8 // slot
     # Pass 1: every group's min and max, then all scales at once. Pass 2: the codes.

@@ -4,7 +4,6 @@ compiled kernels (the floor the kernels are measured from)."""
 import os
 import tempfile
 
-import numpy as np
 
 from . import common
 from .common import QUANT_SCHEMES, SCALE_DECODE_REQUESTS, SCALE_GATHER_TOKENS

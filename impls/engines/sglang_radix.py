@@ -240,7 +240,7 @@ class SglangRadix(Backend):
 
     def _admit(self, seq, ids: list, prompt: int, final: int, what: str) -> int:
         """A new request with these token ids: match, lock, allocate, checkpoint. Hit tokens."""
-        s, torch = self._s, self._s.torch
+        s = self._s
         ids = s.array("q", ids)
         T = len(ids)
         # Req._compute_max_prefix_len: at most T - 1 tokens, for the last token's logits.

@@ -7,16 +7,16 @@ is bad.
 """
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from kvbench.checking import suite
 from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, Progress, shrink
+from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings
 from kvbench.contract import registry
+from kvbench.outputs import check_writable, write_text
 from kvbench.traces.format import load
 
 PLAIN_EVERY_S = 5.0  # a progress line this often when stderr is not a terminal
@@ -45,18 +45,6 @@ class _Report:
             self.bar.close()
 
 
-def _write(path: Path, text: str) -> None:
-    """Whole or not at all: a temporary file beside the target, renamed over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def default_output(trace_path: str) -> Path:
     p = Path(trace_path)
     return p.with_name(p.stem + ".min.jsonl")
@@ -64,11 +52,15 @@ def default_output(trace_path: str) -> Path:
 
 def cmd_shrink(args) -> int:
     trace = load(args.trace)
-    entry = registry.resolve(args.backend)
+    try:
+        entry = registry.resolve(args.backend)
+    except ValueError as e:
+        raise options.UsageError(f"--backend {args.backend}: {e}") from None
     ok, why = entry.available()
     if not ok:
-        print(f"kvbench shrink: {args.backend} cannot run here: {why}", file=sys.stderr)
-        return 2
+        raise options.UsageError(f"--backend {args.backend}: cannot run here: {why}")
+    out = Path(args.out) if args.out else default_output(args.trace)
+    check_writable(out, option="--out")
     for policy in suite.policies_for(trace, args.policy):
         config = suite.config_for(trace, policy=policy, **settings(args))
         label = args.backend + (f" policy={policy}" if policy else "")
@@ -85,8 +77,7 @@ def cmd_shrink(args) -> int:
         if not result.ok:
             print(f"kvbench shrink: refused ({label}): {result.status}: {result.reason}", file=sys.stderr)
             return 2
-        out = Path(args.out) if args.out else default_output(args.trace)
-        _write(out, result.trace.to_jsonl())
+        write_text(out, result.trace.to_jsonl())
         c = result.shrunk_config
         print(f"FAIL {label}: {result.divergence}")
         print(result.summary() + ("" if result.stopped == "done" else
@@ -98,7 +89,7 @@ def cmd_shrink(args) -> int:
               + (f" --gather {args.gather}" if args.gather != "touched" else ""))
         if args.emit == "pytest":
             test = out.with_name("test_" + out.name.split(".")[0].replace("-", "_") + "_min.py")
-            _write(test, result.pytest_source(entry.create))
+            write_text(test, result.pytest_source(entry.create))
             print(f"wrote {test}")
         return 1
     print("passes: nothing to shrink")
@@ -108,14 +99,14 @@ def cmd_shrink(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("shrink", help="cut a failing trace down to a small one that fails the same way",
                        description=__doc__)
-    p.add_argument("trace")
+    p.add_argument("trace", help="the failing trace (JSONL)")
     p.add_argument("--backend", required=True, help="backend name or package.module:Factory")
     p.add_argument("--out", help="the shrunk trace (default: NAME.min.jsonl beside TRACE)")
     p.add_argument("--emit", choices=["pytest"],
                    help="also write the shrunk trace as a pytest case, test_NAME_min.py beside it")
-    p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+    p.add_argument("--max-seconds", type=options.positive_float, default=DEFAULT_MAX_SECONDS,
                    help=f"stop after this long, keeping the smallest failing trace (default {DEFAULT_MAX_SECONDS:g})")
-    p.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
+    p.add_argument("--max-attempts", type=options.positive_int, default=DEFAULT_MAX_ATTEMPTS,
                    help=f"stop after this many replays (default {DEFAULT_MAX_ATTEMPTS})")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_cache_args(p)

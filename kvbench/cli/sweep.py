@@ -9,6 +9,7 @@ import pandas as pd
 from kvbench.bench import grid as grids
 from kvbench.bench import sweep_charts
 from kvbench.bench.store import DEFAULT_STORE, Store
+from kvbench.cli import options
 from kvbench.cli.tables import print_table
 
 
@@ -166,26 +167,27 @@ def register(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the cells (and which are done), run nothing")
     p.add_argument("--store", default=str(DEFAULT_STORE),
                    help="results store: a folder or an fsspec URL every worker reaches (default results/sweeps/store)")
-    p.add_argument("--executor", choices=["local", "ray"], default="local")
-    p.add_argument("--workers", type=int, help="local: processes (default: the cores this process may use)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="local: a process pool on this machine (default); ray: a Ray cluster")
+    p.add_argument("--workers", type=options.positive_int, help="local: processes (default: the cores this process may use)")
     p.add_argument("--pin", action="store_true", help="local: pin each worker to a core of its own (timed cells)")
     p.add_argument("--address", help="ray: 'auto' (the cluster `ray start` made here), HOST:PORT, or "
                                      "ray://HOST:10001 (default: start a local Ray)")
     p.add_argument("--ship-code", action="store_true",
                    help="ray: upload this checkout to the workers (runtime_env working_dir)")
-    p.add_argument("--max-retries", type=int, default=2,
+    p.add_argument("--max-retries", type=options.nonnegative_int, default=2,
                    help="ray: reruns of a cell whose worker or node died (default 2)")
     p.add_argument("--retry-errors", action="store_true", help="run again the cells stored with status ERROR")
     p.add_argument("--charts", metavar="DIR", help="folder of the grid's charts (default: <store>/../<sweep>/)")
-    p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--no-charts", action="store_true", help="draw no charts")
     p.add_argument("--quiet", action="store_true", help="no progress")
-    p.add_argument("--progress-interval", type=float, default=5.0,
+    p.add_argument("--progress-interval", type=options.positive_float, default=5.0,
                    help="seconds between progress lines when stderr is not a terminal")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("results", help="the sweeps in the results store, a pivot of one, its charts")
     p.add_argument("sweep", nargs="?", help="a sweep (none: list the sweeps)")
-    p.add_argument("--store", default=str(DEFAULT_STORE))
+    p.add_argument("--store", default=str(DEFAULT_STORE), help="results store (default results/sweeps/store)")
     p.add_argument("--rows", default="backend", help="row columns, comma-separated (default backend)")
     p.add_argument("--cols", help="column of the pivot (default: status counts)")
     p.add_argument("--metric", help="the value shown (default: count of cells by status)")

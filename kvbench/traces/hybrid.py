@@ -20,7 +20,7 @@ import numpy as np
 
 from kvbench.contract import formulas as F
 from kvbench.traces.builder import _Builder, _recorded
-from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
+from kvbench.traces.format import Append, Fork, Prefill, Trace
 from kvbench.traces.laws import _pair, _positive_int
 
 TENANTS = [{"name": "alice", "salt": "x"}, {"name": "bob", "adapter": "x"},
