@@ -24,7 +24,8 @@ from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.suite import committed_workloads, config_for, load_traces
-from kvbench.contract.protocol import OutOfMemory
+from kvbench.contract.formulas import get_model
+from kvbench.contract.protocol import CacheConfig, OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import load_requests
 
@@ -68,6 +69,15 @@ def manager(num_blocks=8, caching=False):
     from impls.engines.vllm_kvmanager import VllmKVManager
     return VllmKVManager(make_config(block_size=B, num_blocks=num_blocks, store_kv=False,
                                      prefix_caching=caching))
+
+
+HB, W = 8, 32  # tiny-hybrid: groups sliding(32) (layers 0, 2) then full (layers 1, 3)
+
+
+def hybrid(num_blocks=40, caching=False):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    return VllmKVManager(CacheConfig(model=get_model("tiny-hybrid"), block_size=HB,
+                                     num_blocks=num_blocks, store_kv=False, prefix_caching=caching))
 
 
 def refs(be, seq):
@@ -186,3 +196,93 @@ def test_the_free_queue_evicts_in_the_oracles_order(vllm):
     # then x1, released last by sequence 2.
     assert want == [None, "y2", "y1", "x2", "x1"]
     assert be.cached_order() == want
+
+
+# --- hybrid models: one KVCacheGroupSpec per group, windows released at the next allocation ---
+
+def test_hybrid_config_has_one_group_spec_per_kvbench_group(vllm):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    be = hybrid()
+    groups = be.manager.kv_cache_config.kv_cache_groups
+    assert [type(g.kv_cache_spec) for g in groups] == [SlidingWindowSpec, FullAttentionSpec]
+    assert groups[0].kv_cache_spec.sliding_window == W
+    assert [len(g.layer_names) for g in groups] == [2, 2]  # 4 layers, alternating kinds
+    assert be.capabilities.groups and be.capabilities.window_release == "next_allocation"
+
+
+def test_a_window_is_released_at_the_next_allocation_on_the_length_before_it(vllm):
+    be = hybrid()
+    be.prefill(0, 71)
+    led = be.ledger()
+    # 9 = ceil(71 / 8) per group: vLLM releases nothing at the prefill (SPEC would keep 4)
+    assert led.group_blocks == (9, 9) and led.blocks_used == 18
+    be.append([0], [1])
+    led = be.ledger()
+    # remove_skipped_blocks on the 71 tokens before the append: 71 - 32 + 1 = 40 tokens skipped,
+    # 40 // 8 = 5 blocks released; token 72 fills the tail (71 - 64 = 7 of 8), no new block.
+    assert led.group_blocks == (9 - 5, 9) and led.blocks_used == 13
+    assert [b.is_null for b in be.table(0, group=0)] == [True] * 5 + [False] * 4
+    assert led.seq_blocks == {0: 13}  # 4 + 9: a released block is not held
+    assert led.bytes_in_use == 13 * HB * get_model("tiny-hybrid").slot_bytes
+
+
+def test_an_append_may_use_the_blocks_its_window_releases(vllm):
+    be = hybrid(num_blocks=18)
+    be.prefill(0, 71)  # 2 * 9 = 18 blocks: the pool is full
+    be.append([0], [2])
+    # 73 tokens: ceil(73 / 8) = 10 blocks per group, one new each; 5 released before (as above)
+    assert be.ledger().group_blocks == (9 - 5 + 1, 10)
+    assert be.ledger().blocks_free == 18 - 15  # 15 = 5 + 10
+
+
+def test_a_refused_hybrid_append_releases_nothing(vllm):
+    be = hybrid(num_blocks=18)
+    be.prefill(0, 71)
+    before = be.ledger().as_dict()
+    with pytest.raises(OutOfMemory):  # ceil(121 / 8) = 16 blocks per group: 2 * 7 new, 0 + 5 free
+        be.append([0], [50])
+    assert be.ledger().as_dict() == before
+    assert not any(b.is_null for b in be.table(0, group=0))  # the window blocks are still held
+
+
+def test_a_hybrid_hit_takes_the_full_prefix_and_the_window_below_it(vllm):
+    be = hybrid(caching=True)
+    ids = list(range(100, 164))  # 64 = 8 * 8 tokens, every block full
+    be.prefill(0, 64, token_ids=ids)
+    be.free(0)
+    assert be.ledger().cached_blocks == 16  # 8 blocks per group, each cached when full
+    be.prefill(1, 72, token_ids=ids + list(range(500, 508)))
+    led = be.ledger()
+    # The hit: (72 - 1) // 8 = 8 blocks of the full group, and of the sliding group those that
+    # cover [64 - 32 + 1, 64) = [33, 64): blocks 33 // 8 = 4 .. 7, so 4 + 8 = 12 hit blocks.
+    assert led.prefix_hit_blocks == 12
+    assert led.group_blocks == (4 + 1, 8 + 1)  # one new block each for tokens 64..71
+    assert led.cached_blocks == 16 - 12  # the sliding group's blocks 0..3 stay cached, free
+
+
+def test_salt_and_adapter_of_the_same_name_never_share(vllm):
+    """SPEC §9 (vLLM issue 44701): vLLM's extra keys are tagged ("cache_salt", x), ("lora", x, path)."""
+    be = hybrid(caching=True)
+    ids = list(range(100, 124))  # 24 = 3 * 8
+    be.prefill(0, 24, token_ids=ids, salt="x")
+    be.prefill(1, 24, token_ids=ids, adapter="x")
+    be.prefill(2, 24, token_ids=ids, salt="x")
+    # Sequence 1 hits nothing; sequence 2 hits sequence 0's (24 - 1) // 8 = 2 blocks in each group
+    # (the sliding group's window below the hit, [max(0, 16 - 32 + 1), 16), starts at block 0).
+    assert be.ledger().prefix_hit_blocks == 2 * 2
+
+
+def test_under_specs_window_rule_vllm_diverges_at_the_first_prefill(vllm):
+    """The declared rule is what holds vLLM: reset to SPEC's, hybrid-windows fails at once."""
+    import dataclasses
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = load_traces([p for p in committed_workloads() if p.stem == "hybrid-windows"])[0]
+    be = VllmKVManager(config_for(trace, policy=None))
+    be.capabilities = dataclasses.replace(be.capabilities, window_release="end_of_operation")
+    assert trace.ops[0].tokens == 71 and trace.header.settings["block_size"] == HB
+    v = check(trace, be)
+    d = v.divergence
+    assert v.valid is False and d.step == 0 and d.quantity == "blocks_used"
+    # A 71-token prompt at B = 8: 9 = ceil(71 / 8) blocks per group; SPEC keeps the sliding
+    # group's blocks from 5 = (71 - 32 + 1) // 8 on, 9 + (9 - 5) = 13; vLLM holds 9 + 9 = 18.
+    assert (d.expected, d.actual) == (13, 18)

@@ -18,12 +18,21 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   every block again. The adapter declares which (``Capabilities.fork_via``) and the checker holds
   vLLM to it.
 - free: ``KVCacheManager.free`` (tail first, so a freed prefix's tail is evicted first).
+- hybrid models (SPEC §8): one ``KVCacheGroupSpec`` per kvbench group, ``FullAttentionSpec`` or
+  ``SlidingWindowSpec(sliding_window=W)`` (vLLM's tests/v1/core/test_prefix_caching.py,
+  ``make_kv_cache_config_hybrid_model``). vLLM frees a sliding group's out-of-window blocks in
+  ``SlidingWindowManager.remove_skipped_blocks``, which ``allocate_slots`` runs before it
+  allocates, on the tokens computed before that call: the adapter declares
+  ``window_release="next_allocation"`` and the checker holds vLLM to it.
+- salts, LoRA adapters, token ids (SPEC §9): the trace's ``salt`` is the request's
+  ``cache_salt``, its ``adapter`` a ``LoRARequest`` of that name, its ``token_ids`` the prompt.
 
-The adapter's own part: token ids for the trace (a hashed block's ids are a function of its hash,
-so equal hashes give equal vLLM hashes; every other token is new), the atomic check of a batched
-append (vLLM's scheduler allocates request by request and preempts; kvbench's append is one
-atomic operation, so the blocks every request of the batch needs are counted with vLLM's own
-``get_num_blocks_to_allocate`` first), and reading the ledger back from vLLM's blocks.
+The adapter's own part: token ids for a trace that gives none (a hashed block's ids are a
+function of its hash, so equal hashes give equal vLLM hashes; every other token is new), the
+atomic check of a batched append (vLLM's scheduler allocates request by request and preempts;
+kvbench's append is one atomic operation, so the blocks every request of the batch needs are
+counted with vLLM's own ``get_num_blocks_to_allocate`` first, against the free blocks plus those
+the window releases would give back), and reading the ledger back from vLLM's blocks.
 
 vLLM reserves block 0 as its null block: a config of ``num_blocks = N`` builds N + 1 blocks, as the
 block-pool adapter does (results/vllm/README.md, point 1).
@@ -39,11 +48,13 @@ from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger
 
 NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
 MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
+FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(), devices=("cpu",),
                             hit_leaves_last_token=True, caches_every_full_block=True,
-                            keeps_duplicate_blocks=True)
+                            keeps_duplicate_blocks=True, groups=True,
+                            window_release="next_allocation", cache_salt=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,18 +64,21 @@ def _vllm():
     if importlib.util.find_spec("vllm") is None:  # before torch: `kvbench list` must stay quick
         raise ImportError("No module named 'vllm'", name="vllm")
     import torch
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
     from vllm.v1.request import Request, RequestStatus
 
     # vLLM's default prefix-caching hash (CacheConfig.prefix_caching_hash_algo = "sha256").
     kv_cache_utils.init_none_hash(sha256)
     return types.SimpleNamespace(
         torch=torch, SamplingParams=SamplingParams, sha256=sha256, utils=kv_cache_utils,
-        KVCacheManager=KVCacheManager, FullAttentionSpec=FullAttentionSpec,
+        LoRARequest=LoRARequest, KVCacheManager=KVCacheManager, FullAttentionSpec=FullAttentionSpec,
+        SlidingWindowSpec=SlidingWindowSpec,
         KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec, Request=Request,
         RequestStatus=RequestStatus)
 
@@ -82,16 +96,20 @@ def available() -> tuple[bool, str]:
 
 
 def kv_cache_config(config: CacheConfig):
-    """vLLM's ``KVCacheConfig`` for kvbench's model and budget: one full-attention group holding
-    every layer (vLLM's tests' ``make_kv_cache_config``), plus vLLM's null block."""
+    """vLLM's ``KVCacheConfig`` for kvbench's model and budget: one ``KVCacheGroupSpec`` per
+    kvbench group, in kvbench's order, full attention or a sliding window (vLLM's tests'
+    ``make_kv_cache_config`` / ``make_kv_cache_config_hybrid_model``), plus vLLM's null block."""
     v = _vllm()
     m = config.model
     dtype = {1: v.torch.int8, 2: v.torch.float16, 4: v.torch.float32}[m.dtype_bytes]
-    spec = v.FullAttentionSpec(block_size=config.block_size, num_kv_heads=m.kv_heads,
-                               head_size=m.head_dim, dtype=dtype)
-    group = v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in range(m.layers)], spec)
+    shape = dict(block_size=config.block_size, num_kv_heads=m.kv_heads, head_size=m.head_dim,
+                 dtype=dtype)
+    groups = [v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in g.layers],
+                                 v.FullAttentionSpec(**shape) if g.window is None
+                                 else v.SlidingWindowSpec(sliding_window=g.window, **shape))
+              for g in m.kv_groups]
     return v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
-                           kv_cache_groups=[group])
+                           kv_cache_groups=groups)
 
 
 class VllmKVManager(Backend):
@@ -119,14 +137,17 @@ class VllmKVManager(Backend):
                                         scheduler_block_size=B, hash_block_size=B,
                                         enable_caching=self.caching)
         self.pool = self.manager.block_pool
-        self._blocks = self.manager.coordinator.single_type_managers[0].req_to_blocks
+        self._groups = self.manager.coordinator.single_type_managers  # kvbench's group order
+        self._sliding = [g for g, w in zip(self._groups, (g.window for g in config.model.kv_groups))
+                         if w is not None]
         self._hasher = v.utils.get_request_block_hasher(B, v.sha256)
         self._sampling = v.SamplingParams(max_tokens=1 << 20)
         self.requests: dict[int, object] = {}
         self.final: dict[int, int] = {}
-        self._ids = itertools.count(1)  # token ids no hashed block uses
+        self._ids = itertools.count(FIRST_NEW_ID)  # token ids no trace block uses
         self._hash_ids: dict = {}  # trace block hash -> its block's token ids
         self._trace_hash: dict = {}  # vLLM block hash -> the trace's
+        self._loras: dict = {}  # adapter name -> its LoRARequest
         self.hit_blocks = 0
 
     # --- helpers ---------------------------------------------------------------------------
@@ -140,9 +161,11 @@ class VllmKVManager(Backend):
     def _new_ids(self, n: int) -> list:
         return [next(self._ids) for _ in range(n)]
 
-    def _prompt_ids(self, tokens: int, hashes) -> list:
-        """Token ids of a prompt: a hashed block's are its hash's (equal hashes, equal vLLM
-        block hashes, since the trace's hashes name a block with its whole prefix)."""
+    def _prompt_ids(self, tokens: int, hashes, token_ids=None) -> list:
+        """Token ids of a prompt: the trace's, or a hashed block's its hash's (equal hashes,
+        equal vLLM block hashes, since the trace's hashes name a block with its whole prefix)."""
+        if token_ids is not None:
+            return list(token_ids)
         B = self.block_size
         ids = []
         for h in hashes:
@@ -151,12 +174,22 @@ class VllmKVManager(Backend):
             ids += self._hash_ids[h]
         return ids + self._new_ids(tokens - len(ids))
 
-    def _admit(self, seq, token_ids, final_tokens, count_hits: bool):
+    def _lora(self, adapter):
+        """The LoRARequest of an adapter name (one id per name): vLLM's block hashes key on its
+        name and path."""
+        if adapter is None:
+            return None
+        if adapter not in self._loras:
+            self._loras[adapter] = self._v.LoRARequest(
+                lora_name=adapter, lora_int_id=len(self._loras) + 1, lora_path=f"/adapters/{adapter}")
+        return self._loras[adapter]
+
+    def _admit(self, seq, token_ids, final_tokens, count_hits: bool, salt=None, lora=None):
         """A new request with these token ids, computed through vLLM's manager; None if refused."""
         v = self._v
         req = v.Request(request_id=str(seq), prompt_token_ids=token_ids,
                         sampling_params=self._sampling, pooling_params=None,
-                        block_hasher=self._hasher)
+                        lora_request=lora, cache_salt=salt, block_hasher=self._hasher)
         if not token_ids:  # nothing to compute: vLLM has no empty request, and holds no block
             self.requests[seq] = req
             self.final[seq] = final_tokens
@@ -168,7 +201,8 @@ class VllmKVManager(Backend):
         req.num_computed_tokens = len(token_ids)
         req.status = v.RequestStatus.RUNNING
         if count_hits:
-            self.hit_blocks += n_hit // self.block_size
+            # Every group's hit blocks (a sliding group's null below its window is none).
+            self.hit_blocks += sum(1 for blocks in computed.blocks for b in blocks if not b.is_null)
         self.requests[seq] = req
         self.final[seq] = final_tokens
         return req
@@ -176,20 +210,35 @@ class VllmKVManager(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
         if seq in self.requests:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
         hashes = tuple(block_hashes or ())[:tokens // self.block_size] if self.caching else ()
         final = final_tokens if final_tokens is not None else tokens
-        req = self._admit(seq, self._prompt_ids(tokens, hashes), final, count_hits=True)
+        req = self._admit(seq, self._prompt_ids(tokens, hashes, token_ids), final, count_hits=True,
+                          salt=salt, lora=self._lora(adapter))
         if req is None:
             raise OutOfMemory(f"{self.name}: prefill of sequence {seq} ({tokens} tokens): "
                               f"allocate_slots found too few free blocks "
                               f"({self.pool.get_num_free_blocks()} free)")
         self._trace_hash.update(zip(req.block_hashes, hashes))
         return ()
+
+    def _window_drops(self, reqs) -> dict:
+        """The references ``remove_skipped_blocks`` would drop for these requests, per block:
+        every block of a sliding group wholly below the window of the tokens computed so far."""
+        drops: dict = {}  # block id -> [block, references dropped]
+        for manager in self._sliding:
+            for req in reqs:
+                table = manager.req_to_blocks.get(req.request_id, ())
+                skipped = manager.get_num_skipped_tokens(req.num_computed_tokens) // self.block_size
+                for blk in reversed(table[:skipped]):
+                    if blk.is_null:  # released by an earlier call, and everything below it
+                        break
+                    drops.setdefault(blk.block_id, [blk, 0])[1] += 1
+        return drops
 
     def append(self, seqs, tokens, kv=None, *, step=0):
         seqs, tokens = list(seqs), list(tokens)
@@ -203,10 +252,18 @@ class VllmKVManager(Backend):
                 request_id=req.request_id, num_tokens=n + dt, new_computed_blocks=empty,
                 num_encoder_tokens=0, total_computed_tokens=n, num_local_computed_tokens=n,
                 num_tokens_main_model=n + dt)
-        free = self.pool.get_num_free_blocks()
+        # vLLM frees what slid out of a window before it allocates (counted, not yet done, so
+        # that a refusal changes nothing).
+        released = sum(1 for blk, d in self._window_drops(reqs).values() if blk.ref_cnt == d)
+        free = self.pool.get_num_free_blocks() + released
         if need > free:
             raise OutOfMemory(f"{self.name}: append of {tokens} tokens to sequences {seqs} needs "
-                              f"{need} blocks, {free} free")
+                              f"{need} blocks, {free} free (window releases included)")
+        # The releases of the whole batch first, group by group, in batch order: allocate_slots
+        # would do each request's just before its allocation, and then finds nothing to free.
+        for manager in self._sliding:
+            for req in reqs:
+                manager.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
         for req, dt in zip(reqs, tokens):
             if dt <= 0:
                 continue
@@ -221,7 +278,9 @@ class VllmKVManager(Backend):
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self._request(src)
         final = final_tokens if final_tokens is not None else parent.num_tokens
-        if self._admit(seq, list(parent.all_token_ids), final, count_hits=False) is None:
+        # Parallel sampling: children of one request, with its salt and LoRA adapter.
+        if self._admit(seq, list(parent.all_token_ids), final, count_hits=False,
+                       salt=parent.cache_salt, lora=parent.lora_request) is None:
             raise OutOfMemory(f"{self.name}: fork of sequence {src} into {seq} "
                               f"({parent.num_tokens} tokens): allocate_slots found too few free "
                               f"blocks ({self.pool.get_num_free_blocks()} free)")
@@ -232,24 +291,30 @@ class VllmKVManager(Backend):
         self.manager.free(req)
         del self.requests[seq], self.final[seq]
 
-    def table(self, seq) -> list:
-        """The sequence's blocks (vLLM's ``KVCacheBlock`` objects), in order."""
-        return list(self._blocks.get(self._request(seq).request_id, ()))
+    def table(self, seq, group: int = 0) -> list:
+        """The sequence's blocks in one group (vLLM's ``KVCacheBlock`` objects), in order; vLLM's
+        null block where a sliding window released one."""
+        return list(self._groups[group].req_to_blocks.get(self._request(seq).request_id, ()))
 
     def ledger(self) -> Ledger:
         B = self.block_size
         fill: dict[int, int] = {}
         tokens: dict[int, int] = {}
         seq_blocks: dict[int, int] = {}
+        per_group = [set() for _ in self._groups]
         reservation = 0
         for s, req in self.requests.items():
-            table = self._blocks.get(req.request_id, ())
             n = req.num_computed_tokens
-            tokens[s], seq_blocks[s] = n, len(table)
-            for i, blk in enumerate(table):
-                fill[blk.block_id] = min(B, n - i * B)
-            if table and table[-1].ref_cnt == 1:
-                reservation += min((-n) % B, max(0, self.final[s] - n))
+            tokens[s], seq_blocks[s] = n, 0
+            for held, manager in zip(per_group, self._groups):
+                table = manager.req_to_blocks.get(req.request_id, ())
+                for i, blk in enumerate(table):
+                    if not blk.is_null:
+                        fill[blk.block_id] = min(B, n - i * B)
+                        held.add(blk.block_id)
+                        seq_blocks[s] += 1
+                if table and not table[-1].is_null and table[-1].ref_cnt == 1:
+                    reservation += min((-n) % B, max(0, self.final[s] - n))
         used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
         cap = len(used) * B
         free_slots = sum(B - fill.get(b.block_id, 0) for b in used)
@@ -258,7 +323,7 @@ class VllmKVManager(Backend):
             blocks_used=len(used), blocks_free=n_free, tokens=tokens, seq_blocks=seq_blocks,
             capacity_slots=cap, free_slots=free_slots,
             fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.bytes_per_token,
+            bytes_in_use=cap * self.config.model.slot_bytes,  # B * slot bytes per block
             shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
             token_states=cap - free_slots, reservation=reservation,
             internal_fragmentation=free_slots - reservation, external_fragmentation=0,
@@ -266,6 +331,7 @@ class VllmKVManager(Backend):
             cached_blocks=sum(1 for b in self.pool.blocks
                               if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
             prefix_hit_blocks=self.hit_blocks,
+            group_blocks=tuple(len(g) for g in per_group) if len(per_group) > 1 else (),
             block_usage=self.manager.usage)  # vLLM's own figure (its logged KV cache usage)
 
     def cached_order(self) -> list:
