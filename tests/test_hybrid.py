@@ -522,3 +522,25 @@ def test_a_fork_served_through_the_prefix_cache_on_a_hybrid_model():
     # (64 - 31) // 16 = 2: it drops blocks 0 and 1 of its sliding group, which the parent holds.
     assert o.expected_ledger().group_blocks == (3 + 2, 3 + 2)
     assert o.seqs[1].tables[0][:2] == [None, None]
+
+
+def test_a_fork_through_the_prefix_cache_names_the_blocks_a_window_released():
+    # A model of sliding groups only (Mistral-7B v0.1's kind): the parent's blocks below its
+    # window are no longer held by any group, yet still cached; the child's hit needs only the
+    # blocks of the window below it, so it must look them up by the keys they had.
+    from kvbench.contract.protocol import Capabilities
+    model = F.ModelSpec("sliding-only", layers=2, kv_heads=2, head_dim=8,
+                        groups=F.hybrid_groups(2, (5,)))
+    o = Oracle(CacheConfig(model=model, block_size=4, num_blocks=16, prefix_caching=True),
+               capabilities=Capabilities(fork_via="prefix", caches_every_full_block=True,
+                                         groups=True, window_release="next_allocation"))
+    o.prefill(0, 8, "t", 32, step=0)
+    o.append([0], [8], step=1)  # 16 tokens; released on 8: (8 - 5 + 1) // 4 = 1 block
+    o.append([0], [1], step=2)  # 17 tokens; released on 16: (16 - 4) // 4 = 3 blocks
+    assert o.seqs[0].tables[0][:3] == [None, None, None]
+    o.fork(1, 0, 32, step=3)
+    led = o.expected_ledger()
+    # The child's hit: 17 // 4 = 4 blocks, of which the window [16 - 5 + 1, 16) needs block
+    # 12 // 4 = 3 only (held by the parent); it computes its 1-token tail: 2 + 1 blocks in use.
+    assert (led.blocks_used, led.shared_blocks) == (2 + 1, 1)
+    assert o.seqs[1].tables[0][3] == o.seqs[0].tables[0][3]

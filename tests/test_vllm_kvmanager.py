@@ -286,3 +286,40 @@ def test_under_specs_window_rule_vllm_diverges_at_the_first_prefill(vllm):
     # A 71-token prompt at B = 8: 9 = ceil(71 / 8) blocks per group; SPEC keeps the sliding
     # group's blocks from 5 = (71 - 32 + 1) // 8 on, 9 + (9 - 5) = 13; vLLM holds 9 + 9 = 18.
     assert (d.expected, d.actual) == (13, 18)
+
+
+@pytest.mark.parametrize("B", [4, 16])
+@pytest.mark.parametrize("pattern", [(5, None), (17,), (40, 83, None)], ids=["mix", "sliding-only", "two-windows"])
+def test_hybrid_traces_check_clean_over_windows_and_block_sizes(vllm, pattern, B):
+    """Windows below, at and across block boundaries, models with and without a full group."""
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    from kvbench.contract.formulas import ModelSpec, hybrid_groups
+    from kvbench.traces.hybrid import hybrid_windows
+    layers = 2 * len(pattern)
+    model = ModelSpec("windows", layers=layers, kv_heads=1, head_dim=4,
+                      groups=hybrid_groups(layers, pattern))
+    trace = hybrid_windows(0, num_requests=20, block_size=B, budget_fraction=0.5)
+    cfg = CacheConfig(model=model, block_size=B, store_kv=False, prefix_caching=True,
+                      num_blocks=trace.header.settings["num_blocks"] * len(pattern) // 2 + 8)
+    v = check(trace, VllmKVManager(cfg))
+    assert v.valid is True, str(v.divergence)
+
+
+def test_bug_candidate_a_one_token_window_turns_off_every_prefix_hit(vllm):
+    """results/engines/vllm-kvmanager, bug candidate 1, pinned: vLLM caches no block of a
+    sliding(1) group (reachable_block_mask: a hit needs cdiv(1 - 1, B) = 0 blocks, so none is
+    reachable) yet its hit search needs one cached block at the hit's end, so a model with such a
+    group never hits. SPEC §8: the group needs no block, the full group's 2 blocks hit."""
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    from kvbench.contract.formulas import ModelSpec, hybrid_groups
+    model = ModelSpec("w1", layers=2, kv_heads=1, head_dim=4, groups=hybrid_groups(2, (1, None)))
+    be = VllmKVManager(CacheConfig(model=model, block_size=4, num_blocks=16, store_kv=False,
+                                   prefix_caching=True))
+    ids = list(range(100, 108))
+    be.prefill(0, 8, token_ids=ids)
+    be.free(0)
+    assert be.ledger().cached_blocks == 2  # SPEC: 2 * 8 // 4 = 4, vLLM: the full group's 2
+    be.prefill(1, 12, token_ids=ids + [200, 201, 202, 203])
+    led = be.ledger()
+    assert led.prefix_hit_blocks == 0  # SPEC: 2 = 8 // 4 (the full group's), sliding(1): none
+    assert led.group_blocks == (3, 3)  # SPEC: (12 // 4 - 2, 12 // 4) = (1, 3)

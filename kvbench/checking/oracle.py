@@ -59,6 +59,7 @@ class SeqState:
     last_access: int = 0
     use_count: int = 0
     prompt: dict = field(default_factory=dict)  # what a recompute re-prefills with (hashes, salt, ...)
+    released_keys: dict = field(default_factory=dict)  # position -> cache key of a block a window released
 
     @property
     def table(self) -> list:
@@ -448,9 +449,12 @@ class Oracle:
                 continue
             for s in seqs:
                 self._dirty.add(s)
-                table = self.seqs[s].tables[g]
+                st = self.seqs[s]
+                table = st.tables[g]
                 for i in range(min(F.first_held_block(lengths[s], w, self.B), len(table)) - 1, -1, -1):
                     if table[i] is not None:
+                        if table[i] in self.hash_of:  # a fork through the prefix cache names it
+                            st.released_keys[i] = self.hash_of[table[i]][1]
                         self._drop_ref(table[i])
                         table[i] = None
 
@@ -621,13 +625,16 @@ class Oracle:
                 for i in range(L, min(n, len(keys))):
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
+            # The child's blocks below a window hold the parent's content: its own fork names them.
+            child.released_keys = {i: keys[i] for i in range(L)}
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: child.tokens})
         return victims
 
     def _fork_keys(self, parent: SeqState, via: str) -> list:
-        """Cache keys a fork served as a new request looks up: the parent's full blocks' (its
-        prompt's where a window released them; none with ``copy``, or without a prefix cache)."""
+        """Cache keys a fork served as a new request looks up: the parent's full blocks' (those
+        its windows released included, in a model of sliding groups only; none with ``copy``,
+        or without a prefix cache)."""
         if via == "copy" or not self.caching:
             return []
         p = parent.prompt
@@ -638,6 +645,8 @@ class Oracle:
             held = [t[i] for t in parent.tables if t[i] is not None and t[i] in self.hash_of]
             if held:
                 keys.append(self.hash_of[held[0]][1])
+            elif i in parent.released_keys:
+                keys.append(parent.released_keys[i])
             elif i < len(prompt):
                 keys.append(prompt[i])
             else:
