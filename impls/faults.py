@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from impls.contiguous import Contiguous
+from impls.faults_edges import EDGE_BUGS
 from impls.numpy_paged import NumpyPaged
 from kvbench.contract.protocol import OutOfMemory
 
@@ -414,4 +415,4 @@ CATALOGUE = [
     Bug("(j) eviction of the sequence being served", "kvbench", EvictsServed, False),
     Bug("contiguous: best fit instead of first fit", "kvbench", BestFit, False),
     Bug("contiguous: fork without the K/V", "kvbench", ForkWithoutData, False),
-]
+] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from impls.faults_edges import PrefillKeepsBlockOnRefusal
 from impls.numpy_paged import NumpyPaged
-from kvbench.contract.protocol import OutOfMemory
 
 
 class LedgerRaises(NumpyPaged):
@@ -32,18 +32,10 @@ def raising_in(call: str):
     return Raises
 
 
-class LeaksOnRefusal(NumpyPaged):
+class LeaksOnRefusal(PrefillKeepsBlockOnRefusal):
     """A prefill refused for lack of blocks keeps one block it took before finding out."""
 
     name = "leaks-on-refusal"
-
-    def prefill(self, seq, tokens, kv=None, **kw):
-        try:
-            return super().prefill(seq, tokens, kv, **kw)
-        except OutOfMemory:
-            if self.free_top:
-                self._take(1)
-            raise
 
 
 class NotABackend:

@@ -70,9 +70,11 @@ REPLAYED = ["numpy", "torch-cpu", "torch-cuda", "object",
 WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "prefill-sharegpt",
              "tenant-flood", "tenant-fractional", "tenant-late",
              "prefix-reuse", "prefix-tenants",
-             "hybrid-windows"]
+             "hybrid-windows",
+             "edge-refusals", "edge-eviction", "fork-wide", "long-history"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
-                "prefix-tenants"]
+                "prefix-tenants",
+                "edge-eviction"]
 POLICIES = ["lru", "lfu", "fair"]
 REPLAY_CASES = [w if w not in TENANT_MIXES else f"{w}@{p}"
                 for w in WORKLOADS for p in (POLICIES if w in TENANT_MIXES else [None])]

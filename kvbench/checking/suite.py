@@ -23,9 +23,12 @@ def committed_workloads() -> list[Path]:
 
 def config_for(trace: Trace, *, model: str | None = None, block_size: int | None = None,
                budget: str | None = None, max_context: int | None = None, device: str = "cpu",
-               policy: str | None = None, store_kv: bool = True,
+               policy: str | None = None, store_kv: bool | None = None,
                prefix_caching: bool | None = None) -> CacheConfig:
     """Settings: command line first, then the trace header's suggestions, then defaults.
+
+    A header whose settings say ``store_kv: false`` (a long history, whose point is the
+    bookkeeping) is checked ledger-only unless the caller says otherwise.
 
     Prefix caching is on by default for a trace whose prefills carry block hashes or token ids.
     A header that names KV cache groups re-shapes the model's layers into them.
@@ -65,6 +68,8 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
         raise ValueError(f"--budget {budget}: {blocks:,} blocks of {bs} tokens of {spec.name}: even "
                          f"a ledger-only pool's own bookkeeping (about {INDEX_BYTES_PER_BLOCK} B a "
                          f"block) would not fit this machine's {machine_memory() / 2**30:,.1f} GiB")
+    if store_kv is None:
+        store_kv = bool(s.get("store_kv", True))
     if store_kv and blocks * F.block_bytes(bs, spec) > machine_memory():
         store_kv = False  # ledger only: memory_note() says so
     return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,

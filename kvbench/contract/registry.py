@@ -99,9 +99,10 @@ BUILTIN = [
     BackendEntry("python-objects", "impls.object_model:ObjectModel"),
 ]
 
-# What `kvbench run` replays by default: one of each design, plus torch where it can run.
-DEFAULT_BACKENDS = ("numpy", "torch", "numpy-int8", "contiguous-max", "contiguous-pow2",
-                    "contiguous-oracle")
+# What `kvbench run` replays by default: one of each design (both quantized pools: int4 packs two
+# codes a byte and stores a zero point, int8 does neither), plus torch where it can run.
+DEFAULT_BACKENDS = ("numpy", "torch", "numpy-int8", "numpy-int4", "contiguous-max",
+                    "contiguous-pow2", "contiguous-oracle")
 
 
 def entries() -> dict[str, BackendEntry]:

@@ -69,6 +69,21 @@ CANONICAL = [
       "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
       "fork_rate": 0.25, "concurrency": 5, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
       "budget_fraction": 0.6}, 0),
+    # The budget's edges (issue 12): what `kvbench run` must reach that the others never do.
+    # Refusals of every kind at Mooncake's block size 256, prompts over 16 blocks;
+    ("edge-refusals.jsonl", "refusals",
+     {"block_size": 256, "num_blocks": 40, "rounds": 2, "prompt_blocks": [17, 20]}, 0),
+    # eviction that takes every candidate and just fits, one block short, a recompute refused
+    # then done, a victim that lowers the need, at block size 512, under each policy;
+    ("edge-eviction.jsonl", "eviction_edges",
+     {"block_size": 512, "num_blocks": 16, "rounds": 2, "tenants": {"fg": 2, "bg": 1}}, 0),
+    # 132 sharers of every block of a prompt of 17+ blocks, 132 live sequences, forks 3 deep;
+    ("fork-wide.jsonl", "wide_forks",
+     {"block_size": 16, "prompt_blocks": [17, 24], "width": 130, "depth": 3}, 0),
+    # 10^4 operations over 48 blocks: ids reused many times, ledger-only (its header says).
+    ("long-history.jsonl", "long_history",
+     {"num_ops": 10000, "block_size": 16, "num_blocks": 48, "max_live": 10,
+      "prompt_tokens": [1, 64], "max_tokens": 160, "fork_depth": 3}, 0),
 ]
 
 

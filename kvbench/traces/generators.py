@@ -11,6 +11,8 @@
   start times, over a block budget (``settings.num_blocks``) that forces eviction.
 - ``prefix_sharing``: prompts opening with one of a few shared prefixes, named by block hashes
   (prefix caching: full and partial hits, cached blocks evicted and reused, hits after recompute).
+- ``refusals``, ``eviction_edges``, ``wide_forks``, ``long_history`` (kvbench.traces.edges): the
+  budget's last block, eviction of every candidate, 127+ sharers, 10^4 operations.
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -37,6 +39,7 @@ from kvbench.traces.builder import (
     op_demand,
     peak_blocks,
 )
+from kvbench.traces.edges import eviction_edges, long_history, refusals, wide_forks
 from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows
 from kvbench.traces.laws import (
@@ -389,6 +392,10 @@ FAMILIES = {
     "tenant_mixes": tenant_mixes,
     "prefix_sharing": prefix_sharing,
     "hybrid_windows": hybrid_windows,
+    "refusals": refusals,
+    "eviction_edges": eviction_edges,
+    "wide_forks": wide_forks,
+    "long_history": long_history,
 }
 
 
@@ -407,5 +414,6 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
-    "prefix_sharing", "hybrid_windows", "FAMILIES", "generate",
+    "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
+    "FAMILIES", "generate",
 ]
