@@ -159,3 +159,16 @@ def test_a_backend_leaking_a_block_on_a_refused_prefill_fails_the_default_run(tm
     assert code == 1
     fails = [line for line in text.splitlines() if line.startswith("FAIL planted:LeaksOnRefusal")]
     assert any(" on edge-refusals: " in line and "after a refused prefill" in line for line in fails), fails
+
+
+def test_a_batch_applied_writer_by_writer_fails_naming_a_writer_it_changed():
+    from impls.faults_edges import BatchWriterByWriter
+    trace = load(str(WORKLOADS / "edge-refusals.jsonl"))
+    d = check(trace, BatchWriterByWriter(suite.config_for(trace))).divergence
+    a, a1, batch = trace.ops[0], trace.ops[1], trace.ops[4]
+    assert batch.seqs == (2, a1.seq, a.seq)  # [b, a1, a]
+    assert (d.index, d.quantity) == (4, "blocks_used after a refused append")
+    T, n = a.tokens, -(-a.tokens // 256)  # a1 is a's fork: a's prompt, ceil(T / 256) blocks
+    # a1's copy-on-write took the one free block; a was refused. Sorted by id, a1 differs first.
+    assert d.detail.endswith(f"sequence {a1.seq}: {T} tokens in {n} blocks before, "
+                             f"{T + 1} tokens in {n} blocks after")
