@@ -810,10 +810,27 @@ class NumpyPaged(Backend):
         return self.slots[slots].reshape((len(p),) + self.token_shape)
 
     def _read_range(self, table_row: np.ndarray, start: int, stop: int, out) -> np.ndarray:
-        """Slots ``start .. stop-1`` of a table row: one gather of the slot rows (into ``out``)."""
-        p = np.arange(start, stop)
-        slots = table_row[p // self.B] * self.B + p % self.B
-        if out is None:
-            return self.slots[slots].reshape((stop - start,) + self.token_shape)
-        np.take(self.slots, slots, axis=0, out=out.reshape(stop - start, self.slots.shape[1]))
+        """Slots ``start .. stop-1`` of a table row: one gather of the slot rows, or into ``out``
+        whole blocks at a time (np.take with an ``out`` buffers every row unless mode is not
+        'raise': the table's block ids are in range by construction)."""
+        B = self.B
+        if out is None or not out.flags.c_contiguous:
+            p = np.arange(start, stop)
+            data = self.slots[table_row[p // B] * B + p % B].reshape((stop - start,) + self.token_shape)
+            if out is None:
+                return data
+            out[...] = data
+            return out
+        rows = out.reshape(stop - start, self.slots.shape[1])  # a view: out is contiguous
+        lo, hi = min(-(-start // B) * B, stop), max(stop // B * B, start)  # whole blocks: lo .. hi
+        if lo > start:  # the head, inside one block
+            first = int(table_row[start // B]) * B
+            rows[:lo - start] = self.slots[first + start % B:first + (lo - 1) % B + 1]
+        if hi > lo:
+            blocks = self.slots.reshape(-1, B * self.slots.shape[1])
+            np.take(blocks, table_row[lo // B:hi // B], axis=0, mode="clip",
+                    out=rows[lo - start:hi - start].reshape(-1, blocks.shape[1]))
+        if stop > max(hi, lo):  # the tail, inside one block
+            last = int(table_row[hi // B]) * B
+            rows[max(hi, lo) - start:] = self.slots[last + max(hi, lo) % B:last + (stop - 1) % B + 1]
         return out

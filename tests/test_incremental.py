@@ -172,3 +172,23 @@ def test_ledger_of_some_sequences():
     led = b.ledger(seqs=[1])
     # 20 tokens: 2 blocks; 5 tokens: 1 block. Only sequence 1's figures asked for.
     assert led.tokens == {1: 5} and led.seq_blocks == {1: 1} and led.blocks_used == 3
+
+
+@pytest.mark.parametrize("start,stop", [(0, 0), (0, 5), (5, 9), (5, 16), (16, 48), (5, 40),
+                                        (3, 57), (0, 57), (48, 57), (57, 57)])
+def test_gather_into_a_buffer_reads_what_a_fresh_gather_reads(start, stop):
+    # 57 tokens over 4 blocks of 16, placed out of order (another sequence takes blocks between
+    # them): ranges inside one block, from or to a block boundary, and across whole blocks.
+    model = make_config().model
+    from kvbench.contract.protocol import kv_values
+    b = NumpyPaged(make_config())
+    b.prefill(0, 20, kv_values(0, 0, 20, model))
+    b.prefill(1, 30, kv_values(1, 0, 30, model))
+    b.append([0], [37], kv_values(0, 20, 37, model))
+    expected = kv_values(0, start, stop - start, model)
+    out = np.full_like(expected, 7)
+    assert b.gather(0, start, stop, out=out) is out
+    assert np.array_equal(out, expected)
+    strided = np.full((2 * (stop - start),) + expected.shape[1:], 7, expected.dtype)[::2]
+    b.gather(0, start, stop, out=strided)  # not contiguous: written through, not into a copy
+    assert np.array_equal(strided, expected)
