@@ -73,16 +73,21 @@ def decode_vs_scatter(factory=None) -> tuple[float, float]:
     return _fastest(floor, lambda step: subj.append(seqs, [1] * DECODE_BATCH, kv, step=step + 1))
 
 
-def decode_vs_object(factory=None) -> tuple[float, float]:
-    """(seconds of one decode step over 256 sequences in the per-object Python model
+def decode_vs_object(factory=None, batch: int = DECODE_BATCH) -> tuple[float, float]:
+    """(seconds of one decode step over ``batch`` sequences in the per-object Python model
     impls/object_model.py, in the subject), ledger only on both sides."""
     common = bench_common()
-    seqs = list(range(DECODE_BATCH))
-    ref, _ = common.decode_batch("object", DECODE_BATCH, store_kv=False)
-    subj = common.fill_decode_batch(_subject(factory, DECODE_BATCH * 9, False), DECODE_BATCH,
-                                    store_kv=False)
-    return _fastest(lambda step: ref.append(seqs, [1] * DECODE_BATCH, None, step=step + 1),
-                    lambda step: subj.append(seqs, [1] * DECODE_BATCH, None, step=step + 1))
+    seqs = list(range(batch))
+    ref, _ = common.decode_batch("object", batch, store_kv=False)
+    subj = common.fill_decode_batch(_subject(factory, batch * 9, False), batch, store_kv=False)
+    return _fastest(lambda step: ref.append(seqs, [1] * batch, None, step=step + 1),
+                    lambda step: subj.append(seqs, [1] * batch, None, step=step + 1))
+
+
+def decode1_vs_object(factory=None) -> tuple[float, float]:
+    """decode_vs_object at batch 1: the fixed cost of a call, where NumPy's array steps cost
+    more than the object model's few attribute updates (the backend's small-batch path)."""
+    return decode_vs_object(factory, batch=1)
 
 
 def gather_vs_copy(factory=None) -> tuple[float, float]:
@@ -92,6 +97,17 @@ def gather_vs_copy(factory=None) -> tuple[float, float]:
     subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
     src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
     return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
+
+
+def gather_into_vs_copyto(factory=None) -> tuple[float, float]:
+    """(seconds of np.copyto of 4 MiB into a buffer; of gathering the same 4 MiB from 256
+    scattered blocks into a buffer of the same shape, reused from call to call)."""
+    common = bench_common()
+    blocks = 2 * -(-GATHER_TOKENS // common.BLOCK_SIZE)
+    subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
+    src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
+    dst, into = np.empty_like(src), np.empty_like(src)
+    return _fastest(lambda i: np.copyto(dst, src), lambda i: subj.gather(0, out=into))
 
 
 CHECK_REQUESTS = 200  # a decode trace of ~1,150 operations: batches of up to 32, Alpaca lengths
@@ -157,8 +173,12 @@ RATIO_GATES = {g.name: g for g in (
               "the same 256 tokens into a pool / NumPy", decode_vs_scatter),
     RatioGate("decode_vs_object", "decode step over 256 sequences, ledger only: per-object Python "
               "model (impls/object_model.py) / NumPy", decode_vs_object),
+    RatioGate("decode1_vs_object", "decode step of one sequence, ledger only: per-object Python "
+              "model / NumPy (its small-batch path)", decode1_vs_object),
     RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
               "scattered blocks", gather_vs_copy),
+    RatioGate("gather_into_vs_copyto", "np.copyto of 4 MiB into a buffer / NumPy gather of the "
+              "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto),
     RatioGate("check_vs_replay", "a ~1,150-operation decode trace: the NumPy backend's replay "
               "alone / the checker's replay of it, K/V read back", check_vs_replay),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
