@@ -1,12 +1,14 @@
 """Checking at scale: the checker beside the backend's own replay on decode traces, loading a
-trace file, reading back a range of a long sequence, and the NumPy quantizer's steps without its
-compiled kernels (the floor the kernels are measured from)."""
+trace file, reading back a range of a long sequence, the NumPy quantizer's steps without its
+compiled kernels (the floor the kernels are measured from), a gather into a reused buffer beside
+np.copyto, and the fixed cost of an alloc+free."""
 import os
 import tempfile
 
+import numpy as np
 
 from . import common
-from .common import QUANT_SCHEMES, SCALE_DECODE_REQUESTS, SCALE_GATHER_TOKENS
+from .common import GATHER_TOKENS, QUANT_SCHEMES, SCALE_DECODE_REQUESTS, SCALE_GATHER_TOKENS
 
 
 class CheckDecode:
@@ -108,3 +110,58 @@ class QuantizeSteps:
 
     def time_quantize_steps(self, scheme):
         self.impl.quantize(self.x, self.scheme, compiled=False)
+
+
+class GatherInto:
+    """Gather of one sequence's K/V (``tokens`` tokens, 1 KiB each, scattered blocks) into a
+    buffer the caller reuses from call to call: CopyToSameBytes is its floor (the ratio gate
+    gather_into_vs_copyto holds the two at 4096 tokens)."""
+    version = "1"
+    params = [["numpy"], GATHER_TOKENS]
+    param_names = ["backend", "tokens"]
+
+    def setup(self, name, tokens):
+        import inspect
+        self.backend = common.interleaved_pair(name, tokens)
+        if "out" not in inspect.signature(self.backend.gather).parameters:
+            raise NotImplementedError("gather takes no out= at this commit")
+        self.out = np.empty_like(common.zeros_kv(tokens))
+
+    def teardown(self, name, tokens):
+        common.close(self)
+
+    def time_gather_into(self, name, tokens):
+        self.backend.gather(0, out=self.out)
+
+
+class CopyToSameBytes:
+    """The floor for GatherInto: np.copyto of the same bytes into a buffer reused across calls."""
+    version = "1"
+    params = [GATHER_TOKENS]
+    param_names = ["tokens"]
+
+    def setup(self, tokens):
+        self.src = common.zeros_kv(tokens) + np.float16(1)
+        self.dst = np.empty_like(self.src)
+
+    def time_copyto(self, tokens):
+        np.copyto(self.dst, self.src)
+
+
+class AllocFree:
+    """A prefill of ``blocks`` full blocks then its free, ledger only, on an empty pool: the
+    fixed cost of a call (benchmarks/test_bench_vllm.py sets it beside vLLM's BlockPool)."""
+    version = "1"
+    params = [["numpy", "object"], [1, 256]]
+    param_names = ["backend", "blocks"]
+
+    def setup(self, name, blocks):
+        self.backend = common.make_backend(name, num_blocks=1024, store_kv=False)
+        self.tokens = blocks * common.BLOCK_SIZE
+
+    def teardown(self, name, blocks):
+        common.close(self)
+
+    def time_alloc_free(self, name, blocks):
+        self.backend.prefill(0, self.tokens, None, final_tokens=self.tokens)
+        self.backend.free(0)
