@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,9 @@ import scaling  # noqa: E402
 VLLM_PY = next((p for p in (ROOT.parent / "vllm-env" / "bin" / "python",
                             ROOT.parents[1] / "vllm-env" / "bin" / "python") if p.exists()),
                ROOT.parent / "vllm-env" / "bin" / "python")
-MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
+# The shared traces (README: KVBENCH_TRACES), by default beside the checkout.
+MOONCAKE = Path(os.environ.get("KVBENCH_TRACES", ROOT.parent / "shared" / "traces")) \
+    / "mooncake" / "synthetic_trace.jsonl"
 REPEATS = 5
 
 

@@ -4,12 +4,14 @@ and of the checker (K/V content checked) on decode traces of 10^4, 10^5 and 10^6
     .venv/bin/python scripts/scaling.py                          # 1e4 1e5 1e6, numpy
     .venv/bin/python scripts/scaling.py --ops 10000 --repeats 5  # one size, the median of 5
     .venv/bin/python scripts/scaling.py --workloads              # the committed workloads
+    .venv/bin/python scripts/scaling.py --draw                   # curve.csv, curve.png again
 
 Every measurement runs in a fresh process (its peak RSS is its own: imports, trace, pool and
 checker); the backend and the checker alternate, and the ratio checker / backend is taken per
 repeat, then the median. Traces are generated once into --cache (continuous batching of up to 32
 sequences, Alpaca lengths, tiny model, a budget with room for the peak: no eviction). Results go
-to results/scaling/scaling.json (with the machine and commit) and a table in README.md there.
+to results/scaling/curve.json (with the machine, commit and load average), curve.csv and
+curve.png (with a provenance line); results/scaling/README.md tells what they show.
 """
 from __future__ import annotations
 
@@ -147,8 +149,39 @@ def workloads(repeats: int, backend: str) -> list:
 def write(rows, kind: str) -> None:
     from kvbench.bench import records
     OUT.mkdir(parents=True, exist_ok=True)
-    rec = records.record(f"scaling-{kind}", rows, {"script": "scripts/scaling.py", "argv": sys.argv[1:]})
+    rec = records.record(f"scaling-{kind}", rows, {"script": "scripts/scaling.py", "argv": sys.argv[1:],
+                                                   "loadavg": os.getloadavg()})
     print(f"wrote {records.write(rec, OUT / f'{kind}.json')}")
+    if kind == "curve":
+        draw(rec)
+
+
+def draw(rec: dict) -> None:
+    """curve.csv and curve.png (per-operation cost and peak RSS against the trace's length,
+    backend and checker) from a curve record."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from kvbench.charts import finish
+    df = pd.DataFrame(rec["rows"])
+    df.to_csv(OUT / "curve.csv", index=False)
+    fig, (cost, rss) = plt.subplots(1, 2, figsize=(10, 4))
+    for who, colour in (("backend", "#4c72b0"), ("checker", "#c44e52")):
+        cost.plot(df["ops"], df[f"{who}_us_per_op"], "o-", color=colour, label=who)
+        rss.plot(df["ops"], df[f"{who}_peak_rss_mb"], "o-", color=colour, label=who)
+    rss.axhline(500, color="#555555", ls="--", lw=1, label="goal: 500 MB")
+    for ax, title in ((cost, "time per operation (us)"), (rss, "peak RSS of the process (MB)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("operations in the decode trace")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle(f"{rec['rows'][0]['backend']}: K/V content checked vs the backend's own replay "
+                 f"(load average {', '.join(f'{x:.1f}' for x in rec['params'].get('loadavg', []))})")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    print(f"wrote {finish(fig, OUT / 'curve.png', rec)}")
 
 
 def main() -> int:
@@ -161,7 +194,13 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--workloads", action="store_true",
                    help="checker / backend replay over the committed workloads instead")
+    p.add_argument("--draw", action="store_true",
+                   help="only redraw curve.csv and curve.png from results/scaling/curve.json")
     args = p.parse_args()
+    if args.draw:
+        from kvbench.bench import records
+        draw(records.read(OUT / "curve.json"))
+        return 0
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
