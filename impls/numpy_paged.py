@@ -585,16 +585,16 @@ class NumpyPaged(Backend):
             return False
         B, table, fill, refcount = self.B, self.tables[0], self.fill, self.refcount
         plan = []
-        for s, t in zip(seqs, tokens):
+        for s, t in zip(seqs, tokens):  # .item(): a Python int without a NumPy scalar between
             r = self.row_of.get(s)
             if r is None or t != 1:
                 return False
-            nb = int(self.nblocks[r])
-            tail = int(table[r, nb - 1]) if nb else -1
+            nb = self.nblocks.item(r)
+            tail = table.item(r, nb - 1) if nb else -1
             if tail < 0:
                 return False
-            f = int(fill[tail])
-            if f >= B or refcount[tail] != 1:
+            f = fill.item(tail)
+            if f >= B or refcount.item(tail) != 1:
                 return False
             plan.append((r, tail, f))
         if len(plan) > 1 and len({r for r, _, _ in plan}) != len(plan):
@@ -605,9 +605,9 @@ class NumpyPaged(Backend):
         tokens_, last, uses, dirty = self.tokens, self.last_access, self.use_count, self.dirty
         for r, tail, f in plan:
             fill[tail] = f + 1
-            tokens_[r] += 1
+            tokens_[r] = tokens_.item(r) + 1
             last[r] = step
-            uses[r] += 1
+            uses[r] = uses.item(r) + 1
             dirty.add(r)
         self.filled += len(plan)
         return True
