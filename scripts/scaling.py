@@ -4,6 +4,7 @@ and of the checker (K/V content checked) on decode traces of 10^4, 10^5 and 10^6
     .venv/bin/python scripts/scaling.py                          # 1e4 1e5 1e6, numpy
     .venv/bin/python scripts/scaling.py --ops 10000 --repeats 5  # one size, the median of 5
     .venv/bin/python scripts/scaling.py --workloads              # the committed workloads
+    .venv/bin/python scripts/scaling.py --breakdown              # where the checker's time goes
     .venv/bin/python scripts/scaling.py --draw                   # curve.csv, curve.png again
 
 Every measurement runs in a fresh process (its peak RSS is its own: imports, trace, pool and
@@ -104,6 +105,27 @@ def curve(sizes, repeats, backend, cache: Path) -> list:
     return rows
 
 
+def breakdown(ops: int, repeats: int, backend: str, cache: Path) -> list:
+    """Where the checker's time goes on one decode trace: the backend's replay alone, the checker
+    with the ledger only (the oracle, the ledger comparison, the identities), and with K/V
+    content read back (touched): each a fresh process, alternated, the median of ``repeats``."""
+    path = cache / f"decode-{ops}.jsonl"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        make_trace(ops, path)
+    modes = ("backend", "checker-none", "checker")
+    runs = {m: [] for m in modes}
+    for _ in range(repeats):
+        for m in modes:
+            runs[m].append(measure(m, path, backend))
+    rows = [{"mode": m, "ops": runs[m][0]["ops"], "backend": backend, "repeats": repeats,
+             "us_per_op": statistics.median(r["us_per_op"] for r in runs[m])} for m in modes]
+    for r in rows:
+        print(f"{r['mode']:14} {r['us_per_op']:8.1f} us/op  "
+              f"({r['us_per_op'] / rows[0]['us_per_op']:.1f}x the backend)", flush=True)
+    return rows
+
+
 def workloads(repeats: int, backend: str) -> list:
     """Checker / backend replay over every committed workload (each tenant mix under lru, lfu
     and fair), K/V written and checked: interleaved in this process, the median of ``repeats``
@@ -178,8 +200,9 @@ def draw(rec: dict) -> None:
         ax.set_title(title)
         ax.set_ylim(bottom=0)
         ax.legend()
-    fig.suptitle(f"{rec['rows'][0]['backend']}: K/V content checked vs the backend's own replay "
-                 f"(load average {', '.join(f'{x:.1f}' for x in rec['params'].get('loadavg', []))})")
+    load = rec["params"].get("loadavg")
+    fig.suptitle(f"{rec['rows'][0]['backend']}: K/V content checked vs the backend's own replay"
+                 + (f" (load average {', '.join(f'{x:.1f}' for x in load)})" if load else ""))
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     print(f"wrote {finish(fig, OUT / 'curve.png', rec)}")
 
@@ -194,6 +217,8 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--workloads", action="store_true",
                    help="checker / backend replay over the committed workloads instead")
+    p.add_argument("--breakdown", action="store_true",
+                   help="backend / checker ledger-only / checker with K/V at the first --ops size")
     p.add_argument("--draw", action="store_true",
                    help="only redraw curve.csv and curve.png from results/scaling/curve.json")
     args = p.parse_args()
@@ -203,6 +228,11 @@ def main() -> int:
         return 0
     if args.child:
         print(json.dumps(child(*args.child)))
+        return 0
+    if args.breakdown:
+        rows = breakdown((args.ops or [10_000])[0], args.repeats, args.backend, Path(args.cache))
+        if not args.no_write:
+            write(rows, "breakdown")
         return 0
     if args.workloads:
         rows = workloads(args.repeats, args.backend)
