@@ -283,9 +283,12 @@ def test_staged_outputs_leave_nothing_when_interrupted(tmp_path):
 
 def test_ctrl_c_during_a_run(tmp_path):
     out = tmp_path / "run.json"
-    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "--quiet", "--output", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "--output", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(6)  # past the imports, inside the replay (the default run takes half a minute)
+    # The first progress line (every 5 s in a log): past the imports, inside the replay, however
+    # loaded the machine is (the default run takes about a minute).
+    first = proc.stderr.readline()
+    assert first.startswith("replaying:"), first
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
