@@ -108,3 +108,17 @@ def test_a_file_streams_into_columns(tmp_path):
     back = T.load(str(csv_path))
     assert isinstance(back.ops, OpTable) and back.ops == trace.ops
     assert np.array_equal(back.ops.flat_tok, loaded.ops.flat_tok)
+
+
+@pytest.mark.parametrize("prefill, named", [
+    (Prefill(0, 0, "a", 32), False),
+    (Prefill(0, 0, "a", 32, block_hashes=()), False),  # no full block named
+    (Prefill(0, 0, "a", 32, block_hashes=(7, 8)), True),
+    (Prefill(0, 0, "a", 3, token_ids=(1, 2, 3)), True),
+    (Prefill(0, 0, "a", 32, salt="s"), False),  # a salt alone names no block
+])
+def test_names_prompt_blocks_from_objects_and_from_columns(prefill, named):
+    ops = [prefill, Append(1, (0,), (1,)), Free(2, 0)]
+    header = T.Header(family="t")
+    assert T.Trace(header, ops).names_prompt_blocks() is named
+    assert T.Trace(header, OpTable.from_ops(ops)).names_prompt_blocks() is named

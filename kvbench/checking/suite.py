@@ -57,8 +57,7 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
     if int(mc) <= 0:
         raise ValueError(f"--max-context: must be a positive integer, got {mc}")
-    hashed = any(getattr(op, "block_hashes", None) or getattr(op, "token_ids", None)
-                 for op in trace.ops)
+    hashed = trace.names_prompt_blocks()
     if prefix_caching is None:
         prefix_caching = bool(s.get("prefix_caching", hashed))
     if prefix_caching and hashed and s.get("block_size", bs) != bs:

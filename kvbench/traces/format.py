@@ -99,6 +99,12 @@ class Trace:
             return self
         return Trace(self.header, C.OpTable.from_ops(self.ops), self.name)
 
+    def names_prompt_blocks(self) -> bool:
+        """Whether a prefill carries block hashes or token ids (columns: from their side tables)."""
+        if isinstance(self.ops, C.OpTable):
+            return any(self.ops.hashes.values()) or any(k[2] for k in self.ops.keys.values())
+        return any(getattr(op, "block_hashes", None) or getattr(op, "token_ids", None) for op in self.ops)
+
     def final_lengths(self) -> dict:
         """Each sequence's length when it is freed or the trace ends: what the trace knows."""
         if isinstance(self.ops, C.OpTable):
