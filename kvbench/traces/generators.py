@@ -47,6 +47,7 @@ from kvbench.traces.laws import (
     LengthLaw,
     _pair,
     _positive_int,
+    _probability,
     normalize_law,
     request_laws,
 )
@@ -307,8 +308,7 @@ def prefix_sharing(seed: int = 0, *, num_requests: int = 40, prefixes: int = 3,
     if own_lo < 1 or out_lo < 1:
         raise ValueError("prefix_sharing: own_tokens and output must start at 1 or more")
     for name, v in (("aligned_rate", aligned_rate), ("fork_rate", fork_rate)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a probability in [0, 1], got {v!r}")
+        _probability(name, v)
     named = params["tenants"] or [{"name": DEFAULT_TENANT, "rate": 1}]
     rates = np.array([t["rate"] for t in named], dtype=float)
     popular = 1.0 / np.arange(1, k_max + 1)

@@ -19,9 +19,9 @@ from collections import deque
 import numpy as np
 
 from kvbench.contract import formulas as F
-from kvbench.traces.builder import _Builder, _recorded
-from kvbench.traces.format import Append, Fork, Prefill, Trace
-from kvbench.traces.laws import _pair, _positive_int
+from kvbench.traces.builder import _Builder, _recorded, _walk
+from kvbench.traces.format import Free, Prefill, Trace
+from kvbench.traces.laws import _pair, _positive_int, _probability
 
 TENANTS = [{"name": "alice", "salt": "x"}, {"name": "bob", "adapter": "x"},
            {"name": "carol", "salt": "y", "adapter": "x"}, {"name": "dave"}]
@@ -47,8 +47,7 @@ def hybrid_windows(seed: int = 0, *, model: str = "tiny-hybrid", num_requests: i
                     ("decode_chunk", decode_chunk), ("block_size", block_size)):
         _positive_int(name, v)
     for name, v in (("aligned_rate", aligned_rate), ("own_rate", own_rate), ("fork_rate", fork_rate)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a probability in [0, 1], got {v!r}")
+        _probability(name, v)
     B = block_size
     rng = np.random.default_rng(seed)
     base = rng.integers(0, VOCAB, size=(k_max, p_hi))
@@ -108,23 +107,12 @@ def _peak_and_demand(ops, model, block_size: int) -> tuple[int, int]:
     (sum_g blocks_g(T)), and the most one operation takes before its windows slide (a prefill
     writes every position in every group)."""
     G = len(model.kv_groups)
-    length, held, peak, need = {}, {}, 0, 0
-    for op in ops:
+    held, peak, need = {}, 0, 0
+    for op, length, touched in _walk(ops):
         if isinstance(op, Prefill):
-            length[op.seq] = op.tokens
-            touched = (op.seq,)
             need = max(need, G * F.blocks_needed(op.tokens, block_size))
-        elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
-                length[s] += t
-            touched = op.seqs
-        elif isinstance(op, Fork):
-            length[op.seq] = length[op.src]
-            touched = (op.seq,)
-        else:
-            del length[op.seq]
-            held.pop(op.seq)
-            touched = ()
+        elif isinstance(op, Free):
+            del held[op.seq]
         for s in touched:
             held[s] = F.request_blocks(length[s], model, block_size)
         peak = max(peak, sum(held.values()))

@@ -134,6 +134,12 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def _probability(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+    return value
+
+
 def _pair(name: str, value) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise ValueError(f"{name} must be a pair [lo, hi], got {value!r}")
