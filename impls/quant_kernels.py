@@ -198,6 +198,19 @@ def group_codes(X, f, a, divide, clip, low, high, codes):
 
 
 @_jit
+def _pack(q, slot, o):
+    """The first ``len(o) * 8 / slot`` codes of q into o, ``8 / slot`` to a byte, first code in
+    the low bits."""
+    if slot == 4:
+        for j in range(len(o)):
+            o[j] = np.uint8((q[2 * j] & 15) | ((q[2 * j + 1] & 15) << 4))
+    else:
+        for j in range(len(o)):
+            o[j] = np.uint8((q[4 * j] & 3) | ((q[4 * j + 1] & 3) << 2)
+                            | ((q[4 * j + 2] & 3) << 4) | ((q[4 * j + 3] & 3) << 6))
+
+
+@_jit
 def group_codes_packed(X, f, a, divide, clip, low, high, slot, out):
     """The same codes packed ``8 / slot`` to a byte (G * slot a multiple of 8), first code in
     the low bits, over the groups in order: a tile of codes, then the tile packed in one loop."""
@@ -210,14 +223,7 @@ def group_codes_packed(X, f, a, divide, clip, low, high, slot, out):
         g1 = min(ng, g0 + T)
         _tile_codes(X, f, a, g0, g1, divide, clip, low, high, q2)
         m = (g1 - g0) * G // per
-        o = out[g0 * G // per:g0 * G // per + m]
-        if slot == 4:
-            for j in range(m):
-                o[j] = np.uint8((q[2 * j] & 15) | ((q[2 * j + 1] & 15) << 4))
-        else:
-            for j in range(m):
-                o[j] = np.uint8((q[4 * j] & 3) | ((q[4 * j + 1] & 3) << 2)
-                                | ((q[4 * j + 2] & 3) << 4) | ((q[4 * j + 3] & 3) << 6))
+        _pack(q, slot, out[g0 * G // per:g0 * G // per + m])
 
 
 @_jit
@@ -274,11 +280,4 @@ def channel_codes_packed(X, f, a, divide, clip, low, high, slot, out):
         r1 = min(R, r0 + T)
         channel_codes(X[r0:r1], f, a, divide, clip, low, high, q2)
         m = (r1 - r0) * C // per
-        o = out[r0 * C // per:r0 * C // per + m]
-        if slot == 4:
-            for j in range(m):
-                o[j] = np.uint8((q[2 * j] & 15) | ((q[2 * j + 1] & 15) << 4))
-        else:
-            for j in range(m):
-                o[j] = np.uint8((q[4 * j] & 3) | ((q[4 * j + 1] & 3) << 2)
-                                | ((q[4 * j + 2] & 3) << 4) | ((q[4 * j + 3] & 3) << 6))
+        _pack(q, slot, out[r0 * C // per:r0 * C // per + m])
