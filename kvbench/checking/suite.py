@@ -21,6 +21,19 @@ def committed_workloads() -> list[Path]:
     return sorted(WORKLOADS_DIR.glob("*.jsonl"))
 
 
+def blocks_of_budget(budget: str, block_size: int, spec) -> int:
+    """The blocks a ``--budget`` of bytes holds; a ValueError naming the option for a budget that
+    does not parse or holds less than one block."""
+    try:
+        blocks = F.budget_blocks(budget, block_size, spec)
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
+    if blocks < 1:
+        raise ValueError(f"--budget {budget}: less than one block (a block of {block_size} tokens of "
+                         f"{spec.name} is {F.block_bytes(block_size, spec):,} bytes)")
+    return blocks
+
+
 def config_for(trace: Trace, *, model: str | None = None, block_size: int | None = None,
                budget: str | None = None, max_context: int | None = None, device: str = "cpu",
                policy: str | None = None, store_kv: bool | None = None,
@@ -43,16 +56,7 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     bs = int(block_size or s.get("block_size", 16))
     if bs <= 0:
         raise ValueError(f"--block-size: must be a positive integer, got {bs}")
-    if budget is not None:
-        try:
-            blocks = F.budget_blocks(budget, bs, spec)
-        except ValueError as e:
-            raise ValueError(f"--budget: {e}") from None
-        if blocks < 1:
-            raise ValueError(f"--budget {budget}: less than one block (a block of {bs} tokens of "
-                             f"{spec.name} is {F.block_bytes(bs, spec):,} bytes)")
-    else:
-        blocks = int(s.get("num_blocks", 256))
+    blocks = blocks_of_budget(budget, bs, spec) if budget is not None else int(s.get("num_blocks", 256))
     finals = trace.final_lengths().values()
     mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
     if int(mc) <= 0:

@@ -17,7 +17,7 @@ from kvbench.analyses.breakdown import (
 )
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
-from kvbench.checking.suite import machine_memory
+from kvbench.checking.suite import blocks_of_budget, machine_memory
 from kvbench.cli.options import UsageError, positive_float, positive_int
 from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table
@@ -84,13 +84,7 @@ def _serve_config(args, requests) -> CacheConfig:
     model = F.get_model(getattr(args, "model", None) or OPT13B["model"])
     bs = getattr(args, "block_size", None) or OPT13B["block_size"]
     budget = getattr(args, "budget", None) or OPT13B["budget"]
-    try:
-        blocks = F.budget_blocks(budget, bs, model)
-    except ValueError as e:
-        raise UsageError(f"--budget: {e}") from None
-    if blocks < 1:
-        raise UsageError(f"--budget {budget}: less than one block (a block of {bs} tokens of "
-                         f"{model.name} is {F.block_bytes(bs, model):,} bytes)")
+    blocks = blocks_of_budget(budget, bs, model)
     longest = max((r.prompt_tokens + r.output_tokens for r in requests), default=1)
     mc = getattr(args, "max_context", None) or F.next_pow2(longest)
     caching = getattr(args, "prefix_caching", None)
