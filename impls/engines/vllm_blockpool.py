@@ -42,6 +42,19 @@ from kvbench.contract.protocol import (
 NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
 
 
+def importable(load) -> tuple[bool, str]:
+    """(True, "") when ``load()`` imports what an adapter needs of vLLM, else why not."""
+    try:
+        load()
+    except ImportError as e:
+        if e.name == "vllm":
+            return False, NOT_INSTALLED
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+    return True, ""
+
+
 @functools.lru_cache(maxsize=1)
 def _vllm():
     """vLLM's block pool module, imported once (importing vLLM takes seconds)."""
@@ -66,15 +79,7 @@ class VllmBlockPool(Backend):
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
-        try:
-            _vllm()
-        except ImportError as e:
-            if e.name == "vllm":
-                return False, NOT_INSTALLED
-            return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
-        except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
-            return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
-        return True, ""
+        return importable(_vllm)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)

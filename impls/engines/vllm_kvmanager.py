@@ -44,9 +44,9 @@ import functools
 import itertools
 import types
 
+from impls.engines.vllm_blockpool import importable
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
-NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
 MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
 FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
@@ -84,15 +84,7 @@ def _vllm():
 
 
 def available() -> tuple[bool, str]:
-    try:
-        _vllm()
-    except ImportError as e:
-        if e.name == "vllm":
-            return False, NOT_INSTALLED
-        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
-    except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
-        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
-    return True, ""
+    return importable(_vllm)
 
 
 def kv_cache_config(config: CacheConfig):
