@@ -4,6 +4,8 @@ Import them as ``from conftest import make_config, make_trace, P, A, K, X``.
 """
 from __future__ import annotations
 
+import signal
+
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, validate
@@ -54,3 +56,9 @@ def make_trace(*specs, name: str = "hand", tenants: dict | None = None, family: 
     """A validated in-memory trace from P/A/K/X specs."""
     header = Header(family=family, generator="tests", tenants=dict(tenants or {}))
     return validate(Trace(header, make_ops(*specs), name=name))
+
+
+def default_sigint() -> None:
+    """A ``preexec_fn`` for a child the test interrupts: a child of a process that ignores SIGINT
+    (a background job, nohup) inherits that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

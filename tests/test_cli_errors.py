@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import P, X, make_trace
+from conftest import P, X, default_sigint, make_trace
 
 from kvbench.cli import main, options
 from kvbench.outputs import staged
@@ -284,7 +284,8 @@ def test_staged_outputs_leave_nothing_when_interrupted(tmp_path):
 def test_ctrl_c_during_a_run(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "--output", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     # The first progress line (every 5 s in a log): past the imports, inside the replay, however
     # loaded the machine is (the default run takes about a minute).
     first = proc.stderr.readline()

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import A, P, X, make_trace
+from conftest import A, P, X, default_sigint, make_trace
 from kvbench.bench import grid as grids
 from kvbench.bench import sweep, sweep_charts
 from kvbench.bench.store import Store
@@ -248,7 +248,8 @@ def test_sigint_stops_the_sweep_and_the_same_command_resumes_it(tmp_path):
     store = tmp_path / "store"
     cmd = [sys.executable, "-m", "kvbench.cli", "sweep", str(grid), "--store", str(store),
            "--workers", "2", "--progress-interval", "0.5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while not list(store.rglob("*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
