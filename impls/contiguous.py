@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
     CacheConfig,
@@ -205,18 +206,13 @@ class Contiguous(Backend):
                 tokens = st["tokens"] if w is None else min(st["tokens"], size)
                 cap += size
                 held += tokens
-                reservation += min(size, st["final"]) - tokens
-        high = max((start + size for start, size, _ in self.starts), default=0)
-        return Ledger(
-            blocks_used=None, blocks_free=None, tokens={s: st["tokens"] for s, st in self.seqs.items()},
+                reservation += F.slab_reservation(size, st["final"], tokens)
+        return Ledger.contiguous(
+            arena_slots=self.capacity, slot_bytes=self.config.model.slot_bytes,
+            tokens={s: st["tokens"] for s, st in self.seqs.items()},
             seq_blocks={s: sum(n for _, n in st["slabs"]) for s, st in self.seqs.items()},
-            capacity_slots=cap, free_slots=cap - held,
-            fragmentation=(cap - held) / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.slot_bytes, shared_blocks=None,
-            token_states=held, reservation=reservation,
-            internal_fragmentation=cap - held - reservation,
-            external_fragmentation=high - cap, free=self.capacity - high,
-            token_capacity=self.capacity, slot_usage=held / self.capacity if self.capacity else 0.0)
+            capacity_slots=cap, token_states=held, reservation=reservation,
+            high_water=max((start + size for start, size, _ in self.starts), default=0))
 
     def gather(self, seq) -> np.ndarray:
         if self.arena is None:

@@ -19,6 +19,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.prefix_keys import block_keys, hit_plan, tagged_extra
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
     BlockState,
@@ -691,7 +692,7 @@ class NumpyPaged(Backend):
             for table in self.tables:
                 tails = table[rows, self.nblocks[rows] - 1]
                 private = (self.refcount[tails] == 1) & (tails >= 0)
-                reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
+                reserve = F.tail_reservation(B - self.fill[tails], self.final[rows] - self.tokens[rows])
                 res += np.where(private, reserve, 0)
             self.res_total += int(res.sum() - self.res_row[rows].sum())
             self.res_row[rows] = res
@@ -700,59 +701,44 @@ class NumpyPaged(Backend):
     def ledger(self, seqs=None) -> Ledger:
         """The ledger from the counters kept as blocks change hands; ``seqs``: the per-sequence
         figures of these sequences only (None: every live one)."""
-        B, N = self.B, self.config.num_blocks
-        n_used = self.n_used
-        cap = n_used * B
-        free_slots = cap - self.filled
-        reservation = self._reservation()
         if seqs is None:
             rows = np.flatnonzero(self.live)
         else:
             rows = np.array([self.row_of[s] for s in seqs if s in self.row_of], dtype=np.int64)
         ids = self.seq_of_row[rows].tolist()
-        token_states = self.filled
-        return Ledger(
-            blocks_used=n_used, blocks_free=self.n_free,
-            tokens=dict(zip(ids, self.tokens[rows].tolist())),
-            seq_blocks=dict(zip(ids, self._held(rows).tolist())),
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=n_used * B * self.config.model.slot_bytes,
-            shared_blocks=self.n_shared,
-            token_states=token_states, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=self.n_free * B, cached_blocks=len(self.evictable),
-            prefix_hit_blocks=self.hit_blocks,
-            group_blocks=tuple(self.group_used.tolist()) if self.G > 1 else (),
-            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
-            slot_usage=token_states / (N * B) if N else 0.0)
+        return self._ledger(
+            blocks_used=self.n_used, tokens=dict(zip(ids, self.tokens[rows].tolist())),
+            seq_blocks=dict(zip(ids, self._held(rows).tolist())), token_states=self.filled,
+            reservation=self._reservation(), shared_blocks=self.n_shared,
+            group_blocks=tuple(self.group_used.tolist()))
+
+    def block_bytes(self) -> int:
+        return self.B * self.config.model.slot_bytes
+
+    def _ledger(self, **facts) -> Ledger:
+        return Ledger.paged(num_blocks=self.config.num_blocks, block_size=self.B,
+                            block_bytes=self.block_bytes(),
+                            blocks_free=self.n_free, cached_blocks=len(self.evictable),
+                            prefix_hit_blocks=self.hit_blocks, **facts)
 
     def scanned_ledger(self) -> Ledger:
         """The same figures recounted from the arrays (O(pool)): what the counters must equal."""
-        B, N = self.B, self.config.num_blocks
+        B = self.B
         used = self.refcount > 0
         n_used = int(used.sum())
-        cap = n_used * B
-        free_slots = int((B - self.fill[used]).sum())
         rows = np.flatnonzero(self.live)
         reservation = 0
         for table in self.tables:
             tails = table[rows, self.nblocks[rows] - 1]
             private = (self.refcount[tails] == 1) & (tails >= 0)
-            reserve = np.minimum(B - self.fill[tails], np.maximum(0, self.final[rows] - self.tokens[rows]))
+            reserve = F.tail_reservation(B - self.fill[tails], self.final[rows] - self.tokens[rows])
             reservation += int(reserve[private].sum())
         led = NumpyPaged.ledger(self)
-        led.blocks_used, led.capacity_slots, led.free_slots = n_used, cap, free_slots
-        led.fragmentation = free_slots / cap if cap else 0.0
-        led.bytes_in_use = n_used * B * self.config.model.slot_bytes
-        led.shared_blocks = int((self.refcount > 1).sum())
-        led.token_states, led.reservation = cap - free_slots, reservation
-        led.internal_fragmentation = free_slots - reservation
-        led.group_blocks = tuple(np.bincount(self.block_group[used], minlength=self.G).tolist()) \
-            if self.G > 1 else ()
-        led.block_usage = n_used / N if N else 0.0
-        led.slot_usage = (cap - free_slots) / (N * B) if N else 0.0
-        return led
+        return self._ledger(
+            blocks_used=n_used, tokens=led.tokens, seq_blocks=led.seq_blocks,
+            token_states=int(self.fill[used].sum()), reservation=reservation,
+            shared_blocks=int((self.refcount > 1).sum()),
+            group_blocks=tuple(np.bincount(self.block_group[used], minlength=self.G).tolist()))
 
     def block_state(self, seqs=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs

@@ -13,7 +13,6 @@ import numpy as np
 from impls import quant_numpy
 from impls.numpy_paged import NumpyPaged, lazy_zeros
 from kvbench import quant as Q
-from kvbench.contract.protocol import Ledger
 from kvbench.quant.pool import scheme_of
 
 
@@ -98,7 +97,3 @@ class NumpyQuantPaged(NumpyPaged):
             self.meta_count * self.rows_per_slot * np.dtype(np.float32).itemsize
         return self.B * row
 
-    def ledger(self, seqs=None) -> Ledger:
-        led = super().ledger(seqs)
-        led.bytes_in_use = led.blocks_used * self.block_bytes()
-        return led

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
     BlockState,
@@ -214,27 +215,18 @@ class ObjectModel(Backend):
     def ledger(self) -> Ledger:
         B = self.block_size
         used = [b for b in self.blocks if b.ref_count > 0]
-        cap = len(used) * B
-        free_slots = sum(b.free_slots for b in used)
         reservation = 0
         for seq in self.sequences.values():
             tail = seq.block_table[-1] if seq.block_table else None
             if tail is not None and tail.ref_count == 1:
-                reservation += min(tail.free_slots, max(0, seq.final_tokens - seq.num_tokens))
-        n_free = len(self.free_blocks)
-        N = len(self.blocks)
-        return Ledger(
-            blocks_used=len(used), blocks_free=n_free,
+                reservation += F.tail_reservation(tail.free_slots, seq.final_tokens - seq.num_tokens)
+        return Ledger.paged(
+            num_blocks=len(self.blocks), block_size=B, block_bytes=B * self.config.model.bytes_per_token,
+            blocks_used=len(used), blocks_free=len(self.free_blocks),
             tokens={s: q.num_tokens for s, q in self.sequences.items()},
             seq_blocks={s: len(q.block_table) for s, q in self.sequences.items()},
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.bytes_per_token,
-            shared_blocks=sum(1 for b in used if b.ref_count > 1),
-            token_states=cap - free_slots, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=n_free * B, token_capacity=N * B, block_usage=len(used) / N if N else 0.0,
-            slot_usage=(cap - free_slots) / (N * B) if N else 0.0)
+            token_states=sum(B - b.free_slots for b in used), reservation=reservation,
+            shared_blocks=sum(1 for b in used if b.ref_count > 1))
 
     def block_state(self, seqs=None) -> BlockState:
         return BlockState(free=[b.block_id for b in reversed(self.free_blocks)], cached=[],

@@ -23,6 +23,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.prefix_keys import block_keys, hit_plan, tagged_extra
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
     BlockState,
@@ -604,7 +605,7 @@ class TorchPaged(Backend):
         for table in self.tables:
             tails = table[rows, self.nblocks[rows] - 1]
             private = (self.refcount[tails] == 1) & (tails >= 0)
-            reserve = torch.minimum(B - self.fill[tails], (self.final[rows] - self.tokens[rows]).clamp(min=0))
+            reserve = F.tail_reservation(B - self.fill[tails], self.final[rows] - self.tokens[rows])
             head.append((reserve * private).sum())
         per_group = [torch.bincount(self.block_group[used], minlength=self.G)] if self.G > 1 else []
         # One read-back for the whole ledger.
@@ -615,22 +616,13 @@ class TorchPaged(Backend):
         group_blocks = tuple(vals[k:k + self.G]) if self.G > 1 else ()
         k += len(group_blocks)
         seqs = self.seq_of_row[rows_h].tolist()
-        cap = n_used * B
-        token_states = cap - free_slots
-        return Ledger(
-            blocks_used=n_used, blocks_free=self.n_free,
-            tokens=dict(zip(seqs, vals[k:])),
+        return Ledger.paged(
+            num_blocks=N, block_size=B, block_bytes=B * self.config.model.slot_bytes,
+            blocks_used=n_used, blocks_free=self.n_free, tokens=dict(zip(seqs, vals[k:])),
             seq_blocks=dict(zip(seqs, self._held(rows_h).tolist())),
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=n_used * B * self.config.model.slot_bytes,
-            shared_blocks=shared,
-            token_states=token_states, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=self.n_free * B, cached_blocks=len(self.evictable),
-            prefix_hit_blocks=self.hit_blocks, group_blocks=group_blocks,
-            token_capacity=N * B, block_usage=n_used / N if N else 0.0,
-            slot_usage=token_states / (N * B) if N else 0.0)
+            token_states=n_used * B - free_slots, reservation=reservation, shared_blocks=shared,
+            cached_blocks=len(self.evictable), prefix_hit_blocks=self.hit_blocks,
+            group_blocks=group_blocks)
 
     def block_state(self, seqs=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs

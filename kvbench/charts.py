@@ -5,11 +5,10 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.outputs import save_figure
 
-CATEGORY_LABELS = {"token_states": "token states", "reservation": "reservation",
-                   "internal_fragmentation": "internal fragmentation",
-                   "external_fragmentation": "external fragmentation", "free": "free"}
+CATEGORY_LABELS = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
 CATEGORY_COLORS = {"token_states": "#4c72b0", "reservation": "#dd8452",
                    "internal_fragmentation": "#c44e52", "external_fragmentation": "#8172b3",
                    "free": "#cccccc"}

@@ -42,6 +42,7 @@ import functools
 import itertools
 import types
 
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 NOT_INSTALLED = "sglang is not installed: see README's opt-in recipe"
@@ -343,22 +344,16 @@ class SglangRadix(Backend):
         for s, r in self.reqs.items():
             n = len(r.kv)
             if n % P and holders[self.table(s)[-1]] == 1:
-                reservation += min(P - n % P, max(0, r.final - n))
-        used = len(fill)
-        cap = used * P
-        free_slots = sum(P - f for f in fill.values())
+                reservation += F.tail_reservation(P - n % P, r.final - n)
         f = self.figures()
         free_pages = (f["available"] + f["evictable"]) // P
-        return Ledger(
-            blocks_used=used, blocks_free=free_pages, tokens=tokens, seq_blocks=seq_blocks,
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.bytes_per_token,
+        return Ledger.paged(
+            num_blocks=self.config.num_blocks, block_size=P,
+            block_bytes=P * self.config.model.bytes_per_token,
+            blocks_used=len(fill), blocks_free=free_pages, tokens=tokens, seq_blocks=seq_blocks,
+            token_states=sum(fill.values()), reservation=reservation,
             shared_blocks=sum(1 for h in holders.values() if h > 1),
-            token_states=cap - free_slots, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=free_pages * P, cached_blocks=f["evictable"] // P,
-            prefix_hit_blocks=self.hit_blocks)
+            cached_blocks=f["evictable"] // P, prefix_hit_blocks=self.hit_blocks, self_report={})
 
 
 class SglangRadixLFU(SglangRadix):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import types
 
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
     CacheConfig,
@@ -201,24 +202,17 @@ class VllmBlockPool(Backend):
             for i, blk in enumerate(table):
                 fill[blk.block_id] = min(B, self.tokens[s] - i * B)
         used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
-        cap = len(used) * B
-        free_slots = sum(B - fill.get(b.block_id, 0) for b in used)
         reservation = 0
         for s, table in self.tables.items():
             if table and table[-1].ref_cnt == 1:
-                reservation += min((-self.tokens[s]) % B, max(0, self.final[s] - self.tokens[s]))
-        n_free = self.pool.get_num_free_blocks()
-        return Ledger(
-            blocks_used=len(used), blocks_free=n_free,
-            tokens=dict(self.tokens),
-            seq_blocks={s: len(t) for s, t in self.tables.items()},
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.bytes_per_token,
+                reservation += F.tail_reservation((-self.tokens[s]) % B, self.final[s] - self.tokens[s])
+        return Ledger.paged(
+            num_blocks=self.config.num_blocks, block_size=B,
+            block_bytes=B * self.config.model.bytes_per_token,
+            blocks_used=len(used), blocks_free=self.pool.get_num_free_blocks(),
+            tokens=dict(self.tokens), seq_blocks={s: len(t) for s, t in self.tables.items()},
+            token_states=sum(fill.get(b.block_id, 0) for b in used), reservation=reservation,
             shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
-            token_states=cap - free_slots, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=n_free * B,
             cached_blocks=sum(1 for b in self.pool.blocks
                               if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
-            prefix_hit_blocks=self.hit_blocks)
+            prefix_hit_blocks=self.hit_blocks, self_report={})

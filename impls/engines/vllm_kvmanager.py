@@ -45,6 +45,7 @@ import itertools
 import types
 
 from impls.engines.vllm_blockpool import importable
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
@@ -306,25 +307,18 @@ class VllmKVManager(Backend):
                         held.add(blk.block_id)
                         seq_blocks[s] += 1
                 if table and not table[-1].is_null and table[-1].ref_cnt == 1:
-                    reservation += min((-n) % B, max(0, self.final[s] - n))
+                    reservation += F.tail_reservation((-n) % B, self.final[s] - n)
         used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
-        cap = len(used) * B
-        free_slots = sum(B - fill.get(b.block_id, 0) for b in used)
-        n_free = self.pool.get_num_free_blocks()
-        return Ledger(
-            blocks_used=len(used), blocks_free=n_free, tokens=tokens, seq_blocks=seq_blocks,
-            capacity_slots=cap, free_slots=free_slots,
-            fragmentation=free_slots / cap if cap else 0.0,
-            bytes_in_use=cap * self.config.model.slot_bytes,  # B * slot bytes per block
-            shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
-            token_states=cap - free_slots, reservation=reservation,
-            internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-            free=n_free * B,
+        return Ledger.paged(
+            num_blocks=self.config.num_blocks, block_size=B,
+            block_bytes=B * self.config.model.slot_bytes,
+            blocks_used=len(used), blocks_free=self.pool.get_num_free_blocks(), tokens=tokens,
+            seq_blocks=seq_blocks, token_states=sum(fill.get(b.block_id, 0) for b in used),
+            reservation=reservation, shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
             cached_blocks=sum(1 for b in self.pool.blocks
                               if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
-            prefix_hit_blocks=self.hit_blocks,
-            group_blocks=tuple(len(g) for g in per_group) if len(per_group) > 1 else (),
-            block_usage=self.manager.usage)  # vLLM's own figure (its logged KV cache usage)
+            prefix_hit_blocks=self.hit_blocks, group_blocks=tuple(len(g) for g in per_group),
+            self_report={"block_usage": self.manager.usage})  # vLLM's own (logged) usage figure
 
     def cached_order(self) -> list:
         """vLLM's eviction order: the cached blocks of its free queue, the next one evicted first,

@@ -39,6 +39,7 @@ from kvbench.charts import finish
 from kvbench.checking.checker import Verdict, check
 from kvbench.checking.oracle import Oracle
 from kvbench.contract.formulas import blocks_needed, jain_index
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
 
@@ -182,8 +183,7 @@ def _budget(verdict: Verdict) -> int:
                          f"({verdict.not_applicable or 'not run'})")
     if layout_of(verdict) == "paged":
         return led["blocks_used"] + led["blocks_free"]
-    return sum(led[k] for k in ("token_states", "reservation", "internal_fragmentation",
-                                "external_fragmentation", "free"))
+    return sum(led[k] for k in MEMORY_CATEGORIES)
 
 
 def _weights(trace: Trace) -> dict:

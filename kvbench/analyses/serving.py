@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.contract import registry
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import (
     Backend,
     CacheConfig,
@@ -57,8 +58,7 @@ from kvbench.traces.loaders import Request, split_block_hashes
 SIM_VERSION = 1
 STEP_SECONDS = 0.05
 DEFAULT_MAX_BATCH = 256  # vLLM's default max_num_seqs
-CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation",
-              "free")
+CATEGORIES = MEMORY_CATEGORIES
 
 
 @dataclass

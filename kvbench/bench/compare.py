@@ -32,6 +32,7 @@ import pandas as pd
 
 from kvbench.bench import records
 from kvbench.charts import CATEGORY_COLORS
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.outputs import check_writable, save_figure, staged
 
 # What identifies a row across records (whichever a record has); the device is left out on purpose.
@@ -45,11 +46,9 @@ DEFAULT_METRICS = {
                   "fraction_of_copy", "pool_bytes"],
     "sweep": ["status", "peak_blocks", "mean_fragmentation", "evictions", "recomputed_tokens",
               "hit_rate", "backend_ms", "ops_per_s"],
-    "serve": ["token_states", "reservation", "internal_fragmentation", "external_fragmentation",
-              "preemptions", "ops_per_s"],
+    "serve": [*(c for c in MEMORY_CATEGORIES if c != "free"), "preemptions", "ops_per_s"],
 }
-BREAKDOWN = ["token_states", "reservation", "internal_fragmentation", "external_fragmentation",
-             "free"]
+BREAKDOWN = list(MEMORY_CATEGORIES)
 BREAKDOWN_COLORS = [CATEGORY_COLORS[c] for c in BREAKDOWN]  # the same colours as every chart
 
 

@@ -40,19 +40,12 @@ from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
-from kvbench.contract.protocol import (
-    LEDGER_FIELDS,
-    REPORTED_FIELDS,
-    Backend,
-    OutOfMemory,
-    kv_tokens,
-    ledger_of,
-)
+from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
+from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
-BLOCK_FIELDS = ("blocks_used", "blocks_free", "shared_blocks", "group_blocks", "block_usage")
-PER_SEQUENCE = ("tokens", "seq_blocks")  # the ledger's per-sequence dicts
+BLOCK_FIELDS = named(blocks=True)  # compared only for a paged layout
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
 
 
@@ -474,14 +467,15 @@ class _Replay:
             self.diverge(*why)
         for f in self.fields:
             e, a = getattr(expected, f), getattr(actual, f)
-            if f in REPORTED_FIELDS and a is None:
+            q = QUANTITIES[f]
+            if q.optional and a is None:
                 self.unreported.add(f)
                 continue
-            if f in ("fragmentation", "block_usage", "slot_usage"):
-                if abs(e - a) > 1e-12:
+            if q.tolerance:
+                if abs(e - a) > q.tolerance:
                     self.diverge(f, e, a)
                 continue
-            if seqs is not None and f in PER_SEQUENCE:
+            if seqs is not None and q.per_sequence:
                 e = {s: e[s] for s in seqs if s in e}
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
@@ -538,6 +532,6 @@ class _Replay:
             except (BackendRaised, OutOfMemory):
                 pass
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
-                                if k not in ("tokens", "seq_blocks")}
+                                if not QUANTITIES[k].per_sequence}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"

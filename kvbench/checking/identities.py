@@ -8,14 +8,15 @@ explanation of a hit across salts (SPEC §9), which names both requests.
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.contract.ledger import named
 from kvbench.contract.protocol import BlockState, CacheConfig, Ledger
 
-COUNT_FIELDS = ("blocks_used", "blocks_free", "capacity_slots", "free_slots", "bytes_in_use",
-                "shared_blocks", "token_states", "reservation", "internal_fragmentation",
-                "external_fragmentation", "free", "cached_blocks", "prefix_hit_blocks")
+COUNT_FIELDS = named(count=True)  # never negative: numbers, each entry of a dict or a tuple
 
 
 class Figures:
@@ -82,16 +83,9 @@ def _extra_text(extra) -> str:
 def ledger_identities(led: Ledger, config: CacheConfig, paged: bool):
     """used + free = total; no count negative; cached blocks on the free side once; the
     per-group blocks add up; token capacity and the two usages from the same counts."""
-    for f in COUNT_FIELDS:
-        v = getattr(led, f)
-        if v is not None and v < 0:
-            return f, ">= 0", v, "no count is ever negative"
-    for f in ("tokens", "seq_blocks"):
-        bad = next(((s, v) for s, v in getattr(led, f).items() if v < 0), None)
-        if bad:
-            return f"{f} of sequence {bad[0]}", ">= 0", bad[1], "no count is ever negative"
-    if any(v < 0 for v in led.group_blocks):
-        return "group_blocks", ">= 0 each", led.group_blocks, "no count is ever negative"
+    why = _negative_count(led)
+    if why is not None:
+        return why
     N, B = config.num_blocks, config.block_size
     if paged:
         if led.blocks_used + led.blocks_free != N:
@@ -113,6 +107,23 @@ def ledger_identities(led: Ledger, config: CacheConfig, paged: bool):
     if led.slot_usage is not None and not _close(led.slot_usage, led.token_states / slots if slots else 0.0):
         return ("slot_usage", led.token_states / slots if slots else 0.0, led.slot_usage,
                 "token_states / (num_blocks * block_size): usage by slots, beside usage by blocks")
+    return None
+
+
+def _negative_count(led: Ledger):
+    """The first count below 0: numbers first, then per-sequence entries, then tuple entries."""
+    values = [(f, getattr(led, f)) for f in COUNT_FIELDS]
+    for f, v in values:
+        if isinstance(v, numbers.Real) and v < 0:
+            return f, ">= 0", v, "no count is ever negative"
+    for f, v in values:
+        if isinstance(v, dict):
+            bad = next(((s, n) for s, n in v.items() if n < 0), None)
+            if bad:
+                return f"{f} of sequence {bad[0]}", ">= 0", bad[1], "no count is ever negative"
+    for f, v in values:
+        if isinstance(v, tuple) and any(n < 0 for n in v):
+            return f, ">= 0 each", v, "no count is ever negative"
     return None
 
 

@@ -676,7 +676,7 @@ class Oracle:
             if table and table[-1] is not None:
                 ref, fill = self.blocks[table[-1]]
                 if ref == 1:
-                    res += min(B - fill, max(0, st.final - st.tokens))
+                    res += F.tail_reservation(B - fill, st.final - st.tokens)
         return res
 
     def _settle(self) -> None:
@@ -712,45 +712,26 @@ class Oracle:
         tokens = {s: self.seqs[s].tokens for s in live}
         if self.layout == "paged":
             self._settle()
-            cap = len(self.blocks) * B
-            token_states = self.filled
-            free_slots = cap - token_states
-            reservation = self._res_total
-            per_group = self.group_used
-            return Ledger(
+            return Ledger.paged(
+                num_blocks=N, block_size=B, block_bytes=self.block_bytes,
                 blocks_used=len(self.blocks), blocks_free=self.blocks_free, tokens=tokens,
-                seq_blocks={s: self._per_seq[s][1] for s in live},
-                capacity_slots=cap, free_slots=free_slots,
-                fragmentation=F.fragmentation(free_slots, cap),
-                bytes_in_use=len(self.blocks) * self.block_bytes,
-                shared_blocks=self.shared,
-                token_states=token_states, reservation=reservation,
-                internal_fragmentation=free_slots - reservation, external_fragmentation=0,
-                free=self.blocks_free * B, cached_blocks=len(self.evictable),
-                prefix_hit_blocks=self.hit_blocks,
-                group_blocks=tuple(per_group) if len(per_group) > 1 else (),
-                token_capacity=N * B, block_usage=len(self.blocks) / N if N else 0.0,
-                slot_usage=token_states / (N * B) if N else 0.0)
+                seq_blocks={s: self._per_seq[s][1] for s in live}, token_states=self.filled,
+                reservation=self._res_total, shared_blocks=self.shared,
+                cached_blocks=len(self.evictable), prefix_hit_blocks=self.hit_blocks,
+                group_blocks=self.group_used)
         slabs = sorted(slab for st in self.seqs.values() for slab in st.slabs)
-        cap = sum(size for _, size in slabs)
         token_states = reservation = 0
         for st in self.seqs.values():
             for (_, size), w in zip(st.slabs, self.windows):
                 held = st.tokens if w is None else min(st.tokens, size)
                 token_states += held
-                reservation += min(size, st.final) - held
-        high = max((start + size for start, size in slabs), default=0)
-        arena = self.config.arena_slots
-        return Ledger(
-            blocks_used=None, blocks_free=None, tokens=tokens,
-            seq_blocks={s: sum(size for _, size in self.seqs[s].slabs) for s in live},
-            capacity_slots=cap, free_slots=cap - token_states,
-            fragmentation=F.fragmentation(cap - token_states, cap),
-            bytes_in_use=cap * self.config.model.slot_bytes, shared_blocks=None,
-            token_states=token_states, reservation=reservation,
-            internal_fragmentation=cap - token_states - reservation,
-            external_fragmentation=high - cap, free=arena - high,
-            token_capacity=arena, slot_usage=token_states / arena if arena else 0.0)
+                reservation += F.slab_reservation(size, st.final, held)
+        return Ledger.contiguous(
+            arena_slots=self.config.arena_slots, slot_bytes=self.config.model.slot_bytes,
+            tokens=tokens, seq_blocks={s: sum(size for _, size in self.seqs[s].slabs) for s in live},
+            capacity_slots=sum(size for _, size in slabs), token_states=token_states,
+            reservation=reservation,
+            high_water=max((start + size for start, size in slabs), default=0))
 
     def expected_content(self, seq) -> list:
         """[(writer, start, count)] segments whose K/V the sequence must read back."""

@@ -16,12 +16,13 @@ import re
 from kvbench.checking.checker import check
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence
 from kvbench.contract.formulas import PRESETS, with_group_kinds
+from kvbench.contract.ledger import where
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Trace
 
 # Ledger figures the pytest comments show, by layout (contiguous backends have no blocks).
-PAGED_FIGURES = ("blocks_used", "blocks_free", "shared_blocks", "tokens")
-CONTIGUOUS_FIGURES = ("token_states", "reservation", "external_fragmentation", "free", "tokens")
+PAGED_FIGURES = where(lambda q: "paged" in q.shown)
+CONTIGUOUS_FIGURES = where(lambda q: "contiguous" in q.shown)
 
 
 def divergence_kind(d: Divergence) -> str:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-FIELDS = ("blocks_used", "fragmentation", "token_states", "reservation", "internal_fragmentation",
-          "external_fragmentation", "free")
+from kvbench.contract.ledger import QUANTITIES, where
+
+FIELDS = where(lambda q: q.series)  # the ledger fields kept after every operation
+MEANS = where(lambda q: q.series == "mean")  # ... that a record gives as their mean
 _ABSENT = -1  # blocks_used of a layout without blocks; usage of a tenant with no live sequence
 
 
@@ -16,7 +18,7 @@ class Series:
     def __init__(self, capacity: int = 1024):
         self.n = 0
         self.cols = {"step": np.zeros(capacity, np.int64),
-                     **{f: np.zeros(capacity, np.float64 if f == "fragmentation" else np.int64)
+                     **{f: np.zeros(capacity, np.float64 if QUANTITIES[f].tolerance else np.int64)
                         for f in FIELDS}}
         self.tenants: list = []
         self.tenant_index: dict = {}
@@ -65,7 +67,7 @@ class Series:
         row = {"step": int(self.cols["step"][i])}
         for f in FIELDS:
             v = self.cols[f][i]
-            row[f] = float(v) if f == "fragmentation" else (None if v == _ABSENT else int(v))
+            row[f] = float(v) if QUANTITIES[f].tolerance else (None if v == _ABSENT else int(v))
         row["usage"] = {t: int(u) for t, u in zip(self.tenants, self.usage[i].tolist()) if u != _ABSENT}
         return row
 

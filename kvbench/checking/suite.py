@@ -6,6 +6,7 @@ from pathlib import Path
 
 from kvbench.analyses import eviction
 from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
+from kvbench.checking.series import MEANS
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
@@ -123,9 +124,7 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
                 unavailable: str = "") -> dict:
     series = v.series
     hashed = hashed_blocks(trace)
-    mean = {k: float(series.column(k).mean()) for k in
-            ("fragmentation", "token_states", "reservation", "internal_fragmentation",
-             "external_fragmentation", "free")} if series else {}
+    mean = {k: float(series.column(k).mean()) for k in MEANS} if series else {}
     row = {
         "workload": trace.name, "family": trace.header.family, "backend": backend_name,
         "policy": config.policy or "-", "device": config.device, "model": config.model.name,

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class KVGroup:
@@ -210,6 +212,23 @@ def fragmentation(free_slots: int, capacity_slots: int) -> float:
     if capacity_slots == 0:
         return 0.0
     return free_slots / capacity_slots
+
+
+def tail_reservation(tail_free, remaining):
+    """Slots of a sequence's private tail block that its later tokens will fill:
+    ``min(free slots of the tail, max(0, final_tokens - tokens))``. Python ints, NumPy arrays or
+    torch tensors (on their own device) alike, so that every backend states it once."""
+    if isinstance(tail_free, int) and isinstance(remaining, int):
+        return min(tail_free, max(0, remaining))
+    if hasattr(remaining, "clamp"):  # a torch tensor
+        return remaining.clamp(min=0).minimum(tail_free)
+    return np.minimum(tail_free, np.maximum(remaining, 0))
+
+
+def slab_reservation(slab_slots: int, final_tokens: int, held_tokens: int) -> int:
+    """Slots of a contiguous slab that later tokens of its sequence will fill: up to the slab's
+    end or the sequence's final length, whichever comes first."""
+    return min(slab_slots, final_tokens) - held_tokens
 
 
 def sharing_saving(prefix_tokens: int, branches: int, model: ModelSpec, block_size: int) -> int:

@@ -12,11 +12,12 @@ import functools
 import inspect
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbench.contract.formulas import ModelSpec, get_model
+from kvbench.contract.ledger import LEDGER_FIELDS, REPORTED_FIELDS, Ledger
 
 
 class OutOfMemory(RuntimeError):
@@ -108,48 +109,6 @@ class Capabilities:
         if self.window_release not in WINDOW_RELEASE_RULES:
             raise ValueError(f"window_release must be one of {WINDOW_RELEASE_RULES}, "
                              f"got {self.window_release!r}")
-
-
-@dataclass
-class Ledger:
-    """A backend's own account of its memory after an operation.
-
-    Slot counts are token slots. The five memory categories add up to the whole budget:
-    token_states + reservation + internal_fragmentation + external_fragmentation + free.
-    """
-
-    blocks_used: int | None  # None where the layout has no blocks (contiguous)
-    blocks_free: int | None
-    tokens: dict  # live sequence -> tokens
-    seq_blocks: dict  # live sequence -> blocks in its table (contiguous: slots in its slab)
-    capacity_slots: int  # slots of the blocks (slabs) in use, each physical one counted once
-    free_slots: int  # of those, slots not holding a token
-    fragmentation: float
-    bytes_in_use: int
-    shared_blocks: int | None
-    token_states: int
-    reservation: int
-    internal_fragmentation: int
-    external_fragmentation: int
-    free: int
-    cached_blocks: int = 0  # free blocks that still hold a cached prefix (counted in free)
-    prefix_hit_blocks: int = 0  # prompt blocks found in the prefix cache so far (every group)
-    # SPEC §8: blocks in use per KV cache group (empty for a model of one group).
-    group_blocks: tuple = ()
-    # SPEC §10, figures a backend reports about itself (None: not reported, not checked):
-    # token slots one group can address (num_blocks * block_size), and usage by blocks
-    # (blocks_used / num_blocks) and by slots (token_states / (num_blocks * block_size)).
-    token_capacity: int | None = None
-    block_usage: float | None = None
-    slot_usage: float | None = None
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-LEDGER_FIELDS = tuple(f.name for f in fields(Ledger))
-# The figures of SPEC §10 a backend may leave out: compared only when reported.
-REPORTED_FIELDS = ("token_capacity", "block_usage", "slot_usage")
 
 
 @dataclass
