@@ -62,3 +62,25 @@ def default_sigint() -> None:
     """A ``preexec_fn`` for a child the test interrupts: a child of a process that ignores SIGINT
     (a background job, nohup) inherits that, and Python then never raises KeyboardInterrupt."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def backends(*tags: str, where=None, without=("engine",)) -> list:
+    """Registered backends carrying every one of ``tags`` and none of ``without`` (the engines
+    run in their own opt-in environments), whose capabilities pass ``where`` — each test's list
+    of backends derived from the registry, so that a backend added there is tested."""
+    from kvbench.contract import registry
+    out = []
+    for name in registry.tagged(*tags):
+        entry = registry.resolve(name)
+        if entry.tags & set(without):
+            continue
+        if where is not None:
+            try:
+                caps = entry.load().capabilities
+            except Exception:  # an optional dependency missing: listed, then skipped where it runs
+                out.append(name)
+                continue
+            if not where(caps):
+                continue
+        out.append(name)
+    return out

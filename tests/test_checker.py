@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import A, K, P, X, make_config, make_trace
+from conftest import A, K, P, X, backends, make_config, make_trace
 
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
@@ -12,8 +12,7 @@ from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
 
-OBJECTS = "impls.object_model:ObjectModel"  # ad hoc: registered nowhere by default
-BACKENDS = ["numpy", "contiguous-max", "contiguous-pow2", "contiguous-oracle", OBJECTS]
+BACKENDS = backends()  # every registered backend but the engines
 POLICIES = [None, "lru", "lfu", "fair"]
 
 
@@ -59,7 +58,7 @@ def test_correct_backends_pass(backend, trace, policy):
     assert v.ops == len(trace) and v.divergence is None and v.status == "pass"
 
 
-@pytest.mark.parametrize("backend", ["numpy", OBJECTS])
+@pytest.mark.parametrize("backend", ["numpy", "python-objects"])
 def test_paged_oom_trace_counts_refusals(backend):
     v = check(OOM, create(backend, num_blocks=6))
     # 6 blocks: 0 holds 3 (40 tokens), 1 holds 2 (30): P(2, 40) needs 3 of 1 free (refused).
@@ -86,7 +85,7 @@ def test_gather_modes(gather):
 
 
 def test_skipped_checks_are_named():
-    assert check(FORK_COW, create(OBJECTS)).skipped == {"kv content": "backend holds no K/V"}
+    assert check(FORK_COW, create("python-objects")).skipped == {"kv content": "backend holds no K/V"}
     assert check(FORK_COW, create("numpy", store_kv=False)).skipped == {"kv content": "store_kv is off"}
     skipped = check(FORK_COW, create("contiguous-oracle")).skipped
     assert skipped == {"blocks": "contiguous layout has no blocks"}
@@ -161,7 +160,7 @@ def test_more_sequences_than_the_initial_rows():
 HUGE_ID = 2**62  # a legal trace id (any int >= 0), e.g. a hashed request id
 
 
-@pytest.mark.parametrize("backend", ["numpy", "contiguous-oracle", OBJECTS])
+@pytest.mark.parametrize("backend", ["numpy", "contiguous-oracle", "python-objects"])
 def test_large_sequence_ids(backend):
     trace = make_trace(P(HUGE_ID, 20), K(HUGE_ID + 1, HUGE_ID), A((HUGE_ID + 1, 1),), X(HUGE_ID),
                        name="huge-ids")

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import backends
 
 from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
@@ -34,7 +35,7 @@ from kvbench.traces.format import (
 
 HYBRID = F.get_model("tiny-hybrid")
 B, W = 16, 32
-PAGED = ["numpy", "numpy-int8", "torch"]
+PAGED = backends("paged", where=lambda caps: caps.groups)  # every pool that runs KV cache groups
 
 
 def config(num_blocks=64, **kw) -> CacheConfig:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
+from kvbench.contract import registry
 from kvbench.outputs import write_text
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
@@ -44,9 +45,8 @@ COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
 
 # Backends by their `kvbench list` names, and each one's name in the asv suite (common.BACKENDS),
 # where torch on the CPU and the per-object model have benchmark names of their own.
-GATED_BACKENDS = ["numpy", "torch", "python-objects", "contiguous-max", "contiguous-pow2",
-                  "contiguous-oracle"]
-ASV_NAMES = {"torch": "torch-cpu", "python-objects": "object"}
+GATED_BACKENDS = list(registry.tagged("gated"))
+ASV_NAMES = {e.name: e.asv_name for e in registry.BUILTIN if e.asv_name}
 LIST_NAMES = {v: k for k, v in ASV_NAMES.items()}
 GATED_QUANTIZERS = ["reference", "numpy", "torch-cpu"]
 REPLAY_QUANTITIES = ("peak_blocks", "peak_bytes", "final_fragmentation", "mean_fragmentation",

@@ -29,12 +29,31 @@ class BackendUnavailable(NotImplementedError):
     and the gates report such a case n/a, as they do a backend a commit lacks.)"""
 
 
+# What a backend is, for the lists that pick backends (the default run, the gates, the tests):
+TAGS = {
+    "default": "replayed by `kvbench run` with no --backend",
+    "paged": "a block pool (SPEC §2)",
+    "contiguous": "one slab per sequence (SPEC §3)",
+    "quantized": "stores quantized K/V (SPEC §4)",
+    "engine": "a real serving engine's own classes (an opt-in environment)",
+    "speed-reference": "the per-object model that speed ratios are taken against",
+    "gated": "its exact figures are CI's regression gates (results/gates/expected.json)",
+}
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     name: str
     target: str  # "package.module:Factory"
     origin: str = "built-in"
     overrides: dict = field(default_factory=dict)  # CacheConfig fields this entry fixes
+    tags: frozenset = frozenset()  # of TAGS
+    asv_name: str = ""  # its name in the asv suite, where that differs (kept for asv's history)
+
+    def __post_init__(self):
+        unknown = set(self.tags) - set(TAGS)
+        if unknown:
+            raise ValueError(f"backend {self.name}: unknown tags {sorted(unknown)} (known: {', '.join(TAGS)})")
 
     def load(self):
         module, _, attr = self.target.partition(":")
@@ -82,27 +101,40 @@ class BackendEntry:
         return backend
 
 
+def _builtin(name, target, *tags, asv_name="", **overrides) -> BackendEntry:
+    return BackendEntry(name, target, overrides=overrides, tags=frozenset(tags), asv_name=asv_name)
+
+
 BUILTIN = [
-    BackendEntry("numpy", "impls.numpy_paged:NumpyPaged"),
-    BackendEntry("torch", "impls.torch_paged:TorchPaged"),
-    BackendEntry("numpy-int8", "impls.numpy_quant_paged:NumpyQuantPaged", overrides={"kv_format": "int8"}),
-    BackendEntry("numpy-int4", "impls.numpy_quant_paged:NumpyQuantPaged", overrides={"kv_format": "int4"}),
-    BackendEntry("contiguous-max", "impls.contiguous:Contiguous", overrides={"reservation": "max"}),
-    BackendEntry("contiguous-pow2", "impls.contiguous:Contiguous", overrides={"reservation": "pow2"}),
-    BackendEntry("contiguous-oracle", "impls.contiguous:Contiguous",
-                 overrides={"reservation": "oracle"}),
-    BackendEntry("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool"),
-    BackendEntry("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager"),
-    BackendEntry("sglang-radix", "impls.engines.sglang_radix:SglangRadix"),
-    BackendEntry("sglang-radix-lfu", "impls.engines.sglang_radix:SglangRadixLFU"),
+    _builtin("numpy", "impls.numpy_paged:NumpyPaged", "default", "paged", "gated"),
+    _builtin("torch", "impls.torch_paged:TorchPaged", "default", "paged", "gated", asv_name="torch-cpu"),
+    # Both quantized pools: int4 packs two codes a byte and stores a zero point, int8 does neither.
+    _builtin("numpy-int8", "impls.numpy_quant_paged:NumpyQuantPaged", "default", "paged",
+             "quantized", kv_format="int8"),
+    _builtin("numpy-int4", "impls.numpy_quant_paged:NumpyQuantPaged", "default", "paged",
+             "quantized", kv_format="int4"),
+    *(_builtin(f"contiguous-{r}", "impls.contiguous:Contiguous", "default", "contiguous", "gated",
+               reservation=r) for r in ("max", "pow2", "oracle")),
+    _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
+    _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
+    _builtin("sglang-radix", "impls.engines.sglang_radix:SglangRadix", "engine", "paged"),
+    _builtin("sglang-radix-lfu", "impls.engines.sglang_radix:SglangRadixLFU", "engine", "paged"),
     # The straightforward per-object model: a reference for speed ratios, ledger only.
-    BackendEntry("python-objects", "impls.object_model:ObjectModel"),
+    _builtin("python-objects", "impls.object_model:ObjectModel", "paged", "speed-reference", "gated",
+             asv_name="object"),
 ]
 
-# What `kvbench run` replays by default: one of each design (both quantized pools: int4 packs two
-# codes a byte and stores a zero point, int8 does neither), plus torch where it can run.
-DEFAULT_BACKENDS = ("numpy", "torch", "numpy-int8", "numpy-int4", "contiguous-max",
-                    "contiguous-pow2", "contiguous-oracle")
+
+def tagged(*tags: str) -> tuple:
+    """The registered backends that carry every one of ``tags``, in registry order."""
+    unknown = set(tags) - set(TAGS)
+    if unknown:
+        raise ValueError(f"unknown tags {sorted(unknown)} (known: {', '.join(TAGS)})")
+    return tuple(n for n, e in entries().items() if set(tags) <= e.tags)
+
+
+# What `kvbench run` replays by default: one of each design, plus torch where it can run.
+DEFAULT_BACKENDS = tuple(e.name for e in BUILTIN if "default" in e.tags)
 
 
 def entries() -> dict[str, BackendEntry]:
