@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from kvbench.analyses import prefix
-from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.loaders import load_requests

@@ -31,7 +31,7 @@ POLICIES = ("lru", "lfu", "fair")
 class Contiguous(Backend):
     name = "contiguous"
     capabilities = Capabilities(layout="contiguous", holds_kv=True, fork=True, copy_on_write=False,
-                                eviction=POLICIES, devices=("cpu",), groups=True)
+                                eviction=POLICIES, groups=True)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)

@@ -49,7 +49,7 @@ def lazy_zeros(shape, dtype) -> np.ndarray:
 class NumpyPaged(Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=POLICIES, devices=("cpu",),
+                                prefix_caching=True, eviction=POLICIES,
                                 groups=True, cache_salt=True, block_ids=True)
 
     def __init__(self, config: CacheConfig):

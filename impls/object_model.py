@@ -55,7 +55,7 @@ class Sequence:
 class ObjectModel(Backend):
     name = "python-objects"
     capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                                eviction=POLICIES, devices=("cpu",))
+                                eviction=POLICIES)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)

@@ -66,10 +66,6 @@ def _dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _np_dtype(torch_dtype):
-    return {"float32": np.float32, "float64": np.float64}[str(torch_dtype).removeprefix("torch.")]
-
-
 def _group_view(t, lay: Q.Layout):
     """(rows, C) -> a view whose last axis is the elements of one group (scales broadcast)."""
     if lay.scheme.granularity == "group":

@@ -69,7 +69,7 @@ def resolve_device(torch, name: str):
 class TorchPaged(Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=POLICIES, devices=("cpu", "cuda"),
+                                prefix_caching=True, eviction=POLICIES,
                                 groups=True, cache_salt=True, block_ids=True)
 
     @classmethod

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.outputs import save_figure
+from kvbench.provenance import commit_info, machine_info
 
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
 CATEGORY_COLORS = {"token_states": "#4c72b0", "reservation": "#dd8452",
@@ -18,7 +19,6 @@ def provenance(rec: dict | None = None) -> str:
     """'commit abc12345 (dirty), host (cpu, 2 cpus), 2026-01-01 12:00 UTC' of a result record, or
     of this checkout and machine now."""
     if rec is None:
-        from kvbench.bench.records import commit_info, machine_info
         rec = {**commit_info(), "machine": machine_info(),
                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     m = rec.get("machine", {})

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from impls.faults import CATALOGUE  # noqa: E402
 from impls.faults_edges import EDGE_BUGS  # noqa: E402
-from kvbench.checking import suite  # noqa: E402
+from kvbench.analyses import suite  # noqa: E402
 from kvbench.cli.faults import catalogue  # noqa: E402
 
 EDGE_WORKLOADS = {"edge-refusals", "edge-eviction", "fork-wide", "long-history"}

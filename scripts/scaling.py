@@ -48,7 +48,7 @@ def child(mode: str, path: str) -> dict:
     """One measurement in this process: load the trace, replay it (backend) or check it."""
     t0 = time.perf_counter()
     from kvbench.bench.gates import bench_common
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     from kvbench.checking.checker import check
     from kvbench.contract import registry
     from kvbench.traces import format as T
@@ -133,7 +133,7 @@ def workloads(repeats: int, backend: str) -> list:
     import gc
 
     from kvbench.bench.gates import bench_common
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     from kvbench.checking.checker import check
     from kvbench.contract import registry
     common = bench_common()

@@ -25,12 +25,29 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-def imports_of(name: str, path: Path, known: set) -> set:
+def _is_main_guard(node) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+def _library_nodes(tree):
+    """Every node of the module but those under ``if __name__ == "__main__":``: a program's entry
+    point, run with ``python -m``, is no part of what importing the module imports."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if not _is_main_guard(c))
+
+
+def imports_of(name: str, path: Path, known: set, *, programs: bool = True) -> set:
     """The project modules ``name`` imports anywhere in its file (function bodies included: a
-    loop through a function-level import is a loop all the same)."""
+    loop through a function-level import is a loop all the same); ``programs=False``: leaving
+    out its ``__main__`` block."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in (ast.walk(tree) if programs else _library_nodes(tree)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -50,10 +67,31 @@ def imports_of(name: str, path: Path, known: set) -> set:
     return found
 
 
-def import_graph() -> dict[str, set]:
+def import_graph(*, programs: bool = True) -> dict[str, set]:
     mods = modules()
     known = set(mods)
-    return {name: imports_of(name, path, known) for name, path in mods.items()}
+    return {name: imports_of(name, path, known, programs=programs) for name, path in mods.items()}
+
+
+# kvbench's wings, bottom first: each imports only from the wings below it (and the shared
+# utilities: kvbench.outputs, kvbench.progress, kvbench.charts, which import only contract).
+LAYERS = ("contract", "traces", "quant", "checking", "analyses", "bench", "cli")
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "kvbench" and len(parts) > 2 else module
+
+
+def layer_violations(graph: dict) -> list[str]:
+    """Imports from a wing to a wing above it."""
+    out = []
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            a, b = wing(m), wing(d)
+            if a in LAYERS and b in LAYERS and LAYERS.index(b) > LAYERS.index(a):
+                out.append(f"{m} -> {d}")
+    return out
 
 
 def cycles(graph: dict) -> list[list]:
@@ -105,8 +143,30 @@ def test_the_cycle_finder_finds_a_planted_loop():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_layer_rule_finds_an_import_from_above():
+    # The two edges that made a loop of the wings, as they were.
+    graph = {"kvbench.checking.suite": {"kvbench.analyses.eviction"},
+             "kvbench.bench.gpu": {"kvbench.cli.options", "kvbench.checking.checker"},
+             "kvbench.cli.run": {"kvbench.analyses.suite"}}
+    assert layer_violations(graph) == ["kvbench.bench.gpu -> kvbench.cli.options",
+                                       "kvbench.checking.suite -> kvbench.analyses.eviction"]
+
+
+def test_wings_import_only_from_below():
+    graph = import_graph(programs=False)
+    assert graph["kvbench.cli.run"], "the import graph came out empty: the scan is broken"
+    assert layer_violations(graph) == []
+
+
+def test_shared_utilities_import_only_the_contract():
+    graph = import_graph(programs=False)
+    for util in ("kvbench.charts", "kvbench.outputs", "kvbench.progress"):
+        above = sorted(d for d in graph[util] if wing(d) in LAYERS[1:])
+        assert above == [], f"{util} imports {above}"
+
+
 def test_no_import_loops():
-    graph = import_graph()
+    graph = import_graph(programs=False)
     assert "kvbench.checking.checker" in graph and graph["kvbench.checking.checker"], \
         "the import graph came out empty: the scan is broken"
     assert cycles(graph) == []

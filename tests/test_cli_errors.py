@@ -209,7 +209,7 @@ def test_an_output_that_is_a_folder(tmp_path, capsys):
 def test_gates_use_the_names_of_kvbench_list(capsys):
     refused(["gates", "--backend", "torch-cpu", "--skip-ratios"], capsys,
             names="--backend torch-cpu: not a gated backend; gated (as `kvbench list` names them): "
-                  "numpy, torch, python-objects")
+                  "numpy, torch, contiguous-max")
 
 
 def test_gates_without_the_expected_file(tmp_path, capsys):

@@ -5,6 +5,7 @@ import pytest
 
 from kvbench.bench import compare as C
 from kvbench.bench import records
+from kvbench.cli import main as kvbench
 
 
 def run_row(backend, ops_per_s, tokens, device="cpu", series=True, workload="w", policy="-"):
@@ -105,8 +106,8 @@ def test_bad_input(tmp_path, two):
 
 
 def test_command(two, tmp_path, capsys):
-    assert C.main([str(two[0]), str(two[1]), "--out", str(tmp_path / "c"), "--csv",
-                   str(tmp_path / "t.csv")]) == 0
+    assert kvbench(["compare", str(two[0]), str(two[1]), "--out", str(tmp_path / "c"), "--csv",
+                    str(tmp_path / "t.csv")]) == 0
     out = capsys.readouterr().out
     assert "B/A" in out and "chart: " in out and (tmp_path / "t.csv").exists()
-    assert C.main([str(two[0])]) == 2
+    assert kvbench(["compare", str(two[0])]) == 2

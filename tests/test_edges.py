@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract import registry

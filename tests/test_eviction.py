@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.analyses import eviction as E
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import Verdict, check
 from kvbench.contract import registry
 from kvbench.contract.formulas import jain_index, next_pow2

@@ -7,7 +7,7 @@ import pytest
 
 from impls.faults import CATALOGUE
 from impls.faults_edges import EDGE_BUGS
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli import faults as cli
 from kvbench.cli import main

@@ -12,7 +12,7 @@ import pytest
 from impls.numpy_paged import NumpyPaged
 from kvbench.bench import gates as G
 from kvbench.bench import ratios as R
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.cli import gates as gates_cli
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace

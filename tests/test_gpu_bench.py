@@ -74,6 +74,6 @@ def test_cuda_on_a_machine_without_it_is_refused(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from kvbench.bench.gpu import main
+    from kvbench.cli.gpu import main
     assert main(["--device", "cuda", "--out", str(tmp_path), "--skip-check"]) == 2
     assert not list(tmp_path.iterdir())

@@ -452,7 +452,7 @@ def test_bad_group_kind_in_the_header():
 
 
 def test_header_groups_reshape_the_model():
-    from kvbench.checking.suite import config_for
+    from kvbench.analyses.suite import config_for
     t = trace(("p", 0, 4), groups=("sliding(8)", "full"))
     cfg = config_for(t, model="tiny")
     assert [g.kind for g in cfg.model.kv_groups] == ["sliding(8)", "full"]
@@ -489,7 +489,7 @@ def test_capacity_against_hand_arithmetic():
 
 
 def test_kvbench_run_prints_the_capacity_of_a_hybrid_model(tmp_path, capsys):
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     from kvbench.cli import main
     path = suite.WORKLOADS_DIR / "hybrid-windows.jsonl"
     assert main(["run", "--quiet", "--backend", "numpy", "--output", str(tmp_path / "r.json"),

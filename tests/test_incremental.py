@@ -151,7 +151,7 @@ class Recounted(NumpyPaged):
 
 
 def _committed_cases():
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     for path in suite.committed_workloads():
         trace = suite.load_traces([path])[0]
         for policy in suite.policies_for(trace, "auto"):
@@ -160,7 +160,7 @@ def _committed_cases():
 
 @pytest.mark.parametrize("trace,policy", list(_committed_cases()))
 def test_ledger_counters_equal_a_recount(trace, policy):
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     v = check(trace, Recounted(suite.config_for(trace, policy=policy)), gather="none")
     assert v.valid, str(v.divergence)
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from kvbench.checking.checker import check
-from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract import registry
 
 # A paged, ledger-only allocator with fork and copy-on-write, in one file.

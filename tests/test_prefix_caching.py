@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_config
 
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.contract import registry

@@ -20,7 +20,7 @@ from conftest import make_config
 
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
-from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.protocol import OutOfMemory
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import load_requests

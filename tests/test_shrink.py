@@ -16,7 +16,7 @@ from test_quant_pool import BytesWithoutMetadata, CowWithoutScales
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking import shrink as S
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.reproduce import divergence_kind

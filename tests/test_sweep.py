@@ -18,7 +18,7 @@ from conftest import A, P, X, default_sigint, make_trace
 from kvbench.bench import grid as grids
 from kvbench.bench import sweep, sweep_charts
 from kvbench.bench.store import Store
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.cli import main
 from kvbench.traces.format import save
 

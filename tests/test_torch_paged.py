@@ -25,7 +25,7 @@ from test_properties import SETTINGS, History  # noqa: E402
 
 from impls.numpy_paged import NumpyPaged  # noqa: E402
 from impls.torch_paged import TorchPaged  # noqa: E402
-from kvbench.checking import suite  # noqa: E402
+from kvbench.analyses import suite  # noqa: E402
 from kvbench.checking.checker import check  # noqa: E402
 from kvbench.contract.protocol import Backend, OutOfMemory, kv_values  # noqa: E402
 from kvbench.traces.format import load  # noqa: E402

@@ -11,7 +11,7 @@ from conftest import A, K, P, X, make_config, make_trace
 
 from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli import main
 

@@ -24,7 +24,7 @@ from conftest import make_config
 from impls.engines.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
-from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.protocol import OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import Request, load_requests

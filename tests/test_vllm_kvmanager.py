@@ -23,7 +23,7 @@ from conftest import make_config
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
-from kvbench.checking.suite import committed_workloads, config_for, load_traces
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig, OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate

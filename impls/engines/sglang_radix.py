@@ -49,7 +49,7 @@ NOT_INSTALLED = "sglang is not installed: see README's opt-in recipe"
 VERSION = "0.5.23"
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                            prefix_caching=True, eviction=(), devices=("cpu",),
+                            prefix_caching=True, eviction=(),
                             hit_leaves_last_token=True, caches_every_full_block=True)
 
 

@@ -74,7 +74,7 @@ def _block_hash(h) -> bytes:
 class VllmBlockPool(Backend):
     name = "vllm-blockpool"
     capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=(), devices=("cpu",))
+                                prefix_caching=True, eviction=())
     # No eviction policy: vLLM preempts requests in its scheduler, not in the block pool, so a
     # config with a policy is reported not applicable by the checker.
 

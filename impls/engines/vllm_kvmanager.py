@@ -52,7 +52,7 @@ MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
 FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                            prefix_caching=True, eviction=(), devices=("cpu",),
+                            prefix_caching=True, eviction=(),
                             hit_leaves_last_token=True, caches_every_full_block=True,
                             keeps_duplicate_blocks=True, groups=True,
                             window_release="next_allocation", cache_salt=True)

@@ -147,7 +147,7 @@ def belady_violations(trace: Trace, config: CacheConfig, runs: dict,
                       reference: Verdict | None = None) -> list[str]:
     """The checker-side bound: online hit rates above Belady's, where the theorem applies.
 
-    ``runs``: label -> a Verdict, or a row of :func:`kvbench.checking.suite.verdict_row` (with ``hits``
+    ``runs``: label -> a Verdict, or a row of :func:`kvbench.analyses.suite.verdict_row` (with ``hits``
     and ``misses``), of the paged layout under ``config``'s budget. Returns one message per
     violation; empty when the bound holds or does not apply (see :func:`unit_paging_reason`:
     then Belady is only a reference).
@@ -283,7 +283,7 @@ def tenant_table(trace: Trace, runs) -> pd.DataFrame:
     """Rows tenant x policy, for `kvbench run` to print on a tenant-mix trace.
 
     ``runs``: a dict ``{policy: Verdict}`` (series=True), or rows of
-    :func:`kvbench.checking.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
+    :func:`kvbench.analyses.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
     skipped).
     """
     rows = []

@@ -420,11 +420,6 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    """``python -m kvbench.bench.compare``: the same as ``kvbench compare``."""
-    from kvbench.cli import main as kvbench
-    return kvbench(["compare", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # ``python -m kvbench.bench.compare``: the same as ``kvbench compare``
+    from kvbench.cli import main
+    sys.exit(main(["compare", *sys.argv[1:]]))

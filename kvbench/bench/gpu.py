@@ -30,7 +30,6 @@ passed and the memory figures agree, 1 otherwise, 2 for bad arguments.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -39,10 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.bench import records
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig
-from kvbench.outputs import check_writable
 
 # full: for a GPU. tiny: the same code paths in seconds, on any machine.
 SIZES = {
@@ -235,83 +233,6 @@ def memory_check(torch, device, size: dict) -> list[dict]:
     return [row]
 
 
-def main(argv=None) -> int:
-    """``python -m kvbench.bench.gpu``, through kvbench's one error path (one line, exit 2)."""
-    from kvbench.cli.options import run
-    return run(_main, argv, prog="python -m kvbench.bench.gpu")
-
-
-def _main(argv) -> int:
-    from kvbench.cli.options import Parser, UsageError
-    p = Parser(prog="python -m kvbench.bench.gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", help="torch device: cuda (default), cuda:N or cpu")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(records.RESULTS_DIR / "runs"),
-                   help="output directory (default $OUT, else results/runs)")
-    p.add_argument("--size", choices=sorted(SIZES), default="full",
-                   help="full (for a GPU) or tiny (the same code paths in seconds, anywhere)")
-    p.add_argument("--traces", nargs="*", help="trace files to check (default: every committed workload)")
-    p.add_argument("--skip-check", action="store_true", help="benchmarks only")
-    p.add_argument("--skip-bench", action="store_true", help="checker only")
-    args = p.parse_args(argv)
-
-    from impls.torch_paged import TorchPaged, resolve_device
-    ok, why = TorchPaged.available()
-    if not ok:
-        raise UsageError(f"the torch backend cannot run here: {why}")
-    import torch
-    try:
-        device = resolve_device(torch, args.device)
-    except ValueError as e:
-        raise UsageError(f"--device {args.device}: {e}") from None
-    out = check_writable(args.out, option="--out", folder=True)
-    traces = [Path(t) for t in args.traces] if args.traces else suite.committed_workloads()
-    suite.load_traces(traces)  # a bad trace is refused before any work
-    size = SIZES[args.size]
-    clock = Clock(torch, device)
-    rows: list[dict] = []
-    started = time.perf_counter()
-
-    def stage(name, fn):
-        t0 = time.perf_counter()
-        got = fn()
-        rows.extend(got)
-        print(f"gpu_check: {name}: {len(got)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
-        return got
-
-    checks = []
-    if not args.skip_check:
-        checks = stage("checker", lambda: run_checks(traces, str(device), out))
-    memory = stage("memory", lambda: memory_check(torch, device, size))
-    if not args.skip_bench:
-        stage("decode", lambda: bench_decode(torch, device, size, clock))
-        stage("bandwidth", lambda: bench_bandwidth(torch, device, size, clock))
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    params = {"device": str(device), "size": args.size, "model": dataclasses.asdict(size["model"]),
-              "block_size": BLOCK, "gpu_name": gpu, "torch": torch.__version__,
-              "cuda": torch.version.cuda if device.type == "cuda" else None,
-              "torch_threads": torch.get_num_threads(),
-              **{k: v for k, v in size.items() if k != "model"}}
-    rec = records.record("gpu_check", rows, params, device=str(device))
-    path = records.write(rec, out / f"gpu_check-{str(device).replace(':', '')}.json")
-
-    failed = [r for r in checks if r["status"] in ("FAIL", "ERROR")]
-    for r in failed:
-        print(f"{r['status']} torch on {r['workload']} (policy {r['policy']}): "
-              f"{r['divergence'] or r['error']}")
-    for r in rows:
-        if r["bench"] == "decode" and r["torch_vs_numpy"] is not None:
-            print(f"decode batch {r['batch']:5d} {r['impl']:16s} {r['tokens_per_s']:12.0f} tokens/s "
-                  f"torch/numpy {r['torch_vs_numpy']:.2f}")
-        elif r["bench"] == "bandwidth":
-            print(f"{r['what']:13s} {r['impl']:12s} {r['bytes_per_s'] / 1e9:8.2f} GB/s "
-                  f"= {r['fraction_of_copy']:.2f} of {r['copy']}")
-    mem_ok = all(r["ok"] for r in memory)
-    print(f"memory: {'ok' if mem_ok else 'MISMATCH'} {memory[0]}")
-    print(f"gpu_check: {len(checks)} checks, {len(failed)} failed; results in {path} "
-          f"({time.perf_counter() - started:.0f} s)")
-    return 0 if not failed and mem_ok else 1
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the program lives with the other commands, in kvbench.cli
+    from kvbench.cli.gpu import main
     sys.exit(main())

@@ -44,8 +44,8 @@ A grid file (TOML, or YAML where PyYAML is installed)::
     num_cpus = 1                          # default for cells whose device setting is cuda)
 
 Settings are passed through by name: those that are parameters of
-:func:`kvbench.checking.suite.config_for` go there, ``gather`` (and any later parameter of
-:func:`~kvbench.checking.suite.run_one`) to the replay; a name neither knows is refused. A setting
+:func:`kvbench.analyses.suite.config_for` go there, ``gather`` (and any later parameter of
+:func:`~kvbench.analyses.suite.run_one`) to the replay; a name neither knows is refused. A setting
 added to ``config_for`` later is a grid setting at once.
 
 A cell's id is a content hash of (trace, backend, settings, seed, code): the code is the commit,
@@ -63,7 +63,8 @@ import subprocess
 from pathlib import Path
 
 from kvbench.bench import records
-from kvbench.checking import suite
+from kvbench import provenance
+from kvbench.analyses import suite
 from kvbench.traces.format import Trace, load
 
 # What a cell's code version covers: edits elsewhere (docs, results) leave finished cells valid.
@@ -286,7 +287,7 @@ def parameter_columns(df) -> list[str]:
 
 def code_version(root: Path = records.REPO_ROOT) -> dict:
     """The commit, and ``code``: the commit plus a hash of the uncommitted diff when dirty."""
-    info = records.commit_info(root)
+    info = provenance.commit_info(root)
     code = info["commit"]
 
     def git(*args) -> bytes:

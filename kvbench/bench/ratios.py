@@ -125,7 +125,7 @@ def check_vs_replay(factory=None, gather: str = "touched") -> tuple[float, float
     """(seconds of the NumPy backend replaying a ~1,150-operation decode trace alone, K/V
     zeros; of the checker replaying it beside the oracle, every K/V it could change read back).
     A checker whose cost grows with sequence length drops the ratio many times."""
-    from kvbench.checking import suite
+    from kvbench.analyses import suite
     from kvbench.checking.checker import check
     from kvbench.contract import registry
     common = bench_common()

@@ -3,60 +3,16 @@ parameters it was measured with."""
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata
 import json
-import os
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from kvbench.outputs import write_text
+from kvbench.provenance import commit_info, machine_info
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
-
-
-def commit_info(root: Path = REPO_ROOT) -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    sha = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": sha or "unknown", "dirty": dirty}
-
-
-def machine_info(device: str | None = None) -> dict:
-    """This machine. torch is never imported here (a second or two): its version comes from its
-    metadata unless a torch backend already imported it."""
-    info = {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-    }
-    # torch costs seconds to import: its GPU is named only when a torch backend ran (imported it).
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["cuda"] = torch.version.cuda
-            info["gpu"] = torch.cuda.get_device_name(0)
-    else:
-        try:
-            info["torch"] = importlib.metadata.version("torch")
-        except importlib.metadata.PackageNotFoundError:
-            info["torch"] = None
-    if device:
-        info["device"] = device
-    return info
 
 
 def _default(o):

@@ -31,7 +31,8 @@ from pathlib import Path
 from kvbench.bench import records
 from kvbench.bench.grid import Cell, Grid, code_version, expand, known_settings
 from kvbench.bench.store import Store
-from kvbench.checking import suite
+from kvbench import provenance
+from kvbench.analyses import suite
 from kvbench.traces.format import Trace
 
 # Columns of a record that depend on where and when it ran, not on what it ran.
@@ -49,7 +50,7 @@ def _machine() -> dict:
     named too); torch is not imported for it, which would cost every worker a second or two."""
     key = "torch" in sys.modules
     if key not in _MACHINE:
-        _MACHINE[key] = {MACHINE_PREFIX + k: v for k, v in records.machine_info().items()}
+        _MACHINE[key] = {MACHINE_PREFIX + k: v for k, v in provenance.machine_info().items()}
     return _MACHINE[key]
 
 

@@ -750,14 +750,6 @@ class Oracle:
             out.append(min(first * self.B, st.tokens))
         return tuple(out)
 
-    def family_of(self, seq) -> set:
-        """Live sequences that share a block with ``seq`` (whose reads a bad write could change)."""
-        held = self.seqs[seq].held() if self.layout == "paged" else ()
-        if not any(self.blocks[b][0] > 1 for b in held):
-            return {seq}
-        mine = set(held)
-        return {s for s, st in self.seqs.items() if mine.intersection(st.held())} | {seq}
-
     def block_state(self, seqs=None) -> BlockState:
         """The block structures every backend declaring ``block_ids`` must have, id for id.
         ``seqs``: the tables of these sequences only, and no free or cached order (only a whole

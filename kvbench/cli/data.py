@@ -5,7 +5,7 @@ import argparse
 
 import pandas as pd
 
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.cli import options
 from kvbench.cli.tables import print_table
 from kvbench.contract import registry

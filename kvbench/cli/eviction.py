@@ -12,7 +12,7 @@ from kvbench.analyses.eviction import (
     policy_table,
     tenant_table,
 )
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli import options
 from kvbench.contract import registry

@@ -8,7 +8,7 @@ import sys
 
 import pandas as pd
 
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli.tables import print_table
 

@@ -18,7 +18,7 @@ from kvbench.bench.gates import (
 from kvbench.cli.options import UsageError, positive_int
 from kvbench.outputs import check_writable
 from kvbench.bench.ratios import MARGIN, RATIO_GATES, REPEATS, ratio_gates
-from kvbench.bench.records import commit_info, machine_info
+from kvbench.provenance import commit_info, machine_info
 
 
 def cmd_gates(args) -> int:

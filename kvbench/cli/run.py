@@ -10,7 +10,7 @@ import pandas as pd
 
 from kvbench.analyses import eviction
 from kvbench.bench import records
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -48,10 +48,6 @@ def settings(args) -> dict:
     return dict(model=args.model, block_size=args.block_size, budget=args.budget,
                 max_context=args.max_context, device=args.device,
                 prefix_caching=args.prefix_caching)
-
-
-def default_backends() -> list[str]:
-    return [n for n in registry.DEFAULT_BACKENDS if registry.resolve(n).available()[0]]
 
 
 def select_backends(args, trace) -> list[str]:

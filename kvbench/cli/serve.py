@@ -17,7 +17,7 @@ from kvbench.analyses.breakdown import (
 )
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
-from kvbench.checking.suite import blocks_of_budget, machine_memory
+from kvbench.analyses.suite import blocks_of_budget, machine_memory
 from kvbench.cli.options import UsageError, positive_float, positive_int
 from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvbench.checking import suite
+from kvbench.analyses import suite
 from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, Progress, shrink
 from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings

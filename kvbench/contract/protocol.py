@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ class Capabilities:
     prefix_caching: bool = False
     quantized: bool = False
     eviction: tuple = ()  # policy names it implements
-    devices: tuple = ("cpu",)
+    devices: tuple | None = None  # unread: the device is CacheConfig.device; accepted, warned
     # Documented rules of a real engine that differ from SPEC's; the oracle holds the engine to
     # them (all off: SPEC's rules).
     # How a fork is served: "share" (SPEC §2: every block shared, copy-on-write at the first
@@ -104,6 +105,10 @@ class Capabilities:
     block_ids: bool = False
 
     def __post_init__(self):
+        if self.devices is not None:
+            warnings.warn("Capabilities(devices=...) is unread and will be removed: the device a "
+                          "backend runs on is CacheConfig.device (its available() says whether it "
+                          "can)", DeprecationWarning, stacklevel=3)
         if self.fork_via not in FORK_VIA:
             raise ValueError(f"fork_via must be one of {FORK_VIA}, got {self.fork_via!r}")
         if self.window_release not in WINDOW_RELEASE_RULES:

@@ -1,4 +1,5 @@
-"""Run workloads through backends under the checker: the engine behind `kvbench run` and `check`."""
+"""Run workloads through backends under the checker, each verdict a row with its analyses (hit
+rates, per-tenant fairness): the engine behind `kvbench run` and `check`."""
 from __future__ import annotations
 
 import os
