@@ -8,6 +8,7 @@ from pathlib import Path
 from kvbench.analyses import eviction
 from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
 from kvbench.checking.series import MEANS
+from kvbench.checking.verdict import divergence_classes
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
@@ -131,7 +132,8 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "policy": config.policy or "-", "device": config.device, "model": config.model.name,
         "block_size": config.block_size, "num_blocks": config.num_blocks,
         "status": v.status, "ops": v.ops,
-        "divergence": str(v.divergence) if v.divergence else "", "error": v.error,
+        "divergence": str(v.divergence) if v.divergence else "",
+        "divergence_classes": divergence_classes(v), "error": v.error,
         "traceback": v.traceback, "unavailable": unavailable,
         "not_applicable": v.not_applicable, "skipped": "; ".join(f"{k}: {r}" for k, r in v.skipped.items()),
         "ooms": v.ooms, "evictions": v.evictions, "recomputed_tokens": v.recomputed_tokens,
@@ -155,15 +157,17 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
     return row
 
 
-def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched") -> dict:
+def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched",
+            keep_going: bool = False) -> dict:
     """One backend on one trace under the checker, as a row. A backend that cannot be made here
-    is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs."""
+    is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs.
+    ``keep_going``: past the divergences that leave the states comparable (check's keep_going)."""
     try:
         backend = registry.resolve(backend_name).create(config)
     except registry.BackendUnavailable as e:
         v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
         return verdict_row(trace, backend_name, config, v, unavailable=str(e))
-    v = check(trace, backend, gather=gather, series=True)
+    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going)
     try:
         guarded("close", backend.close)
     except BackendRaised as e:

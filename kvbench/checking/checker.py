@@ -30,6 +30,7 @@ of zeros, which takes no memory).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import traceback
 
@@ -83,7 +84,7 @@ def _forks(trace: Trace) -> bool:
 
 
 def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,
-          progress=None, model: Oracle | None = None) -> Verdict:
+          progress=None, model: Oracle | None = None, keep_going: bool = False) -> Verdict:
     """Replay ``trace`` through ``backend`` and the oracle; the verdict names the first divergence.
 
     ``gather``: 'touched' verifies the K/V each operation could have changed (the positions it
@@ -95,11 +96,16 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
 
     With ``backend=None`` it replays the ``model`` (an Oracle, or a subclass such as the offline
     Belady policy) alone, by the same rules: its evictions, hits and usage, nothing compared.
+
+    ``keep_going``: a ledger figure or block id that differs from the oracle's is recorded (its
+    class, first divergence and count in ``verdict.divergences``) and the replay goes on, the
+    oracle as it was; it still stops where going on would not be sound: an operation's outcome,
+    its victims, K/V content, an identity the backend breaks about itself, a call that raises.
     """
     if backend is None:
         return _replay(trace, None, model, Verdict(trace=trace.name, backend=f"model:{type(model).__name__}",
                                                    valid=True), gather="none", series=series,
-                       progress=progress, writes_kv=False, quantized=False)
+                       progress=progress, writes_kv=False, quantized=False, keep_going=False)
     verdict = Verdict(trace=trace.name, backend=backend.name, valid=True)
     reason = applicable(trace, backend)
     if reason:
@@ -130,13 +136,14 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
                     layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
-                   writes_kv=writes_kv, quantized=quantized)
+                   writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
 
 
-def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized):
+def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized,
+            keep_going):
     """The replay loop of check(): ``backend`` None drives the oracle alone."""
     replay = _Replay(trace, backend, oracle, verdict, gather=gather, series=series,
-                     writes_kv=writes_kv, quantized=quantized)
+                     writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
     last = len(trace.ops) - 1
     try:
         for index, op in enumerate(trace.ops):
@@ -151,7 +158,9 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
                 progress.update(1)
     except _Stop as stop:
         verdict.valid = False
-        verdict.divergence = stop.divergence
+        if verdict.divergences:  # kept going until here: this one is the last, not the first
+            replay.count(stop.divergence, stopped=True)
+        verdict.divergence = verdict.divergence or stop.divergence
         verdict.traceback = replay.traceback
     except Exception as e:  # the harness's own failure (its memory, a setting): never the backend's
         verdict.valid = None
@@ -169,8 +178,10 @@ class _Replay:
     may have changed (stop None: to the end), or None when only its ledger entries changed.
     """
 
-    def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized):
+    def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized,
+                 keep_going=False):
         self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
+        self.keep_going = keep_going
         self.gather, self.series, self.writes_kv, self.quantized = gather, series, writes_kv, quantized
         self.do_gather = gather != "none" and writes_kv
         self.paged = oracle.layout == "paged"
@@ -190,13 +201,31 @@ class _Replay:
         self.index, self.op = -1, None
         self.traceback = ""
 
-    def diverge(self, quantity, expected, actual, detail=""):
+    def diverge(self, quantity, expected, actual, detail="", *, soft=False):
+        """Stop at this divergence; with ``keep_going``, a ``soft`` one (a figure or block id that
+        differs, the states still comparable) is counted and the replay goes on."""
         op = self.op
         if isinstance(op, Prefill):
             leak = identities.cross_salt(self.oracle, op.seq, quantity, expected, actual)
             detail = "; ".join(x for x in (detail, leak) if x)
-        raise _Stop(Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity,
-                               expected, actual, detail))
+        d = Divergence(self.trace.name, self.index, op.step, op_to_dict(op), quantity, expected,
+                       actual, detail)
+        if not (soft and self.keep_going):
+            raise _Stop(d)
+        self.count(d)
+
+    def count(self, d: Divergence, stopped: bool = False) -> None:
+        """One more divergence of its class (its quantity, sequence and block ids left out)."""
+        verdict = self.verdict
+        verdict.valid = False
+        verdict.divergence = verdict.divergence or d
+        kind = re.sub(r"\d+", "N", d.quantity)
+        for c in verdict.divergences:
+            if c["kind"] == kind:
+                c["count"] += 1
+                c["stopped"] = c["stopped"] or stopped
+                return
+        verdict.divergences.append({"kind": kind, "first": d, "count": 1, "stopped": stopped})
 
     def raised(self, e: BackendRaised, expected=SUCCESS):
         """A backend call that raised: the divergence names the call and what the oracle expected."""
@@ -473,16 +502,16 @@ class _Replay:
                 continue
             if q.tolerance:
                 if abs(e - a) > q.tolerance:
-                    self.diverge(f, e, a)
+                    self.diverge(f, e, a, soft=True)
                 continue
             if seqs is not None and q.per_sequence:
                 e = {s: e[s] for s in seqs if s in e}
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
-                self.diverge(f, e, a, dict_diff(e, a) if isinstance(e, dict) else "")
+                self.diverge(f, e, a, dict_diff(e, a) if isinstance(e, dict) else "", soft=True)
         why = self.figures.block_ids(seqs)
         if why:
-            self.diverge(*why)
+            self.diverge(*why, soft=True)
         return expected
 
     def verify(self, ranges) -> None:

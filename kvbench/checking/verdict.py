@@ -52,6 +52,9 @@ class Verdict:
     backend_seconds: float = 0.0
     final_ledger: dict = field(default_factory=dict)
     series: Series = field(default_factory=Series)  # ledger figures after each operation
+    # With keep_going: every class of divergence, {"kind", "first" (a Divergence), "count",
+    # "stopped" (the replay stopped at one of them)}, in the order each first appeared.
+    divergences: list = field(default_factory=list)
     error: str = ""  # why the harness could not check (status ERROR)
     traceback: str = ""  # of the backend's exception (FAIL) or the harness's (ERROR)
 
@@ -62,10 +65,18 @@ class Verdict:
         return {True: "pass", False: "FAIL", None: "n/a"}[self.valid]
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("series", "divergence")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("series", "divergence", "divergences")}
         d["divergence"] = None if self.divergence is None else dict(self.divergence.__dict__)
+        d["divergences"] = [{**c, "first": dict(c["first"].__dict__)} for c in self.divergences]
         d["status"] = self.status
         return d
+
+
+def divergence_classes(v: Verdict) -> str:
+    """'cached_blocks x12 from step 3; blocks_used x4 from step 9 (stopped)': a verdict that kept
+    going, one class a clause."""
+    return "; ".join(f"{c['kind']} x{c['count']} from step {c['first'].step}"
+                     + (" (stopped)" if c["stopped"] else "") for c in v.divergences)
 
 
 def refusal_detail(before, after) -> str:

@@ -230,11 +230,13 @@ def cmd_check(args) -> int:
     for name in backends:
         for pol in suite.policies_for(trace, args.policy):
             cfg = suite.config_for(trace, policy=pol, **settings(args))
-            row = suite.run_one(trace, name, cfg, args.gather)
+            row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going)
             rows.append(row)
             line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
             if row["divergence"]:
                 line += f"\n     first divergence: {row['divergence']}"
+            if row["divergence_classes"]:
+                line += "\n     divergences: " + row["divergence_classes"].replace("; ", "\n                  ")
             if row["error"]:
                 line += f"\n     error: {row['error']}"
             if row["not_applicable"]:
@@ -258,6 +260,10 @@ def register(sub) -> None:
 
     p = sub.add_parser("check", help="check one trace, print the first divergence")
     p.add_argument("trace", help="trace file (.jsonl or .csv)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="go on past a ledger figure or block id that differs (the states still "
+                        "comparable), and list every class of divergence with its first step and "
+                        "count; it still stops at a wrong outcome, victim, K/V or broken identity")
     p.add_argument("--backend", action="append",
                    help="backend name or package.module:Factory (repeatable; default: every "
                         "default backend that can run here)")
