@@ -13,11 +13,11 @@ module docstring), so the checker compares block ids one by one.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from fractions import Fraction
 
 import numpy as np
 
+from impls.changes import CachedQueue, StackChanges
 from impls.prefix_keys import block_keys, hit_plan, tagged_extra
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -46,7 +46,7 @@ def lazy_zeros(shape, dtype) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-class NumpyPaged(Backend):
+class NumpyPaged(StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
@@ -92,7 +92,7 @@ class NumpyPaged(Backend):
         # first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
-        self.evictable: OrderedDict = OrderedDict()  # popitem(last=False): the oldest, O(1)
+        self.evictable = CachedQueue()  # popitem(last=False): the oldest, O(1)
         self.hit_blocks = 0
         # The ledger's figures, kept as blocks change hands (ledger() scans nothing): blocks in
         # use, blocks with 2+ references, slots filled in blocks in use, blocks in use per
@@ -740,14 +740,15 @@ class NumpyPaged(Backend):
             shared_blocks=int((self.refcount > 1).sum()),
             group_blocks=tuple(np.bincount(self.block_group[used], minlength=self.G).tolist()))
 
-    def block_state(self, seqs=None) -> BlockState:
+    def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
                                                                if s in self.row_of]
-        return BlockState(
-            free=self.free_stack[:self.free_top][::-1], cached=list(self.evictable),
-            refcount=self.refcount,
-            tables={int(self.seq_of_row[r]): [t[r, :self.nblocks[r]] for t in self.tables]
-                    for r in rows})
+        tables = {int(self.seq_of_row[r]): [t[r, :self.nblocks[r]] for t in self.tables] for r in rows}
+        mark, changes = self._changes(changed_since, lambda low: self.free_stack[low:self.free_top][::-1])
+        if changes is not None:
+            return BlockState(None, None, self.refcount, tables, mark, changes)
+        return BlockState(free=self.free_stack[:self.free_top][::-1], cached=list(self.evictable),
+                          refcount=self.refcount, tables=tables, mark=mark)
 
     def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
         """Positions ``start .. stop-1`` of the sequence: the blocks that hold them and no

@@ -22,6 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from impls.changes import CachedQueue, StackChanges
 from impls.prefix_keys import block_keys, hit_plan, tagged_extra
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -66,7 +67,18 @@ def resolve_device(torch, name: str):
     return dev
 
 
-class TorchPaged(Backend):
+class _Counts:
+    """Reference counts read on the host only at the blocks asked for (``counts[ids]``)."""
+
+    def __init__(self, refcount):
+        self.refcount = refcount
+
+    def __getitem__(self, ids):
+        index = self.refcount.new_tensor(np.asarray(ids, dtype=np.int64))
+        return self.refcount.index_select(0, index).cpu().numpy()
+
+
+class TorchPaged(StackChanges, Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
@@ -133,7 +145,7 @@ class TorchPaged(Backend):
         # `evictable` (oldest first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
-        self.evictable: dict = {}
+        self.evictable = CachedQueue()
         self.hit_blocks = 0
 
     @property
@@ -624,15 +636,20 @@ class TorchPaged(Backend):
             cached_blocks=len(self.evictable), prefix_hit_blocks=self.hit_blocks,
             group_blocks=group_blocks)
 
-    def block_state(self, seqs=None) -> BlockState:
+    def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
                                                                if s in self.row_of]
         nb = self._blocks_needed(self.tokens_host)
-        tables = [t.cpu().numpy() for t in self.tables]
-        return BlockState(
-            free=self.free_stack[:self.free_top].flip(0).cpu().numpy(), cached=list(self.evictable),
-            refcount=self.refcount.cpu().numpy(),
-            tables={int(self.seq_of_row[r]): [t[r, :nb[r]] for t in tables] for r in rows})
+        index = self._dev(list(rows))
+        held = [t.index_select(0, index).cpu().numpy() for t in self.tables]  # the rows asked for
+        tables = {int(self.seq_of_row[r]): [t[i, :nb[r]] for t in held] for i, r in enumerate(rows)}
+        mark, changes = self._changes(
+            changed_since, lambda low: self.free_stack[low:self.free_top].flip(0).cpu().numpy())
+        if changes is not None:
+            return BlockState(None, None, _Counts(self.refcount), tables, mark, changes)
+        return BlockState(free=self.free_stack[:self.free_top].flip(0).cpu().numpy(),
+                          cached=list(self.evictable), refcount=self.refcount.cpu().numpy(),
+                          tables=tables, mark=mark)
 
     def gather_tensor(self, seq):
         """The sequence's K/V as a tensor on the device, ``[tokens, 2, layers, kv_heads, head_dim]``."""

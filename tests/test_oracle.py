@@ -19,7 +19,7 @@ def paged(num_blocks=64, **kw) -> Oracle:
 
 
 def snapshot(o: Oracle):
-    return copy.deepcopy((o.seqs, o.blocks, o.preempted, o.free_stack, o.evictable))
+    return copy.deepcopy((o.seqs, o.blocks, o.preempted, o.free_stack, o.fresh, o.evictable))
 
 
 # --- capacity without sharing -------------------------------------------------------------

@@ -60,3 +60,25 @@ def test_mooncake_unbounded_hits_equal_the_repeat_count():
     # An unbounded cache hits every full block whose hash was seen before (counted apart).
     hits, refs, _, _ = prefix_hit_rate_unbounded(rehash_requests(requests, 512))
     assert (got["hit_blocks"], got["hashed_blocks"]) == (hits, refs)
+
+
+def test_each_cache_size_reports_its_operations_done(monkeypatch):
+    # A long curve is not silent: one progress report per cache size, named by the size, that
+    # counts every operation of the trace (a prefill and a free per request: 2 * 3 = 6).
+    reports = []
+
+    class Recorder:
+        def __init__(self, total, desc, unit):
+            self.total, self.desc, self.unit, self.done = total, desc, unit, 0
+            reports.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(prefix, "Progress", Recorder)
+    prefix.hit_rate_curve(prefix.cache_trace(HAND, 512), sizes=[3, 5], progress=True)
+    assert [(r.desc, r.total, r.done, r.unit) for r in reports] == [
+        ("cache of 3 blocks (1 of 2)", 6, 6, "ops"), ("cache of 5 blocks (2 of 2)", 6, 6, "ops")]

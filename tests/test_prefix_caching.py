@@ -87,7 +87,7 @@ class Counting(Oracle):
         self._recomputing = False
 
     def _new_block(self, fill, group):
-        if not self.free_stack:  # no uncached free block left: a cached one is reused
+        if not self.uncached_free:  # no uncached free block left: a cached one is reused
             self.events["cached_block_reused"] += 1
         return super()._new_block(fill, group)
 

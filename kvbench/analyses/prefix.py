@@ -14,6 +14,7 @@ from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import blocks_needed, get_model
 from kvbench.contract.protocol import CacheConfig
+from kvbench.progress import Progress
 from kvbench.traces.format import Free, Header, Prefill, Trace
 from kvbench.traces.loaders import Request, rehash_requests
 
@@ -40,11 +41,17 @@ def unique_blocks(trace: Trace) -> int:
     return len({h for op in trace.ops if isinstance(op, Prefill) for h in op.block_hashes or ()})
 
 
-def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy") -> dict:
-    """Replay under the checker with a cache of ``num_blocks``; the verified hit rate."""
+def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy", progress: str = "") -> dict:
+    """Replay under the checker with a cache of ``num_blocks``; the verified hit rate.
+    ``progress``: a bar (a line every few seconds in a log) of the operations done, named so."""
     cfg = CacheConfig(model=get_model("tiny"), block_size=trace.header.settings["block_size"],
                       num_blocks=num_blocks, store_kv=False, prefix_caching=True)
-    v = check(trace, registry.create(backend, cfg), gather="none")
+    bar = Progress(len(trace.ops), progress, "ops") if progress else None
+    try:
+        v = check(trace, registry.create(backend, cfg), gather="none", progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if not v.valid:
         raise AssertionError(f"{backend} with {num_blocks} blocks: {v.divergence or v.not_applicable}")
     hits, refs = v.final_ledger["prefix_hit_blocks"], hashed_blocks(trace)
@@ -52,10 +59,12 @@ def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy") -> dict:
             "hit_rate": hits / refs if refs else 0.0, "refused": v.ooms}
 
 
-def hit_rate_curve(trace: Trace, sizes=None, backend: str = "numpy") -> pd.DataFrame:
+def hit_rate_curve(trace: Trace, sizes=None, backend: str = "numpy",
+                   progress: bool = False) -> pd.DataFrame:
     """Hit rate against cache size, up to the unbounded cache (every distinct block kept).
 
     The smallest size is the largest single prompt: a smaller cache would refuse it.
+    ``progress``: the operations done at each size, on stderr.
     """
     bs = trace.header.settings["block_size"]
     largest = max(blocks_needed(op.tokens, bs) for op in trace.ops if isinstance(op, Prefill))
@@ -64,7 +73,8 @@ def hit_rate_curve(trace: Trace, sizes=None, backend: str = "numpy") -> pd.DataF
         sizes = sorted({largest, *(int(unbounded * f) for f in (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)),
                         unbounded})
         sizes = [s for s in sizes if s >= largest]
-    return pd.DataFrame([hit_rate(trace, n, backend) for n in sizes])
+    return pd.DataFrame([hit_rate(trace, n, backend, f"cache of {n} blocks ({i} of {len(sizes)})"
+                                  if progress else "") for i, n in enumerate(sizes, 1)])
 
 
 def plot_curve(curve: pd.DataFrame, path, title: str) -> None:

@@ -489,7 +489,7 @@ class _Replay:
         expected = self.oracle.expected_ledger(seqs)
         actual = self.ask("ledger", ledger_of, self.backend, seqs)
         try:
-            why = self.figures.check(actual, seqs)
+            why = self.figures.check(actual, seqs, last=last)
         except BackendRaised as e:
             self.raised(e)
         if why:

@@ -9,56 +9,281 @@ explanation of a hit across salts (SPEC §9), which names both requests.
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 
 import numpy as np
 
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.ledger import named
-from kvbench.contract.protocol import BlockState, CacheConfig, Ledger
+from kvbench.contract.protocol import BlockChanges, BlockState, CacheConfig, Ledger, _takes
 
 COUNT_FIELDS = named(count=True)  # never negative: numbers, each entry of a dict or a tuple
 
 
 class Figures:
-    """The checks of one replay: the ledger's identities after every operation; the block
-    structures while the backend exposes them (else ``skipped`` says so), the whole pool after
-    every operation and the tables of the sequences it changed (all of them when ``seqs`` is
-    None); and, for a backend declaring ``block_ids``, those tables (and, whole, the free and
-    cached order) block id for block id against the oracle's."""
+    """The checks of one replay: the ledger's identities after every operation; and, while the
+    backend exposes its block structures (else ``skipped`` says so), SPEC §10's structure
+    identities and, for a backend declaring ``block_ids``, its tables and free and cached order
+    block id for block id against the oracle's.
+
+    The structures are checked whole at sweeps, after operations 1, 2, 4, 8, ... and the last.
+    In between, a backend that reports what changed (``block_state(changed_since=...)``) is
+    checked at the blocks each operation took, released, cached, evicted or shared, against a
+    copy of its structures kept from those changes (:class:`Mirror`): the cost follows the work,
+    not the pool, and a corruption no operation touches shows at the next sweep. A backend that
+    gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them)."""
 
     def __init__(self, backend, oracle, paged: bool, skipped: dict):
         self.backend, self.oracle, self.paged, self.skipped = backend, oracle, paged, skipped
         self.structures = backend is not None and paged  # until block_state() says otherwise
         self.exact = self.structures and backend.capabilities.block_ids
-        self.edits, self.state = -1, None
+        self.changes = self.structures and _takes(type(backend), "block_state", "changed_since")
+        self.ops, self.edits = 0, -1
+        self.mark = self.oracle_mark = None  # of the last states read, to ask what changed since
+        self.mirror: Mirror | None = None
+        self.found = None  # what block_ids() reports: the last check's block-id divergence
 
-    def check(self, led: Ledger, seqs=None):
-        config = self.backend.config
-        why = ledger_identities(led, config, self.paged)
-        self.state = None
+    def check(self, led: Ledger, seqs=None, *, last: bool = False):
+        """After an operation: ``seqs`` the sequences it changed (None: every live one)."""
+        why = ledger_identities(led, self.backend.config, self.paged)
+        self.found = None
         if why is not None or not self.structures:
             return why
-        if seqs is not None and self.oracle.edits == self.edits:
-            return None  # no reference moved: the ledger comparison covers the rest
+        self.ops += 1
+        sweep = last or self.ops & (self.ops - 1) == 0 or (self.changes and self.mirror is None)
+        if not sweep and (not self.changes or (seqs is not None and self.oracle.edits == self.edits)):
+            return None  # nothing read between sweeps, or no reference moved since the last read
         self.edits = self.oracle.edits
         try:
-            state = guarded("block_state", self.backend.block_state, seqs)
+            if self.mirror is not None:  # what changed since the last read
+                state = self._read(seqs, self.mark)
+                if state.changes is None:  # it could not say: the whole pool below
+                    self.mirror = None
+                else:
+                    self.mark = state.mark
+                    why = self._follow(state, led, seqs)
+                    if why is not None or not sweep:
+                        return why
+            whole = self._read(None, None)
         except BackendRaised as e:
             if not isinstance(e.error, NotImplementedError):
                 raise
             self.structures = self.exact = False
             self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None
-        self.state = state
-        if seqs is not None:  # the pool-wide identities with the whole ledger (amortised O(1))
-            return table_identities(state, config)
-        return structure_identities(state, led, config, whole=True)
+        self.mark = whole.mark
+        return self._sweep(whole, led, last)
 
     def block_ids(self, seqs=None):
-        """After the ledger agreed with the oracle: the block ids of the last ``check``."""
-        if not self.exact or self.state is None:
+        """After the ledger agreed with the oracle: the block-id divergence of the last ``check``."""
+        return self.found
+
+    def _read(self, seqs, mark) -> BlockState:
+        if self.changes:
+            return guarded("block_state", self.backend.block_state, seqs, changed_since=mark)
+        return guarded("block_state", self.backend.block_state, seqs)
+
+    def _follow(self, state: BlockState, led: Ledger, seqs):
+        """An operation's changes: the identities at the blocks it moved; its block ids."""
+        expected = self._expected(seqs)
+        why, differs = self.mirror.apply(state, led, seqs, expected)
+        if why is None and self.exact:
+            self.found = compare_structures(expected, state, whole=False)
+            if self.found is None and differs is not None:  # the whole lists name where
+                self.found = compare_structures(self.oracle.block_state(), self._read(None, None)) \
+                    or differs
+        return why
+
+    def _sweep(self, state: BlockState, led: Ledger, last: bool):
+        """The whole pool. Equal to the mirror, it holds every identity (the mirror did at the
+        last sweep, and at every block each operation since moved); else it is checked whole,
+        and a new mirror follows the changes from it. Block ids: whole at the last operation."""
+        N = self.backend.config.num_blocks
+        if self.mirror is not None and self.mirror.same(state):
+            if last and self.exact and self.found is None:
+                self.found = compare_structures(self._expected_whole(), state, whole=True)
             return None
-        return compare_structures(self.oracle.block_state(seqs), self.state, whole=seqs is None)
+        why, counts = _pool_identities(state, led, N, whole=True)
+        self.mirror = Mirror(state, N, *counts) \
+            if why is None and self.changes and state.mark is not None else None
+        if why is None and self.exact and self.found is None:
+            self.found = compare_structures(self._expected_whole(), state, whole=True)
+        return why
+
+    def _expected_whole(self) -> BlockState:
+        expected = self.oracle.block_state()
+        self.oracle_mark = expected.mark
+        return expected
+
+    def _expected(self, seqs):
+        """The oracle's changes since its last state, for a backend declaring ``block_ids``."""
+        if not self.exact:
+            return None
+        expected = self.oracle.block_state(seqs, changed_since=self.oracle_mark)
+        self.oracle_mark = expected.mark
+        if expected.changes is None:  # read by someone else since: the next check sweeps
+            self.mirror = None
+            return BlockState(None, None, expected.refcount, expected.tables)
+        return expected
+
+
+class Mirror:
+    """The checker's copy of a backend's free structures and tables: from the whole state of the
+    last sweep, then from the changes it reports, so that an operation's blocks are checked alone
+    (every identity of :func:`structure_identities` at those blocks, and the counts as counters)."""
+
+    def __init__(self, state: BlockState, num_blocks: int, count, holders, group):
+        """From a whole state that passed :func:`_pool_identities`, and its counts: the times
+        each block is in the free structure, the table entries holding it, their group."""
+        self.N = num_blocks
+        free = np.asarray(state.free, dtype=np.int64).reshape(-1)
+        self.stack = np.empty(num_blocks, dtype=np.int64)  # the free list bottom first: top next
+        self.stack[:len(free)] = free[::-1]
+        self.size = len(free)
+        self.cached = OrderedDict.fromkeys(int(b) for b in state.cached)
+        self.count, self.holders, self.group = count, holders, group
+        self.ref = np.array(state.refcount).reshape(-1)  # as last read, in the backend's dtype
+        self.used = int(np.count_nonzero(self.ref))
+        self.tables = {s: [ids[ids != -1] for ids in (np.asarray(t, dtype=np.int64).reshape(-1)
+                                                      for t in per)]
+                       for s, per in state.tables.items()}
+
+    def same(self, state: BlockState) -> bool:
+        """Whether a whole state is the one this mirror holds: O(pool) compares, no counting."""
+        free = np.asarray(state.free).reshape(-1)
+        ref = np.asarray(state.refcount).reshape(-1)
+        cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
+        if len(free) != self.size or len(ref) != self.N or len(cached) != len(self.cached) \
+                or set(state.tables) != set(self.tables):
+            return False
+        mine = np.fromiter(self.cached, dtype=np.int64, count=len(self.cached))
+        return (np.array_equal(free, self.stack[:self.size][::-1]) and np.array_equal(ref, self.ref)
+                and np.array_equal(cached, mine) and all(
+                    len(per) == len(self.tables[s]) and all(
+                        np.array_equal(np.asarray(t).reshape(-1)[np.asarray(t).reshape(-1) != -1], m)
+                        for t, m in zip(per, self.tables[s])) for s, per in state.tables.items()))
+
+    def apply(self, state: BlockState, led: Ledger, seqs, expected: BlockState | None):
+        """Follow the changes of ``state`` (tables of ``seqs``, None: all) and check the blocks
+        they moved. Returns (the identity that fails, or None; with ``expected``, the oracle's
+        changes, a block-id divergence of the free or cached order, or None)."""
+        N, c = self.N, state.changes
+        head = np.asarray(c.free_head, dtype=np.int64).reshape(-1)
+        low = c.free_size - len(head)
+        if not 0 <= low <= self.size:
+            return ("free blocks", f"a changed head above {self.size} entries at most", low,
+                    "block_state(changed_since=) reports a free list that does not continue the "
+                    "last one"), None
+        log = [(int(b), bool(e)) for b, e in c.cached]
+        moved = np.fromiter((b for b, _ in log), dtype=np.int64, count=len(log))
+        pooled = np.concatenate([head, moved])
+        out = pooled[(pooled < 0) | (pooled >= N)]
+        if len(out):
+            return ("block ids", f"in 0..{N - 1}", int(out[0]), "a free block id outside the pool"), None
+        differs = None if expected is None else self._differs(expected.changes, low, head, log)
+        removed = self.stack[low:self.size].copy()
+        np.subtract.at(self.count, removed, 1)
+        self.stack[low:c.free_size] = head[::-1]
+        self.size = c.free_size
+        np.add.at(self.count, head, 1)
+        for b, entered in log:
+            if entered and b not in self.cached:
+                self.cached[b] = None
+                self.count[b] += 1
+            elif not entered and b in self.cached:
+                del self.cached[b]
+                self.count[b] -= 1
+        seqs = sorted(set(self.tables) | set(state.tables)) if seqs is None else seqs
+        old = [ids for s in seqs for ids in self.tables.pop(s, ())]
+        new = [np.asarray(ids, dtype=np.int64).reshape(-1) for s in seqs for ids in state.tables.get(s, ())]
+        touched = np.unique(np.concatenate([removed, pooled, *old, *[i[(i >= 0) & (i < N)] for i in new]]))
+        ref = np.asarray(state.refcount[touched], dtype=np.int64).reshape(-1) if len(touched) \
+            else np.zeros(0, np.int64)
+        why = self._free_identities(touched, ref, led)
+        if why is None:
+            for ids in old:
+                np.subtract.at(self.holders, ids, 1)
+                self.group[ids[self.holders[ids] == 0]] = -1
+            why = self._add_tables({s: state.tables[s] for s in seqs if s in state.tables})
+        if why is None:
+            wrong = np.flatnonzero(self.holders[touched] != ref)
+            if len(wrong):
+                b = int(touched[wrong[0]])
+                why = (f"reference count of block {b}", int(self.holders[b]), int(self.ref[b]),
+                       "one reference per table that holds it (a free call drops one per sequence)")
+        return why, differs
+
+    def _free_identities(self, touched, ref, led: Ledger):
+        """No block twice in the free structure, none negative, none free and held, and the
+        counts (evictable + protected + free = pool): at the blocks an operation moved."""
+        count = self.count[touched]
+        if len(count) and count.max() > 1:
+            i = int(count.argmax())
+            return ("free blocks", "each block once", f"block {touched[i]} {count[i]} times",
+                    "a block appears twice in the free structure: the free count runs high")
+        neg = np.flatnonzero(ref < 0)
+        if len(neg):
+            return (f"reference count of block {touched[neg[0]]}", ">= 0", int(ref[neg[0]]),
+                    "no count is ever negative")
+        both = np.flatnonzero((count > 0) & (ref > 0))
+        if len(both):
+            return (f"block {touched[both[0]]}", "free or in use", "both",
+                    f"in the free structure with {ref[both[0]]} reference(s)")
+        self.used += int(np.count_nonzero(ref)) - int(np.count_nonzero(self.ref[touched]))
+        self.ref[touched] = ref
+        return _count_identities(self.size, len(self.cached), self.used, led, self.N)
+
+    def _add_tables(self, tables: dict):
+        """Count the tables' entries in; the first table identity that fails, or None."""
+        for s in tables:
+            self.tables[s] = [ids[ids != -1] for ids in
+                              (np.asarray(t, dtype=np.int64).reshape(-1) for t in tables[s])]
+        for g, (ids, owner) in enumerate(_flatten(tables)):
+            why = _group_identities(g, ids, owner, self.ref, self.count, self.holders, self.group, self.N)
+            if why:
+                return why
+        return None
+
+    def _differs(self, theirs: BlockChanges | None, low: int, head, log):
+        """Whether the free list and the cached queue, changed by ``head`` above ``low`` and by
+        ``log``, differ from the oracle's, changed by ``theirs``: both were equal before (the
+        last sweep compared them whole), so the entries that changed on either side decide."""
+        if theirs is None:
+            return None
+        t_head = np.asarray(theirs.free_head, dtype=np.int64).reshape(-1)
+        t_low = theirs.free_size - len(t_head)
+        lo = min(low, t_low)
+        mine = np.concatenate([self.stack[lo:low], head[::-1]])[::-1]
+        other = np.concatenate([self.stack[lo:t_low], t_head[::-1]])[::-1]
+        if theirs.free_size != low + len(head) or not np.array_equal(mine, other):
+            return ("free blocks (next taken first)", other.tolist(), mine.tolist(),
+                    f"{_first_difference(other, mine)}, among the entries above the "
+                    f"{lo} that stayed")
+        t_log = [(int(b), bool(e)) for b, e in theirs.cached]
+        now = {}
+        for b, entered in log:
+            now[b] = entered
+        t_now = {}
+        for b, entered in t_log:
+            t_now[b] = entered
+        moved = set(now) | set(t_now)
+        if _appended(log) != _appended(t_log) or any(
+                now.get(b, b in self.cached) != t_now.get(b, b in self.cached) for b in moved):
+            return ("cached blocks (next evicted first)", _appended(t_log), _appended(log),
+                    "the blocks cached or taken out since the last check differ")
+        return None
+
+
+def _appended(log) -> list:
+    """The blocks a cached queue's log appended that are still there, in order."""
+    tail: dict = {}
+    for b, entered in log:
+        if entered:
+            tail.pop(b, None)
+            tail[b] = None
+        else:
+            tail.pop(b, None)
+    return list(tail)
 
 
 def cross_salt(oracle, seq, quantity, expected, actual) -> str:
@@ -131,83 +356,90 @@ def structure_identities(state: BlockState, led: Ledger, config: CacheConfig, wh
     """No block twice in the free structure, nor free and in use (or in a table) at once; the
     structures agree with the ledger's counts (evictable + protected + free = pool); a held
     block has a reference, and (``whole``: every table given) one per table that holds it and
-    serves one group. Vectorized over the pool: O(num_blocks) array work per call."""
-    N = config.num_blocks
+    serves one group. Vectorized over the pool: O(num_blocks) array work per call (the sweeps)."""
+    return _pool_identities(state, led, config.num_blocks, whole)[0]
+
+
+def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool):
+    """structure_identities, and when they hold the counts a :class:`Mirror` starts from: the
+    times each block is in the free structure, the table entries holding it, their group."""
     free = np.asarray(state.free, dtype=np.int64).reshape(-1)
     cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
     pooled = np.concatenate([free, cached])
-    ref = np.asarray(state.refcount, dtype=np.int64).reshape(-1)
+    ref = np.asarray(state.refcount).reshape(-1)
     if len(ref) != N:
-        return "reference counts", f"{N} (one per block)", len(ref), "block_state().refcount covers the pool"
-    out = pooled[(pooled < 0) | (pooled >= N)]
-    if len(out):
-        return "block ids", f"in 0..{N - 1}", int(out[0]), "a free block id outside the pool"
-    seen = np.bincount(pooled, minlength=N)
-    if len(pooled) and seen.max() > 1:
+        return ("reference counts", f"{N} (one per block)", len(ref),
+                "block_state().refcount covers the pool"), None
+    if len(pooled) and (pooled.min() < 0 or pooled.max() >= N):
+        out = pooled[(pooled < 0) | (pooled >= N)]
+        return ("block ids", f"in 0..{N - 1}", int(out[0]), "a free block id outside the pool"), None
+    seen = np.zeros(N, dtype=np.int32)
+    seen[pooled] = 1
+    if np.count_nonzero(seen) < len(pooled):  # which block, how many times: counted only then
+        seen = np.bincount(pooled, minlength=N)
         b = int(seen.argmax())
         return ("free blocks", "each block once", f"block {b} {seen[b]} times",
-                "a block appears twice in the free structure: the free count runs high")
+                "a block appears twice in the free structure: the free count runs high"), None
     neg = np.flatnonzero(ref < 0)
     if len(neg):
-        return f"reference count of block {neg[0]}", ">= 0", int(ref[neg[0]]), "no count is ever negative"
-    both = np.flatnonzero((seen > 0) & (ref > 0))
+        return (f"reference count of block {neg[0]}", ">= 0", int(ref[neg[0]]),
+                "no count is ever negative"), None
+    both = pooled[ref[pooled] > 0]
     if len(both):
-        return (f"block {both[0]}", "free or in use", "both",
-                f"in the free structure with {ref[both[0]]} reference(s)")
-    if len(pooled) != led.blocks_free:
-        return ("blocks_free", len(pooled), led.blocks_free,
-                f"the free structure holds {len(free)} + {len(cached)} cached blocks")
-    if len(cached) != led.cached_blocks:
-        return "cached_blocks", len(cached), led.cached_blocks, "the cached (evictable) blocks listed"
-    used = int(np.count_nonzero(ref))
-    if len(pooled) + used != N:
-        return ("evictable + protected + free", N, len(pooled) + used,
-                f"{len(cached)} evictable + {used} in use + {len(free)} free")
-    holders = np.zeros(N, dtype=np.int64)
-    group = np.full(N, -1, dtype=np.int64)
+        b = int(both.min())
+        return (f"block {b}", "free or in use", "both",
+                f"in the free structure with {ref[b]} reference(s)"), None
+    why = _count_identities(len(free), len(cached), int(np.count_nonzero(ref)), led, N)
+    if why:
+        return why, None
+    holders = np.zeros(N, dtype=np.int32)
+    group = np.full(N, -1, dtype=np.int8)
     for g, (ids, owner) in enumerate(_flatten(state.tables)):
-        held = ids != -1
-        ids, owner = ids[held], owner[held]
-        bad = np.flatnonzero((ids < 0) | (ids >= N))
-        if len(bad):
-            return "block ids", f"in 0..{N - 1}", int(ids[bad[0]]), f"in the table of sequence {owner[bad[0]]}"
-        unheld = np.flatnonzero((ref[ids] < 1) | (seen[ids] > 0))
-        if len(unheld):
-            b, s = int(ids[unheld[0]]), int(owner[unheld[0]])
-            return (f"block {b}", "in use while a table holds it",
-                    "free" if seen[b] else f"{ref[b]} references", f"sequence {s} holds it in group {g}")
-        other = np.flatnonzero(group[ids] != -1)
-        if len(other):
-            b, s = int(ids[other[0]]), int(owner[other[0]])
-            return (f"block {b}", f"in tables of group {group[b]} only", f"also in group {g}",
-                    f"sequence {s} holds in group {g} a block that serves group {group[b]}")
-        np.add.at(holders, ids, 1)
-        group[ids] = g
+        why = _group_identities(g, ids, owner, ref, seen, holders, group, N)
+        if why:
+            return why, None
     if whole:
         wrong = np.flatnonzero(holders != ref)
         if len(wrong):
             b = int(wrong[0])
             return (f"reference count of block {b}", int(holders[b]), int(ref[b]),
-                    "one reference per table that holds it (a free call drops one per sequence)")
+                    "one reference per table that holds it (a free call drops one per sequence)"), None
+    return None, (seen, holders, group)
+
+
+def _count_identities(free: int, cached: int, used: int, led: Ledger, N: int):
+    """The free structure's counts against the ledger's, and evictable + protected + free = pool."""
+    if free + cached != led.blocks_free:
+        return ("blocks_free", free + cached, led.blocks_free,
+                f"the free structure holds {free} + {cached} cached blocks")
+    if cached != led.cached_blocks:
+        return "cached_blocks", cached, led.cached_blocks, "the cached (evictable) blocks listed"
+    if free + cached + used != N:
+        return ("evictable + protected + free", N, free + cached + used,
+                f"{cached} evictable + {used} in use + {free} free")
     return None
 
 
-def table_identities(state: BlockState, config: CacheConfig):
-    """The tables given (the sequences an operation changed): every held block id lies in the
-    pool and has a reference. O(blocks of those tables)."""
-    N = config.num_blocks
-    ref = state.refcount
-    for g, (ids, owner) in enumerate(_flatten(state.tables)):
-        held = ids != -1
-        ids, owner = ids[held], owner[held]
-        bad = np.flatnonzero((ids < 0) | (ids >= N))
-        if len(bad):
-            return "block ids", f"in 0..{N - 1}", int(ids[bad[0]]), f"in the table of sequence {owner[bad[0]]}"
-        unheld = np.flatnonzero(np.asarray(ref)[ids] < 1) if len(ids) else []
-        if len(unheld):
-            b, s = int(ids[unheld[0]]), int(owner[unheld[0]])
-            return (f"block {b}", "in use while a table holds it", f"{ref[b]} references",
-                    f"sequence {s} holds it in group {g}")
+def _group_identities(g: int, ids, owner, ref, seen, holders, group, N: int):
+    """One group's table entries (``owner``: the sequence of each): in the pool, in use and not
+    free, serving this group only; counted into ``holders`` and ``group``."""
+    held = ids != -1
+    ids, owner = ids[held], owner[held]
+    bad = np.flatnonzero((ids < 0) | (ids >= N))
+    if len(bad):
+        return "block ids", f"in 0..{N - 1}", int(ids[bad[0]]), f"in the table of sequence {owner[bad[0]]}"
+    unheld = np.flatnonzero((ref[ids] < 1) | (seen[ids] > 0))
+    if len(unheld):
+        b, s = int(ids[unheld[0]]), int(owner[unheld[0]])
+        return (f"block {b}", "in use while a table holds it",
+                "free" if seen[b] else f"{ref[b]} references", f"sequence {s} holds it in group {g}")
+    other = np.flatnonzero((group[ids] != -1) & (group[ids] != g))
+    if len(other):
+        b, s = int(ids[other[0]]), int(owner[other[0]])
+        return (f"block {b}", f"in tables of group {group[b]} only", f"also in group {g}",
+                f"sequence {s} holds in group {g} a block that serves group {group[b]}")
+    np.add.at(holders, ids, 1)
+    group[ids] = g
     return None
 
 
@@ -241,10 +473,13 @@ def compare_structures(expected: BlockState, actual: BlockState, whole: bool = T
     if whole:
         for name, e, a in (("free blocks (next taken first)", expected.free, actual.free),
                            ("cached blocks (next evicted first)", expected.cached, actual.cached)):
-            e, a = [int(b) for b in e], [int(b) for b in a]
-            if e != a:
-                return name, e, a, _first_difference(e, a)
+            e = np.asarray(e, dtype=np.int64).reshape(-1)
+            a = np.asarray(a, dtype=np.int64).reshape(-1)
+            if not np.array_equal(e, a):
+                return name, e.tolist(), a.tolist(), _first_difference(e, a)
     return None
+
+
 def _first_difference(e, a) -> str:
     e, a = list(e), list(a)
     i = next((i for i, (x, y) in enumerate(zip(e, a)) if x != y), min(len(e), len(a)))

@@ -40,7 +40,14 @@ from fractions import Fraction
 import numpy as np
 
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import BlockState, CacheConfig, Capabilities, Ledger, hash_writer
+from kvbench.contract.protocol import (
+    BlockChanges,
+    BlockState,
+    CacheConfig,
+    Capabilities,
+    Ledger,
+    hash_writer,
+)
 from kvbench.quant import pool as quant_pool
 
 
@@ -104,7 +111,10 @@ class Oracle:
         # paged model: block id -> [refcount, fill]; the group each block in use serves
         self.blocks: dict[int, list] = {}
         self.group_of: dict[int, int] = {}
-        self.free_stack = list(range(config.num_blocks - 1, -1, -1))  # top = end: 0 first
+        # The uncached free blocks as a stack, top = end, on top of the blocks never handed out
+        # (fresh .. num_blocks - 1, fresh taken first): no list as long as the pool.
+        self.free_stack: list = []
+        self.fresh = 0
         self.tenant_stats: dict[str, TenantStats] = {}
         # Prefix caching: full blocks registered by (group, key); a freed one stays cached
         # (evictable, first in first evicted) until its space is needed.
@@ -126,6 +136,11 @@ class Oracle:
         self._res_total = 0
         self._usage: dict = {}  # tenant -> [blocks (slots) held, live sequences]
         self.edits = 0  # changes of any reference count: what block structures a check must reread
+        # What changed since the last block_state() (its mark): the fewest uncached free
+        # blocks since, and the cached queue's entries and exits, in order.
+        self._mark = None
+        self._free_low = 0
+        self._cached_log: list | None = None
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
 
@@ -146,12 +161,21 @@ class Oracle:
     def blocks_free(self) -> int:
         return self.config.num_blocks - len(self.blocks)
 
+    @property
+    def uncached_free(self) -> int:
+        """Free blocks that hold no cached prefix."""
+        return len(self.free_stack) + self.config.num_blocks - self.fresh
+
     def _new_block(self, fill: int, group: int) -> int:
         self.edits += 1
         if self.free_stack:
             b = self.free_stack.pop()
+        elif self.fresh < self.config.num_blocks:
+            b = self.fresh
+            self.fresh += 1
         else:  # reuse the least recently freed cached block
             b = self.evictable.popitem(last=False)[0]
+            self._log_cached(b, False)
             key = self.hash_of.pop(b)
             self.by_hash[key].remove(b)
             if not self.by_hash[key]:
@@ -161,6 +185,7 @@ class Oracle:
         self.filled += fill
         self.group_used[group] += 1
         self.refs[b] = 1
+        self._free_low = min(self._free_low, self.uncached_free)
         return b
 
     def _drop_ref(self, b: int) -> None:
@@ -175,6 +200,7 @@ class Oracle:
             del self.group_of[b]
             if b in self.hash_of:
                 self.evictable[b] = None
+                self._log_cached(b, True)
             else:
                 self.free_stack.append(b)
 
@@ -256,6 +282,7 @@ class Oracle:
                     self._add_ref(b)
                 else:
                     del self.evictable[b]
+                    self._log_cached(b, False)
                     self.blocks[b] = [1, self.B]
                     self.group_of[b] = self.hash_of[b][0]
                     self.filled += self.B
@@ -459,13 +486,17 @@ class Oracle:
                         table[i] = None
 
     def _snapshot(self):
-        return copy.deepcopy((self.seqs, self.blocks, self.group_of, self.free_stack,
+        marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
+        return copy.deepcopy((self.seqs, self.blocks, self.group_of, self.free_stack, self.fresh,
                               self.evictable, self.by_hash, self.hash_of, self.filled, self.shared,
-                              self.group_used, self.refs))
+                              self.group_used, self.refs)), marks
 
     def _restore(self, snap) -> None:
-        (self.seqs, self.blocks, self.group_of, self.free_stack, self.evictable, self.by_hash,
-         self.hash_of, self.filled, self.shared, self.group_used, self.refs) = snap
+        snap, (self._free_low, logged) = snap
+        (self.seqs, self.blocks, self.group_of, self.free_stack, self.fresh, self.evictable,
+         self.by_hash, self.hash_of, self.filled, self.shared, self.group_used, self.refs) = snap
+        if logged is not None:  # the changes undone are no changes
+            del self._cached_log[logged:]
         self._dirty.update(self.seqs)  # sequences are new objects: settle them again
 
     # --- the operations --------------------------------------------------------------------
@@ -750,17 +781,35 @@ class Oracle:
             out.append(min(first * self.B, st.tokens))
         return tuple(out)
 
-    def block_state(self, seqs=None) -> BlockState:
+    def _log_cached(self, block: int, entered: bool) -> None:
+        if self._cached_log is not None:
+            self._cached_log.append((block, entered))
+
+    def free_list(self, count: int | None = None) -> np.ndarray:
+        """The first ``count`` uncached free blocks, next taken first (None: all of them)."""
+        stack = self.free_stack
+        top = stack[::-1] if count is None or count >= len(stack) else stack[len(stack) - count:][::-1]
+        rest = self.config.num_blocks - self.fresh
+        if count is not None:
+            rest = max(0, min(rest, count - len(top)))
+        return np.concatenate([np.array(top, dtype=np.int64),
+                               np.arange(self.fresh, self.fresh + rest, dtype=np.int64)])
+
+    def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
         """The block structures every backend declaring ``block_ids`` must have, id for id.
-        ``seqs``: the tables of these sequences only, and no free or cached order (only a whole
-        comparison reads those)."""
-        whole = seqs is None
-        live = self.seqs if whole else [s for s in seqs if s in self.seqs]
-        return BlockState(free=self.free_stack[::-1] if whole else [],
-                          cached=list(self.evictable) if whole else [],
-                          refcount=self.refs.tolist() if whole else self.refs,
-                          tables={s: [[-1 if b is None else b for b in t] for t in self.seqs[s].tables]
-                                  for s in live})
+        ``seqs``: the tables of these sequences only (None: every live one). ``changed_since``:
+        the ``mark`` of the last state, for its changes only (as a backend gives them)."""
+        live = self.seqs if seqs is None else [s for s in seqs if s in self.seqs]
+        tables = {s: [[-1 if b is None else b for b in t] for t in self.seqs[s].tables] for s in live}
+        size = self.uncached_free
+        changes = None
+        if changed_since is not None and changed_since is self._mark:
+            changes = BlockChanges(self.free_list(size - self._free_low), size, self._cached_log)
+        self._mark, self._free_low, self._cached_log = object(), size, []
+        if changes is not None:
+            return BlockState(None, None, self.refs, tables, self._mark, changes)
+        return BlockState(free=self.free_list(), cached=list(self.evictable), refcount=self.refs,
+                          tables=tables, mark=self._mark)
 
 
 def content_segments(seq: int, tokens: int, keys, block_size: int) -> list:

@@ -60,7 +60,7 @@ def cmd_prefix(args) -> int:
         {n if unit == "blocks" else n // args.block_size for n, unit in args.sizes})
     if sizes is not None and min(sizes) < 1:
         raise options.UsageError(f"--sizes: less than one block of {args.block_size} tokens")
-    curve = prefix.hit_rate_curve(trace, sizes=sizes, backend=args.backend)
+    curve = prefix.hit_rate_curve(trace, sizes=sizes, backend=args.backend, progress=True)
     print(f"{Path(args.trace).name}: {len(requests)} requests, blocks of {args.block_size} tokens. "
           f"hit_rate = full blocks found in the cache / full blocks looked up (the backend's own "
           f"count, confirmed by the oracle after every operation)")

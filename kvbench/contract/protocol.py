@@ -131,6 +131,28 @@ class BlockState:
     cached: object
     refcount: object
     tables: dict
+    # Give ``mark`` back as ``block_state(changed_since=mark)`` to get only what changed after this
+    # state (None: the backend reports whole states only).
+    mark: object = None
+    # Set in a state of changes, and then ``free`` and ``cached`` are None (see BlockChanges).
+    changes: BlockChanges | None = None
+
+
+@dataclass
+class BlockChanges:
+    """What changed in the free structures since a mark (``block_state(changed_since=mark)``),
+    read from the structures themselves, so the checker need not copy the pool per operation.
+
+    ``free_head``: the first entries of the free list (next taken first) that may have changed;
+    the other ``free_size - len(free_head)`` entries are those the list ended with at the mark.
+    ``cached``: the cached queue's changes in order, ``(block, True)`` for a block appended at its
+    end, ``(block, False)`` for one taken out. In such a state ``refcount`` need only answer for
+    the blocks that changed: indexed by an array of block ids, it gives their counts.
+    """
+
+    free_head: object
+    free_size: int
+    cached: list
 
 
 class Backend(ABC):
@@ -205,7 +227,10 @@ class Backend(ABC):
     def block_state(self, seqs=None) -> BlockState:
         """The backend's block structures (optional; SPEC §10's structural checks need it).
         ``seqs``: the sequences whose tables the checker reads (None: every live one); the
-        free structure and the reference counts always cover the whole pool."""
+        free structure and the reference counts cover the whole pool. A backend may also take
+        ``changed_since`` (a ``mark`` of its last state) and answer with ``BlockChanges``: the
+        checker then checks after each operation only the blocks it changed, and the whole
+        pool at sweeps (a backend without it is checked whole at the sweeps only)."""
         raise NotImplementedError(f"{self.name} does not expose its block structures")
 
     def close(self) -> None:
@@ -293,5 +318,5 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 
 
 __all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
-           "REPORTED_FIELDS", "BlockState", "WINDOW_RELEASE_RULES", "Backend", "kv_tokens",
+           "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend", "kv_tokens",
            "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of"]
