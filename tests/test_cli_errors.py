@@ -204,6 +204,62 @@ def test_an_output_that_is_a_folder(tmp_path, capsys):
             names=f"--output: {tmp_path} is a folder; give a file name")
 
 
+# --- outputs: nothing destroyed, nothing lost -------------------------------------------------
+
+def special_file(kind, tmp_path) -> Path:
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        return tmp_path / "fifo"
+    if kind == "link":  # /dev/stdout is one: a rename would replace the link with a file
+        (tmp_path / "target.json").write_text("kept")
+        (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+        return tmp_path / "link.json"
+    return Path(kind)
+
+
+@pytest.mark.parametrize("kind, what", [("/dev/null", "a character device"),
+                                        ("/dev/full", "a character device"),
+                                        ("fifo", "a FIFO"), ("link", "a symbolic link")])
+def test_an_output_that_is_not_a_regular_file_is_left_untouched(kind, what, tmp_path, capsys):
+    path = special_file(kind, tmp_path)
+    before = os.lstat(path)
+    refused(["run", TRACE, "--backend", "numpy", "--quiet", "--output", str(path)], capsys,
+            names=f"--output: {path} is {what}: kvbench writes only regular files")
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+
+
+def test_dash_as_output_is_stdout(tmp_path):
+    got = run_module("kvbench.cli", "run", TRACE, "--backend", "numpy", "--quiet", "--output", "-")
+    assert got.returncode == 0, got.stderr
+    rec = json.loads(got.stdout)  # the record alone: the table went to stderr
+    assert rec["kind"] == "run" and [r["workload"] for r in rec["rows"]] == ["fork-beam"]
+    assert "results in -" in got.stderr and not (ROOT / "-").exists()
+
+
+def test_two_records_written_in_one_second_get_two_names(tmp_path, monkeypatch):
+    from kvbench.bench import records
+    monkeypatch.setattr(records, "RESULTS_DIR", tmp_path)
+    rec = records.record("run", [], {})  # one "created" second for both
+    first, second = records.write(rec), records.write(rec)
+    assert first != second and first.exists() and second.exists()
+    assert f"-{os.getpid()}-" in first.name
+
+
+def test_an_io_error_writing_the_record_names_the_file(tmp_path):
+    import resource
+
+    def small_files():  # files of at most 4 KiB: the record (about 7 KiB) fails as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = tmp_path / "r.json"
+    got = run_module("kvbench.cli", "run", TRACE, "--backend", "numpy", "--quiet", "--output",
+                     str(out), preexec_fn=small_files)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == f"kvbench: error: {out}: File too large\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- gates -----------------------------------------------------------------------------------
 
 def test_gates_use_the_names_of_kvbench_list(capsys):
@@ -281,20 +337,26 @@ def test_staged_outputs_leave_nothing_when_interrupted(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
 
 
-def test_ctrl_c_during_a_run(tmp_path):
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_during_a_run_keeps_the_finished_runs(signum, code, word, tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "--output", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)
-    # The first progress line (every 5 s in a log): past the imports, inside the replay, however
-    # loaded the machine is (the default run takes about a minute).
+    # The first progress line (every 5 s in a log, after a run finished): past the imports,
+    # inside the replay, however loaded the machine is (the default run takes about a minute).
     first = proc.stderr.readline()
     assert first.startswith("replaying:"), first
-    proc.send_signal(signal.SIGINT)
+    finished = int(first.split()[1].split("/")[0])  # "replaying: 3/175 runs (5 s)"
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert stderr.endswith("kvbench: interrupted\n") and "Traceback" not in stderr
-    assert list(tmp_path.iterdir()) == []  # no record, no temporary file
+    assert proc.returncode == code, stderr
+    assert stderr.endswith(f"kvbench: {word}\n") and "Traceback" not in stderr
+    rec = json.loads(out.read_text())
+    assert rec["partial"] == f"{word} after {len(rec['rows'])} runs" and len(rec["rows"]) >= finished
+    assert f"are in {out} (a partial record)" in stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # no temporary file
 
 
 def test_save_leaves_no_partial_trace(tmp_path, monkeypatch):
