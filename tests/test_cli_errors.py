@@ -63,6 +63,17 @@ def test_a_bad_option_value_is_one_line(argv, option, capsys):
     refused(argv, capsys, names=option)
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["run", TRACE, "--block-size", "99999999999999999999999"],
+     "--block-size: must be at most 2,147,483,647, got 99999999999999999999999"),  # 2**31 - 1
+    (["run", TRACE, "--backend", "os:path"],
+     "--backend os:path: os:path is a module, not a backend factory"),
+    (["results", "any", "--agg", "bogus"], "--agg: invalid choice: 'bogus'"),
+])
+def test_an_option_the_backend_would_have_failed_on(argv, names, capsys):
+    refused(argv, capsys, names=names)
+
+
 @pytest.mark.parametrize("budget", ["100B", "0"])
 def test_a_budget_under_one_block(budget, capsys):
     # fork-beam: the tiny model, 128 B per token; a block of 16 tokens is 2048 = 16 * 128 bytes.
@@ -162,6 +173,13 @@ def test_a_binary_request_trace(tmp_path, capsys):
     path = tmp_path / "req.jsonl"
     path.write_bytes(b'{"timestamp": 0}\n\xff\xff')
     refused(["prefix", str(path)], capsys, names=f"{path}:2: not UTF-8 text (byte 0xff)")
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_trace_of_a_header_only_checks_nothing(command, tmp_path, capsys):
+    path = write_lines(tmp_path, "empty.jsonl", [HEADER])
+    refused([command, path, "--backend", "numpy"], capsys,
+            names=f"{path}: no operations after the header: nothing to check")
 
 
 def test_a_missing_trace_file(tmp_path, capsys):

@@ -10,7 +10,7 @@ from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
 from kvbench.progress import Progress
-from kvbench.traces.format import Trace, load
+from kvbench.traces.format import Trace, TraceError, load
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 POLICIES = ("lru", "lfu", "fair")
@@ -197,7 +197,13 @@ def run_suite(traces: list, backends: list, *, policy: str | None = "auto", prog
 
 
 def load_traces(paths) -> list[Trace]:
-    return [load(str(p)) for p in paths]
+    """The traces to check; a TraceError for one with no operations (checking nothing must not
+    pass)."""
+    traces = [load(str(p)) for p in paths]
+    for path, trace in zip(paths, traces):
+        if not len(trace):
+            raise TraceError("no operations after the header: nothing to check", str(path))
+    return traces
 
 
 __all__ = ["committed_workloads", "config_for", "policies_for", "run_suite", "run_one",

@@ -23,6 +23,7 @@ import sys
 import threading
 import traceback
 
+from kvbench.contract.formulas import MAX_BLOCK_SIZE
 from kvbench.contract.registry import BackendUnavailable
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -52,14 +53,24 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def positive_int(text: str) -> int:
+INT64_MAX = (1 << 63) - 1  # counts and ids are stored as int64
+
+
+def positive_int(text: str, maximum: int = INT64_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {value}")
     return value
+
+
+def block_size(text: str) -> int:
+    """Tokens per block: a positive integer up to MAX_BLOCK_SIZE."""
+    return positive_int(text, MAX_BLOCK_SIZE)
 
 
 def nonnegative_int(text: str) -> int:

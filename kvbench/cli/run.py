@@ -25,7 +25,7 @@ RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache settings (default: the trace header's, else tiny model, B=16, 256 blocks)")
     g.add_argument("--model", help="model preset (kvbench list shows them)")
-    g.add_argument("--block-size", type=options.positive_int, help="tokens per block")
+    g.add_argument("--block-size", type=options.block_size, help="tokens per block")
     g.add_argument("--budget", help="budget in blocks ('1024') or bytes ('12GiB'); at least one "
                                     "block; beyond this machine's memory, the run is ledger-only")
     g.add_argument("--max-context", type=options.positive_int,

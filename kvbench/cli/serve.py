@@ -18,7 +18,7 @@ from kvbench.analyses.breakdown import (
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
 from kvbench.checking.suite import blocks_of_budget, machine_memory
-from kvbench.cli.options import UsageError, positive_float, positive_int
+from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
 from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -63,7 +63,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="--scenario opt13b: write breakdown.csv/.md/.png there (e.g. results/paper)")
     add("--backend", action="append", help="backend name (repeatable)")
     add("--model", help="model preset (default opt-13b)")
-    add("--block-size", type=positive_int, help="default 16")
+    add("--block-size", type=block_size, help="default 16")
     add("--budget", help="blocks ('1024') or bytes (default '12GiB')")
     add("--max-context", type=positive_int, help="default: next pow2 of the longest request")
     add("--device", default="cpu", help="device of the torch backend: cpu or cuda")

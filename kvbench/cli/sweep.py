@@ -191,7 +191,8 @@ def register(sub) -> None:
     p.add_argument("--rows", default="backend", help="row columns, comma-separated (default backend)")
     p.add_argument("--cols", help="column of the pivot (default: status counts)")
     p.add_argument("--metric", help="the value shown (default: count of cells by status)")
-    p.add_argument("--agg", default="mean", help="how cells in one place combine: mean, median, min, max, count")
+    p.add_argument("--agg", default="mean", choices=sweep_charts.AGGREGATIONS,
+                   help=f"how cells in one place combine: {', '.join(sweep_charts.AGGREGATIONS)}")
     p.add_argument("--where", action="append", metavar="COL=V[,V]", help="keep cells where COL is one of the values")
     p.add_argument("--commit", help="cells of this commit (prefix), or 'all' (default: the newest)")
     p.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="draw --metric over X x Y")

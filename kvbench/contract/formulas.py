@@ -14,6 +14,10 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+# Tokens a block at most: slot and token arithmetic (blocks * block_size) stays within int64 for
+# any pool a machine can index.
+MAX_BLOCK_SIZE = (1 << 31) - 1
+
 
 @dataclass(frozen=True)
 class KVGroup:
