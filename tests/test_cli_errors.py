@@ -157,6 +157,64 @@ def test_more_block_hashes_than_full_blocks(tmp_path, capsys):
             names=f"{path}:2: 3 block_hashes for 40 tokens: a prompt of 40 tokens has 2 full blocks of 16")
 
 
+PREFILL = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40}
+
+
+@pytest.mark.parametrize("header, names", [
+    ({"settings": {"block_size": "huge"}},
+     "setting 'block_size' must be a positive integer (at most 2,147,483,647), got 'huge'"),
+    ({"settings": {"block_size": 0}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"num_blocks": 0}}, "setting 'num_blocks' must be a positive integer, got 0"),
+    ({"settings": {"block_size": 2.5}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"num_blocks": True}}, "setting 'num_blocks' must be a positive integer, got True"),
+    ({"settings": {"block_size": []}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"prefix_caching": "yes"}}, "setting 'prefix_caching' must be true or false"),
+    ({"settings": {"budget": "1GiB"}}, "unknown setting 'budget' (the settings: model, block_size"),
+    ({"settings": "abc"}, "header field 'settings' must be an object, got 'abc'"),
+    ({"settings": {"model": "nope"}}, "setting 'model': unknown model 'nope'; known: "),
+    ({"settings": {"policy": "mru"}}, "setting 'policy': 'mru' is not a policy (lru, lfu, fair)"),
+    ({"groups": ["sliding(0)"]}, "'groups': 'sliding(0)': a sliding window is at least 1 token"),
+    ({"groups": ["full", "full", "full"]},  # the tiny model's 2 layers
+     "'groups': model 'tiny': 2 layers do not split into 3 groups"),
+    ({"groups": []}, "'groups' must be a non-empty list of group kinds"),
+    ({"tenant": {"a": 1}}, "unknown header field 'tenant' (the header's fields: kvbench_trace"),
+])
+def test_header_settings_are_typed(header, names, tmp_path, capsys):
+    path = write_lines(tmp_path, "h.jsonl", [{**HEADER, **header}, PREFILL])
+    refused(["check", path, "--backend", "numpy"], capsys, names=f"{path}:1: {names}")
+
+
+@pytest.mark.parametrize("line, names", [
+    ({**PREFILL, "block_hashes": [{"a": 1}]},
+     "2: block_hashes[0] must be an integer or a non-empty string, got {'a': 1}"),
+    ({**PREFILL, "block_hash": [1, 2]},  # the typo would have turned prefix caching off
+     "2: unknown field 'block_hash' of op 'prefill' (its fields: adapter, block_hashes, "),
+    ('{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40, "tokens": 4}',
+     "2: not valid JSON for kvbench: key 'tokens' is given twice"),
+    ("[" * 10**5 + "]" * 10**5, "2: not valid JSON for kvbench: nested too deeply"),
+    ({"step": 1, "op": "append", "seqs": [0], "tokens": [1], "tenant": "a"},
+     "3: unknown field 'tenant' of op 'append'"),
+])
+def test_a_field_that_would_be_ignored_or_crash_later(line, names, tmp_path, capsys):
+    lines = [json.dumps(HEADER), json.dumps(PREFILL) if "append" in str(line) else None,
+             line if isinstance(line, str) else json.dumps(line)]
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(x + "\n" for x in lines if x is not None))
+    refused(["check", str(path), "--backend", "numpy"], capsys, names=f"{path}:{names}")
+
+
+def test_an_extra_csv_column(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    path.write_text(f"# {json.dumps(HEADER)}\nstep,op,seq,tenant,tokens,src,note\n0,prefill,0,a,4,,x\n")
+    refused(["check", str(path), "--backend", "numpy"], capsys,
+            names=f"{path}:2: columns must be ['step', 'op', 'seq', 'tenant', 'tokens', 'src'], got")
+
+
+@pytest.mark.parametrize("command", ["check", "prefix"])
+def test_a_device_is_not_read_forever(command, capsys):
+    refused([command, "/dev/zero"], capsys, names="/dev/zero: a character device, not a trace file")
+
+
 def test_a_binary_file(tmp_path, capsys):
     path = tmp_path / "garbage.jsonl"
     path.write_bytes(b'{"kvbench_trace": 1, "family": "t"}\n\x89PNG\r\n\x1a\n\xff\xfe\x00')

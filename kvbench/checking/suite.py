@@ -52,7 +52,10 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     s = trace.header.settings
     spec = F.get_model(model or s.get("model", "tiny"))
     if trace.header.groups:  # the trace names the model's KV cache groups (SPEC §8)
-        spec = F.with_group_kinds(spec, trace.header.groups)
+        try:
+            spec = F.with_group_kinds(spec, trace.header.groups)
+        except ValueError as e:  # the header's groups, for the model of this run
+            raise TraceError(f"'groups': {e}", trace.path or trace.name, 1) from None
     bs = int(block_size or s.get("block_size", 16))
     if bs <= 0:
         raise ValueError(f"--block-size: must be a positive integer, got {bs}")
@@ -102,8 +105,12 @@ def policies_for(trace: Trace, policy: str | None) -> list:
     """'auto': the policy the trace's header settings name (a shrunk or saved failure), else all
     three for a tenant mix (a trace that names tenant weights), else none."""
     if policy in (None, "auto"):
-        if trace.header.settings.get("policy"):
-            return [trace.header.settings["policy"]]
+        named = trace.header.settings.get("policy")
+        if named and named not in POLICIES:
+            raise TraceError(f"setting 'policy': {named!r} is not a policy ({', '.join(POLICIES)})",
+                             trace.path or trace.name, 1)
+        if named:
+            return [named]
         return list(POLICIES) if trace.header.tenants else [None]
     if policy == "none":
         return [None]

@@ -16,6 +16,9 @@ only between prefills with the same salt and adapter. The header may name the mo
 groups (``"groups": ["sliding(32)", "full"]``, SPEC §8). Large traces can be stored as CSV (one
 row per sequence and step; a batched append is several rows with one step; the header is the
 first line, ``# {json}``).
+
+A field the format does not know (a typo: ``block_hash``), a key given twice on one line, a header
+setting of the wrong type: each is refused with the file and the line, never ignored.
 """
 from __future__ import annotations
 
@@ -30,9 +33,9 @@ from typing import Iterable, Iterator
 from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
 
-from kvbench.contract.formulas import parse_kind
+from kvbench.contract.formulas import MAX_BLOCK_SIZE, get_model, parse_kind
 from kvbench.outputs import staged
-from kvbench.traces.inputs import check_prefill, text_lines
+from kvbench.traces.inputs import check_prefill, open_input, text_lines
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -54,7 +57,7 @@ class Header:
     params: dict = field(default_factory=dict)
     seed: int | None = None
     tenants: dict = field(default_factory=dict)  # tenant -> weight (for Fair eviction)
-    settings: dict = field(default_factory=dict)  # defaults for a run: block_size, budget, model
+    settings: dict = field(default_factory=dict)  # defaults for a run: SETTINGS names them
     version: int = FORMAT_VERSION
     groups: tuple = ()  # the model's KV cache group kinds, "full" / "sliding(W)" (SPEC §8)
 
@@ -78,6 +81,7 @@ class Trace:
     header: Header
     ops: list
     name: str = "trace"
+    path: str | None = None  # the file it was read from: errors found later name it
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
@@ -162,6 +166,44 @@ def final_lengths(ops: Iterable[Op]) -> dict:
 
 INT64_MAX = (1 << 63) - 1  # ids, steps and lengths are stored as int64
 
+# The fields of each operation (anything else is refused: a typo must not silently drop a field).
+OP_FIELDS = {"prefill": {"step", "op", "seq", "tenant", "tokens", "block_hashes", "token_ids",
+                         "salt", "adapter"},
+             "append": {"step", "op", "seqs", "tokens"},
+             "fork": {"step", "op", "seq", "src"},
+             "free": {"step", "op", "seq"}}
+HEADER_FIELDS = ("kvbench_trace", "family", "generator", "params", "seed", "tenants", "settings",
+                 "groups")
+# The header's settings (defaults of a run) and their types: a positive integer up to a bound,
+# a flag, or a name.
+SETTINGS = {"model": str, "block_size": MAX_BLOCK_SIZE, "num_blocks": INT64_MAX,
+            "max_context": INT64_MAX, "prefix_caching": bool, "store_kv": bool, "policy": str}
+
+
+def _unique_keys(pairs) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} is given twice (which one is meant?)")
+    return d
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+def parse_json(text: str, fail):
+    """One line's JSON value; ``fail`` for invalid JSON, a key given twice in one object, or
+    nesting deeper than the parser's recursion allows."""
+    try:
+        return _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        fail(f"not valid JSON: {e.msg}")
+    except ValueError as e:
+        fail(f"not valid JSON for kvbench: {e}")
+    except RecursionError:
+        fail("not valid JSON for kvbench: nested too deeply for the parser (a trace line nests two or three levels)")
+
 
 def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     if key not in d:
@@ -180,6 +222,10 @@ def parse_op(d: dict, fail) -> Op:
     if not isinstance(d, dict):
         fail(f"an operation must be a JSON object, got {type(d).__name__}")
     kind = d.get("op")
+    unknown = sorted(set(d) - OP_FIELDS[kind]) if kind in OP_FIELDS else []
+    if unknown:
+        fail(f"unknown field {unknown[0]!r} of op {kind!r} (its fields: "
+             f"{', '.join(sorted(OP_FIELDS[kind]))})")
     step = _int(d, "step", fail, minimum=0)
     if kind == "prefill":
         tenant = d.get("tenant")
@@ -189,6 +235,9 @@ def parse_op(d: dict, fail) -> Op:
         if hashes is not None:
             if not isinstance(hashes, list):
                 fail("'block_hashes' must be a list")
+            for i, h in enumerate(hashes):
+                if not ((isinstance(h, int) and not isinstance(h, bool)) or (isinstance(h, str) and h)):
+                    fail(f"block_hashes[{i}] must be an integer or a non-empty string, got {h!r}")
             hashes = tuple(hashes)
         tokens = _int(d, "tokens", fail, 1)
         ids = d.get("token_ids")
@@ -265,24 +314,61 @@ def parse_header(d, fail) -> Header:
     version = d["kvbench_trace"]
     if version not in SUPPORTED_VERSIONS:
         fail(f"trace format version {version!r} is not known (this kvbench reads {SUPPORTED_VERSIONS})")
+    unknown = sorted(set(d) - set(HEADER_FIELDS))
+    if unknown:
+        fail(f"unknown header field {unknown[0]!r} (the header's fields: {', '.join(HEADER_FIELDS)})")
     family = d.get("family")
     if not isinstance(family, str) or not family:
         fail("header needs a non-empty 'family'")
-    tenants = d.get("tenants", {}) or {}
+    for key, kind in (("generator", str), ("params", dict), ("tenants", dict), ("settings", dict)):
+        if d.get(key) is not None and not isinstance(d[key], kind):
+            fail(f"header field {key!r} must be {'a string' if kind is str else 'an object'}, "
+                 f"got {d[key]!r}")
+    seed = d.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        fail(f"header field 'seed' must be an integer, got {seed!r}")
+    tenants = d.get("tenants") or {}
     for t, w in tenants.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
             fail(f"tenant {t!r} weight must be a positive number, got {w!r}")
-    groups = d.get("groups", []) or []
-    if not isinstance(groups, list):
-        fail("'groups' must be a list of group kinds (\"full\", \"sliding(W)\")")
-    for g in groups:
-        try:
-            parse_kind(g)
-        except ValueError as e:
-            fail(f"'groups': {e}")
-    return Header(family=family, generator=d.get("generator", ""), params=d.get("params", {}) or {},
-                  seed=d.get("seed"), tenants=tenants, settings=d.get("settings", {}) or {},
-                  version=version, groups=tuple(groups))
+    groups = d.get("groups")
+    if groups is not None:
+        if not isinstance(groups, list) or not groups:
+            fail("'groups' must be a non-empty list of group kinds (\"full\", \"sliding(W)\")")
+        for g in groups:
+            try:
+                window = parse_kind(g)
+            except ValueError as e:
+                fail(f"'groups': {e}")
+            if window is not None and window < 1:
+                fail(f"'groups': {g!r}: a sliding window is at least 1 token")
+    settings = d.get("settings") or {}
+    for key, value in settings.items():
+        _check_setting(key, value, fail)
+    return Header(family=family, generator=d.get("generator", ""), params=d.get("params") or {},
+                  seed=seed, tenants=tenants, settings=settings, version=version,
+                  groups=tuple(groups or ()))
+
+
+def _check_setting(key: str, value, fail) -> None:
+    """A header setting of the type SETTINGS gives it, else ``fail`` naming it."""
+    if key not in SETTINGS:
+        fail(f"unknown setting {key!r} (the settings: {', '.join(SETTINGS)})")
+    kind = SETTINGS[key]
+    if kind is bool:
+        if not isinstance(value, bool):
+            fail(f"setting {key!r} must be true or false, got {value!r}")
+    elif kind is str:
+        if not isinstance(value, str) or not value:
+            fail(f"setting {key!r} must be a non-empty string, got {value!r}")
+        if key == "model":
+            try:
+                get_model(value)
+            except ValueError as e:
+                fail(f"setting 'model': {e}")
+    elif isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= kind:
+        most = f" (at most {kind:,})" if kind < INT64_MAX else ""
+        fail(f"setting {key!r} must be a positive integer{most}, got {value!r}")
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
@@ -326,7 +412,7 @@ def _batch_row(d, b) -> bool:
     if type(d) is not dict or d.get("op") != "append":
         return False
     step, seqs, toks = d.get("step"), d.get("seqs"), d.get("tokens")
-    if not (type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
+    if not (len(d) == 4 and type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
             and seqs and len(seqs) == len(toks) and set(map(type, seqs)) == {int}
             and set(map(type, toks)) == {int} and min(seqs) >= 0 and min(toks) >= 1
             and max(seqs) < 1 << 63 and max(toks) < 1 << 63 and len(set(seqs)) == len(seqs)):
@@ -350,10 +436,7 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
                 raise TraceError(reason, path, _line)
             if not raw.strip():
                 continue
-            try:
-                d = json.loads(raw)
-            except json.JSONDecodeError as e:
-                fail(f"not valid JSON: {e.msg}")
+            d = parse_json(raw, fail)
             if header is None:
                 header = parse_header(d, fail)
                 continue
@@ -370,7 +453,7 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
     table = b.table()
     _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, table, name=name)
+    return Trace(header, table, name=name, path=path)
 
 
 # --- CSV (flat, for large traces) -------------------------------------------------------------
@@ -428,13 +511,11 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
             raise TraceError(reason, path, line)
         return fail
 
-    try:
-        header = parse_header(json.loads(first[1:]), fail_at(1))
-    except json.JSONDecodeError as e:
-        raise TraceError(f"header is not valid JSON: {e.msg}", path, 1) from None
+    header = parse_header(parse_json(first[1:], lambda reason: fail_at(1)(f"header is {reason}")),
+                          fail_at(1))
     reader = csv.DictReader(lines)
-    if reader.fieldnames is None or set(CSV_COLUMNS) - set(reader.fieldnames):
-        raise TraceError(f"columns must be {CSV_COLUMNS}", path, 2)
+    if reader.fieldnames is None or sorted(reader.fieldnames) != sorted(CSV_COLUMNS):
+        raise TraceError(f"columns must be {CSV_COLUMNS}, got {reader.fieldnames}", path, 2)
     b, where = C.TableBuilder(), array("q")
     batch: dict | None = None
     batch_line = 0
@@ -477,7 +558,7 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
     table = b.table()
     _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, table, name=name)
+    return Trace(header, table, name=name, path=path)
 
 
 def load(path: str) -> Trace:
@@ -486,7 +567,7 @@ def load(path: str) -> Trace:
     def fail(reason, line):
         raise TraceError(reason, path, line)
 
-    with open(path, "rb") as f:
+    with open_input(path, fail) as f:
         lines = text_lines(f, fail)
         return read_csv(lines, path) if path.endswith(".csv") else read_jsonl(lines, path)
 

@@ -1,7 +1,26 @@
-"""What a trace file must be before its operations are parsed: UTF-8 text without a byte-order
-mark, and prefill lines that agree with the header (declared tenants, no more block hashes than
-full blocks). Each check reports through ``fail`` (kvbench.traces.format raises its TraceError)."""
+"""What a trace file must be before its operations are parsed: a file (not a device: /dev/zero
+would be read forever), UTF-8 text without a byte-order mark in lines of bounded length, and
+prefill lines that agree with the header (declared tenants, no more block hashes than full
+blocks). Each check reports through ``fail`` (kvbench.traces.format raises its TraceError)."""
 from __future__ import annotations
+
+import os
+import stat
+
+# The longest line read (a prompt of a few million token ids): past it, the file is not a trace.
+MAX_LINE_BYTES = 1 << 26
+
+
+def open_input(path: str, fail):
+    """``path`` opened for reading in binary; ``fail(reason, line)`` for a device or a socket (a
+    FIFO streams, and the line bound keeps a stream without newlines from growing forever)."""
+    mode = os.stat(path).st_mode  # a missing file: FileNotFoundError, which names it
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        kind = "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+        fail(f"{kind}, not a trace file", None)
+    if stat.S_ISDIR(mode):
+        fail("a folder, not a trace file", None)
+    return open(path, "rb")
 
 
 def check_prefill(header, d: dict, fail) -> None:
@@ -24,7 +43,9 @@ def check_prefill(header, d: dict, fail) -> None:
 def text_lines(f, fail):
     """The lines of a binary file as text: UTF-8 without a byte-order mark, else
     ``fail(reason, line)`` (a binary file, a file saved with a BOM)."""
-    for lineno, raw in enumerate(f, start=1):
+    for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            fail(f"a line longer than {MAX_LINE_BYTES:,} bytes: is this a kvbench trace?", lineno)
         if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             fail("the file starts with a UTF-8 byte-order mark: save it as UTF-8 without one", 1)
         try:
