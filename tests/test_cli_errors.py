@@ -15,7 +15,7 @@ from conftest import P, X, default_sigint, make_trace
 
 from kvbench.cli import main, options
 from kvbench.outputs import staged
-from kvbench.traces.format import save
+from kvbench.traces.format import load, save
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "workloads"
@@ -334,6 +334,21 @@ def test_an_io_error_writing_the_record_names_the_file(tmp_path):
     assert got.returncode == 2, got.stderr
     assert got.stderr == f"kvbench: error: {out}: File too large\n"
     assert list(tmp_path.iterdir()) == []
+
+
+# --- shrink --------------------------------------------------------------------------------
+
+def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys):
+    src = tmp_path / "tenant-flood.jsonl"
+    src.write_text(Path(MIX).read_text())
+    out = tmp_path / "min.jsonl"
+    assert main(["shrink", str(src), "--backend", "test_faults:LruTiesWrongWay", "--quiet",
+                 "--max-seconds", "0.001", "--out", str(out)]) == 1  # no time past the first replay
+    capsys.readouterr()
+    shrunk = load(str(out))
+    source = shrunk.header.params["source"]
+    assert source["stopped"] == "max-seconds" and source["index"] + 1 < source["ops"]
+    assert len(shrunk) == source["index"] + 1  # every operation after the first divergence dropped
 
 
 # --- gates -----------------------------------------------------------------------------------
