@@ -351,6 +351,24 @@ def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys):
     assert len(shrunk) == source["index"] + 1  # every operation after the first divergence dropped
 
 
+# --- grids, checked before their first cell --------------------------------------------------
+
+@pytest.mark.parametrize("backends, extra, names", [
+    ('["numpy", "nosuch"]', "", "backends: unknown backend 'nosuch'; known: numpy"),
+    ('["numpy"]', '[settings]\nblock_size = [16, "abc"]\n',
+     "settings.block_size[1]: must be a positive integer (at most 2,147,483,647), got 'abc'"),
+    ('["numpy"]', '[settings]\npolicy = "mru"\n', "settings.policy[0]: must be one of auto, all, "),
+    ('["numpy"]', '[[exclude]]\nbackend = "numpy"\n', "no cells: the exclude rules remove every one"),
+])
+def test_a_grid_is_refused_before_its_first_cell(backends, extra, names, tmp_path, capsys):
+    save(make_trace(P(0, 40), X(0), name="hand"), str(tmp_path / "hand.jsonl"))
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'name = "g"\nbackends = {backends}\n[[traces]]\npath = "hand.jsonl"\n{extra}')
+    store = tmp_path / "store"
+    refused(["sweep", str(grid), "--store", str(store), "--quiet"], capsys, names=f"{grid}: {names}")
+    assert not store.exists() or not any(store.rglob("*.parquet"))  # no cell ran
+
+
 # --- gates -----------------------------------------------------------------------------------
 
 def test_gates_use_the_names_of_kvbench_list(capsys):

@@ -43,7 +43,8 @@ def cmd_sweep(args) -> int:
         sweep_charts.check_spec(spec, f"{args.grid}: charts[{i}]")
     store = Store(args.store)
     if args.dry_run:
-        cells, _ = grids.expand(grid, grids.code_version()["code"])
+        cells, traces = grids.expand(grid, grids.code_version()["code"])
+        grids.check_cells(grid, cells, traces)
         done = store.done(grid.name)
         rows = [{"cell": c.id[:12], **c.columns(), "done": "yes" if c.id in done else ""} for c in cells]
         print_table(pd.DataFrame(rows), list(rows[0]) if rows else ["cell"])
