@@ -1,5 +1,7 @@
 """Every bad input is refused before the work starts: one line naming the file and line, or the
-option, exit 2, never a traceback; Ctrl-C exits 130 leaving no partial file. One case per input."""
+option, exit 2, never a traceback; nothing but a regular file is written over; Ctrl-C (130) and
+SIGTERM (143) leave no half-written file, and `run` keeps its finished runs in a record marked
+partial. One case per input."""
 from __future__ import annotations
 
 import json
