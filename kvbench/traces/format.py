@@ -33,9 +33,9 @@ from typing import Iterable, Iterator
 from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
 
-from kvbench.contract.formulas import MAX_BLOCK_SIZE, get_model, parse_kind
 from kvbench.outputs import staged
-from kvbench.traces.inputs import check_prefill, open_input, text_lines
+from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
+                                   text_lines)
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -164,47 +164,12 @@ def final_lengths(ops: Iterable[Op]) -> dict:
 
 # --- parsing and validation -------------------------------------------------------------------
 
-INT64_MAX = (1 << 63) - 1  # ids, steps and lengths are stored as int64
-
 # The fields of each operation (anything else is refused: a typo must not silently drop a field).
 OP_FIELDS = {"prefill": {"step", "op", "seq", "tenant", "tokens", "block_hashes", "token_ids",
                          "salt", "adapter"},
              "append": {"step", "op", "seqs", "tokens"},
              "fork": {"step", "op", "seq", "src"},
              "free": {"step", "op", "seq"}}
-HEADER_FIELDS = ("kvbench_trace", "family", "generator", "params", "seed", "tenants", "settings",
-                 "groups")
-# The header's settings (defaults of a run) and their types: a positive integer up to a bound,
-# a flag, or a name.
-SETTINGS = {"model": str, "block_size": MAX_BLOCK_SIZE, "num_blocks": INT64_MAX,
-            "max_context": INT64_MAX, "prefix_caching": bool, "store_kv": bool, "policy": str}
-
-
-def _unique_keys(pairs) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {twice!r} is given twice (which one is meant?)")
-    return d
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
-
-
-def parse_json(text: str, fail):
-    """One line's JSON value; ``fail`` for invalid JSON, a key given twice in one object, or
-    nesting deeper than the parser's recursion allows."""
-    try:
-        return _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        fail(f"not valid JSON: {e.msg}")
-    except ValueError as e:
-        fail(f"not valid JSON for kvbench: {e}")
-    except RecursionError:
-        fail("not valid JSON for kvbench: nested too deeply for the parser (a trace line nests two or three levels)")
-
-
 def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     if key not in d:
         fail(f"missing field {key!r}")
@@ -314,61 +279,11 @@ def parse_header(d, fail) -> Header:
     version = d["kvbench_trace"]
     if version not in SUPPORTED_VERSIONS:
         fail(f"trace format version {version!r} is not known (this kvbench reads {SUPPORTED_VERSIONS})")
-    unknown = sorted(set(d) - set(HEADER_FIELDS))
-    if unknown:
-        fail(f"unknown header field {unknown[0]!r} (the header's fields: {', '.join(HEADER_FIELDS)})")
-    family = d.get("family")
-    if not isinstance(family, str) or not family:
-        fail("header needs a non-empty 'family'")
-    for key, kind in (("generator", str), ("params", dict), ("tenants", dict), ("settings", dict)):
-        if d.get(key) is not None and not isinstance(d[key], kind):
-            fail(f"header field {key!r} must be {'a string' if kind is str else 'an object'}, "
-                 f"got {d[key]!r}")
-    seed = d.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        fail(f"header field 'seed' must be an integer, got {seed!r}")
-    tenants = d.get("tenants") or {}
-    for t, w in tenants.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-            fail(f"tenant {t!r} weight must be a positive number, got {w!r}")
-    groups = d.get("groups")
-    if groups is not None:
-        if not isinstance(groups, list) or not groups:
-            fail("'groups' must be a non-empty list of group kinds (\"full\", \"sliding(W)\")")
-        for g in groups:
-            try:
-                window = parse_kind(g)
-            except ValueError as e:
-                fail(f"'groups': {e}")
-            if window is not None and window < 1:
-                fail(f"'groups': {g!r}: a sliding window is at least 1 token")
-    settings = d.get("settings") or {}
-    for key, value in settings.items():
-        _check_setting(key, value, fail)
-    return Header(family=family, generator=d.get("generator", ""), params=d.get("params") or {},
-                  seed=seed, tenants=tenants, settings=settings, version=version,
-                  groups=tuple(groups or ()))
-
-
-def _check_setting(key: str, value, fail) -> None:
-    """A header setting of the type SETTINGS gives it, else ``fail`` naming it."""
-    if key not in SETTINGS:
-        fail(f"unknown setting {key!r} (the settings: {', '.join(SETTINGS)})")
-    kind = SETTINGS[key]
-    if kind is bool:
-        if not isinstance(value, bool):
-            fail(f"setting {key!r} must be true or false, got {value!r}")
-    elif kind is str:
-        if not isinstance(value, str) or not value:
-            fail(f"setting {key!r} must be a non-empty string, got {value!r}")
-        if key == "model":
-            try:
-                get_model(value)
-            except ValueError as e:
-                fail(f"setting 'model': {e}")
-    elif isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= kind:
-        most = f" (at most {kind:,})" if kind < INT64_MAX else ""
-        fail(f"setting {key!r} must be a positive integer{most}, got {value!r}")
+    check_header(d, fail)
+    tenants, groups = d.get("tenants") or {}, d.get("groups") or ()
+    return Header(family=d["family"], generator=d.get("generator", ""), params=d.get("params") or {},
+                  seed=d.get("seed"), tenants=tenants, settings=d.get("settings") or {},
+                  version=version, groups=tuple(groups))
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
