@@ -1,5 +1,7 @@
 """Every bad input is refused before the work starts: one line naming the file and line, or the
-option, exit 2, never a traceback; Ctrl-C exits 130 leaving no partial file. One case per input."""
+option, exit 2, never a traceback; nothing but a regular file is written over; Ctrl-C (130) and
+SIGTERM (143) leave no half-written file, and `run` keeps its finished runs in a record marked
+partial. One case per input."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ from conftest import P, X, default_sigint, make_trace
 
 from kvbench.cli import main, options
 from kvbench.outputs import staged
-from kvbench.traces.format import save
+from kvbench.traces.format import load, save
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "workloads"
@@ -61,6 +63,17 @@ HEADER = {"kvbench_trace": 1, "family": "t"}
 ])
 def test_a_bad_option_value_is_one_line(argv, option, capsys):
     refused(argv, capsys, names=option)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["run", TRACE, "--block-size", "99999999999999999999999"],
+     "--block-size: must be at most 2,147,483,647, got 99999999999999999999999"),  # 2**31 - 1
+    (["run", TRACE, "--backend", "os:path"],
+     "--backend os:path: os:path is a module, not a backend factory"),
+    (["results", "any", "--agg", "bogus"], "--agg: invalid choice: 'bogus'"),
+])
+def test_an_option_the_backend_would_have_failed_on(argv, names, capsys):
+    refused(argv, capsys, names=names)
 
 
 @pytest.mark.parametrize("budget", ["100B", "0"])
@@ -146,6 +159,64 @@ def test_more_block_hashes_than_full_blocks(tmp_path, capsys):
             names=f"{path}:2: 3 block_hashes for 40 tokens: a prompt of 40 tokens has 2 full blocks of 16")
 
 
+PREFILL = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40}
+
+
+@pytest.mark.parametrize("header, names", [
+    ({"settings": {"block_size": "huge"}},
+     "setting 'block_size' must be a positive integer (at most 2,147,483,647), got 'huge'"),
+    ({"settings": {"block_size": 0}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"num_blocks": 0}}, "setting 'num_blocks' must be a positive integer, got 0"),
+    ({"settings": {"block_size": 2.5}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"num_blocks": True}}, "setting 'num_blocks' must be a positive integer, got True"),
+    ({"settings": {"block_size": []}}, "setting 'block_size' must be a positive integer"),
+    ({"settings": {"prefix_caching": "yes"}}, "setting 'prefix_caching' must be true or false"),
+    ({"settings": {"budget": "1GiB"}}, "unknown setting 'budget' (the settings: model, block_size"),
+    ({"settings": "abc"}, "header field 'settings' must be an object, got 'abc'"),
+    ({"settings": {"model": "nope"}}, "setting 'model': unknown model 'nope'; known: "),
+    ({"settings": {"policy": "mru"}}, "setting 'policy': 'mru' is not a policy (lru, lfu, fair)"),
+    ({"groups": ["sliding(0)"]}, "'groups': 'sliding(0)': a sliding window is at least 1 token"),
+    ({"groups": ["full", "full", "full"]},  # the tiny model's 2 layers
+     "'groups': model 'tiny': 2 layers do not split into 3 groups"),
+    ({"groups": []}, "'groups' must be a non-empty list of group kinds"),
+    ({"tenant": {"a": 1}}, "unknown header field 'tenant' (the header's fields: kvbench_trace"),
+])
+def test_header_settings_are_typed(header, names, tmp_path, capsys):
+    path = write_lines(tmp_path, "h.jsonl", [{**HEADER, **header}, PREFILL])
+    refused(["check", path, "--backend", "numpy"], capsys, names=f"{path}:1: {names}")
+
+
+@pytest.mark.parametrize("line, names", [
+    ({**PREFILL, "block_hashes": [{"a": 1}]},
+     "2: block_hashes[0] must be an integer or a non-empty string, got {'a': 1}"),
+    ({**PREFILL, "block_hash": [1, 2]},  # the typo would have turned prefix caching off
+     "2: unknown field 'block_hash' of op 'prefill' (its fields: adapter, block_hashes, "),
+    ('{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40, "tokens": 4}',
+     "2: not valid JSON for kvbench: key 'tokens' is given twice"),
+    ("[" * 10**5 + "]" * 10**5, "2: not valid JSON for kvbench: nested too deeply"),
+    ({"step": 1, "op": "append", "seqs": [0], "tokens": [1], "tenant": "a"},
+     "3: unknown field 'tenant' of op 'append'"),
+])
+def test_a_field_that_would_be_ignored_or_crash_later(line, names, tmp_path, capsys):
+    lines = [json.dumps(HEADER), json.dumps(PREFILL) if "append" in str(line) else None,
+             line if isinstance(line, str) else json.dumps(line)]
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(x + "\n" for x in lines if x is not None))
+    refused(["check", str(path), "--backend", "numpy"], capsys, names=f"{path}:{names}")
+
+
+def test_an_extra_csv_column(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    path.write_text(f"# {json.dumps(HEADER)}\nstep,op,seq,tenant,tokens,src,note\n0,prefill,0,a,4,,x\n")
+    refused(["check", str(path), "--backend", "numpy"], capsys,
+            names=f"{path}:2: columns must be ['step', 'op', 'seq', 'tenant', 'tokens', 'src'], got")
+
+
+@pytest.mark.parametrize("command", ["check", "prefix"])
+def test_a_device_is_not_read_forever(command, capsys):
+    refused([command, "/dev/zero"], capsys, names="/dev/zero: a character device, not a trace file")
+
+
 def test_a_binary_file(tmp_path, capsys):
     path = tmp_path / "garbage.jsonl"
     path.write_bytes(b'{"kvbench_trace": 1, "family": "t"}\n\x89PNG\r\n\x1a\n\xff\xfe\x00')
@@ -162,6 +233,13 @@ def test_a_binary_request_trace(tmp_path, capsys):
     path = tmp_path / "req.jsonl"
     path.write_bytes(b'{"timestamp": 0}\n\xff\xff')
     refused(["prefix", str(path)], capsys, names=f"{path}:2: not UTF-8 text (byte 0xff)")
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_trace_of_a_header_only_checks_nothing(command, tmp_path, capsys):
+    path = write_lines(tmp_path, "empty.jsonl", [HEADER])
+    refused([command, path, "--backend", "numpy"], capsys,
+            names=f"{path}: no operations after the header: nothing to check")
 
 
 def test_a_missing_trace_file(tmp_path, capsys):
@@ -202,6 +280,95 @@ def test_an_output_that_cannot_be_written_is_refused_first(argv, option, tmp_pat
 def test_an_output_that_is_a_folder(tmp_path, capsys):
     refused(["run", TRACE, "--backend", "numpy", "--output", str(tmp_path)], capsys,
             names=f"--output: {tmp_path} is a folder; give a file name")
+
+
+# --- outputs: nothing destroyed, nothing lost -------------------------------------------------
+
+def special_file(kind, tmp_path) -> Path:
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        return tmp_path / "fifo"
+    if kind == "link":  # /dev/stdout is one: a rename would replace the link with a file
+        (tmp_path / "target.json").write_text("kept")
+        (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+        return tmp_path / "link.json"
+    return Path(kind)
+
+
+@pytest.mark.parametrize("kind, what", [("/dev/null", "a character device"),
+                                        ("/dev/full", "a character device"),
+                                        ("fifo", "a FIFO"), ("link", "a symbolic link")])
+def test_an_output_that_is_not_a_regular_file_is_left_untouched(kind, what, tmp_path, capsys):
+    path = special_file(kind, tmp_path)
+    before = os.lstat(path)
+    refused(["run", TRACE, "--backend", "numpy", "--quiet", "--output", str(path)], capsys,
+            names=f"--output: {path} is {what}: kvbench writes only regular files")
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+
+
+def test_dash_as_output_is_stdout(tmp_path):
+    got = run_module("kvbench.cli", "run", TRACE, "--backend", "numpy", "--quiet", "--output", "-")
+    assert got.returncode == 0, got.stderr
+    rec = json.loads(got.stdout)  # the record alone: the table went to stderr
+    assert rec["kind"] == "run" and [r["workload"] for r in rec["rows"]] == ["fork-beam"]
+    assert "results in -" in got.stderr and not (ROOT / "-").exists()
+
+
+def test_two_records_written_in_one_second_get_two_names(tmp_path, monkeypatch):
+    from kvbench.bench import records
+    monkeypatch.setattr(records, "RESULTS_DIR", tmp_path)
+    rec = records.record("run", [], {})  # one "created" second for both
+    first, second = records.write(rec), records.write(rec)
+    assert first != second and first.exists() and second.exists()
+    assert f"-{os.getpid()}-" in first.name
+
+
+def test_an_io_error_writing_the_record_names_the_file(tmp_path):
+    import resource
+
+    def small_files():  # files of at most 4 KiB: the record (about 7 KiB) fails as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    out = tmp_path / "r.json"
+    got = run_module("kvbench.cli", "run", TRACE, "--backend", "numpy", "--quiet", "--output",
+                     str(out), preexec_fn=small_files)
+    assert got.returncode == 2, got.stderr
+    assert got.stderr == f"kvbench: error: {out}: File too large\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- shrink --------------------------------------------------------------------------------
+
+def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys):
+    src = tmp_path / "tenant-flood.jsonl"
+    src.write_text(Path(MIX).read_text())
+    out = tmp_path / "min.jsonl"
+    assert main(["shrink", str(src), "--backend", "test_faults:LruTiesWrongWay", "--quiet",
+                 "--max-seconds", "0.001", "--out", str(out)]) == 1  # no time past the first replay
+    capsys.readouterr()
+    shrunk = load(str(out))
+    source = shrunk.header.params["source"]
+    assert source["stopped"] == "max-seconds" and source["index"] + 1 < source["ops"]
+    assert len(shrunk) == source["index"] + 1  # every operation after the first divergence dropped
+
+
+# --- grids, checked before their first cell --------------------------------------------------
+
+@pytest.mark.parametrize("backends, extra, names", [
+    ('["numpy", "nosuch"]', "", "backends: unknown backend 'nosuch'; known: numpy"),
+    ('["numpy"]', '[settings]\nblock_size = [16, "abc"]\n',
+     "settings.block_size[1]: must be a positive integer (at most 2,147,483,647), got 'abc'"),
+    ('["numpy"]', '[settings]\npolicy = "mru"\n', "settings.policy[0]: must be one of auto, all, "),
+    ('["numpy"]', '[[exclude]]\nbackend = "numpy"\n', "no cells: the exclude rules remove every one"),
+])
+def test_a_grid_is_refused_before_its_first_cell(backends, extra, names, tmp_path, capsys):
+    save(make_trace(P(0, 40), X(0), name="hand"), str(tmp_path / "hand.jsonl"))
+    grid = tmp_path / "g.toml"
+    grid.write_text(f'name = "g"\nbackends = {backends}\n[[traces]]\npath = "hand.jsonl"\n{extra}')
+    store = tmp_path / "store"
+    refused(["sweep", str(grid), "--store", str(store), "--quiet"], capsys, names=f"{grid}: {names}")
+    assert not store.exists() or not any(store.rglob("*.parquet"))  # no cell ran
 
 
 # --- gates -----------------------------------------------------------------------------------
@@ -281,20 +448,26 @@ def test_staged_outputs_leave_nothing_when_interrupted(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)
 
 
-def test_ctrl_c_during_a_run(tmp_path):
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_during_a_run_keeps_the_finished_runs(signum, code, word, tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", "--output", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)
-    # The first progress line (every 5 s in a log): past the imports, inside the replay, however
-    # loaded the machine is (the default run takes about a minute).
+    # The first progress line (every 5 s in a log, after a run finished): past the imports,
+    # inside the replay, however loaded the machine is (the default run takes about a minute).
     first = proc.stderr.readline()
     assert first.startswith("replaying:"), first
-    proc.send_signal(signal.SIGINT)
+    finished = int(first.split()[1].split("/")[0])  # "replaying: 3/175 runs (5 s)"
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert stderr.endswith("kvbench: interrupted\n") and "Traceback" not in stderr
-    assert list(tmp_path.iterdir()) == []  # no record, no temporary file
+    assert proc.returncode == code, stderr
+    assert stderr.endswith(f"kvbench: {word}\n") and "Traceback" not in stderr
+    rec = json.loads(out.read_text())
+    assert rec["partial"] == f"{word} after {len(rec['rows'])} runs" and len(rec["rows"]) >= finished
+    assert f"are in {out} (a partial record)" in stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # no temporary file
 
 
 def test_save_leaves_no_partial_trace(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
 from kvbench.progress import Progress
-from kvbench.traces.format import Trace, load
+from kvbench.traces.format import Trace, TraceError, load
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 POLICIES = ("lru", "lfu", "fair")
@@ -55,7 +55,10 @@ def config_for(trace: Trace, *, model: str | None = None, block_size: int | None
     s = trace.header.settings
     spec = F.get_model(model or s.get("model", "tiny"))
     if trace.header.groups:  # the trace names the model's KV cache groups (SPEC §8)
-        spec = F.with_group_kinds(spec, trace.header.groups)
+        try:
+            spec = F.with_group_kinds(spec, trace.header.groups)
+        except ValueError as e:  # the header's groups, for the model of this run
+            raise TraceError(f"'groups': {e}", trace.path or trace.name, 1) from None
     bs = int(block_size or s.get("block_size", 16))
     if bs <= 0:
         raise ValueError(f"--block-size: must be a positive integer, got {bs}")
@@ -105,8 +108,12 @@ def policies_for(trace: Trace, policy: str | None) -> list:
     """'auto': the policy the trace's header settings name (a shrunk or saved failure), else all
     three for a tenant mix (a trace that names tenant weights), else none."""
     if policy in (None, "auto"):
-        if trace.header.settings.get("policy"):
-            return [trace.header.settings["policy"]]
+        named = trace.header.settings.get("policy")
+        if named and named not in POLICIES:
+            raise TraceError(f"setting 'policy': {named!r} is not a policy ({', '.join(POLICIES)})",
+                             trace.path or trace.name, 1)
+        if named:
+            return [named]
         return list(POLICIES) if trace.header.tenants else [None]
     if policy == "none":
         return [None]
@@ -180,14 +187,16 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
 
 
 def run_suite(traces: list, backends: list, *, policy: str | None = "auto", progress: bool = False,
-              gather: str = "touched", **settings) -> list[dict]:
+              gather: str = "touched", rows: list | None = None, **settings) -> list[dict]:
+    """One row per trace, policy and backend. ``rows``: a list each row is appended to as its run
+    finishes (a caller interrupted part way keeps the finished ones)."""
     jobs = []
     for trace in traces:
         for pol in policies_for(trace, policy):
             cfg = config_for(trace, policy=pol, **settings)
             for name in backends:
                 jobs.append((trace, name, cfg))
-    rows = []
+    rows = [] if rows is None else rows
     bar = Progress(len(jobs), "replaying", "runs") if progress else None
     for t, n, c in jobs:
         rows.append(run_one(t, n, c, gather))
@@ -199,7 +208,13 @@ def run_suite(traces: list, backends: list, *, policy: str | None = "auto", prog
 
 
 def load_traces(paths) -> list[Trace]:
-    return [load(str(p)) for p in paths]
+    """The traces to check; a TraceError for one with no operations (checking nothing must not
+    pass)."""
+    traces = [load(str(p)) for p in paths]
+    for path, trace in zip(paths, traces):
+        if not len(trace):
+            raise TraceError("no operations after the header: nothing to check", str(path))
+    return traces
 
 
 __all__ = ["committed_workloads", "config_for", "policies_for", "run_suite", "run_one",

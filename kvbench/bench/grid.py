@@ -65,7 +65,9 @@ from pathlib import Path
 from kvbench.bench import records
 from kvbench import provenance
 from kvbench.analyses import suite
-from kvbench.traces.format import Trace, load
+from kvbench.contract import registry
+from kvbench.contract.formulas import MAX_BLOCK_SIZE
+from kvbench.traces.format import INT64_MAX, Trace, load
 
 # What a cell's code version covers: edits elsewhere (docs, results) leave finished cells valid.
 CODE_PATHS = ("kvbench", "impls", "pyproject.toml")
@@ -80,6 +82,37 @@ def known_settings() -> dict[str, str]:
     cfg = [p for p in inspect.signature(suite.config_for).parameters if p != "trace"]
     run = list(inspect.signature(suite.run_one).parameters)[3:]
     return {**{p: "config" for p in cfg}, **{p: "run" for p in run}}
+
+
+def _count(most: int):
+    def check(v) -> str:
+        ok = isinstance(v, int) and not isinstance(v, bool) and 0 < v <= most
+        return "" if ok else f"must be a positive integer{f' (at most {most:,})' if most < INT64_MAX else ''}"
+    return check
+
+
+def _one_of(*names):
+    return lambda v: "" if v in names else f"must be one of {', '.join(names)}"
+
+
+def _flag(v) -> str:
+    return "" if isinstance(v, bool) else "must be true or false"
+
+
+def _text(v) -> str:
+    return "" if isinstance(v, str) and v else "must be a non-empty string"
+
+
+def _budget(v) -> str:
+    ok = (isinstance(v, int) and not isinstance(v, bool) and v > 0) or (isinstance(v, str) and v)
+    return "" if ok else "must be blocks (1024, '1024') or bytes ('12GiB')"
+
+
+# The type of each setting's values (a grid is typed before its first cell runs).
+SETTING_TYPES = {"model": _text, "block_size": _count(MAX_BLOCK_SIZE), "budget": _budget,
+                 "max_context": _count(INT64_MAX), "device": _text,
+                 "policy": _one_of("auto", "all", "none", *suite.POLICIES), "store_kv": _flag,
+                 "prefix_caching": _flag, "gather": _one_of("touched", "all", "end", "none")}
 
 
 class GridError(ValueError):
@@ -212,6 +245,11 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
     bad = sorted(set(settings) - set(known))
     if bad:
         raise GridError(source, f"unknown setting(s) {bad}; known: {', '.join(known)}")
+    for key, values in settings.items():
+        for i, v in enumerate(_as_list(values)):
+            why = SETTING_TYPES.get(key, lambda v: "")(v)
+            if why:
+                raise GridError(source, f"settings.{key}[{i}]: {why}, got {v!r}")
     traces = _trace_sources(data.get("traces"), base, source)
     grid = Grid(name=str(data.get("name", name)), traces=traces, backends=_as_list(data["backends"]),
                 seeds=_as_list(data.get("seeds", [0])),
@@ -369,6 +407,30 @@ def expand(grid: Grid, code: str) -> tuple[list[Cell], dict]:
     return unique, {c.trace_key: traces[c.trace_key] for c in unique}
 
 
+def check_cells(grid: Grid, cells: list, traces: dict) -> None:
+    """Before the first cell runs: the grid has cells, each names a backend kvbench resolves, and
+    its settings make a configuration for its trace; else a GridError naming what is wrong."""
+    if not cells:
+        raise GridError(grid.source, "no cells: the exclude rules remove every one")
+    for name in dict.fromkeys(c.backend for c in cells):
+        try:
+            registry.resolve(name)
+        except ValueError as e:
+            raise GridError(grid.source, f"backends: {e}") from None
+    where, tried = known_settings(), set()
+    for c in cells:
+        kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in c.settings.items()
+                  if where[k] == "config"}
+        key = (c.trace_key, json.dumps(kwargs, sort_keys=True, default=str))
+        if key in tried:
+            continue
+        tried.add(key)
+        try:
+            suite.config_for(traces[c.trace_key], **kwargs)
+        except ValueError as e:
+            raise GridError(grid.source, f"cell {c.columns()}: {e}") from None
+
+
 def _policies(trace: Trace, policy) -> list:
     if policy not in ("auto", "all"):
         return [policy]
@@ -377,5 +439,5 @@ def _policies(trace: Trace, policy) -> list:
 
 
 
-__all__ = ["Grid", "Cell", "GridError", "TraceSource", "load_grid", "parse_grid", "expand",
+__all__ = ["Grid", "Cell", "GridError", "TraceSource", "load_grid", "parse_grid", "expand", "check_cells",
            "known_settings", "code_version", "parameter_columns"]

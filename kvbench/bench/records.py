@@ -27,8 +27,11 @@ def _default(o):
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def record(kind: str, rows: list, params: dict, device: str | None = None) -> dict:
-    return {
+def record(kind: str, rows: list, params: dict, device: str | None = None, *,
+           partial: str = "") -> dict:
+    """A record of ``rows``; ``partial``: why it holds only some of the planned rows (an
+    interrupt), kept in the record as ``"partial"``."""
+    rec = {
         "kind": kind,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
@@ -36,15 +39,23 @@ def record(kind: str, rows: list, params: dict, device: str | None = None) -> di
         "params": params,
         "rows": rows,
     }
+    if partial:
+        rec["partial"] = partial
+    return rec
 
 
-def write(rec: dict, path: str | Path | None = None) -> Path:
-    """Write a record (under a temporary name, renamed when complete); by default under
-    results/runs/ (kept out of git: scratch runs)."""
-    if path is None:
-        stamp = rec["created"].replace(":", "").replace("-", "")[:15]
-        path = RESULTS_DIR / "runs" / f"{rec['kind']}-{stamp}-{rec['commit'][:8]}.json"
-    return write_text(path, json.dumps(rec, indent=1, default=_default) + "\n")
+def default_path(rec: dict) -> Path:
+    """results/runs/KIND-TIME-PID-COMMIT.json: the time to the microsecond and the process id, so
+    that two runs started together never get the same name."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%f")
+    return RESULTS_DIR / "runs" / f"{rec['kind']}-{stamp}-{os.getpid()}-{rec['commit'][:8]}.json"
+
+
+def write(rec: dict, path: str | Path | None = None, stdout=None) -> Path:
+    """Write a record (under a temporary name, renamed when complete; ``-``: to ``stdout``); by
+    default under results/runs/ (kept out of git: scratch runs)."""
+    return write_text(path or default_path(rec), json.dumps(rec, indent=1, default=_default) + "\n",
+                      stdout=stdout)
 
 
 def read(path: str | Path) -> dict:

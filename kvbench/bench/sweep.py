@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvbench.bench import records
-from kvbench.bench.grid import Cell, Grid, code_version, expand, known_settings
+from kvbench.bench.grid import Cell, Grid, check_cells, code_version, expand, known_settings
 from kvbench.bench.store import Store
 from kvbench import provenance
 from kvbench.analyses import suite
@@ -278,6 +278,7 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
     ``progress``: options of :class:`Progress` (interval, enabled, stream, tty)."""
     commit = code_version()
     cells, traces = expand(grid, commit["code"])
+    check_cells(grid, cells, traces)
     store.write_grid(grid.name, grid.text, {"cells": len(cells), "code": commit["code"]})
     done = store.done(grid.name)
     if retry_errors and done:

@@ -16,6 +16,7 @@ import pandas as pd
 from kvbench.bench.grid import parameter_columns
 from kvbench.contract.formulas import parse_bytes
 
+AGGREGATIONS = ("mean", "median", "min", "max", "count", "sum")  # how cells in one place combine
 CHART_KEYS = {"heatmap": ("kind", "x", "y", "metric", "facet", "agg", "where", "name"),
               "lines": ("kind", "x", "metric", "hue", "facet", "agg", "where", "name")}
 

@@ -201,11 +201,11 @@ class _Shrinker:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def outcome(self, cand: Candidate) -> Outcome:
+    def outcome(self, cand: Candidate, limited: bool = True) -> Outcome:
         key = cand.key()
         if key in self.seen:
             return self.seen[key]
-        if self.best is not None:  # the first replay always runs
+        if self.best is not None and limited:  # the first replay always runs
             if self.elapsed() >= self.max_seconds:
                 raise _Stop("max-seconds")
             if self.attempts >= self.max_attempts:
@@ -240,12 +240,14 @@ class _Shrinker:
             self.cut()
         return True
 
-    def cut(self) -> None:
-        """Everything after the failure goes (a candidate of its own: the final lengths change)."""
+    def cut(self, limited: bool = True) -> None:
+        """Everything after the failure goes (a candidate of its own: the final lengths change).
+        ``limited=False``: past max-seconds and max-attempts too (the first cut replays at most
+        as far as the first replay did)."""
         cand, index = self.best, self.best_outcome.divergence.index
         if index < len(cand.ops) - 1:
             short = dataclasses.replace(cand, ops=cand.ops[:index + 1])
-            out = self.outcome(short)
+            out = self.outcome(short, limited)
             if out.status == "fail" and out.kind == self.kind:
                 self.best, self.best_outcome = short, out
 
@@ -444,6 +446,10 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
         result.stopped = "done"
     except _Stop as stop:
         result.stopped = stop.why
+        try:
+            s.cut(limited=False)  # the cut after the failure is always taken, even stopped at once
+        except KeyboardInterrupt:
+            result.stopped = "interrupted"
     except KeyboardInterrupt:
         result.stopped = "interrupted"
     best, d = s.best, s.best_outcome.divergence

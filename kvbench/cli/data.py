@@ -109,7 +109,7 @@ def register_gen_prefix(sub) -> None:
     p = sub.add_parser("prefix", help="prefix-cache hit rate over cache sizes, checked by the oracle")
     p.add_argument("trace", help="a request trace with block hashes")
     p.add_argument("--format", default="mooncake", help="its loader (mooncake: the one with block hashes)")
-    p.add_argument("--block-size", type=options.positive_int, default=512,
+    p.add_argument("--block-size", type=options.block_size, default=512,
                    help="tokens per block (default 512, Mooncake's)")
     p.add_argument("--sizes", type=cache_sizes,
                    help="cache sizes to evaluate, comma-separated, in blocks (256) or tokens "

@@ -6,29 +6,41 @@ Every entry point (``kvbench``, ``python -m kvbench.cli``, ``python -m kvbench.c
 
 - a bad option or input prints one line, ``kvbench: error: FILE:LINE: reason`` or
   ``kvbench: error: --option: reason``, and exits 2, never with a traceback;
-- Ctrl-C prints ``kvbench: interrupted`` and exits 130 (outputs are written to temporary names
-  and renamed when complete: kvbench.outputs, so nothing partial is left);
+- Ctrl-C prints ``kvbench: interrupted`` and exits 130, SIGTERM ``kvbench: terminated`` and 143
+  (outputs are written to temporary names and renamed when complete: kvbench.outputs, so no
+  half-written file is left; `run` keeps the runs it finished in a record marked partial);
 - ``--debug`` anywhere on the line prints the traceback as well.
 
 Exit codes: 0 every check passed; 1 a check FAILed; 2 an error (bad input, a backend that cannot
-run, the harness could not check, nothing passed); 130 interrupted.
+run, the harness could not check, nothing passed); 130 interrupted; 143 terminated.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
+import threading
 import traceback
 
+from kvbench.contract.formulas import MAX_BLOCK_SIZE
 from kvbench.contract.registry import BackendUnavailable
 
-EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 # Errors a user's input or machine causes: one line, no "internal" and no hint.
 USER_ERRORS = (ValueError, OSError, LookupError, MemoryError, BackendUnavailable)
 
 
 class UsageError(ValueError):
     """A bad option or input, reported as one line (``--option: reason``), exit 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is: it stops as on Ctrl-C, keeping what it finished."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,14 +53,24 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def positive_int(text: str) -> int:
+INT64_MAX = (1 << 63) - 1  # counts and ids are stored as int64
+
+
+def positive_int(text: str, maximum: int = INT64_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {value}")
     return value
+
+
+def block_size(text: str) -> int:
+    """Tokens per block: a positive integer up to MAX_BLOCK_SIZE."""
+    return positive_int(text, MAX_BLOCK_SIZE)
 
 
 def nonnegative_int(text: str) -> int:
@@ -89,13 +111,16 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return command(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        terminated = isinstance(e, Terminated)
+        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvbench run | head`: the reader left, nothing to say
         return EXIT_ERROR
     except Exception as e:
@@ -105,3 +130,6 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
         kind = "" if isinstance(e, USER_ERRORS) else "internal "
         print(f"{prog}: {kind}error: {describe(e)}" + (hint if kind else ""), file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

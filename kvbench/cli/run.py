@@ -15,7 +15,7 @@ from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.outputs import check_writable
+from kvbench.outputs import check_writable, stdout_for
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
                "final_fragmentation", "evictions", "recomputed_tokens", "hit_rate", "jain",
@@ -25,7 +25,7 @@ RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache settings (default: the trace header's, else tiny model, B=16, 256 blocks)")
     g.add_argument("--model", help="model preset (kvbench list shows them)")
-    g.add_argument("--block-size", type=options.positive_int, help="tokens per block")
+    g.add_argument("--block-size", type=options.block_size, help="tokens per block")
     g.add_argument("--budget", help="budget in blocks ('1024') or bytes ('12GiB'); at least one "
                                     "block; beyond this machine's memory, the run is ledger-only")
     g.add_argument("--max-context", type=options.positive_int,
@@ -143,20 +143,38 @@ def print_eviction(trace, rows, cache_settings) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    if serve.wants_serving(args):
-        return serve.run_serving(args)
+    with stdout_for(args.output) as stdout:  # `--output -`: the record alone on stdout
+        if serve.wants_serving(args):
+            return serve.run_serving(args, stdout)
+        return run_workloads(args, stdout)
+
+
+def run_workloads(args, stdout) -> int:
     paths = args.traces or suite.committed_workloads()
     if not paths:
         raise options.UsageError("no workloads: run `kvbench gen` first")
     traces = suite.load_traces(paths)
     if args.output:
-        check_writable(args.output, option="--output")
+        check_writable(args.output, option="--output", stdout=True)
     else:
         check_writable(records.RESULTS_DIR / "runs", option="results folder", folder=True)
     backends = select_backends(args, traces[0])
     print_memory_note(traces[0], args)
-    rows = suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
-                           gather=args.gather, **settings(args))
+    params = {"traces": [str(p) for p in paths], "backends": backends, **settings(args),
+              "policy": args.policy}
+    rows = []
+    try:
+        suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
+                        gather=args.gather, rows=rows, **settings(args))
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
+        if rows:
+            stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
+            rec = records.record("run", rows, params, device=args.device,
+                                 partial=f"{stop} after {len(rows)} runs")
+            path = records.write(rec, args.output, stdout=stdout)
+            print(f"kvbench: the {len(rows)} runs finished are in {path} (a partial record)",
+                  file=sys.stderr)
+        raise
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
     print_capacity(traces[0], args)
@@ -167,10 +185,8 @@ def cmd_run(args) -> int:
                       for msg in print_eviction(t, rows, settings(args))]
     for msg in beyond_optimum:
         print(f"FAIL {msg}")
-    rec = records.record("run", rows, {"traces": [str(p) for p in paths], "backends": backends,
-                                       **{k: v for k, v in settings(args).items()},
-                                       "policy": args.policy}, device=args.device)
-    path = records.write(rec, args.output)
+    rec = records.record("run", rows, params, device=args.device)
+    path = records.write(rec, args.output, stdout=stdout)
     counts = df.status.value_counts()
     print(f"{len(df)} runs: {counts.get('pass', 0)} pass, {counts.get('FAIL', 0)} fail, "
           f"{counts.get('ERROR', 0)} error, {counts.get('n/a', 0)} n/a; results in {path}")
@@ -251,7 +267,8 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="check every workload on every backend and time them")
     p.add_argument("traces", nargs="*", help="trace files (default: every committed workload)")
     p.add_argument("--backend", action="append", help="backend name or package.module:Factory (repeatable)")
-    p.add_argument("--output", help="results file (default results/runs/run-<time>-<commit>.json)")
+    p.add_argument("--output", help="results file, - for stdout (default "
+                                    "results/runs/run-<time>-<pid>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_backend_args(p)
     add_cache_args(p)

@@ -18,7 +18,7 @@ from kvbench.analyses.breakdown import (
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
 from kvbench.analyses.suite import blocks_of_budget, machine_memory
-from kvbench.cli.options import UsageError, positive_float, positive_int
+from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
 from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -63,11 +63,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="--scenario opt13b: write breakdown.csv/.md/.png there (e.g. results/paper)")
     add("--backend", action="append", help="backend name (repeatable)")
     add("--model", help="model preset (default opt-13b)")
-    add("--block-size", type=positive_int, help="default 16")
+    add("--block-size", type=block_size, help="default 16")
     add("--budget", help="blocks ('1024') or bytes (default '12GiB')")
     add("--max-context", type=positive_int, help="default: next pow2 of the longest request")
     add("--device", default="cpu", help="device of the torch backend: cpu or cuda")
-    add("--output", help="results file (default results/runs/serve-<time>-<commit>.json)")
+    add("--output", help="results file, - for stdout (default "
+                         "results/runs/serve-<time>-<pid>-<commit>.json)")
     add("--quiet", action="store_true", help="no progress")
 
 
@@ -121,15 +122,16 @@ def _load(args) -> list[Request]:
     return reqs[:args.max_requests] if args.max_requests is not None else reqs
 
 
-def run_serving(args) -> int:
-    """Run the simulation the options ask for; print the table; 1 if a checked trace failed."""
+def run_serving(args, stdout=None) -> int:
+    """Run the simulation the options ask for; print the table; 1 if a checked trace failed.
+    ``stdout``: where a record for ``--output -`` goes."""
     policy = getattr(args, "policy", None)
     if policy not in (None, "auto", "none"):
         raise ValueError(f"the serving simulation preempts by itself; --policy {policy} does not apply")
     if args.trace and args.scenario:
         raise UsageError("give --trace or --scenario, not both")
     if getattr(args, "output", None):
-        check_writable(args.output, option="--output")
+        check_writable(args.output, option="--output", stdout=True)
     for option, folder in (("--save-traces", True), ("--paper-out", True), ("--plot", False)):
         value = getattr(args, option[2:].replace("-", "_"), None)
         if value:
@@ -196,5 +198,5 @@ def run_serving(args) -> int:
         print(f"wrote {plot_breakdown(table, args.plot)}")
     rec = records.record("serve", table.to_dict("records"), {**params, "backends": backends},
                          device=getattr(args, "device", None))
-    print(f"results in {records.write(rec, getattr(args, 'output', None))}")
+    print(f"results in {records.write(rec, getattr(args, 'output', None), stdout=stdout)}")
     return code

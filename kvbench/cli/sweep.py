@@ -43,7 +43,8 @@ def cmd_sweep(args) -> int:
         sweep_charts.check_spec(spec, f"{args.grid}: charts[{i}]")
     store = Store(args.store)
     if args.dry_run:
-        cells, _ = grids.expand(grid, grids.code_version()["code"])
+        cells, traces = grids.expand(grid, grids.code_version()["code"])
+        grids.check_cells(grid, cells, traces)
         done = store.done(grid.name)
         rows = [{"cell": c.id[:12], **c.columns(), "done": "yes" if c.id in done else ""} for c in cells]
         print_table(pd.DataFrame(rows), list(rows[0]) if rows else ["cell"])
@@ -191,7 +192,8 @@ def register(sub) -> None:
     p.add_argument("--rows", default="backend", help="row columns, comma-separated (default backend)")
     p.add_argument("--cols", help="column of the pivot (default: status counts)")
     p.add_argument("--metric", help="the value shown (default: count of cells by status)")
-    p.add_argument("--agg", default="mean", help="how cells in one place combine: mean, median, min, max, count")
+    p.add_argument("--agg", default="mean", choices=sweep_charts.AGGREGATIONS,
+                   help=f"how cells in one place combine: {', '.join(sweep_charts.AGGREGATIONS)}")
     p.add_argument("--where", action="append", metavar="COL=V[,V]", help="keep cells where COL is one of the values")
     p.add_argument("--commit", help="cells of this commit (prefix), or 'all' (default: the newest)")
     p.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="draw --metric over X x Y")

@@ -16,6 +16,10 @@ from fractions import Fraction
 
 import numpy as np
 
+# Tokens a block at most: slot and token arithmetic (blocks * block_size) stays within int64 for
+# any pool a machine can index.
+MAX_BLOCK_SIZE = (1 << 31) - 1
+
 
 @dataclass(frozen=True)
 class KVGroup:

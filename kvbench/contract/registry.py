@@ -78,6 +78,9 @@ class BackendEntry:
         if not ok:
             raise BackendUnavailable(why)
         factory = self.load()
+        if not callable(factory):
+            raise BackendUnavailable(f"{self.target} is a {type(factory).__name__}, not a backend "
+                                     f"factory (a Backend subclass, or a callable taking a CacheConfig)")
         if self.overrides:
             config = dataclasses.replace(config, **self.overrides)
         try:

@@ -16,6 +16,9 @@ only between prefills with the same salt and adapter. The header may name the mo
 groups (``"groups": ["sliding(32)", "full"]``, SPEC §8). Large traces can be stored as CSV (one
 row per sequence and step; a batched append is several rows with one step; the header is the
 first line, ``# {json}``).
+
+A field the format does not know (a typo: ``block_hash``), a key given twice on one line, a header
+setting of the wrong type: each is refused with the file and the line, never ignored.
 """
 from __future__ import annotations
 
@@ -30,9 +33,9 @@ from typing import Iterable, Iterator
 from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
 
-from kvbench.contract.formulas import parse_kind
 from kvbench.outputs import staged
-from kvbench.traces.inputs import check_prefill, text_lines
+from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
+                                   text_lines)
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -54,7 +57,7 @@ class Header:
     params: dict = field(default_factory=dict)
     seed: int | None = None
     tenants: dict = field(default_factory=dict)  # tenant -> weight (for Fair eviction)
-    settings: dict = field(default_factory=dict)  # defaults for a run: block_size, budget, model
+    settings: dict = field(default_factory=dict)  # defaults for a run: SETTINGS names them
     version: int = FORMAT_VERSION
     groups: tuple = ()  # the model's KV cache group kinds, "full" / "sliding(W)" (SPEC §8)
 
@@ -78,6 +81,7 @@ class Trace:
     header: Header
     ops: list
     name: str = "trace"
+    path: str | None = None  # the file it was read from: errors found later name it
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
@@ -160,9 +164,12 @@ def final_lengths(ops: Iterable[Op]) -> dict:
 
 # --- parsing and validation -------------------------------------------------------------------
 
-INT64_MAX = (1 << 63) - 1  # ids, steps and lengths are stored as int64
-
-
+# The fields of each operation (anything else is refused: a typo must not silently drop a field).
+OP_FIELDS = {"prefill": {"step", "op", "seq", "tenant", "tokens", "block_hashes", "token_ids",
+                         "salt", "adapter"},
+             "append": {"step", "op", "seqs", "tokens"},
+             "fork": {"step", "op", "seq", "src"},
+             "free": {"step", "op", "seq"}}
 def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     if key not in d:
         fail(f"missing field {key!r}")
@@ -180,6 +187,10 @@ def parse_op(d: dict, fail) -> Op:
     if not isinstance(d, dict):
         fail(f"an operation must be a JSON object, got {type(d).__name__}")
     kind = d.get("op")
+    unknown = sorted(set(d) - OP_FIELDS[kind]) if kind in OP_FIELDS else []
+    if unknown:
+        fail(f"unknown field {unknown[0]!r} of op {kind!r} (its fields: "
+             f"{', '.join(sorted(OP_FIELDS[kind]))})")
     step = _int(d, "step", fail, minimum=0)
     if kind == "prefill":
         tenant = d.get("tenant")
@@ -189,6 +200,9 @@ def parse_op(d: dict, fail) -> Op:
         if hashes is not None:
             if not isinstance(hashes, list):
                 fail("'block_hashes' must be a list")
+            for i, h in enumerate(hashes):
+                if not ((isinstance(h, int) and not isinstance(h, bool)) or (isinstance(h, str) and h)):
+                    fail(f"block_hashes[{i}] must be an integer or a non-empty string, got {h!r}")
             hashes = tuple(hashes)
         tokens = _int(d, "tokens", fail, 1)
         ids = d.get("token_ids")
@@ -265,23 +279,10 @@ def parse_header(d, fail) -> Header:
     version = d["kvbench_trace"]
     if version not in SUPPORTED_VERSIONS:
         fail(f"trace format version {version!r} is not known (this kvbench reads {SUPPORTED_VERSIONS})")
-    family = d.get("family")
-    if not isinstance(family, str) or not family:
-        fail("header needs a non-empty 'family'")
-    tenants = d.get("tenants", {}) or {}
-    for t, w in tenants.items():
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-            fail(f"tenant {t!r} weight must be a positive number, got {w!r}")
-    groups = d.get("groups", []) or []
-    if not isinstance(groups, list):
-        fail("'groups' must be a list of group kinds (\"full\", \"sliding(W)\")")
-    for g in groups:
-        try:
-            parse_kind(g)
-        except ValueError as e:
-            fail(f"'groups': {e}")
-    return Header(family=family, generator=d.get("generator", ""), params=d.get("params", {}) or {},
-                  seed=d.get("seed"), tenants=tenants, settings=d.get("settings", {}) or {},
+    check_header(d, fail)
+    tenants, groups = d.get("tenants") or {}, d.get("groups") or ()
+    return Header(family=d["family"], generator=d.get("generator", ""), params=d.get("params") or {},
+                  seed=d.get("seed"), tenants=tenants, settings=d.get("settings") or {},
                   version=version, groups=tuple(groups))
 
 
@@ -326,7 +327,7 @@ def _batch_row(d, b) -> bool:
     if type(d) is not dict or d.get("op") != "append":
         return False
     step, seqs, toks = d.get("step"), d.get("seqs"), d.get("tokens")
-    if not (type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
+    if not (len(d) == 4 and type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
             and seqs and len(seqs) == len(toks) and set(map(type, seqs)) == {int}
             and set(map(type, toks)) == {int} and min(seqs) >= 0 and min(toks) >= 1
             and max(seqs) < 1 << 63 and max(toks) < 1 << 63 and len(set(seqs)) == len(seqs)):
@@ -350,10 +351,7 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
                 raise TraceError(reason, path, _line)
             if not raw.strip():
                 continue
-            try:
-                d = json.loads(raw)
-            except json.JSONDecodeError as e:
-                fail(f"not valid JSON: {e.msg}")
+            d = parse_json(raw, fail)
             if header is None:
                 header = parse_header(d, fail)
                 continue
@@ -370,7 +368,7 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
     table = b.table()
     _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, table, name=name)
+    return Trace(header, table, name=name, path=path)
 
 
 # --- CSV (flat, for large traces) -------------------------------------------------------------
@@ -428,13 +426,11 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
             raise TraceError(reason, path, line)
         return fail
 
-    try:
-        header = parse_header(json.loads(first[1:]), fail_at(1))
-    except json.JSONDecodeError as e:
-        raise TraceError(f"header is not valid JSON: {e.msg}", path, 1) from None
+    header = parse_header(parse_json(first[1:], lambda reason: fail_at(1)(f"header is {reason}")),
+                          fail_at(1))
     reader = csv.DictReader(lines)
-    if reader.fieldnames is None or set(CSV_COLUMNS) - set(reader.fieldnames):
-        raise TraceError(f"columns must be {CSV_COLUMNS}", path, 2)
+    if reader.fieldnames is None or sorted(reader.fieldnames) != sorted(CSV_COLUMNS):
+        raise TraceError(f"columns must be {CSV_COLUMNS}, got {reader.fieldnames}", path, 2)
     b, where = C.TableBuilder(), array("q")
     batch: dict | None = None
     batch_line = 0
@@ -477,7 +473,7 @@ def read_csv(lines: Iterable[str], path: str | None = None) -> Trace:
     table = b.table()
     _check_history(table, path, where, fields=False)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
-    return Trace(header, table, name=name)
+    return Trace(header, table, name=name, path=path)
 
 
 def load(path: str) -> Trace:
@@ -486,7 +482,7 @@ def load(path: str) -> Trace:
     def fail(reason, line):
         raise TraceError(reason, path, line)
 
-    with open(path, "rb") as f:
+    with open_input(path, fail) as f:
         lines = text_lines(f, fail)
         return read_csv(lines, path) if path.endswith(".csv") else read_jsonl(lines, path)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.traces.format import TraceError
+from kvbench.traces.inputs import open_input
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,9 @@ class Request:
 
 def _numbered_lines(path: str) -> list[tuple[int, str]]:
     """Non-blank lines with their 1-based line numbers (CRLF, BOM and a missing final newline ok)."""
-    with open(path, "rb") as f:
+    def fail(reason, line):
+        raise TraceError(reason, path, line)
+    with open_input(path, fail) as f:
         data = f.read()
     try:
         text = data.decode("utf-8-sig")
