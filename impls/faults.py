@@ -310,6 +310,17 @@ class UntaggedExtraKeys(NumpyPaged):
         return repr(tuple(v for v in (salt, adapter) if v is not None)).encode()
 
 
+class SaltDroppedWithHashes(NumpyPaged):
+    """A prompt the trace names by block hashes is keyed by the hashes alone: its salt and adapter
+    enter only the token-id path, so every tenant shares hashed blocks with every other."""
+
+    def prefill(self, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None, **kw):
+        if block_hashes:
+            salt = adapter = None
+        return super().prefill(seq, tokens, kv, block_hashes=block_hashes, salt=salt, adapter=adapter,
+                               **kw)
+
+
 class EvictableCountsShared(NumpyPaged):
     """The evictable (cached) count adds the shared blocks once more per extra reference."""
 
@@ -401,6 +412,8 @@ CATALOGUE = [
     Bug("usage by slots reported as usage by blocks", "vLLM PR #57336", BlockUsageAsSlotUsage, True),
     Bug("blocks in use = pool - free - cached (negative)", "TensorRT-LLM #11879",
         UsedFromFreeAndCached, True),
+    Bug("salt and adapter dropped from a prompt named by block hashes", "kvbench #30",
+        SaltDroppedWithHashes, False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

@@ -66,3 +66,19 @@ def test_each_single_line_bug_of_a_pool_is_caught_by_the_default_suite(table, na
     row = table[name]
     assert row["caught"] == "yes", f"{name}: passes every committed workload"
     assert base in registry.DEFAULT_BACKENDS  # the pool it is planted into runs by default
+
+
+def test_a_salt_dropped_for_hashed_prompts_fails_the_default_run(table):
+    # The cross-tenant leak no workload caught before prefix-salts: the salt kept on the token-id
+    # path only. prefix-salts opens with alice (salt "a") prefilling 32 tokens named by 4 block
+    # hashes, then bob (salt "b") the same 4 hashes.
+    ops = suite.load_traces([suite.WORKLOADS_DIR / "prefix-salts.jsonl"])[0].ops
+    assert [(op.seq, op.salt, op.tokens, op.block_hashes) for op in ops[:2]] == [
+        (0, "a", 32, ("s0.0", "s0.1", "s0.2", "s0.3")), (1, "b", 32, ("s0.0", "s0.1", "s0.2", "s0.3"))]
+    row = table["salt and adapter dropped from a prompt named by block hashes"]
+    d = row["divergence"]
+    # Bob's 32 tokens must miss and take ceil(32 / 8) = 4 new blocks: 8 = 4 + 4 in use. Keyed
+    # by the hashes alone, bob hits alice's 4: 4 in use.
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", "prefix-salts", 1, "blocks_used")
+    assert (d.expected, d.actual) == (8, 4)
+    assert "a hit across salts: sequence 1 (salt 'b')" in d.detail and "sequence 0 (salt 'a')" in d.detail

@@ -71,7 +71,8 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "tenant-flood", "tenant-fractional", "tenant-late",
              "prefix-reuse", "prefix-tenants",
              "hybrid-windows",
-             "edge-refusals", "edge-eviction", "fork-wide", "long-history"]
+             "edge-refusals", "edge-eviction", "fork-wide", "long-history",
+             "prefix-salts"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
                 "edge-eviction"]

@@ -13,6 +13,8 @@
   (prefix caching: full and partial hits, cached blocks evicted and reused, hits after recompute).
 - ``refusals``, ``eviction_edges``, ``wide_forks``, ``long_history`` (kvbench.traces.edges): the
   budget's last block, eviction of every candidate, 127+ sharers, 10^4 operations.
+- ``salted_prefixes`` (kvbench.traces.isolation): one prompt under several salts and adapters,
+  named by block hashes and by token ids (which blocks may be shared, SPEC §9).
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -42,6 +44,7 @@ from kvbench.traces.builder import (
 from kvbench.traces.edges import eviction_edges, long_history, refusals, wide_forks
 from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows
+from kvbench.traces.isolation import salted_prefixes
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -396,6 +399,7 @@ FAMILIES = {
     "eviction_edges": eviction_edges,
     "wide_forks": wide_forks,
     "long_history": long_history,
+    "salted_prefixes": salted_prefixes,
 }
 
 
@@ -415,5 +419,5 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
     "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
-    "FAMILIES", "generate",
+    "salted_prefixes", "FAMILIES", "generate",
 ]
