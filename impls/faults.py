@@ -321,6 +321,57 @@ class SaltDroppedWithHashes(NumpyPaged):
                                **kw)
 
 
+class WideDecodeWithoutAccess(NumpyPaged):
+    """The vectorized decode step (9+ sequences, or a tail crossing a block) leaves
+    ``last_access`` as it was: LRU then evicts a sequence it has just served."""
+
+    def _decode_one(self, rows, dts, kv, step):
+        before = self.last_access[rows].copy()
+        done = super()._decode_one(rows, dts, kv, step)
+        if done:
+            self.last_access[rows] = before
+        return done
+
+
+class WideDecodeWithoutUseCount(NumpyPaged):
+    """The vectorized decode step does not add to ``use_count`` (LFU sees it unused)."""
+
+    def _decode_one(self, rows, dts, kv, step):
+        done = super()._decode_one(rows, dts, kv, step)
+        if done:
+            self.use_count[rows] -= 1
+        return done
+
+
+class ForkInheritsAccess(NumpyPaged):
+    """A fork gives the child its source's (last_access, use_count), not (step, 1)."""
+
+    def fork(self, seq, src, **kw):
+        out = super().fork(seq, src, **kw)
+        r, rs = self.row_of[seq], self.row_of[src]
+        self.last_access[r], self.use_count[r] = self.last_access[rs], self.use_count[rs]
+        return out
+
+
+class DecodeRoomAsAnyFree(NumpyPaged):
+    """The vectorized decode step asks whether any block is free, not whether as many as its
+    full tails need: several tails spilling into fewer free blocks overrun the pool."""
+
+    _deciding = False
+
+    @property
+    def n_free(self):
+        n = super().n_free
+        return 1 << 40 if self._deciding and n else n  # "some room" read as "room enough"
+
+    def _decode_one(self, rows, dts, kv, step):
+        self._deciding = True
+        try:
+            return super()._decode_one(rows, dts, kv, step)
+        finally:
+            self._deciding = False
+
+
 class EvictableCountsShared(NumpyPaged):
     """The evictable (cached) count adds the shared blocks once more per extra reference."""
 
@@ -414,6 +465,12 @@ CATALOGUE = [
         UsedFromFreeAndCached, True),
     Bug("salt and adapter dropped from a prompt named by block hashes", "kvbench #30",
         SaltDroppedWithHashes, False),
+    Bug("a wide decode step leaves last_access", "kvbench #30", WideDecodeWithoutAccess, False),
+    Bug("a wide decode step leaves use_count", "kvbench #30", WideDecodeWithoutUseCount, False),
+    Bug("a fork's child inherits its source's access and use", "kvbench #30", ForkInheritsAccess,
+        False),
+    Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
+        False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

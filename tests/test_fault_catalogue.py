@@ -82,3 +82,55 @@ def test_a_salt_dropped_for_hashed_prompts_fails_the_default_run(table):
     assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", "prefix-salts", 1, "blocks_used")
     assert (d.expected, d.actual) == (8, 4)
     assert "a hit across salts: sequence 1 (salt 'b')" in d.detail and "sequence 0 (salt 'a')" in d.detail
+
+
+def _edge_decode_ops():
+    return suite.load_traces([suite.WORKLOADS_DIR / "edge-decode.jsonl"])[0].ops
+
+
+def _kinds(ops):
+    return [(type(op).__name__, getattr(op, "seq", None)) for op in ops]
+
+
+def test_edge_decode_opens_as_its_faults_assume():
+    # The figures the next test expects, read off the trace (16 blocks of 16 tokens).
+    ops = _edge_decode_ops()
+    # Steps 0..12: z (seq 0), then 12 one-block sequences; step 13 z decodes one token; step 14
+    # the other 12 decode one each (12 > 8: the vectorized step); step 15 a prefill of
+    # ceil(49 / 16) = 4 blocks, with 16 - 13 = 3 free: one victim of one block.
+    assert _kinds(ops[:13]) == [("Prefill", s) for s in range(13)]
+    assert all(op.tokens <= 16 for op in ops[:13])
+    assert (ops[13].seqs, ops[14].seqs, ops[14].tokens) == ((0,), tuple(range(1, 13)), (1,) * 12)
+    assert _kinds(ops[15:16]) == [("Prefill", 13)] and ops[15].tokens == 49
+    # Steps 30..34: x (seq 14, 26 tokens: 2 blocks), y (15, 1 block), y decodes, x' (16) forks
+    # x, a prefill of ceil(214 / 16) = 14 blocks with 16 - 3 = 13 free: x frees nothing (x'
+    # shares both blocks), then one more victim.
+    assert _kinds(ops[30:35]) == [("Prefill", 14), ("Prefill", 15), ("Append", None), ("Fork", 16),
+                                  ("Prefill", 17)]
+    assert (ops[30].tokens, ops[31].tokens, ops[32].seqs, ops[33].src, ops[34].tokens) == (26, 9, (15,), 14, 214)
+    # Steps 39..45: four prompts of exactly 16 tokens, v (54: 4 blocks), g (66: 5 blocks):
+    # 16 - 4 - 4 - 5 = 3 free; step 45 decodes every live sequence one token: 4 full tails need
+    # 4 blocks, 3 are free, and nothing may be evicted.
+    assert [op.tokens for op in ops[39:45]] == [16, 16, 16, 16, 54, 66]
+    assert sorted(ops[45].seqs) == list(range(18, 24)) and ops[45].tokens == (1,) * 6
+
+
+@pytest.mark.parametrize("bug, workload, step, quantity, expected, actual", [
+    # z last used at step 13, the wide batch at 14: LRU evicts z (0). Left at their prefill
+    # steps 1..12, the wide batch's sequences look older: 1 goes.
+    ("a wide decode step leaves last_access", "edge-decode@lru", 15, "victims", [0], [1]),
+    # LFU: z (2 uses, last 13) before the batch (2 uses, last 14). Counted 1 use, 1 goes.
+    ("a wide decode step leaves use_count", "edge-decode@lfu", 15, "victims", [0], [1]),
+    # LRU: x (30) first, then y (32) before x' (33). Inheriting x's step 30, x' goes instead.
+    ("a fork's child inherits its source's access and use", "edge-decode@lru", 34, "victims",
+     [14, 15], [14, 16]),
+    # 4 blocks needed, 3 free, no candidate: refused. "Some room" takes 4 of 3.
+    ("a decode step's room: any block free, not enough", "edge-decode@lru", 45, "outcome of append",
+     "out-of-memory", "KeyError"),
+])
+def test_each_decode_edge_fault_fails_the_default_run_at_edge_decode(table, bug, workload, step,
+                                                                    quantity, expected, actual):
+    row = table[bug]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", workload, step, quantity), str(d)
+    assert d.expected == expected and str(d.actual).split(":")[0] == str(actual).split(":")[0], str(d)

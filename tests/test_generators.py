@@ -20,7 +20,8 @@ BLOCK = 16  # the default run: block_size 16, num_blocks 256, tiny model
 DEFAULT_BLOCKS = 256
 # Families built at the edge of their own budget (header settings), small and pointed:
 # tests/test_edges.py, and the isolation family (tests/test_prefix_caching.py).
-EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "long_history", "salted_prefixes"}
+EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
+                 "salted_prefixes"}
 
 
 def canonical(fname):

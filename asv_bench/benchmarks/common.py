@@ -72,10 +72,10 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "prefix-reuse", "prefix-tenants",
              "hybrid-windows",
              "edge-refusals", "edge-eviction", "fork-wide", "long-history",
-             "prefix-salts"]
+             "prefix-salts", "edge-decode"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
-                "edge-eviction"]
+                "edge-eviction", "edge-decode"]
 POLICIES = ["lru", "lfu", "fair"]
 REPLAY_CASES = [w if w not in TENANT_MIXES else f"{w}@{p}"
                 for w in WORKLOADS for p in (POLICIES if w in TENANT_MIXES else [None])]

@@ -90,6 +90,11 @@ CANONICAL = [
     ("prefix-salts.jsonl", "salted_prefixes",
      {"rounds": 2, "prompt_blocks": [2, 4], "aligned_rate": 0.5, "own_rate": 0.5,
       "own_tokens": [1, 16], "output": [1, 12], "block_size": 8}, 0),
+    # Eviction right after a decode step of 9+ sequences and right after a fork; several full
+    # tails spilling into too few free blocks (refused with no candidate, then one victim).
+    ("edge-decode.jsonl", "decode_edges",
+     {"block_size": 16, "num_blocks": 16, "rounds": 2, "width": [9, 12], "spill": [2, 4],
+      "tenants": {"fg": 2, "bg": 1}}, 0),
 ]
 
 
