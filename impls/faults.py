@@ -9,6 +9,7 @@ the backends stay what they are.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -353,6 +354,16 @@ class ForkInheritsAccess(NumpyPaged):
         return out
 
 
+@contextmanager
+def _flagged(backend, name: str):
+    """``backend.<name>`` is True inside the block: a fault that acts within one call only."""
+    setattr(backend, name, True)
+    try:
+        yield
+    finally:
+        setattr(backend, name, False)
+
+
 class DecodeRoomAsAnyFree(NumpyPaged):
     """The vectorized decode step asks whether any block is free, not whether as many as its
     full tails need: several tails spilling into fewer free blocks overrun the pool."""
@@ -365,11 +376,47 @@ class DecodeRoomAsAnyFree(NumpyPaged):
         return 1 << 40 if self._deciding and n else n  # "some room" read as "room enough"
 
     def _decode_one(self, rows, dts, kv, step):
-        self._deciding = True
-        try:
+        with _flagged(self, "_deciding"):
             return super()._decode_one(rows, dts, kv, step)
+
+
+class DecodeNeverSlides(NumpyPaged):
+    """The vectorized decode step (every one-token step of a hybrid model) never slides its
+    windows: blocks below ``T - W + 1`` stay held until a longer append or a prefill."""
+
+    _deciding = False
+
+    def _slide(self, rows, lengths):
+        if not self._deciding:
+            super()._slide(rows, lengths)
+
+    def _decode_one(self, rows, dts, kv, step):
+        with _flagged(self, "_deciding"):
+            return super()._decode_one(rows, dts, kv, step)
+
+
+class DecodeCountsGroupZero(NumpyPaged):
+    """The vectorized decode step counts every group's new blocks in group 0's ledger."""
+
+    _taken = None
+
+    def _take(self, n):
+        ids = super()._take(n)
+        if self._taken is not None:
+            self._taken.append(ids)
+        return ids
+
+    def _decode_one(self, rows, dts, kv, step):
+        self._taken = []
+        try:
+            done = super()._decode_one(rows, dts, kv, step)
         finally:
-            self._deciding = False
+            taken, self._taken = self._taken, None
+        if done:
+            for ids in taken:
+                np.subtract.at(self.group_used, self.block_group[ids], 1)
+                self.group_used[0] += len(ids)
+        return done
 
 
 class EvictableCountsShared(NumpyPaged):
@@ -470,6 +517,10 @@ CATALOGUE = [
     Bug("a fork's child inherits its source's access and use", "kvbench #30", ForkInheritsAccess,
         False),
     Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
+        False),
+    Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,
+        False),
+    Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,
         False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),

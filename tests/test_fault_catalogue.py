@@ -134,3 +134,24 @@ def test_each_decode_edge_fault_fails_the_default_run_at_edge_decode(table, bug,
     d = row["divergence"]
     assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", workload, step, quantity), str(d)
     assert d.expected == expected and str(d.actual).split(":")[0] == str(actual).split(":")[0], str(d)
+
+
+def test_hybrid_decode_faults_fail_the_default_run_at_hybrid_decode(table):
+    trace = suite.load_traces([suite.WORKLOADS_DIR / "hybrid-decode.jsonl"])[0]
+    ops = trace.ops
+    # tiny-hybrid in blocks of 8: a sliding(32) group, then a full one. Prefills of 30, 38 and
+    # 69 tokens, then one-token steps over all three.
+    assert trace.header.groups == ("sliding(32)", "full") and trace.header.settings["block_size"] == 8
+    assert [op.tokens for op in ops[:3]] == [30, 38, 69]
+    assert all(op.seqs == (0, 1, 2) and op.tokens == (1, 1, 1) for op in ops[3:6])
+    # Step 3: 31, 39, 70 tokens. Full group: ceil(31/8) + ceil(39/8) + ceil(70/8) = 4 + 5 + 9.
+    # Sliding: blocks from (T - 31) // 8: 0, (39 - 31) // 8 = 1, (70 - 31) // 8 = 4, so
+    # 4 + (5 - 1) + (9 - 4) = 13; 31 = 18 + 13 in use. Not sliding, b keeps its block 0: 32.
+    d = table["a one-token hybrid decode step never slides its windows"]["divergence"]
+    assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 3, "blocks_used", 31, 32)
+    # Step 5: 33, 41, 72 tokens; a and b each cross a block edge: one new block in each group.
+    # Full: 5 + 6 + 9 = 20. Sliding: 5 + (6 - 1) + (9 - (72 - 31) // 8) = 5 + 5 + 4 = 14.
+    # Counting the 2 new full blocks in group 0 instead: (14 + 2, 20 - 2).
+    d = table["a hybrid decode step counts new blocks in group 0"]["divergence"]
+    assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 5, "group_blocks",
+                                                                    (14, 20), (16, 18))

@@ -19,9 +19,10 @@ CANONICAL = {fname: (family, params, seed) for fname, family, params, seed in C.
 BLOCK = 16  # the default run: block_size 16, num_blocks 256, tiny model
 DEFAULT_BLOCKS = 256
 # Families built at the edge of their own budget (header settings), small and pointed:
-# tests/test_edges.py, and the isolation family (tests/test_prefix_caching.py).
+# tests/test_edges.py, the isolation family (tests/test_prefix_caching.py) and hybrid decode
+# (tests/test_fault_catalogue.py).
 EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
-                 "salted_prefixes"}
+                 "salted_prefixes", "window_decode"}
 
 
 def canonical(fname):

@@ -95,6 +95,10 @@ CANONICAL = [
     ("edge-decode.jsonl", "decode_edges",
      {"block_size": 16, "num_blocks": 16, "rounds": 2, "width": [9, 12], "spill": [2, 4],
       "tenants": {"fg": 2, "bg": 1}}, 0),
+    # Hybrid decode: one-token and multi-token steps across a sliding window's block and window
+    # edges, before and after a fork.
+    ("hybrid-decode.jsonl", "window_decode",
+     {"model": "tiny-hybrid", "rounds": 2, "block_size": 8}, 0),
 ]
 
 
