@@ -9,6 +9,7 @@ the backends stay what they are.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -310,6 +311,114 @@ class UntaggedExtraKeys(NumpyPaged):
         return repr(tuple(v for v in (salt, adapter) if v is not None)).encode()
 
 
+class SaltDroppedWithHashes(NumpyPaged):
+    """A prompt the trace names by block hashes is keyed by the hashes alone: its salt and adapter
+    enter only the token-id path, so every tenant shares hashed blocks with every other."""
+
+    def prefill(self, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None, **kw):
+        if block_hashes:
+            salt = adapter = None
+        return super().prefill(seq, tokens, kv, block_hashes=block_hashes, salt=salt, adapter=adapter,
+                               **kw)
+
+
+class WideDecodeWithoutAccess(NumpyPaged):
+    """The vectorized decode step (9+ sequences, or a tail crossing a block) leaves
+    ``last_access`` as it was: LRU then evicts a sequence it has just served."""
+
+    def _decode_one(self, rows, dts, kv, step):
+        before = self.last_access[rows].copy()
+        done = super()._decode_one(rows, dts, kv, step)
+        if done:
+            self.last_access[rows] = before
+        return done
+
+
+class WideDecodeWithoutUseCount(NumpyPaged):
+    """The vectorized decode step does not add to ``use_count`` (LFU sees it unused)."""
+
+    def _decode_one(self, rows, dts, kv, step):
+        done = super()._decode_one(rows, dts, kv, step)
+        if done:
+            self.use_count[rows] -= 1
+        return done
+
+
+class ForkInheritsAccess(NumpyPaged):
+    """A fork gives the child its source's (last_access, use_count), not (step, 1)."""
+
+    def fork(self, seq, src, **kw):
+        out = super().fork(seq, src, **kw)
+        r, rs = self.row_of[seq], self.row_of[src]
+        self.last_access[r], self.use_count[r] = self.last_access[rs], self.use_count[rs]
+        return out
+
+
+@contextmanager
+def _flagged(backend, name: str):
+    """``backend.<name>`` is True inside the block: a fault that acts within one call only."""
+    setattr(backend, name, True)
+    try:
+        yield
+    finally:
+        setattr(backend, name, False)
+
+
+class DecodeRoomAsAnyFree(NumpyPaged):
+    """The vectorized decode step asks whether any block is free, not whether as many as its
+    full tails need: several tails spilling into fewer free blocks overrun the pool."""
+
+    _deciding = False
+
+    @property
+    def n_free(self):
+        n = super().n_free
+        return 1 << 40 if self._deciding and n else n  # "some room" read as "room enough"
+
+    def _decode_one(self, rows, dts, kv, step):
+        with _flagged(self, "_deciding"):
+            return super()._decode_one(rows, dts, kv, step)
+
+
+class DecodeNeverSlides(NumpyPaged):
+    """The vectorized decode step (every one-token step of a hybrid model) never slides its
+    windows: blocks below ``T - W + 1`` stay held until a longer append or a prefill."""
+
+    _deciding = False
+
+    def _slide(self, rows, lengths):
+        if not self._deciding:
+            super()._slide(rows, lengths)
+
+    def _decode_one(self, rows, dts, kv, step):
+        with _flagged(self, "_deciding"):
+            return super()._decode_one(rows, dts, kv, step)
+
+
+class DecodeCountsGroupZero(NumpyPaged):
+    """The vectorized decode step counts every group's new blocks in group 0's ledger."""
+
+    _taken = None
+
+    def _take(self, n):
+        ids = super()._take(n)
+        if self._taken is not None:
+            self._taken.append(ids)
+        return ids
+
+    def _decode_one(self, rows, dts, kv, step):
+        self._taken = []
+        try:
+            done = super()._decode_one(rows, dts, kv, step)
+        finally:
+            taken, self._taken = self._taken, None
+        if done:
+            for ids in taken:
+                np.subtract.at(self.group_used, self.block_group[ids], 1)
+                self.group_used[0] += len(ids)
+        return done
+
+
 class EvictableCountsShared(NumpyPaged):
     """The evictable (cached) count adds the shared blocks once more per extra reference."""
 
@@ -401,6 +510,18 @@ CATALOGUE = [
     Bug("usage by slots reported as usage by blocks", "vLLM PR #57336", BlockUsageAsSlotUsage, True),
     Bug("blocks in use = pool - free - cached (negative)", "TensorRT-LLM #11879",
         UsedFromFreeAndCached, True),
+    Bug("salt and adapter dropped from a prompt named by block hashes", "kvbench #30",
+        SaltDroppedWithHashes, False),
+    Bug("a wide decode step leaves last_access", "kvbench #30", WideDecodeWithoutAccess, False),
+    Bug("a wide decode step leaves use_count", "kvbench #30", WideDecodeWithoutUseCount, False),
+    Bug("a fork's child inherits its source's access and use", "kvbench #30", ForkInheritsAccess,
+        False),
+    Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
+        False),
+    Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,
+        False),
+    Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,
+        False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

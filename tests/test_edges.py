@@ -128,6 +128,24 @@ def test_wide_forks_have_more_than_127_sharers_and_64_live_sequences():
     assert max(op.tokens for op in trace.ops if op.kind == "prefill") > 16 * 16
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fair"])
+def test_decode_edges_evict_after_a_wide_step_and_a_fork_and_refuse_a_spill(policy):
+    trace, m = replay("edge-decode.jsonl", policy)
+    rounds = trace.header.params["rounds"]
+    wide = [op for op in trace.ops if op.kind == "append" and len(op.seqs) > 8]
+    assert len(wide) == rounds and all(set(op.tokens) == {1} for op in wide)
+    # Per round: after the wide step, z (one victim); after the fork, x (which frees nothing:
+    # x' shares it) and one more; in the spill, v (the only candidate).
+    victims = [len(v) for _, v, _ in m.evicted]
+    if policy != "fair":  # Fair takes the over-quota tenant's oldest first: its own counts
+        assert victims == [1, 2, 1] * rounds
+    assert len(victims) == 3 * rounds
+    # The spill: every live sequence decodes one token, k >= 2 tails full (k + 2 writers with g
+    # and v), 0 < free <= k - 1: refused with no candidate, once a round.
+    spills = [(args, free) for w, args, free in m.refused if w == "append"]
+    assert len(spills) == rounds and all(0 < free <= len(args[0]) - 3 for args, free in spills)
+
+
 def test_long_history_reuses_every_block_many_times():
     trace, m = replay("long-history.jsonl")
     assert len(trace.ops) >= 10_000

@@ -66,3 +66,92 @@ def test_each_single_line_bug_of_a_pool_is_caught_by_the_default_suite(table, na
     row = table[name]
     assert row["caught"] == "yes", f"{name}: passes every committed workload"
     assert base in registry.DEFAULT_BACKENDS  # the pool it is planted into runs by default
+
+
+def test_a_salt_dropped_for_hashed_prompts_fails_the_default_run(table):
+    # The cross-tenant leak no workload caught before prefix-salts: the salt kept on the token-id
+    # path only. prefix-salts opens with alice (salt "a") prefilling 32 tokens named by 4 block
+    # hashes, then bob (salt "b") the same 4 hashes.
+    ops = suite.load_traces([suite.WORKLOADS_DIR / "prefix-salts.jsonl"])[0].ops
+    assert [(op.seq, op.salt, op.tokens, op.block_hashes) for op in ops[:2]] == [
+        (0, "a", 32, ("s0.0", "s0.1", "s0.2", "s0.3")), (1, "b", 32, ("s0.0", "s0.1", "s0.2", "s0.3"))]
+    row = table["salt and adapter dropped from a prompt named by block hashes"]
+    d = row["divergence"]
+    # Bob's 32 tokens must miss and take ceil(32 / 8) = 4 new blocks: 8 = 4 + 4 in use. Keyed
+    # by the hashes alone, bob hits alice's 4: 4 in use.
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", "prefix-salts", 1, "blocks_used")
+    assert (d.expected, d.actual) == (8, 4)
+    assert "a hit across salts: sequence 1 (salt 'b')" in d.detail and "sequence 0 (salt 'a')" in d.detail
+
+
+def _edge_decode_ops():
+    return suite.load_traces([suite.WORKLOADS_DIR / "edge-decode.jsonl"])[0].ops
+
+
+def _kinds(ops):
+    return [(type(op).__name__, getattr(op, "seq", None)) for op in ops]
+
+
+def test_edge_decode_opens_as_its_faults_assume():
+    # The figures the next test expects, read off the trace (16 blocks of 16 tokens).
+    ops = _edge_decode_ops()
+    # Steps 0..12: z (seq 0), then 12 one-block sequences; step 13 z decodes one token; step 14
+    # the other 12 decode one each (12 > 8: the vectorized step); step 15 a prefill of
+    # ceil(49 / 16) = 4 blocks, with 16 - 13 = 3 free: one victim of one block.
+    assert _kinds(ops[:13]) == [("Prefill", s) for s in range(13)]
+    assert all(op.tokens <= 16 for op in ops[:13])
+    assert (ops[13].seqs, ops[14].seqs, ops[14].tokens) == ((0,), tuple(range(1, 13)), (1,) * 12)
+    assert _kinds(ops[15:16]) == [("Prefill", 13)] and ops[15].tokens == 49
+    # Steps 30..34: x (seq 14, 26 tokens: 2 blocks), y (15, 1 block), y decodes, x' (16) forks
+    # x, a prefill of ceil(214 / 16) = 14 blocks with 16 - 3 = 13 free: x frees nothing (x'
+    # shares both blocks), then one more victim.
+    assert _kinds(ops[30:35]) == [("Prefill", 14), ("Prefill", 15), ("Append", None), ("Fork", 16),
+                                  ("Prefill", 17)]
+    assert (ops[30].tokens, ops[31].tokens, ops[32].seqs, ops[33].src, ops[34].tokens) == (26, 9, (15,), 14, 214)
+    # Steps 39..45: four prompts of exactly 16 tokens, v (54: 4 blocks), g (66: 5 blocks):
+    # 16 - 4 - 4 - 5 = 3 free; step 45 decodes every live sequence one token: 4 full tails need
+    # 4 blocks, 3 are free, and nothing may be evicted.
+    assert [op.tokens for op in ops[39:45]] == [16, 16, 16, 16, 54, 66]
+    assert sorted(ops[45].seqs) == list(range(18, 24)) and ops[45].tokens == (1,) * 6
+
+
+@pytest.mark.parametrize("bug, workload, step, quantity, expected, actual", [
+    # z last used at step 13, the wide batch at 14: LRU evicts z (0). Left at their prefill
+    # steps 1..12, the wide batch's sequences look older: 1 goes.
+    ("a wide decode step leaves last_access", "edge-decode@lru", 15, "victims", [0], [1]),
+    # LFU: z (2 uses, last 13) before the batch (2 uses, last 14). Counted 1 use, 1 goes.
+    ("a wide decode step leaves use_count", "edge-decode@lfu", 15, "victims", [0], [1]),
+    # LRU: x (30) first, then y (32) before x' (33). Inheriting x's step 30, x' goes instead.
+    ("a fork's child inherits its source's access and use", "edge-decode@lru", 34, "victims",
+     [14, 15], [14, 16]),
+    # 4 blocks needed, 3 free, no candidate: refused. "Some room" takes 4 of 3.
+    ("a decode step's room: any block free, not enough", "edge-decode@lru", 45, "outcome of append",
+     "out-of-memory", "KeyError"),
+])
+def test_each_decode_edge_fault_fails_the_default_run_at_edge_decode(table, bug, workload, step,
+                                                                    quantity, expected, actual):
+    row = table[bug]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", workload, step, quantity), str(d)
+    assert d.expected == expected and str(d.actual).split(":")[0] == str(actual).split(":")[0], str(d)
+
+
+def test_hybrid_decode_faults_fail_the_default_run_at_hybrid_decode(table):
+    trace = suite.load_traces([suite.WORKLOADS_DIR / "hybrid-decode.jsonl"])[0]
+    ops = trace.ops
+    # tiny-hybrid in blocks of 8: a sliding(32) group, then a full one. Prefills of 30, 38 and
+    # 69 tokens, then one-token steps over all three.
+    assert trace.header.groups == ("sliding(32)", "full") and trace.header.settings["block_size"] == 8
+    assert [op.tokens for op in ops[:3]] == [30, 38, 69]
+    assert all(op.seqs == (0, 1, 2) and op.tokens == (1, 1, 1) for op in ops[3:6])
+    # Step 3: 31, 39, 70 tokens. Full group: ceil(31/8) + ceil(39/8) + ceil(70/8) = 4 + 5 + 9.
+    # Sliding: blocks from (T - 31) // 8: 0, (39 - 31) // 8 = 1, (70 - 31) // 8 = 4, so
+    # 4 + (5 - 1) + (9 - 4) = 13; 31 = 18 + 13 in use. Not sliding, b keeps its block 0: 32.
+    d = table["a one-token hybrid decode step never slides its windows"]["divergence"]
+    assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 3, "blocks_used", 31, 32)
+    # Step 5: 33, 41, 72 tokens; a and b each cross a block edge: one new block in each group.
+    # Full: 5 + 6 + 9 = 20. Sliding: 5 + (6 - 1) + (9 - (72 - 31) // 8) = 5 + 5 + 4 = 14.
+    # Counting the 2 new full blocks in group 0 instead: (14 + 2, 20 - 2).
+    d = table["a hybrid decode step counts new blocks in group 0"]["divergence"]
+    assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 5, "group_blocks",
+                                                                    (14, 20), (16, 18))

@@ -18,8 +18,11 @@ WORKLOADS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 CANONICAL = {fname: (family, params, seed) for fname, family, params, seed in C.CANONICAL}
 BLOCK = 16  # the default run: block_size 16, num_blocks 256, tiny model
 DEFAULT_BLOCKS = 256
-# Families built at the edge of their own budget (header settings): tests/test_edges.py.
-EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "long_history"}
+# Families built at the edge of their own budget (header settings), small and pointed:
+# tests/test_edges.py, the isolation family (tests/test_prefix_caching.py) and hybrid decode
+# (tests/test_fault_catalogue.py).
+EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
+                 "salted_prefixes", "window_decode"}
 
 
 def canonical(fname):

@@ -139,3 +139,44 @@ def test_prefix_tenants_hits_after_recompute(policy):
     e = events("prefix-tenants", policy)
     assert e["recompute_hit"] >= 1  # an evicted sequence re-prefilled onto its cached prefix
     assert e["all_hit"] + e["partial_hit"] >= 1
+
+
+class HitsPerPrefill(Oracle):
+    """The oracle, noting the prefix-hit blocks each prefill adds (by step)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.hits_at = {}
+
+    def prefill(self, seq, tokens, tenant, final, step, *args, **kw):
+        before = self.hit_blocks
+        victims = super().prefill(seq, tokens, tenant, final, step, *args, **kw)
+        self.hits_at[step] = self.hit_blocks - before
+        return victims
+
+
+def test_prefix_salts_shares_within_a_salt_only_by_hashes_and_by_token_ids():
+    trace = suite.load_traces([suite.WORKLOADS_DIR / "prefix-salts.jsonl"])[0]
+    config = suite.config_for(trace)
+    assert config.prefix_caching and config.block_size == 8
+    model = HitsPerPrefill(config)
+    check(trace, None, model=model)
+    prefills = [op for op in trace.ops if isinstance(op, Prefill)]
+    for naming in ("block_hashes", "token_ids"):
+        # Each pass opens with the same whole prompt under alice (salt a), bob (salt b), carol
+        # (salt a), dave (none) and erin (adapter a): only carol may hit, all of alice's blocks.
+        first = next(i for i, op in enumerate(prefills) if getattr(op, naming))
+        opening = prefills[first:first + 5]
+        assert [(op.tenant, op.salt, op.adapter) for op in opening] == [
+            ("alice", "a", None), ("bob", "b", None), ("carol", "a", None), ("dave", None, None),
+            ("erin", None, "a")]
+        assert len({op.tokens for op in opening}) == 1 and all(getattr(op, naming) for op in opening)
+        m, tail = divmod(opening[0].tokens, 8)
+        assert tail == 0  # an exact multiple of the block size: every block can be a hit
+        # alice's blocks are new in this pass (the other naming's keys are other keys): 0 hits
+        assert [model.hits_at[op.step] for op in opening] == [0, 0, m, 0, 0]
+    # Later rounds find the pool full of cached blocks: some are evicted and their ids reused,
+    # and salted prompts still hit (the prefixes of the second half of each pass).
+    e = events("prefix-salts")
+    assert e["cached_block_reused"] >= 1 and e["partial_hit"] >= 1
+    assert any(op.salt and op.block_hashes and model.hits_at[op.step] for op in prefills[5:])

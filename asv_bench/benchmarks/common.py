@@ -71,10 +71,11 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "tenant-flood", "tenant-fractional", "tenant-late",
              "prefix-reuse", "prefix-tenants",
              "hybrid-windows",
-             "edge-refusals", "edge-eviction", "fork-wide", "long-history"]
+             "edge-refusals", "edge-eviction", "fork-wide", "long-history",
+             "prefix-salts", "edge-decode", "hybrid-decode"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
-                "edge-eviction"]
+                "edge-eviction", "edge-decode"]
 POLICIES = ["lru", "lfu", "fair"]
 REPLAY_CASES = [w if w not in TENANT_MIXES else f"{w}@{p}"
                 for w in WORKLOADS for p in (POLICIES if w in TENANT_MIXES else [None])]

@@ -84,6 +84,21 @@ CANONICAL = [
     ("long-history.jsonl", "long_history",
      {"num_ops": 10000, "block_size": 16, "num_blocks": 48, "max_live": 10,
       "prompt_tokens": [1, 64], "max_tokens": 160, "fork_depth": 3}, 0),
+    # Prefix-cache isolation: one prompt under two tenants of salt "a", one of salt "b", one with
+    # none and one with adapter "a", named by block hashes and then by token ids, whole (an exact
+    # multiple of the block size) and as prefixes; cached blocks evicted by later rounds.
+    ("prefix-salts.jsonl", "salted_prefixes",
+     {"rounds": 2, "prompt_blocks": [2, 4], "aligned_rate": 0.5, "own_rate": 0.5,
+      "own_tokens": [1, 16], "output": [1, 12], "block_size": 8}, 0),
+    # Eviction right after a decode step of 9+ sequences and right after a fork; several full
+    # tails spilling into too few free blocks (refused with no candidate, then one victim).
+    ("edge-decode.jsonl", "decode_edges",
+     {"block_size": 16, "num_blocks": 16, "rounds": 2, "width": [9, 12], "spill": [2, 4],
+      "tenants": {"fg": 2, "bg": 1}}, 0),
+    # Hybrid decode: one-token and multi-token steps across a sliding window's block and window
+    # edges, before and after a fork.
+    ("hybrid-decode.jsonl", "window_decode",
+     {"model": "tiny-hybrid", "rounds": 2, "block_size": 8}, 0),
 ]
 
 

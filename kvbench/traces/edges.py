@@ -15,6 +15,9 @@ untested. These are built so that the default suite reaches them:
 - ``wide_forks``: parallel sampling with more than 127 sharers of every prompt block and more
   than 64 live sequences, from a prompt of more than 16 blocks; the first decode step copies the
   shared tail for every writer but the last, taking the pool's last free block.
+- ``decode_edges``: eviction right after a decode step of more sequences than a scalar fast path
+  takes (9 or more), and right after a fork; a decode step whose writers spill several full
+  tails while some, but too few, blocks are free (refused with no candidate, then one victim).
 - ``long_history``: thousands of operations over a small pool, so block ids are reused many
   times and sequence ids pass a thousand; forks of forks of forks; refusals along the way
   (checked ledger-only: its header says so).
@@ -196,6 +199,76 @@ def wide_forks(seed: int = 0, *, block_size: int = 16, prompt_blocks=(17, 24), w
                    settings={"block_size": B, "num_blocks": n + live - 1})
 
 
+def decode_edges(seed: int = 0, *, block_size: int = 16, num_blocks: int = 16, rounds: int = 2,
+                 width=(9, 12), spill=(2, 4), tenants=None) -> Trace:
+    """Rounds over an empty pool of ``num_blocks`` blocks, under a tenant mix (every policy runs
+    it), each of three parts that free everything they made:
+
+    - a wide decode step: z, then ``width`` one-block sequences, z decodes one token, then the
+      wide batch (one token each, into tails with room: no block taken); a prefill of the free
+      blocks plus one evicts one victim, chosen on what the wide step just recorded: z, last
+      used before it and used as often (LRU and LFU).
+    - a fork: x (1 or 2 blocks), y (1 block, touched again), x' forked from x; a prefill of the
+      free blocks plus one: x goes first and frees nothing (x' shares it all), then y (LRU),
+      whose block is enough.
+    - a spill: ``spill`` sequences with full tails, g and v filling the pool but ``f`` blocks,
+      0 < f < spill; a decode step of every live sequence needs ``spill`` blocks: refused (no
+      candidate); then the same step without v: v is the only victim, and its blocks suffice.
+    """
+    if tenants is None:
+        tenants = {"fg": 2, "bg": 1}
+    params = _recorded(dict(locals(), tenants=dict(tenants)))
+    B = _positive_int("block_size", block_size, 4)
+    N = _positive_int("num_blocks", num_blocks)
+    _positive_int("rounds", rounds)
+    w_lo, w_hi = _pair("width", width)
+    k_lo, k_hi = _pair("spill", spill)
+    if k_lo < 2 or N < max(w_hi + 2, 3 * k_hi):
+        raise ValueError(f"decode_edges: spill must start at 2 or more and num_blocks={N} hold the "
+                         f"widest batch, z and a free block ({w_hi + 2}), and the largest spill "
+                         f"k={k_hi} with as many blocks for v, k - 1 free and one for g ({3 * k_hi})")
+    names = sorted(tenants)
+    rng = np.random.default_rng(seed)
+    b = _Builder()
+
+    def tenant():
+        return names[int(rng.integers(len(names)))]
+
+    def free_all(seqs):
+        for i in rng.permutation(len(seqs)).tolist():
+            b.free(seqs[i])
+
+    for _ in range(rounds):
+        w = int(rng.integers(w_lo, w_hi, endpoint=True))
+        z = b.prefill(_tokens(rng, 1, B), tenant())
+        wide = [b.prefill(_tokens(rng, 1, B), tenant()) for _ in range(w)]
+        b.append([z], [1])
+        b.append(wide, [1] * w)  # every tail has room (2+ free slots): no block taken
+        r = b.prefill(_tokens(rng, N - w, B), tenant())  # free N - 1 - w, plus 1: z's block
+        free_all([z, r] + wide)
+
+        n_x = int(rng.integers(1, 2, endpoint=True))
+        x = b.prefill(_tokens(rng, n_x, B), tenant())
+        y = b.prefill(_tokens(rng, 1, B), tenant())
+        b.append([y], [1])
+        x2 = b.fork(x)
+        r = b.prefill(_tokens(rng, N - n_x, B), tenant())  # free N - n_x - 1, plus 1: y's block
+        free_all([x, y, x2, r])
+
+        k = int(rng.integers(k_lo, k_hi, endpoint=True))
+        f = int(rng.integers(1, k - 1, endpoint=True))
+        full = [b.prefill(B, tenant()) for _ in range(k)]  # tails full: each writer spills
+        n_v = k  # k - f <= n_v: v's blocks cover what is missing
+        v = b.prefill(_tokens(rng, n_v, B), tenant())
+        g = b.prefill(_tokens(rng, N - f - k - n_v, B), tenant())  # f blocks left free
+        b.append(full + [g, v], [1] * (k + 2))  # k blocks, f free, no candidate: refused
+        b.append(full + [g], [1] * (k + 1))  # v evicted (the only candidate): f + n_v >= k
+        free_all(full + [g, v])
+    return b.trace("decode_edges", params, seed, name="decode_edges",
+                   tenants={t: tenants[t] for t in names},
+                   settings={"block_size": B, "num_blocks": N})
+
+
 def long_history(seed: int = 0, *, num_ops: int = 10000, block_size: int = 16,
                  num_blocks: int = 48, max_live: int = 10, prompt_tokens=(1, 64),
                  max_tokens: int = 160, fork_depth: int = 3) -> Trace:
@@ -242,4 +315,4 @@ def long_history(seed: int = 0, *, num_ops: int = 10000, block_size: int = 16,
                    settings={"block_size": B, "num_blocks": num_blocks, "store_kv": False})
 
 
-__all__ = ["refusals", "eviction_edges", "wide_forks", "long_history"]
+__all__ = ["refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history"]

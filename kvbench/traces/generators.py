@@ -11,8 +11,14 @@
   start times, over a block budget (``settings.num_blocks``) that forces eviction.
 - ``prefix_sharing``: prompts opening with one of a few shared prefixes, named by block hashes
   (prefix caching: full and partial hits, cached blocks evicted and reused, hits after recompute).
-- ``refusals``, ``eviction_edges``, ``wide_forks``, ``long_history`` (kvbench.traces.edges): the
-  budget's last block, eviction of every candidate, 127+ sharers, 10^4 operations.
+- ``refusals``, ``eviction_edges``, ``wide_forks``, ``decode_edges``, ``long_history``
+  (kvbench.traces.edges): the budget's last block, eviction of every candidate, 127+ sharers,
+  eviction right after a wide decode step or a fork, several tails spilling into too few free
+  blocks, 10^4 operations.
+- ``window_decode`` (kvbench.traces.hybrid): one-token and multi-token decode steps across a
+  sliding window's block and window edges, before and after a fork.
+- ``salted_prefixes`` (kvbench.traces.isolation): one prompt under several salts and adapters,
+  named by block hashes and by token ids (which blocks may be shared, SPEC §9).
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -39,9 +45,10 @@ from kvbench.traces.builder import (
     op_demand,
     peak_blocks,
 )
-from kvbench.traces.edges import eviction_edges, long_history, refusals, wide_forks
+from kvbench.traces.edges import decode_edges, eviction_edges, long_history, refusals, wide_forks
 from kvbench.traces.format import Trace
-from kvbench.traces.hybrid import hybrid_windows
+from kvbench.traces.hybrid import hybrid_windows, window_decode
+from kvbench.traces.isolation import salted_prefixes
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -396,6 +403,9 @@ FAMILIES = {
     "eviction_edges": eviction_edges,
     "wide_forks": wide_forks,
     "long_history": long_history,
+    "salted_prefixes": salted_prefixes,
+    "decode_edges": decode_edges,
+    "window_decode": window_decode,
 }
 
 
@@ -415,5 +425,5 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
     "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
-    "FAMILIES", "generate",
+    "salted_prefixes", "decode_edges", "window_decode", "FAMILIES", "generate",
 ]

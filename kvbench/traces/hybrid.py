@@ -87,19 +87,76 @@ def hybrid_windows(seed: int = 0, *, model: str = "tiny-hybrid", num_requests: i
             else:
                 order.append(s)
 
-    peak, need = _peak_and_demand(b.ops, spec, B)
+    num_blocks = _budget("hybrid_windows", b.ops, spec, B, num_blocks, budget_fraction)
+    return b.trace("hybrid_windows", params, seed, name="hybrid_windows",
+                   groups=tuple(g.kind for g in spec.kv_groups),
+                   settings={"model": model, "block_size": B, "num_blocks": num_blocks,
+                             "prefix_caching": True})
+
+
+def window_decode(seed: int = 0, *, model: str = "tiny-hybrid", rounds: int = 2,
+                  block_size: int = 8, num_blocks: int | None = None) -> Trace:
+    """Decoding on a model with a sliding window W, one token and several at a time, across
+    block and window edges (SPEC §8). Each round, with B = ``block_size``:
+
+    a (W - B .. W - 1 tokens: its window not yet full), b (W + 1 .. W + B: its first positions
+    already out of it) and c (2W + 1 .. 2W + B); B + 2 one-token steps over [a, b, c] (each
+    crosses a block edge, and b's and c's windows release a block); one step of B + 1 .. 2B - 1,
+    2B .. 3B - 1 and 2 .. B - 1 tokens (a's window fills and slides, b releases two blocks or
+    more at once); a fork a' of a, then 3 one-token steps over [a, a', b] (the shared tail
+    copied in every group, a window sliding over blocks a and a' share); a' appends W tokens
+    (its whole window released, each block still a's); everything freed in a random order.
+    The budget (default: the most blocks the live sequences hold, every group counted,
+    sharing ignored) refuses nothing.
+    """
+    params = _recorded(dict(locals()))
+    spec = F.get_model(model)
+    windows = [g.window for g in spec.kv_groups if g.window is not None]
+    if not windows:
+        raise ValueError(f"window_decode: model {model!r} has no sliding window")
+    W = min(windows)
+    B = _positive_int("block_size", block_size, 2)
+    _positive_int("rounds", rounds)
+    rng = np.random.default_rng(seed)
+    b = _Builder()
+
+    def draw(lo, hi):
+        return int(rng.integers(lo, hi, endpoint=True))
+
+    for _ in range(rounds):
+        a = b.prefill(draw(W - B, W - 1))
+        bb = b.prefill(draw(W + 1, W + B))
+        c = b.prefill(draw(2 * W + 1, 2 * W + B))
+        for _ in range(B + 2):
+            b.append([a, bb, c], [1, 1, 1])
+        b.append([a, bb, c], [draw(B + 1, 2 * B - 1), draw(2 * B, 3 * B - 1), draw(2, B - 1)])
+        a2 = b.fork(a)
+        for _ in range(3):
+            b.append([a, a2, bb], [1, 1, 1])
+        b.append([a2], [W])
+        live = [a, bb, c, a2]
+        for i in rng.permutation(len(live)).tolist():
+            b.free(live[i])
+
+    num_blocks = _budget("window_decode", b.ops, spec, B, num_blocks, 1.0)
+    return b.trace("window_decode", params, seed, name="window_decode",
+                   groups=tuple(g.kind for g in spec.kv_groups),
+                   settings={"model": model, "block_size": B, "num_blocks": num_blocks})
+
+
+def _budget(family: str, ops, model, block_size: int, num_blocks, budget_fraction: float) -> int:
+    """``num_blocks``, by default ``ceil(budget_fraction * peak)``, and never below what one
+    operation takes (see :func:`_peak_and_demand`)."""
+    peak, need = _peak_and_demand(ops, model, block_size)
     if num_blocks is None:
         if not 0 < budget_fraction <= 1:
             raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
         num_blocks = max(need, math.ceil(budget_fraction * peak))
     _positive_int("num_blocks", num_blocks)
     if num_blocks < need:
-        raise ValueError(f"hybrid_windows: num_blocks={num_blocks} must be >= {need} (the most "
+        raise ValueError(f"{family}: num_blocks={num_blocks} must be >= {need} (the most "
                          f"one operation takes)")
-    return b.trace("hybrid_windows", params, seed, name="hybrid_windows",
-                   groups=tuple(g.kind for g in spec.kv_groups),
-                   settings={"model": model, "block_size": B, "num_blocks": num_blocks,
-                             "prefix_caching": True})
+    return num_blocks
 
 
 def _peak_and_demand(ops, model, block_size: int) -> tuple[int, int]:
@@ -137,4 +194,4 @@ def _tenants(tenants) -> list:
     return out
 
 
-__all__ = ["hybrid_windows", "TENANTS"]
+__all__ = ["hybrid_windows", "window_decode", "TENANTS"]
