@@ -5,6 +5,9 @@ through each of them and reports where the checker first parts ways with it: eac
 14's list (an upstream engine bug, reproduced in kvbench's terms), and the faults the tests plant
 at a hand-picked step (tests/test_faults.py). A fault is a subclass, never a flag in a backend:
 the backends stay what they are.
+
+Over 500 lines: one flat list of small planted bugs, each beside the report it reproduces and
+the catalogue entry that names it; the edge-workload faults live apart (faults_edges.py).
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def cmd_list(args) -> int:
         ok, why = e.available()
         rows.append({"backend": name, "from": e.origin, "tags": " ".join(sorted(e.tags)) or "-",
                      "target": e.target, "available": "yes" if ok else "no", "why not": why})
-    print_table(pd.DataFrame(rows), ["backend", "from", "tags", "available", "why not", "target"])
+    print_table(pd.DataFrame(rows), ["backend", "from", "available", "why not", "target", "tags"])
     from kvbench.contract.formulas import PRESETS
     print("\nmodels: " + ", ".join(f"{m.name} ({m.bytes_per_token} B/token)" for m in PRESETS.values()))
     print("workloads: " + ", ".join(p.stem for p in suite.committed_workloads()))
