@@ -137,7 +137,8 @@ class Mirror:
         each block is in the free structure, the table entries holding it, their group."""
         self.N = num_blocks
         free = np.asarray(state.free, dtype=np.int64).reshape(-1)
-        self.stack = np.empty(num_blocks, dtype=np.int64)  # the free list bottom first: top next
+        # The free list bottom first (the top is taken next), in 4 bytes an id where they fit.
+        self.stack = np.empty(num_blocks, dtype=np.int32 if num_blocks < 2 ** 31 else np.int64)
         self.stack[:len(free)] = free[::-1]
         self.size = len(free)
         self.cached = OrderedDict.fromkeys(int(b) for b in state.cached)
@@ -353,7 +354,7 @@ def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool):
     times each block is in the free structure, the table entries holding it, their group."""
     free = np.asarray(state.free, dtype=np.int64).reshape(-1)
     cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
-    pooled = np.concatenate([free, cached])
+    pooled = np.concatenate([free, cached]) if len(cached) else free
     ref = np.asarray(state.refcount).reshape(-1)
     if len(ref) != N:
         return ("reference counts", f"{N} (one per block)", len(ref),
