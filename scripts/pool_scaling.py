@@ -83,7 +83,8 @@ def main(argv=None) -> int:
             print(f"{n:>8} blocks: {runs[n][-1]:8.1f} us/op", flush=True)
     base = statistics.median(runs[sizes[0]])
     info, machine = commit_info(), machine_info()
-    lines = [f"# {' '.join(['python', 'scripts/pool_scaling.py', *(argv if argv is not None else sys.argv[1:])])}"
+    command = " ".join(["python", "scripts/pool_scaling.py", *(sys.argv[1:] if argv is None else argv)])
+    lines = [f"# {command}"
              f"  (commit {info.get('commit', '?')[:12]}{' dirty' if info.get('dirty') else ''}, "
              f"{machine['platform']}, {machine.get('cpus', '?')} cpus)",
              "backend,num_blocks,ops,distinct_blocks,repeats,median_us_per_op,ratio_to_smallest"]

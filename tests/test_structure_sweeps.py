@@ -92,7 +92,8 @@ class Reads(NumpyPaged):
 
 def test_the_pool_is_read_whole_only_at_the_sweeps_and_the_changes_do_not_grow_with_it():
     trace = make_trace(*ONE_BLOCK_EACH)
-    small, large = Reads(make_config(num_blocks=2 ** 6)), Reads(make_config(num_blocks=2 ** 16, store_kv=False))
+    small = Reads(make_config(num_blocks=2 ** 6))
+    large = Reads(make_config(num_blocks=2 ** 16, store_kv=False))
     for b in (small, large):
         assert check(trace, b, gather="none").valid
         # After operations 1, 2, 4, 8, 16 and the last (19).
@@ -134,8 +135,9 @@ def test_the_oracle_changes_rebuild_its_whole_structures():
     o = Oracle(make_config(num_blocks=6, prefix_caching=True))
     state = o.block_state()
     free, cached = state.free.tolist(), list(state.cached)
-    calls = [("prefill", 0, 32, (1, 2)), ("free", 0), ("prefill", 1, 48, (1, 2, 3)), ("prefill", 2, 32, (7, 8)),
-             ("free", 1), ("free", 2), ("prefill", 3, 64, (9, 10, 11, 12)), ("free", 3)]
+    calls = [("prefill", 0, 32, (1, 2)), ("free", 0), ("prefill", 1, 48, (1, 2, 3)),
+             ("prefill", 2, 32, (7, 8)), ("free", 1), ("free", 2), ("prefill", 3, 64, (9, 10, 11, 12)),
+             ("free", 3)]
     for step, call in enumerate(calls):
         if call[0] == "prefill":
             o.prefill(call[1], call[2], "a", call[2], step, hashes=call[3])

@@ -137,16 +137,15 @@ class Mirror:
         each block is in the free structure, the table entries holding it, their group."""
         self.N = num_blocks
         free = np.asarray(state.free, dtype=np.int64).reshape(-1)
-        self.stack = np.empty(num_blocks, dtype=np.int64)  # the free list bottom first: top next
+        # The free list bottom first (the top is taken next), in 4 bytes an id where they fit.
+        self.stack = np.empty(num_blocks, dtype=np.int32 if num_blocks < 2 ** 31 else np.int64)
         self.stack[:len(free)] = free[::-1]
         self.size = len(free)
         self.cached = OrderedDict.fromkeys(int(b) for b in state.cached)
         self.count, self.holders, self.group = count, holders, group
         self.ref = np.array(state.refcount).reshape(-1)  # as last read, in the backend's dtype
         self.used = int(np.count_nonzero(self.ref))
-        self.tables = {s: [ids[ids != -1] for ids in (np.asarray(t, dtype=np.int64).reshape(-1)
-                                                      for t in per)]
-                       for s, per in state.tables.items()}
+        self.tables = {s: [_held(t) for t in per] for s, per in state.tables.items()}
 
     def same(self, state: BlockState) -> bool:
         """Whether a whole state is the one this mirror holds: O(pool) compares, no counting."""
@@ -160,8 +159,8 @@ class Mirror:
         return (np.array_equal(free, self.stack[:self.size][::-1]) and np.array_equal(ref, self.ref)
                 and np.array_equal(cached, mine) and all(
                     len(per) == len(self.tables[s]) and all(
-                        np.array_equal(np.asarray(t).reshape(-1)[np.asarray(t).reshape(-1) != -1], m)
-                        for t, m in zip(per, self.tables[s])) for s, per in state.tables.items()))
+                        np.array_equal(_held(t), m) for t, m in zip(per, self.tables[s]))
+                    for s, per in state.tables.items()))
 
     def apply(self, state: BlockState, led: Ledger, seqs, expected: BlockState | None):
         """Follow the changes of ``state`` (tables of ``seqs``, None: all) and check the blocks
@@ -236,8 +235,7 @@ class Mirror:
     def _add_tables(self, tables: dict):
         """Count the tables' entries in; the first table identity that fails, or None."""
         for s in tables:
-            self.tables[s] = [ids[ids != -1] for ids in
-                              (np.asarray(t, dtype=np.int64).reshape(-1) for t in tables[s])]
+            self.tables[s] = [_held(t) for t in tables[s]]
         for g, (ids, owner) in enumerate(_flatten(tables)):
             why = _group_identities(g, ids, owner, self.ref, self.count, self.holders, self.group, self.N)
             if why:
@@ -260,18 +258,19 @@ class Mirror:
                     f"{_first_difference(other, mine)}, among the entries above the "
                     f"{lo} that stayed")
         t_log = [(int(b), bool(e)) for b, e in theirs.cached]
-        now = {}
-        for b, entered in log:
-            now[b] = entered
-        t_now = {}
-        for b, entered in t_log:
-            t_now[b] = entered
+        now, t_now = dict(log), dict(t_log)  # cached after the changes: each block's last entry
         moved = set(now) | set(t_now)
         if _appended(log) != _appended(t_log) or any(
                 now.get(b, b in self.cached) != t_now.get(b, b in self.cached) for b in moved):
             return ("cached blocks (next evicted first)", _appended(t_log), _appended(log),
                     "the blocks cached or taken out since the last check differ")
         return None
+
+
+def _held(table) -> np.ndarray:
+    """The block ids a table (one group's) holds: its entries but the -1 of released ones."""
+    ids = np.asarray(table, dtype=np.int64).reshape(-1)
+    return ids[ids != -1]
 
 
 def _appended(log) -> list:
@@ -365,7 +364,7 @@ def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool):
     times each block is in the free structure, the table entries holding it, their group."""
     free = np.asarray(state.free, dtype=np.int64).reshape(-1)
     cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
-    pooled = np.concatenate([free, cached])
+    pooled = np.concatenate([free, cached]) if len(cached) else free
     ref = np.asarray(state.refcount).reshape(-1)
     if len(ref) != N:
         return ("reference counts", f"{N} (one per block)", len(ref),

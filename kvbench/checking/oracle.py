@@ -141,6 +141,7 @@ class Oracle:
         self._mark = None
         self._free_low = 0
         self._cached_log: list | None = None
+        self._ids = None  # free_list()'s buffer
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
 
@@ -786,14 +787,21 @@ class Oracle:
             self._cached_log.append((block, entered))
 
     def free_list(self, count: int | None = None) -> np.ndarray:
-        """The first ``count`` uncached free blocks, next taken first (None: all of them)."""
-        stack = self.free_stack
-        top = stack[::-1] if count is None or count >= len(stack) else stack[len(stack) - count:][::-1]
-        rest = self.config.num_blocks - self.fresh
+        """The first ``count`` uncached free blocks, next taken first (None: all of them, as a
+        read-only view valid until the next call: no array as long as the pool per call)."""
+        stack, fresh = self.free_stack, self.fresh
         if count is not None:
-            rest = max(0, min(rest, count - len(top)))
-        return np.concatenate([np.array(top, dtype=np.int64),
-                               np.arange(self.fresh, self.fresh + rest, dtype=np.int64)])
+            top = stack[::-1] if count >= len(stack) else stack[len(stack) - count:][::-1]
+            rest = max(0, min(self.config.num_blocks - fresh, count - len(top)))
+            return np.concatenate([np.array(top, dtype=np.int64),
+                                   np.arange(fresh, fresh + rest, dtype=np.int64)])
+        if self._ids is None:  # the never used blocks in order; the pushed ones go just before
+            self._ids = np.arange(self.config.num_blocks, dtype=np.int64)
+        ids = self._ids  # below fresh only pushed blocks (each once, so at most fresh of them)
+        ids[fresh - len(stack):fresh] = stack[::-1]  # (fresh only grows: ids[fresh:] are intact)
+        view = ids[fresh - len(stack):]
+        view.flags.writeable = False
+        return view
 
     def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
         """The block structures every backend declaring ``block_ids`` must have, id for id.
