@@ -318,5 +318,6 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 
 
 __all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
-           "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend", "kv_tokens",
+           "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend",
+           "kv_tokens",
            "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of"]
