@@ -240,6 +240,7 @@ def test_gates_command_exit_code(tmp_path, capsys):
     assert f"peak_blocks moved from {figs['peak_blocks'] - 1} to {figs['peak_blocks']} (WORSE" in out
 
 
+@pytest.mark.timing  # uncompiled: 0.155 of a copy at load 2, against a floor of 0.15 (typical / 3)
 def test_the_numpy_steps_fail_the_quantize_gate():
     from impls import quant_kernels, quant_numpy
     if not quant_kernels.available()[0]:

@@ -165,16 +165,17 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
 
 
 def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched",
-            keep_going: bool = False) -> dict:
+            keep_going: bool = False, *, progress=None) -> dict:
     """One backend on one trace under the checker, as a row. A backend that cannot be made here
     is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs.
-    ``keep_going``: past the divergences that leave the states comparable (check's keep_going)."""
+    ``keep_going``: past the divergences that leave the states comparable (check's keep_going).
+    ``progress``: a :class:`kvbench.progress.Progress` of the operations checked."""
     try:
         backend = registry.resolve(backend_name).create(config)
     except registry.BackendUnavailable as e:
         v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
         return verdict_row(trace, backend_name, config, v, unavailable=str(e))
-    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going)
+    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going, progress=progress)
     try:
         guarded("close", backend.close)
     except BackendRaised as e:

@@ -39,6 +39,7 @@ from pathlib import Path
 from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
 from kvbench.contract import registry
 from kvbench.outputs import write_text
+from kvbench.progress import Progress
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
 COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
@@ -132,8 +133,11 @@ def measure_replay(backends=None, factories: dict | None = None, cases=None) -> 
     common = bench_common()
     factories = factories or {}
     values, skipped = {}, {}
-    for name in backends or GATED_BACKENDS:
-        for case in cases or common.REPLAY_CASES:
+    names, cases = backends or GATED_BACKENDS, cases or common.REPLAY_CASES
+    bar = Progress(len(names) * len(cases), "exact gates", "cases")
+    for name in names:
+        for case in cases:
+            bar.update()
             try:
                 if name in factories:
                     workload, policy = common.split_case(case)
@@ -149,6 +153,7 @@ def measure_replay(backends=None, factories: dict | None = None, cases=None) -> 
                 skipped[f"{name} / {case}"] = str(e)
                 continue
             values.setdefault(name, {})[case] = {q: figures[q] for q in REPLAY_QUANTITIES}
+    bar.close()
     return values, skipped
 
 

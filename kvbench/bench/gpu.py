@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.bench import records
 from kvbench.analyses import suite
+from kvbench.bench import records
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig
 

@@ -80,7 +80,8 @@ TRACE_KEYS = {"workload": ("name",), "path": ("name",), "family": ("name", "para
 def known_settings() -> dict[str, str]:
     """Setting name -> 'config' (a parameter of suite.config_for) or 'run' (of suite.run_one)."""
     cfg = [p for p in inspect.signature(suite.config_for).parameters if p != "trace"]
-    run = list(inspect.signature(suite.run_one).parameters)[3:]
+    run = [p.name for p in list(inspect.signature(suite.run_one).parameters.values())[3:]
+           if p.kind is not p.KEYWORD_ONLY]  # keyword-only: how a run is watched, not a setting
     return {**{p: "config" for p in cfg}, **{p: "run" for p in run}}
 
 

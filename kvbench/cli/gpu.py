@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from kvbench.bench import gpu, records
 from kvbench.analyses import suite
+from kvbench.bench import gpu, records
 from kvbench.cli.options import Parser, UsageError, run
 from kvbench.outputs import check_writable
 

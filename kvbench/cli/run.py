@@ -8,14 +8,14 @@ import sys
 import numpy as np
 import pandas as pd
 
-from kvbench.analyses import eviction
+from kvbench.analyses import eviction, suite
 from kvbench.bench import records
-from kvbench.analyses import suite
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.outputs import check_writable, stdout_for
+from kvbench.progress import Progress
 
 RUN_COLUMNS = ["workload", "backend", "policy", "status", "ops", "peak_blocks",
                "final_fragmentation", "evictions", "recomputed_tokens", "hit_rate", "jain",
@@ -246,7 +246,9 @@ def cmd_check(args) -> int:
     for name in backends:
         for pol in suite.policies_for(trace, args.policy):
             cfg = suite.config_for(trace, policy=pol, **settings(args))
-            row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going)
+            with Progress(len(trace.ops), f"{name} on {trace.name}", "ops") as bar:
+                row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going,
+                                    progress=bar)
             rows.append(row)
             line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
             if row["divergence"]:
