@@ -478,6 +478,21 @@ class UsedFromFreeAndCached(NumpyPaged):
         return led
 
 
+class WrongTailIntoBuffer(NumpyPaged):
+    """gather(..., out=) reads a range's last, partial block from the block before it in the
+    table (``table_row[hi // B - 1]`` for ``table_row[hi // B]``); a gather without ``out``
+    reads the right one."""
+
+    def _read_range(self, table_row, start, stop, out):
+        got = super()._read_range(table_row, start, stop, out)
+        B = self.B
+        tail = max(stop // B * B, start)  # the first position of the partial last block
+        if out is not None and stop % B and stop // B:
+            prev = int(table_row[stop // B - 1]) * B
+            out.reshape(stop - start, -1)[tail - start:] = self.slots[prev + tail % B:prev + (stop - 1) % B + 1]
+        return got
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -522,6 +537,8 @@ CATALOGUE = [
         False),
     Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,
         False),
+    Bug("gather(out=) reads the last partial block from the block before", "kvbench #30",
+        WrongTailIntoBuffer, False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

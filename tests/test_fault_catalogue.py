@@ -155,3 +155,20 @@ def test_hybrid_decode_faults_fail_the_default_run_at_hybrid_decode(table):
     d = table["a hybrid decode step counts new blocks in group 0"]["divergence"]
     assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 5, "group_blocks",
                                                                     (14, 20), (16, 18))
+
+
+def test_a_wrong_block_read_into_a_buffer_fails_the_default_run(table):
+    # decode-stream, blocks of 16: of the first eight prompts (7, 5, 11, 6, 3, 8, 21, 15 tokens)
+    # only sequence 6 holds a partial block after a whole one; each operation's random window
+    # covers a whole sequence while none holds more than 4 blocks, read into a buffer. The first
+    # time it draws 6, 6's partial block, read from block 0, is wrong from position 16.
+    ops = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0].ops
+    assert [op.tokens for op in ops[:8]] == [7, 5, 11, 6, 3, 8, 21, 15]
+    row = table["gather(out=) reads the last partial block from the block before"]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.quantity) == ("yes", "decode-stream", "kv of sequence 6")
+    # Sequence 6's length at step s >= 7: 21 + s - 7 (one token per decode step from step 8).
+    length = 21 + max(0, d.step - 7)
+    assert 16 < length < 32  # one whole block, then the partial one
+    assert d.detail == (f"first wrong position 16 (should hold what sequence 6 wrote there); "
+                        f"read by gather(6, 0, {length}, out=) into the caller's buffer")
