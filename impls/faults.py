@@ -8,6 +8,7 @@ the backends stay what they are.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import numpy as np
 from impls.contiguous import Contiguous
 from impls.faults_edges import EDGE_BUGS
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_quant_paged import NumpyQuantSteps
 from kvbench.contract.protocol import OutOfMemory
 
 # --- the faults tests/test_faults.py plants at a chosen step --------------------------------
@@ -493,6 +495,25 @@ class WrongTailIntoBuffer(NumpyPaged):
         return got
 
 
+class Int4StepsPool(NumpyQuantSteps):
+    """The `numpy-int4-steps` backend as a class (the registry makes it with ``kv_format="int4"``)."""
+
+    def __init__(self, config):
+        super().__init__(dataclasses.replace(config, kv_format="int4"))
+
+
+class StepsPackHighNibbleFirst(Int4StepsPool):
+    """The NumPy steps pack each pair of int4 codes first code in the high nibble; the compiled
+    kernels, and the unpacking, put it in the low one."""
+
+    def _quantize(self, rows):
+        qt = super()._quantize(rows)
+        if self.compiled is False:  # the NumPy path only
+            c = qt.codes
+            np.bitwise_or(c >> 4, c << 4, out=c)
+        return qt
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -539,6 +560,7 @@ CATALOGUE = [
         False),
     Bug("gather(out=) reads the last partial block from the block before", "kvbench #30",
         WrongTailIntoBuffer, False),
+    Bug("int4 NumPy steps pack the first code high", "kvbench #30", StepsPackHighNibbleFirst, False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

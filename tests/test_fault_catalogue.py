@@ -172,3 +172,20 @@ def test_a_wrong_block_read_into_a_buffer_fails_the_default_run(table):
     assert 16 < length < 32  # one whole block, then the partial one
     assert d.detail == (f"first wrong position 16 (should hold what sequence 6 wrote there); "
                         f"read by gather(6, 0, {length}, out=) into the caller's buffer")
+
+
+def test_a_fault_in_the_quantizers_numpy_steps_fails_the_default_run(table):
+    from impls import quant_kernels
+    from impls.faults import StepsPackHighNibbleFirst
+    # numpy-int4-steps runs by default: the NumPy steps, where numpy-int4 has the compiled kernels.
+    assert {"numpy-int4", "numpy-int4-steps"} <= set(registry.DEFAULT_BACKENDS)
+    # decode-stream's first prefill: sequence 0 writes value ((0 * 7919 + 0 * 131 + 3) + 17 * 0)
+    # mod 2003 - 1001 = -998 at position 0, channel 0, read back from swapped nibbles.
+    row = table["int4 NumPy steps pack the first code high"]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", "decode-stream", 0, "kv of sequence 0")
+    assert d.detail.startswith("position 0, row 0, channel 0: |-998.0 - ")
+    if quant_kernels.available()[0]:  # the same pool by the compiled kernels never meets the fault
+        compiled = type("Compiled", (StepsPackHighNibbleFirst,), {"compiled": None})
+        trace = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0]
+        assert check(trace, compiled(suite.config_for(trace))).valid is True
