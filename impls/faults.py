@@ -11,6 +11,7 @@ the catalogue entry that names it; the edge-workload faults live apart (faults_e
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 from impls.contiguous import Contiguous
 from impls.faults_edges import EDGE_BUGS
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_quant_paged import NumpyQuantSteps
 from kvbench.contract.protocol import OutOfMemory
 
 # --- the faults tests/test_faults.py plants at a chosen step --------------------------------
@@ -481,6 +483,40 @@ class UsedFromFreeAndCached(NumpyPaged):
         return led
 
 
+class WrongTailIntoBuffer(NumpyPaged):
+    """gather(..., out=) reads a range's last, partial block from the block before it in the
+    table (``table_row[hi // B - 1]`` for ``table_row[hi // B]``); a gather without ``out``
+    reads the right one."""
+
+    def _read_range(self, table_row, start, stop, out):
+        got = super()._read_range(table_row, start, stop, out)
+        B = self.B
+        tail = max(stop // B * B, start)  # the first position of the partial last block
+        if out is not None and stop % B and stop // B:
+            prev = int(table_row[stop // B - 1]) * B
+            out.reshape(stop - start, -1)[tail - start:] = self.slots[prev + tail % B:prev + (stop - 1) % B + 1]
+        return got
+
+
+class Int4StepsPool(NumpyQuantSteps):
+    """The `numpy-int4-steps` backend as a class (the registry makes it with ``kv_format="int4"``)."""
+
+    def __init__(self, config):
+        super().__init__(dataclasses.replace(config, kv_format="int4"))
+
+
+class StepsPackHighNibbleFirst(Int4StepsPool):
+    """The NumPy steps pack each pair of int4 codes first code in the high nibble; the compiled
+    kernels, and the unpacking, put it in the low one."""
+
+    def _quantize(self, rows):
+        qt = super()._quantize(rows)
+        if self.compiled is False:  # the NumPy path only
+            c = qt.codes
+            np.bitwise_or(c >> 4, c << 4, out=c)
+        return qt
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -525,6 +561,9 @@ CATALOGUE = [
         False),
     Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,
         False),
+    Bug("gather(out=) reads the last partial block from the block before", "kvbench #30",
+        WrongTailIntoBuffer, False),
+    Bug("int4 NumPy steps pack the first code high", "kvbench #30", StepsPackHighNibbleFirst, False),
     Bug("(a) no copy-on-write", "kvbench", NoCopyOnWrite, False),
     Bug("(a') copy-on-write without the data", "kvbench", CopyWithoutData, False),
     Bug("(b) floor instead of ceil", "kvbench", FloorBlocks, False),

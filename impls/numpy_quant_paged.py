@@ -19,6 +19,7 @@ from kvbench.quant.pool import scheme_of
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
     capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True)
+    compiled = None  # quantize by the compiled kernels where numba is installed, else the NumPy steps
 
     def __init__(self, config):
         self.scheme = scheme_of(config.kv_format or "int8")
@@ -50,12 +51,14 @@ class NumpyQuantPaged(NumpyPaged):
 
     def _write_slots(self, slots, kv) -> None:
         kv = np.asarray(kv, dtype=np.float32)
-        rows = kv.reshape(-1, self.config.model.head_dim)
-        qt = quant_numpy.quantize(rows, self.scheme)
+        qt = self._quantize(kv.reshape(-1, self.config.model.head_dim))
         self.codes[slots] = np.asarray(qt.codes).reshape(len(slots), self.code_shape[0])
         self.scale[slots] = np.asarray(qt.scale).reshape(len(slots), self.rows_per_slot)
         if self.zero is not None:
             self.zero[slots] = np.asarray(qt.zero_point).reshape(len(slots), self.rows_per_slot)
+
+    def _quantize(self, rows):
+        return quant_numpy.quantize(rows, self.scheme, compiled=self.compiled)
 
     def _read_blocks(self, blocks, tokens: int) -> np.ndarray:
         slots = (np.asarray(blocks)[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
@@ -97,3 +100,11 @@ class NumpyQuantPaged(NumpyPaged):
             self.meta_count * self.rows_per_slot * np.dtype(np.float32).itemsize
         return self.B * row
 
+
+
+class NumpyQuantSteps(NumpyQuantPaged):
+    """The same pool quantized by the NumPy steps even where the compiled kernels are installed:
+    the default run checks both paths, which must give the same codes."""
+
+    name = "numpy-quant-steps"
+    compiled = False

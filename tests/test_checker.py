@@ -166,3 +166,27 @@ def test_large_sequence_ids(backend):
                        name="huge-ids")
     v = check(trace, create(backend))
     assert v.valid, str(v.divergence)
+
+
+def test_the_random_window_is_read_into_a_buffer_of_the_checkers():
+    from impls.faults import WrongTailIntoBuffer
+    # One live sequence of 21 tokens, at most 4 blocks of 16: the window is all of it, 0 .. 21,
+    # read by gather(0, 0, 21, out=). Its last block, positions 16 .. 20 (21 // 16 * 16 = 16),
+    # comes from block 0 when read into the buffer.
+    trace = make_trace(P(0, 21), X(0))
+    d = check(trace, WrongTailIntoBuffer(make_config())).divergence
+    assert (d.index, d.quantity) == (0, "kv of sequence 0")
+    assert d.detail == ("first wrong position 16 (should hold what sequence 0 wrote there); "
+                        "read by gather(0, 0, 21, out=) into the caller's buffer")
+    # Read without a buffer (every sequence whole after every operation), it reads right.
+    assert check(trace, WrongTailIntoBuffer(make_config()), gather="all").valid is True
+
+
+def test_a_gather_without_out_is_read_as_before():
+    # A plug-in written before ranges and buffers: its window is sliced from a whole gather.
+    class WholeOnly(NumpyPaged):
+        def gather(self, seq):
+            return super().gather(seq)
+
+    v = check(FORK_COW, WholeOnly(make_config(num_blocks=6)))
+    assert v.valid is True and v.gathers > 0

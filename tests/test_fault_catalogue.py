@@ -155,3 +155,37 @@ def test_hybrid_decode_faults_fail_the_default_run_at_hybrid_decode(table):
     d = table["a hybrid decode step counts new blocks in group 0"]["divergence"]
     assert (d.trace, d.step, d.quantity, d.expected, d.actual) == ("hybrid-decode", 5, "group_blocks",
                                                                     (14, 20), (16, 18))
+
+
+def test_a_wrong_block_read_into_a_buffer_fails_the_default_run(table):
+    # decode-stream, blocks of 16: of the first eight prompts (7, 5, 11, 6, 3, 8, 21, 15 tokens)
+    # only sequence 6 holds a partial block after a whole one; each operation's random window
+    # covers a whole sequence while none holds more than 4 blocks, read into a buffer. The first
+    # time it draws 6, 6's partial block, read from block 0, is wrong from position 16.
+    ops = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0].ops
+    assert [op.tokens for op in ops[:8]] == [7, 5, 11, 6, 3, 8, 21, 15]
+    row = table["gather(out=) reads the last partial block from the block before"]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.quantity) == ("yes", "decode-stream", "kv of sequence 6")
+    # Sequence 6's length at step s >= 7: 21 + s - 7 (one token per decode step from step 8).
+    length = 21 + max(0, d.step - 7)
+    assert 16 < length < 32  # one whole block, then the partial one
+    assert d.detail == (f"first wrong position 16 (should hold what sequence 6 wrote there); "
+                        f"read by gather(6, 0, {length}, out=) into the caller's buffer")
+
+
+def test_a_fault_in_the_quantizers_numpy_steps_fails_the_default_run(table):
+    from impls import quant_kernels
+    from impls.faults import StepsPackHighNibbleFirst
+    # numpy-int4-steps runs by default: the NumPy steps, where numpy-int4 has the compiled kernels.
+    assert {"numpy-int4", "numpy-int4-steps"} <= set(registry.DEFAULT_BACKENDS)
+    # decode-stream's first prefill: sequence 0 writes value ((0 * 7919 + 0 * 131 + 3) + 17 * 0)
+    # mod 2003 - 1001 = -998 at position 0, channel 0, read back from swapped nibbles.
+    row = table["int4 NumPy steps pack the first code high"]
+    d = row["divergence"]
+    assert (row["caught"], row["workload"], d.step, d.quantity) == ("yes", "decode-stream", 0, "kv of sequence 0")
+    assert d.detail.startswith("position 0, row 0, channel 0: |-998.0 - ")
+    if quant_kernels.available()[0]:  # the same pool by the compiled kernels never meets the fault
+        compiled = type("Compiled", (StepsPackHighNibbleFirst,), {"compiled": None})
+        trace = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0]
+        assert check(trace, compiled(suite.config_for(trace))).valid is True

@@ -419,10 +419,25 @@ class _OnDevice:
         return out
 
 
+class _Steps:
+    """impls.quant_numpy by its NumPy steps, even where the compiled kernels are installed."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def quantize(self, x, scheme):
+        return self.module.quantize(x, scheme, compiled=False)
+
+    def dequantize(self, qt):
+        return self.module.dequantize(qt)
+
+
 def quantizer(name: str):
     """The quantizer module (or a device wrapper), or NotImplementedError saying why not."""
     import importlib
     _quant()
+    if name == "numpy-steps":
+        return _Steps(quantizer("numpy"))
     module_name, device = _QUANT_MODULES[name]
     try:
         module = importlib.import_module(module_name)
@@ -479,7 +494,8 @@ def format_bytes_per_token(fmt_name: str) -> float:
 
 BACKENDS["numpy-int8"] = ("numpy-int8", {})
 BACKENDS["numpy-int4"] = ("numpy-int4", {})
-POOLS = ["numpy", "torch-cpu", "object", "numpy-int8", "numpy-int4"]
+BACKENDS["numpy-int4-steps"] = ("numpy-int4-steps", {})
+POOLS = ["numpy", "torch-cpu", "object", "numpy-int8", "numpy-int4", "numpy-int4-steps"]
 
 
 def pool_bytes_per_token(name: str) -> float:

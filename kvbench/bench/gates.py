@@ -49,7 +49,7 @@ COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
 GATED_BACKENDS = list(registry.tagged("gated"))
 ASV_NAMES = {e.name: e.asv_name for e in registry.BUILTIN if e.asv_name}
 LIST_NAMES = {v: k for k, v in ASV_NAMES.items()}
-GATED_QUANTIZERS = ["reference", "numpy", "torch-cpu"]
+GATED_QUANTIZERS = ["reference", "numpy", "numpy-steps", "torch-cpu"]  # numpy: compiled where installed
 REPLAY_QUANTITIES = ("peak_blocks", "peak_bytes", "final_fragmentation", "mean_fragmentation",
                      "peak_wasted_slots", "mean_wasted_slots", "evictions", "recomputed_tokens",
                      "ooms")

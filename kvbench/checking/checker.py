@@ -13,8 +13,9 @@ grow with sequence length: the positions it wrote (from the start of a tail bloc
 copied on write), the same block of every sequence that shared that tail, a whole sequence when
 it is created (prefill, prefix hit, recompute, fork) and before it is freed, a seeded random
 window of one live sequence per operation (so that a write into a wrong slot anywhere is caught),
-and every live sequence at the end. ``gather='all'`` verifies every live sequence after every
-operation instead.
+and every live sequence at the end. The window is read through ``gather(..., out=)`` into a
+buffer where the backend's gather takes ``out``. ``gather='all'`` verifies every live sequence
+after every operation instead.
 
 One trace operation may take several backend calls: a sequence that was evicted is recomputed
 (re-prefilled to its current length, with the content it had) in the same step before the
@@ -514,12 +515,13 @@ class _Replay:
             self.diverge(*why, soft=True)
         return expected
 
-    def verify(self, ranges) -> None:
-        """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end)."""
-        if self.kv is None or not ranges:
+    def verify(self, ranges, into=None) -> None:
+        """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end), and of ``into``,
+        read into a buffer of the checker's (see Content.mismatch)."""
+        if self.kv is None or not (ranges or into):
             return
         try:
-            bad, read = self.kv.mismatch(ranges)
+            bad, read = self.kv.mismatch(ranges, into)
         except BackendRaised as e:
             self.raised(e)
         self.verdict.gathers += read
@@ -539,10 +541,11 @@ class _Replay:
             return
         ranges = [(s, *changed[s]) for s in sorted(changed)
                   if changed[s] is not None and s in oracle.seqs]
+        window = None
         if len(self.live):  # a seeded random window: a wrong slot anywhere shows up in time
-            s = self.live.choice()
-            ranges.append((s, *self.live.window(oracle.seqs[s].tokens, SAMPLE_WINDOW_BLOCKS * oracle.B)))
-        self.verify(ranges)
+            s = self.live.choice()  # read into a buffer: the gather(out=) path gets checked too
+            window = (s, *self.live.window(oracle.seqs[s].tokens, SAMPLE_WINDOW_BLOCKS * oracle.B))
+        self.verify(ranges, window)
 
     def record(self, expected) -> None:
         self.verdict.series.append(self.op.step, expected, self.oracle.tenant_usage())

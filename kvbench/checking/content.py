@@ -11,7 +11,7 @@ import bisect
 import numpy as np
 
 from kvbench.checking.raised import guarded
-from kvbench.contract.protocol import kv_tokens, read_kv
+from kvbench.contract.protocol import _takes, kv_tokens, read_kv
 from kvbench.quant import pool as quant_pool
 
 
@@ -72,6 +72,8 @@ class Content:
         self.kv_format = backend.config.kv_format if backend is not None else None
         self.runs: dict = {}  # sequence -> Runs
         self.hybrid = any(g.sliding for g in self.model.kv_groups)  # positions a window released
+        # A caller's buffer is a path of its own (a backend may read into it differently).
+        self.takes_out = backend is not None and _takes(type(backend), "gather", "out")
 
     def _runs(self, seq) -> Runs:
         runs = self.runs.get(seq)
@@ -83,17 +85,16 @@ class Content:
     def forget(self, seq) -> None:
         self.runs.pop(seq, None)
 
-    def mismatch(self, ranges):
+    def mismatch(self, ranges, into=None):
         """Verify ``[(seq, start, stop)]`` (stop None: to the end) with one expected array and one
         comparison. None when all are right, else (seq, expected, actual, detail) of the first
-        wrong one. Returns the number of ranges read as well."""
-        seqs = self.oracle.seqs
-        todo = []
-        for seq, start, stop in ranges:
-            n = seqs[seq].tokens
-            stop = n if stop is None else min(stop, n)
-            if stop > start:
-                todo.append((seq, start, stop))
+        wrong one. Returns the number of ranges read as well. ``into``: one more range, read
+        through ``gather(..., out=)`` into a buffer where the backend's gather takes ``out``."""
+        todo = [r for r in map(self._span, ranges) if r]
+        buffered = self._span(into) if into else None
+        if buffered:
+            todo.append(buffered)  # last, so that the plain ranges go in one call before it
+            buffered = buffered if self.takes_out else None
         if not todo:
             return None, 0
         ws, counts = [], []
@@ -107,14 +108,19 @@ class Content:
         if self.hybrid:
             self._mask_released(want, todo, lengths)
         token_shape = want.shape[1:]
+        plain = todo[:-1] if buffered else todo
         if not self.quantized:  # one call and one comparison; the ranges apart only to say where
-            together = np.asarray(guarded("gather", self.backend.gather_ranges, [t[0] for t in todo],
-                                          firsts.tolist(), [t[2] for t in todo]))
+            parts = [np.asarray(guarded("gather", self.backend.gather_ranges, [t[0] for t in plain],
+                                        [t[1] for t in plain], [t[2] for t in plain]))] if plain else []
+            if buffered:
+                parts.append(self._read_into(*buffered, token_shape))
+            together = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if together.shape == want.shape and np.array_equal(together, want):
                 return None, len(todo)
         got, offset = [], 0
-        for seq, start, stop in todo:
-            g = guarded("gather", read_kv, self.backend, seq, start, stop)
+        for i, (seq, start, stop) in enumerate(todo):
+            g = self._read_into(seq, start, stop, token_shape) if buffered and i == len(plain) \
+                else guarded("gather", read_kv, self.backend, seq, start, stop)
             if g.shape[1:] != token_shape or len(g) != stop - start:
                 return (seq, "what it wrote or inherited", "different values",
                         f"shape {tuple(g.shape)} instead of {(stop - start,) + token_shape}"), len(got) + 1
@@ -122,13 +128,30 @@ class Content:
         got_all = got[0] if len(got) == 1 else np.concatenate(got)
         if not self.quantized and np.array_equal(got_all, want):
             return None, len(todo)
-        for (seq, start, stop), g in zip(todo, got):  # which one, and where
+        for i, ((seq, start, stop), g) in enumerate(zip(todo, got)):  # which one, and where
             w = want[offset:offset + len(g)]
             offset += len(g)
             bad = self._wrong(seq, start, w, g)
+            if bad and buffered and i == len(plain):
+                bad = (*bad[:2], f"{bad[2]}; read by gather({seq}, {start}, {stop}, out=) into the "
+                                 f"caller's buffer")
             if bad:
                 return (seq, *bad), len(todo)
         return None, len(todo)
+
+    def _span(self, r):
+        """``(seq, start, stop)`` with stop within the sequence, None when that is empty."""
+        seq, start, stop = r
+        n = self.oracle.seqs[seq].tokens
+        stop = n if stop is None else min(stop, n)
+        return (seq, start, stop) if stop > start else None
+
+    def _read_into(self, seq, start: int, stop: int, token_shape) -> np.ndarray:
+        """``gather(seq, start, stop, out=buf)``, and what ``buf`` then holds: NaN where nothing
+        was written. The pool's read dtype: the K/V's, float32 dequantized."""
+        buf = np.full((stop - start,) + token_shape, np.nan, np.float32 if self.quantized else self.dtype)
+        guarded("gather", self.backend.gather, seq, start, stop, out=buf)
+        return buf
 
     def _mask_released(self, want, todo, lengths) -> None:
         """Zeros where a sliding group no longer holds a position, in that group's layers."""

@@ -116,6 +116,10 @@ BUILTIN = [
              "quantized", kv_format="int8"),
     _builtin("numpy-int4", "impls.numpy_quant_paged:NumpyQuantPaged", "default", "paged",
              "quantized", kv_format="int4"),
+    # int4 quantized by the NumPy steps, which the compiled kernels replace where numba is
+    # installed: the steps' packing and zero points run by default too (one pool: a minute more).
+    _builtin("numpy-int4-steps", "impls.numpy_quant_paged:NumpyQuantSteps", "default", "paged",
+             "quantized", kv_format="int4"),
     *(_builtin(f"contiguous-{r}", "impls.contiguous:Contiguous", "default", "contiguous", "gated",
                reservation=r) for r in ("max", "pow2", "oracle")),
     _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
