@@ -32,3 +32,19 @@ def test_list_names_every_builtin(capsys):
     text = capsys.readouterr().out
     for name in ("numpy", "numpy-int8", "torch", "contiguous-max", "vllm-blockpool", "python-objects"):
         assert name in text
+
+
+def test_the_default_run_replays_a_variant_on_its_workloads_only(monkeypatch):
+    import dataclasses
+
+    from conftest import A, P, X, make_trace
+
+    from kvbench.analyses import suite
+    from kvbench.contract import registry
+    numpy = dataclasses.replace(registry.resolve("numpy"), default_workloads=("a",))
+    monkeypatch.setattr(registry, "entries", lambda: {"numpy": numpy})
+    traces = [make_trace(P(0, 20), A((0, 1),), X(0), name=n) for n in ("a", "b")]
+    default = suite.run_suite(traces, ["numpy"], default_run=True)
+    assert [r["workload"] for r in default] == ["a"]
+    named = suite.run_suite(traces, ["numpy"])  # a run that names its backends runs them all
+    assert [r["workload"] for r in named] == ["a", "b"]

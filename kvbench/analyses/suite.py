@@ -188,15 +188,20 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
 
 
 def run_suite(traces: list, backends: list, *, policy: str | None = "auto", progress: bool = False,
-              gather: str = "touched", rows: list | None = None, **settings) -> list[dict]:
+              gather: str = "touched", rows: list | None = None, default_run: bool = False,
+              **settings) -> list[dict]:
     """One row per trace, policy and backend. ``rows``: a list each row is appended to as its run
-    finishes (a caller interrupted part way keeps the finished ones)."""
+    finishes (a caller interrupted part way keeps the finished ones). ``default_run``: the
+    committed workloads through the default backends, each on its ``default_workloads``."""
+    entries = registry.entries()
     jobs = []
     for trace in traces:
         for pol in policies_for(trace, policy):
             cfg = config_for(trace, policy=pol, **settings)
             for name in backends:
-                jobs.append((trace, name, cfg))
+                only = entries[name].default_workloads if default_run and name in entries else ()
+                if not only or trace.name in only:
+                    jobs.append((trace, name, cfg))
     rows = [] if rows is None else rows
     bar = Progress(len(jobs), "replaying", "runs") if progress else None
     for t, n, c in jobs:

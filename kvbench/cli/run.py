@@ -165,7 +165,8 @@ def run_workloads(args, stdout) -> int:
     rows = []
     try:
         suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
-                        gather=args.gather, rows=rows, **settings(args))
+                        gather=args.gather, rows=rows,
+                        default_run=not args.traces and not args.backend, **settings(args))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
             stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
