@@ -98,3 +98,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "timing" in item.keywords:
             item.add_marker(skip)
+
+
+def counting_calls(cls):
+    """A subclass of backend ``cls`` that counts its finished mutating calls in ``self.calls``:
+    a planted fault that turns on after the n-th operation reads it."""
+    class Counting(cls):
+        calls = 0
+
+        def _counted(self, result):
+            self.calls += 1
+            return result
+
+        def prefill(self, *a, **kw):
+            return self._counted(super().prefill(*a, **kw))
+
+        def append(self, *a, **kw):
+            return self._counted(super().append(*a, **kw))
+
+        def fork(self, *a, **kw):
+            return self._counted(super().fork(*a, **kw))
+
+        def free(self, *a, **kw):
+            return self._counted(super().free(*a, **kw))
+
+    return Counting

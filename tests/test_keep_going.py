@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import A, K, P, X, make_config, make_trace
+from conftest import A, K, P, X, counting_calls, make_config, make_trace
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
@@ -15,29 +15,12 @@ TRACE = make_trace(P(0, 40), K(1, 0), A((1, 3), (0, 2)), P(2, 20), X(0), A((2, 5
                    name="keep-going")
 
 
-class HitsOneHigh(NumpyPaged):
+class HitsOneHigh(counting_calls(NumpyPaged)):
     """Reports one more prefix-hit block than it found, from its third call on: a figure that
     differs from the oracle's, no identity of its own broken (a cached-block count one high
     would be: its free structure lists one fewer)."""
 
     name = "hits-one-high"
-    calls = 0
-
-    def _counted(self, result):
-        self.calls += 1
-        return result
-
-    def prefill(self, *a, **kw):
-        return self._counted(super().prefill(*a, **kw))
-
-    def append(self, *a, **kw):
-        return self._counted(super().append(*a, **kw))
-
-    def fork(self, *a, **kw):
-        return self._counted(super().fork(*a, **kw))
-
-    def free(self, *a, **kw):
-        return self._counted(super().free(*a, **kw))
 
     def ledger(self, *a, **kw):
         led = super().ledger(*a, **kw)

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import A, K, P, X, make_config, make_trace
+from conftest import A, K, P, X, counting_calls, make_config, make_trace
 
 from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
@@ -40,29 +40,12 @@ def _wrong(value):
 
 
 def misreporting(cls, field: str):
-    class Misreports(cls):
+    class Misreports(counting_calls(cls)):
         name = f"misreports-{field}"
-        ops = 0
-
-        def _count(self, result):
-            self.ops += 1
-            return result
-
-        def prefill(self, *a, **kw):
-            return self._count(super().prefill(*a, **kw))
-
-        def append(self, *a, **kw):
-            return self._count(super().append(*a, **kw))
-
-        def fork(self, *a, **kw):
-            return self._count(super().fork(*a, **kw))
-
-        def free(self, *a, **kw):
-            return self._count(super().free(*a, **kw))
 
         def ledger(self, *a, **kw):
             led = super().ledger(*a, **kw)
-            if self.ops > WRONG_FROM:
+            if self.calls > WRONG_FROM:
                 setattr(led, field, _wrong(getattr(led, field)))
             return led
 

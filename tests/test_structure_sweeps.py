@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-from conftest import P, X, make_config, make_trace
+from conftest import P, X, counting_calls, make_config, make_trace
 
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
@@ -65,26 +65,18 @@ def test_a_block_an_operation_releases_twice_is_caught_at_that_operation():
     assert (d.index, d.quantity, d.actual) == (6, "free blocks", "block 1 2 times"), str(d)
 
 
-class Reads(NumpyPaged):
+class Reads(counting_calls(NumpyPaged)):
     """Records each block_state() call: the operations done before it, and for a state of
     changes how many entries it carries (the changed head of the free list, the cached log)."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.ops, self.whole, self.changed = 0, [], []
-
-    def prefill(self, *a, **kw):
-        self.ops += 1
-        return super().prefill(*a, **kw)
-
-    def free(self, *a, **kw):
-        self.ops += 1
-        return super().free(*a, **kw)
+        self.whole, self.changed = [], []
 
     def block_state(self, seqs=None, *, changed_since=None):
         state = super().block_state(seqs, changed_since=changed_since)
         if state.changes is None:
-            self.whole.append(self.ops)
+            self.whole.append(self.calls)
         else:
             self.changed.append(len(state.changes.free_head) + len(state.changes.cached))
         return state
@@ -102,23 +94,15 @@ def test_the_pool_is_read_whole_only_at_the_sweeps_and_the_changes_do_not_grow_w
     assert small.changed == large.changed and max(small.changed) == 1
 
 
-class CountsReads(ObjectModel):
+class CountsReads(counting_calls(ObjectModel)):
     """A backend whose block_state() takes no ``changed_since`` (the protocol before it)."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.ops, self.reads = 0, []
-
-    def prefill(self, *a, **kw):
-        self.ops += 1
-        return super().prefill(*a, **kw)
-
-    def free(self, *a, **kw):
-        self.ops += 1
-        return super().free(*a, **kw)
+        self.reads = []
 
     def block_state(self, seqs=None):
-        self.reads.append(self.ops)
+        self.reads.append(self.calls)
         return super().block_state(seqs)
 
 
