@@ -716,6 +716,7 @@ class Oracle:
         those sharing a tail, whose reservation a copy-on-write elsewhere changes) up to date."""
         todo = self._dirty | self._sharing
         self._dirty = set()
+        left = set()  # tenants whose live sequences may all be gone
         for s in todo:
             old = self._per_seq.pop(s, None)
             if old is not None:
@@ -724,6 +725,7 @@ class Oracle:
                 u = self._usage[tenant]
                 u[0] -= held
                 u[1] -= 1
+                left.add(tenant)
             st = self.seqs.get(s)
             if st is None:
                 self._sharing.discard(s)
@@ -735,6 +737,9 @@ class Oracle:
             u = self._usage.setdefault(st.tenant, [0, 0])
             u[0] += held
             u[1] += 1
+        for t in left:  # only tenants with a live sequence stay: usage costs what is live
+            if not self._usage[t][1]:
+                del self._usage[t]
 
     def expected_ledger(self, seqs=None) -> Ledger:
         """The ledger every correct backend reports; ``seqs``: the per-sequence figures of these
