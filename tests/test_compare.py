@@ -111,3 +111,22 @@ def test_command(two, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "B/A" in out and "chart: " in out and (tmp_path / "t.csv").exists()
     assert kvbench(["compare", str(two[0])]) == 2
+
+
+def test_records_that_measured_different_things_are_refused_unless_forced(tmp_path, capsys):
+    rows = [run_row("numpy", 1000.0, 40)]
+    a = records.write(records.record("run", rows, {"model": "tiny", "block_size": 16}),
+                      tmp_path / "a.json")
+    b = records.write(records.record("run", rows, {"model": "llama-3-8b", "block_size": 16}),
+                      tmp_path / "b.json")
+    c = records.write(records.record("run", rows + [run_row("numpy", 1.0, 40, workload="v")],
+                                     {"model": "tiny", "block_size": 16}), tmp_path / "c.json")
+    with pytest.raises(ValueError, match=r"model: A tiny, B llama-3-8b\): --force"):
+        C.compare([a, b])
+    with pytest.raises(ValueError, match="workloads: A w, B v w"):
+        C.compare([a, c])
+    assert kvbench(["compare", str(a), str(b), "--no-charts"]) == 2
+    assert "did not measure the same thing" in capsys.readouterr().err
+    legend, table, _ = C.compare([a, b], force=True)
+    assert "WARNING: not comparable: model: A tiny, B llama-3-8b" in legend
+    assert table.loc[("w", "numpy", "-"), ("ops_per_s", "B/A")] == 1.0  # compared all the same

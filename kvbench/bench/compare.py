@@ -22,6 +22,7 @@ figures:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import string
 import sys
@@ -324,17 +325,38 @@ def charts(frames, names, out: Path, legend=()) -> list[Path]:
 # --- command -------------------------------------------------------------------------------------
 
 
-def compare(paths, metrics=None, out: str | Path | None = None, store=None):
-    """(legend lines, side-by-side table, charts written)."""
+# Settings that make two records' figures incomparable when they differ (the device, the commit
+# and the machine are what a comparison is for).
+SETTINGS = ("model", "block_size", "budget", "max_context", "gather", "prefix_caching", "policy")
+
+
+def differences(recs: list, names: list) -> list[str]:
+    """What differs between the records besides the machine, the device and the commit: their
+    kind, a setting of their runs, the set of workloads or of backends. One line each."""
+    def spread(values):
+        return None if len({json.dumps(v, sort_keys=True, default=str) for v in values}) <= 1 else \
+            ", ".join(f"{n} {v if v is not None else '(default)'}" for n, v in zip(names, values))
+
+    found = {"kind": spread([r["kind"] for r in recs])}
+    for s in SETTINGS:
+        if any(s in r.get("params", {}) for r in recs):
+            found[s] = spread([r.get("params", {}).get(s) for r in recs])
+    for col, what in (("workload", "workloads"), ("backend", "backends")):
+        sets = [sorted({str(row[col]) for row in r["rows"] if col in row}) for r in recs]
+        if any(sets):
+            found[what] = spread([" ".join(x) or "-" for x in sets])
+    return [f"{k}: {v}" for k, v in found.items() if v]
+
+
+def compare(paths, metrics=None, out: str | Path | None = None, store=None, force: bool = False):
+    """(legend lines, side-by-side table, charts written). Records that differ in what they
+    measured (``differences``) are refused, a ValueError listing each, unless ``force``."""
     if len(paths) < 2:
         raise ValueError("compare needs two or more result records")
     recs = [read_record(p, store) for p in paths]
     names = labels(len(recs))
     legend = [describe(n, p, r) for n, p, r in zip(names, paths, recs)]
-    kinds = {r["kind"] for r in recs}
-    if len(kinds) > 1:
-        legend.append(f"note: records of different kinds ({', '.join(sorted(kinds))}): only rows "
-                      f"with the same identifying columns line up")
+
     frames = [frame(r) for r in recs]
     if metrics is not None:
         known = sorted({c for f in frames for c in f.columns} - set(KEY_COLUMNS))
@@ -351,6 +373,11 @@ def compare(paths, metrics=None, out: str | Path | None = None, store=None):
         metrics = metrics or None
     extra = list(dict.fromkeys(k for r in recs for k in r.get("key_columns", [])))
     table = side_by_side(frames, names, metrics, extra)
+    differ = differences(recs, names)
+    if differ and not force:
+        raise ValueError(f"the records did not measure the same thing ({'; '.join(differ)}): "
+                         f"--force compares them anyway")
+    legend += [f"WARNING: not comparable: {d}" for d in differ]
     made = charts(frames, names, Path(out), legend) if out else []
     return legend, table, made
 
@@ -387,7 +414,7 @@ def cmd_compare(args) -> int:
     if args.csv:
         check_writable(args.csv, option="--csv")
     legend, table, made = compare(args.records, args.metric, None if args.no_charts else args.out,
-                                  args.store)
+                                  args.store, force=args.force)
     print("\n".join(legend))
     with pd.option_context("display.width", 250, "display.max_columns", 60, "display.max_rows", 1000,
                            "display.float_format", number):
@@ -416,6 +443,9 @@ def add_compare_parser(sub) -> argparse.ArgumentParser:
                    help="directory for the PNG charts (default results/scratch/compare)")
     p.add_argument("--no-charts", action="store_true", help="print the table only")
     p.add_argument("--csv", help="also write the table as CSV")
+    p.add_argument("--force", action="store_true",
+                   help="compare records that differ in kind, model, block size, budget, gather, "
+                        "policy, workloads or backends (each difference is printed as a warning)")
     p.set_defaults(func=cmd_compare)
     return p
 
