@@ -135,11 +135,11 @@ class FairInFloat(NumpyPaged):
         over = []
         for t in present:
             quota = weights[t] / total * self.config.num_blocks
-            u = usage[self.tenants.index(t)]
+            u = usage[self.tenant_ids[t]]
             if u > quota:
                 over.append((u - quota, t))
         for _, t in sorted(over, reverse=True):
-            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
+            mine = candidates[self.tenant_idx[candidates] == self.tenant_ids[t]]
             if len(mine):
                 return _lru_row(self, mine)
         return None

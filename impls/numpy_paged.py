@@ -88,6 +88,7 @@ class NumpyPaged(StackChanges, Backend):
         self.row_of: dict[int, int] = {}
         self.row_index = np.full(1024, -1, dtype=np.int64)  # seq id -> row, for batch lookups
         self.tenants: list[str] = []
+        self.tenant_ids: dict[str, int] = {}
         # Prefix caching: (group, key) -> block; freed hashed blocks wait in `evictable` (oldest
         # first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
@@ -195,9 +196,12 @@ class NumpyPaged(StackChanges, Backend):
             raise KeyError(f"{self.name}: unknown sequence {seq}") from None
 
     def _tenant(self, tenant: str) -> int:
-        if tenant not in self.tenants:
+        """The tenant's index in ``self.tenants`` (a dict lookup: a trace may name 10^5 tenants)."""
+        i = self.tenant_ids.get(tenant)
+        if i is None:
+            i = self.tenant_ids[tenant] = len(self.tenants)
             self.tenants.append(tenant)
-        return self.tenants.index(tenant)
+        return i
 
     def _take(self, n: int) -> np.ndarray:
         """n blocks at one reference, fill 0 (their group is the caller's to count)."""
@@ -377,11 +381,11 @@ class NumpyPaged(StackChanges, Backend):
         budget = self.config.num_blocks
         over = []
         for t in present:
-            u = int(usage[self.tenants.index(t)])
+            u = int(usage[self.tenant_ids[t]])
             if u * total_w > weights[t] * budget:
                 over.append((u - weights[t] / total_w * budget, t))
         for _, t in sorted(over, reverse=True):
-            mine = candidates[self.tenant_idx[candidates] == self.tenants.index(t)]
+            mine = candidates[self.tenant_idx[candidates] == self.tenant_ids[t]]
             if len(mine):
                 return int(mine[np.lexsort((self.seq_of_row[mine], self.last_access[mine]))[0]])
         return None

@@ -141,6 +141,7 @@ class TorchPaged(StackChanges, Backend):
         self.first = [np.zeros(rows, dtype=np.int64) for _ in self.groups]
         self.row_of: dict[int, int] = {}
         self.tenants: list[str] = []
+        self.tenant_ids: dict[str, int] = {}
         # Prefix caching, on the host: (group, key) -> block; freed hashed blocks wait in
         # `evictable` (oldest first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
@@ -226,9 +227,12 @@ class TorchPaged(StackChanges, Backend):
             raise KeyError(f"{self.name}: unknown sequence {seq}") from None
 
     def _tenant(self, tenant: str) -> int:
-        if tenant not in self.tenants:
+        """The tenant's index in ``self.tenants`` (a dict lookup: a trace may name 10^5 tenants)."""
+        i = self.tenant_ids.get(tenant)
+        if i is None:
+            i = self.tenant_ids[tenant] = len(self.tenants)
             self.tenants.append(tenant)
-        return self.tenants.index(tenant)
+        return i
 
     def _blocks_needed(self, tokens):
         """ceil(tokens / B), for an int or an integer array or tensor."""
