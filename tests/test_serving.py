@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import make_config
 
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.analyses import breakdown as BD
 from kvbench.analyses import serving as S
 from kvbench.checking.checker import check
@@ -195,7 +196,7 @@ def test_block_hashes_pass_through_into_prefill_ops(tmp_path):
 def test_breakdown_table_plot_and_cli(tmp_path):
     table, results = BD.run_opt13b(["contiguous-max", "numpy"], num_requests=12, max_steps=50)
     assert list(table["paper_token_states"]) == [0.204, 0.963]
-    shares = table[list(S.CATEGORIES)].sum(axis=1)
+    shares = table[list(MEMORY_CATEGORIES)].sum(axis=1)
     assert np.allclose(shares, 1.0)  # the five categories cover the whole budget
     png = BD.plot_breakdown(table, tmp_path / "b.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

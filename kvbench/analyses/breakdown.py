@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvbench.analyses.serving import CATEGORIES, DEFAULT_MAX_BATCH, SimResult, simulate
+from kvbench.analyses.serving import DEFAULT_MAX_BATCH, SimResult, simulate
 from kvbench.charts import CATEGORY_COLORS, CATEGORY_LABELS, finish
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.outputs import staged
 from kvbench.progress import Progress
@@ -33,7 +34,7 @@ BREAKDOWN_BACKENDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", 
 
 def paper_categories(result: SimResult) -> pd.DataFrame:
     """Per-step slots in the paper's categories (see the module docstring for the rule)."""
-    s = result.samples[list(CATEGORIES)].copy()
+    s = result.samples[list(MEMORY_CATEGORIES)].copy()
     if result.layout == "contiguous":
         tail = result.samples["waiting_for_memory"].to_numpy()
         s.loc[tail, "external_fragmentation"] += s.loc[tail, "free"]
@@ -51,8 +52,8 @@ def breakdown(result: SimResult, over: str = "saturated") -> dict:
     if over == "all" or not mask.any():
         over, mask = "all", np.ones(len(cats), dtype=bool)
     total = result.config.arena_slots
-    shares = (cats[mask].mean() / total) if mask.any() else pd.Series(0.0, index=list(CATEGORIES))
-    return {**{c: float(shares[c]) for c in CATEGORIES}, "averaged_over": over,
+    shares = (cats[mask].mean() / total) if mask.any() else pd.Series(0.0, index=list(MEMORY_CATEGORIES))
+    return {**{c: float(shares[c]) for c in MEMORY_CATEGORIES}, "averaged_over": over,
             "steps_averaged": int(mask.sum()),
             "mean_running": float(result.samples["running"][mask].mean()) if mask.any() else 0.0}
 
@@ -103,7 +104,7 @@ def plot_breakdown(table: pd.DataFrame, path, title: str = "KV cache memory brea
     ax = fig.add_subplot(1, 1, 1)
     x = np.arange(len(table))
     bottom = np.zeros(len(table))
-    for c in CATEGORIES:
+    for c in MEMORY_CATEGORIES:
         vals = table[c].to_numpy(dtype=float) * 100
         ax.bar(x, vals, bottom=bottom, color=COLORS[c], label=LABELS[c], width=0.6)
         bottom += vals
@@ -181,7 +182,7 @@ def run_opt13b(backends=None, *, num_requests: int = OPT13B["num_requests"],
     return table, results
 
 
-PAPER_COLUMNS = ["backend", "paper_system", "paper_token_states", *CATEGORIES, "averaged_over",
+PAPER_COLUMNS = ["backend", "paper_system", "paper_token_states", *MEMORY_CATEGORIES, "averaged_over",
                  "steps_averaged", "mean_running", "max_running", "finished", "preemptions",
                  "recomputed_tokens", "steps", "output_tokens_per_step"]
 
@@ -190,7 +191,7 @@ def markdown_table(table: pd.DataFrame) -> str:
     """The breakdown as a markdown table, shares in percent."""
     cols = [c for c in PAPER_COLUMNS if c in table]
     df = table[cols].copy()
-    for c in ("paper_token_states", *CATEGORIES):
+    for c in ("paper_token_states", *MEMORY_CATEGORIES):
         if c in df:
             df[c] = df[c].map(lambda v: "-" if pd.isna(v) else f"{100 * v:.1f}%")
     for c in ("mean_running", "output_tokens_per_step"):

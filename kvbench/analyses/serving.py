@@ -58,7 +58,6 @@ from kvbench.traces.loaders import Request, split_block_hashes
 SIM_VERSION = 1
 STEP_SECONDS = 0.05
 DEFAULT_MAX_BATCH = 256  # vLLM's default max_num_seqs
-CATEGORIES = MEMORY_CATEGORIES
 
 
 @dataclass
@@ -210,7 +209,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
 
 
 SAMPLE_COLUMNS = ["step", "running", "waiting", "decoded", "prefilled", "preempted", "finished",
-                  "waiting_for_memory", *CATEGORIES]
+                  "waiting_for_memory", *MEMORY_CATEGORIES]
 
 
 def _check_options(max_batch, max_steps, step_seconds) -> None:
@@ -351,7 +350,7 @@ class _Server:
         ledger = self.be.ledger()
         self.hit_blocks = getattr(ledger, "prefix_hit_blocks", 0)
         self.samples.append({"step": t, "running": len(self.running), "waiting": len(self.queue),
-                             **counts, **{c: getattr(ledger, c) for c in CATEGORIES}})
+                             **counts, **{c: getattr(ledger, c) for c in MEMORY_CATEGORIES}})
 
 
-__all__ = ["simulate", "SimResult", "CATEGORIES", "DEFAULT_MAX_BATCH", "STEP_SECONDS"]
+__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS"]

@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 
 from kvbench.analyses.breakdown import (
-    CATEGORIES,
     OPT13B,
     available_backends,
     memory_breakdown,
@@ -23,6 +22,7 @@ from kvbench.outputs import check_writable
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
+from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import save
 from kvbench.traces.loaders import LOADERS, Request, load_requests
@@ -77,7 +77,7 @@ def wants_serving(args) -> bool:
     return bool(getattr(args, "trace", None) or getattr(args, "scenario", None))
 
 
-SERVE_COLUMNS = ["backend", *CATEGORIES, "averaged_over", "steps_averaged", "max_running", "finished",
+SERVE_COLUMNS = ["backend", *MEMORY_CATEGORIES, "averaged_over", "steps_averaged", "max_running", "finished",
                  "rejected", "unserved", "preemptions", "steps", "output_tokens_per_step", "steps_per_s"]
 
 
