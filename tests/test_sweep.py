@@ -17,7 +17,7 @@ import pytest
 from conftest import A, P, X, default_sigint, make_trace
 from kvbench.bench import grid as grids
 from kvbench.bench import sweep, sweep_charts
-from kvbench.bench.store import Store
+from kvbench.bench.store import CorruptCell, Store
 from kvbench.analyses import suite
 from kvbench.cli import main
 from kvbench.traces.format import save
@@ -226,6 +226,45 @@ def test_a_sweep_runs_every_cell_once_and_resumes_what_is_missing(tmp_path):
     again = sweep.run_sweep(g, store, workers=2, progress={"enabled": False})
     assert again.summary == {"pass": 3} and again.skipped == 27
     assert store.info("g")["cells"] == 30
+
+
+def test_plain_tools_read_the_store_with_one_typed_schema(tmp_path):
+    """pandas.read_parquet and DuckDB read the store as it is: one type per column, whatever a
+    cell's values (a trace file's cells have no seed; budgets given as blocks and as bytes)."""
+    import duckdb
+
+    hand_trace(tmp_path)
+    g = grids.load_grid(write_grid(tmp_path / "g.toml", GRID.replace('budget = ["64", "128"]',
+                                                                     'budget = [64, "16KiB"]')))
+    sweep.run_sweep(g, Store(tmp_path / "store"), workers=2, progress={"enabled": False})
+    df = pd.read_parquet(tmp_path / "store")
+    assert len(df) == 30
+    assert df["seed"].isna().sum() == 6  # the file trace: 2 backends' 3 settings (x 2 budgets)
+    assert pd.api.types.is_datetime64_any_dtype(df["started"])
+    blocks = df.set_index(["budget", "block_size"])["budget_blocks"]
+    # The tiny model: 128 bytes per token (2 * 2 layers * 2 heads * 8 * 2 bytes).
+    assert set(blocks.loc[("64", 8)]) == {64} and set(blocks.loc[("16KiB", 16)]) == {8}  # 8 = 16384 / (16 * 128)
+    assert (df["budget_bytes"] == df["budget_blocks"] * df["block_size"] * 128).all()
+    rows = duckdb.sql(f"select count(*), count(seed), min(budget_bytes) from read_parquet("
+                      f"'{tmp_path / 'store'}/**/*.parquet', hive_partitioning = true)").fetchall()
+    assert rows == [(30, 24, 16 * 1024)]  # the smallest pool: 16 KiB (64 blocks of 8 tokens is 64 KiB)
+
+
+def test_a_corrupt_cell_is_named_skipped_and_run_again(tmp_path):
+    hand_trace(tmp_path)
+    g = grids.load_grid(write_grid(tmp_path / "g.toml", GRID))
+    store = Store(tmp_path / "store")
+    sweep.run_sweep(g, store, workers=2, progress={"enabled": False})
+    truncated, garbage = sorted((tmp_path / "store").rglob("*.parquet"))[:2]
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    garbage.write_bytes(b"not parquet")
+    with pytest.warns(CorruptCell) as caught:
+        assert len(store.read("g")) == 28
+    assert {str(truncated), str(garbage)} <= {str(w.message).split(": ")[0] for w in caught}
+    with pytest.warns(CorruptCell):
+        again = sweep.run_sweep(g, store, workers=2, progress={"enabled": False})
+    assert again.summary == {"pass": 2} and again.skipped == 28
+    assert len(store.read("g")) == 30  # no warning now: both were written over
 
 
 def test_pinned_workers_each_take_one_core(tmp_path):

@@ -8,14 +8,18 @@ and backend (hive style, so pyarrow, pandas, DuckDB or Spark read it as it is)::
 that every worker of a cluster can reach: each worker writes its own cells there, so nothing has to
 be copied back. A file is written under a hidden name and then moved into place, so a reader (or a
 resumed sweep) never sees half a cell. A cell's file name is its id, a content hash of what it ran
-(kvbench.bench.sweep): a cell whose file exists is done.
+(kvbench.bench.sweep): a cell whose file is a readable Parquet file is done. A file that is not (a
+truncated copy, a disk that filled up) is named in a warning, skipped by every reader and run again
+by a resumed sweep, which writes the cell over it.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import io
 import json
 import os
 import uuid
+import warnings
 from urllib.parse import quote, unquote
 
 import pandas as pd
@@ -31,6 +35,26 @@ GRID_FILE = "_grid.toml"
 INFO_FILE = "_sweep.json"
 PARTITIONS = ("sweep", "backend")
 
+# The columns whose type a value alone does not fix (a trace file's cell has no seed; a grid may give
+# a budget as 1024 or as "12GiB"): every cell stores them with these types, so that plain readers
+# (pandas.read_parquet, DuckDB) see one schema. Sizes carry their unit in the name.
+CELL_TYPES = {"seed": pa.int64(), "block_size": pa.int64(), "num_blocks": pa.int64(),
+              "budget": pa.string(), "budget_blocks": pa.int64(), "budget_bytes": pa.int64(),
+              "final_fragmentation": pa.float64(), "worker_pid": pa.int64(),
+              "started": pa.timestamp("ms", tz="UTC")}
+
+
+def cell_table(row: dict) -> pa.Table:
+    """One cell's record as a one-row table, the columns of CELL_TYPES typed by it."""
+    columns = {}
+    for name, value in row.items():
+        if name == "started" and isinstance(value, str):
+            value = _dt.datetime.fromisoformat(value)
+        elif name == "budget" and value is not None:
+            value = str(value)
+        columns[name] = pa.array([value], type=CELL_TYPES.get(name))
+    return pa.table(columns)
+
 
 def _filesystem(url: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, root path inside it): a local folder, or an fsspec URL."""
@@ -43,6 +67,10 @@ def _filesystem(url: str) -> tuple[pafs.FileSystem, str]:
 
 def _segment(key: str, value: str) -> str:
     return f"{key}={quote(str(value), safe='')}"
+
+
+class CorruptCell(UserWarning):
+    """A cell file of the store that is not readable Parquet."""
 
 
 class Store:
@@ -69,13 +97,28 @@ class Store:
         return sorted(i.path for i in infos if i.type == pafs.FileType.File
                       and i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_")))
 
+    def _readable(self, sweep: str) -> list[str]:
+        """The cell files of ``sweep`` whose Parquet footer reads; each other one is named in a
+        warning (its cell counts as not done)."""
+        good = []
+        for path in self._files(sweep):
+            try:
+                pq.read_metadata(path, filesystem=self.fs)
+            except (OSError, pa.ArrowException) as e:
+                warnings.warn(f"{path}: not a readable Parquet cell ({type(e).__name__}: {e}); "
+                              f"skipped, and run again by the next `kvbench sweep` of {sweep!r}",
+                              CorruptCell, stacklevel=3)
+                continue
+            good.append(path)
+        return good
+
     # --- writing -------------------------------------------------------------------------------
 
     def write_cell(self, sweep: str, backend: str, cell_id: str, row: dict) -> str:
         """Write one cell's record (a flat dict; the partition columns are left to the path)."""
         folder = f"{self._sweep_dir(sweep)}/{_segment('backend', backend)}"
         self.fs.create_dir(folder, recursive=True)
-        table = pa.Table.from_pylist([{k: v for k, v in row.items() if k not in PARTITIONS}])
+        table = cell_table({k: v for k, v in row.items() if k not in PARTITIONS})
         buf = io.BytesIO()
         pq.write_table(table, buf)
         path = f"{folder}/{cell_id}.parquet"
@@ -124,19 +167,21 @@ class Store:
         return json.loads(text) if text else {}
 
     def done(self, sweep: str) -> set[str]:
-        """Ids of the cells stored for ``sweep`` (file names only: nothing is read)."""
-        return {p.rpartition("/")[2][:-len(".parquet")] for p in self._files(sweep)}
+        """Ids of the cells stored for ``sweep`` (their files' footers read, nothing more)."""
+        return {p.rpartition("/")[2][:-len(".parquet")] for p in self._readable(sweep)}
 
     def read(self, sweep: str, columns=None) -> pd.DataFrame:
         """Every cell of ``sweep`` as one frame (sweep and backend from the partition folders).
 
         Cells written by different commits may carry different columns: their schemas are
-        unified (a column missing from a cell reads as null).
+        unified (a column missing from a cell reads as null), the columns of CELL_TYPES read as
+        those types (cells written before they were typed included).
         """
-        files = self._files(sweep)
+        files = self._readable(sweep)
         if not files:
             return pd.DataFrame()
-        schema = pa.unify_schemas([pq.read_schema(f, filesystem=self.fs) for f in files],
+        schema = pa.unify_schemas([pa.schema([pa.field(f.name, CELL_TYPES.get(f.name, f.type)) for f in
+                                              pq.read_schema(path, filesystem=self.fs)]) for path in files],
                                   promote_options="permissive")
         for name in PARTITIONS:
             schema = schema.append(pa.field(name, pa.string()))
@@ -172,4 +217,4 @@ class Store:
         return df[df["code"] == codes.index[-1]], note
 
 
-__all__ = ["Store", "DEFAULT_STORE"]
+__all__ = ["Store", "DEFAULT_STORE", "CorruptCell"]

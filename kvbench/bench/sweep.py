@@ -32,6 +32,7 @@ from kvbench.bench import records
 from kvbench.bench.grid import Cell, Grid, check_cells, code_version, expand, known_settings
 from kvbench.bench.store import Store
 from kvbench import provenance
+from kvbench.quant.pool import pool_block_bytes
 from kvbench.analyses import suite
 from kvbench.traces.format import Trace
 
@@ -61,6 +62,7 @@ def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in cell.settings.items()}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
     t0 = time.perf_counter()
+    cfg = None
     try:
         cfg = suite.config_for(trace, **{k: v for k, v in kwargs.items() if where[k] == "config"})
         row = suite.run_one(trace, cell.backend, cfg, **{k: v for k, v in kwargs.items() if where[k] == "run"})
@@ -74,6 +76,9 @@ def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     if "tenant_metrics" in rec:
         rec["tenant_metrics"] = json.dumps(rec["tenant_metrics"], default=records._default)
     rec.update(cell.columns())
+    # The pool the cell ran, in both units (the grid's ``budget`` may be either).
+    rec["budget_blocks"] = cfg.num_blocks if cfg else None
+    rec["budget_bytes"] = cfg.num_blocks * pool_block_bytes(cfg) if cfg else None
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     rec.update({"cell_id": cell.id, "parameters": ",".join(cell.columns()), "error": error,
                 "code": cell.code, "commit": commit["commit"], "dirty": commit["dirty"], "wall_s": wall,

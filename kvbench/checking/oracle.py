@@ -150,9 +150,7 @@ class Oracle:
     @property
     def block_bytes(self) -> int:
         """B * 2 * L_group * H_kv * d_head * s, or a quantized pool's code + metadata bytes."""
-        if self.config.kv_format:
-            return quant_pool.block_bytes(self.config.kv_format, self.config.model, self.B)
-        return F.block_bytes(self.B, self.config.model)
+        return quant_pool.pool_block_bytes(self.config)
 
     @property
     def blocks_used(self) -> int:

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 
 from kvbench.contract.formulas import MAX_BLOCK_SIZE
 from kvbench.contract.registry import BackendUnavailable
@@ -105,6 +106,16 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """kvbench's own warnings as one line, as its errors are; others as Python shows them."""
+    if category.__module__.startswith("kvbench"):
+        return f"kvbench: warning: {message}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMAT = warnings.formatwarning
+
+
 def run(command, argv=None, prog: str = "kvbench") -> int:
     """``command(argv)`` with the one error path: the exit code, never a traceback (unless
     ``--debug`` is among the arguments, which is taken out before ``command`` sees them)."""
@@ -112,6 +123,7 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     main_thread = threading.current_thread() is threading.main_thread()
+    warnings.formatwarning = _one_line_warning
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return command(argv)

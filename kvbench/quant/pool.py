@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvbench import quant as Q
+from kvbench.contract import formulas as F
 from kvbench.contract.formulas import ModelSpec
 
 # name -> the scheme of every (token, K/V, layer, head) row
@@ -36,6 +37,14 @@ def block_bytes(name: str, model: ModelSpec, block_size: int) -> int:
     code = -(-model.head_dim * scheme.slot_bits // 8)
     meta = META_BYTES * (1 if scheme.symmetric else 2)
     return rows * (code + meta)
+
+
+def pool_block_bytes(config) -> int:
+    """The bytes of one block of the pool ``config`` (a CacheConfig) sets up: a quantized
+    format's code + metadata, else B * 2 * L_group * H_kv * d_head * s."""
+    if config.kv_format:
+        return block_bytes(config.kv_format, config.model, config.block_size)
+    return F.block_bytes(config.block_size, config.model)
 
 
 def bound_violation(expected: np.ndarray, got: np.ndarray, name: str, first_position: int = 0) -> str:
