@@ -307,6 +307,58 @@ def test_sigint_stops_the_sweep_and_the_same_command_resumes_it(tmp_path):
     assert len(Store(store).done("int")) == 48
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (read from /proc)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_no_child_outlives_a_sweep_driver_killed_with_sigkill(tmp_path):
+    text = ('name = "k"\nbackends = ["numpy", "python-objects"]\nseeds = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]\n'
+            '[[traces]]\nfamily = "decode_streams"\n'
+            'params = { num_requests = 24, law = "alpaca", max_prompt = 100, max_output = 60 }\n'
+            '[settings]\nblock_size = [8, 16]\nbudget = "32KiB"\nstore_kv = false\ngather = "none"\n')
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(write_grid(tmp_path / "g.toml", text)),
+                             "--store", str(store), "--workers", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not list(store.rglob("*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    family = _descendants(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert len(family) >= 3, family  # the forkserver and its two workers at least
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _alive(p)]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCell)  # every file a resume counts done is whole
+        stored = len(Store(store).done("k"))
+    assert 0 < stored < 48  # 48 = 12 seeds x 2 block sizes x 2 backends: a resume has cells to run
+
+
 # --- progress ------------------------------------------------------------------------------------
 
 

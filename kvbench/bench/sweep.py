@@ -21,8 +21,10 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import select
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -155,10 +157,29 @@ class Progress:
 _TRACES: dict = {}
 
 
-def _init_worker(traces_file: str, counter, cores) -> None:
+def _exit_with(driver: int) -> None:
+    """End this process when the process ``driver`` ends, ``kill -9`` included. A pool worker's
+    parent is the forkserver, which outlives a killed driver as long as a worker holds its pipe:
+    so each worker watches the driver itself."""
+    def watch():
+        try:
+            select.select([os.pidfd_open(driver)], [], [])
+        except (AttributeError, OSError):  # no pidfd here (or the driver is gone already): poll
+            while True:
+                try:
+                    os.kill(driver, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="kvbench-driver-watch", daemon=True).start()
+
+
+def _init_worker(traces_file: str, counter, cores, driver: int) -> None:
     import pickle
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt stops
+    _exit_with(driver)
     with open(traces_file, "rb") as f:
         _TRACES.update(pickle.load(f))
     if cores:
@@ -190,7 +211,8 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
     with tempfile.NamedTemporaryFile(prefix="kvbench-traces-", suffix=".pickle", delete=False) as tf:
         pickle.dump(traces, tf, protocol=pickle.HIGHEST_PROTOCOL)
     pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                  initargs=(tf.name, ctx.Value("i", 0) if pin else None, cores if pin else None))
+                                  initargs=(tf.name, ctx.Value("i", 0) if pin else None, cores if pin else None,
+                                            os.getpid()))
     pending = {}
 
     def collect(finished) -> None:
