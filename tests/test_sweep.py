@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -305,6 +307,47 @@ def test_sigint_stops_the_sweep_and_the_same_command_resumes_it(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"48 cells: {stored} were in the store, ran {48 - stored} ({48 - stored} pass)" in again.stdout
     assert len(Store(store).done("int")) == 48
+
+
+def test_two_sweeps_of_one_grid_into_one_store_run_each_cell_once(tmp_path):
+    text = ('name = "two"\nbackends = ["numpy", "python-objects"]\nseeds = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]\n'
+            '[[traces]]\nfamily = "decode_streams"\n'
+            'params = { num_requests = 24, law = "alpaca", max_prompt = 100, max_output = 60 }\n'
+            '[settings]\nblock_size = [8, 16]\nbudget = "32KiB"\nstore_kv = false\ngather = "none"\n')
+    cmd = [sys.executable, "-m", "kvbench.cli", "sweep", str(write_grid(tmp_path / "g.toml", text)),
+           "--store", str(tmp_path / "store"), "--workers", "1", "--quiet"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    ran = [int(re.search(r"ran (\d+) ", out).group(1)) for out in outs]
+    assert sum(ran) == 48, outs  # 48 = 12 seeds x 2 block sizes x 2 backends, each run by one sweep
+    assert len(Store(tmp_path / "store").done("two")) == 48
+    assert not list((tmp_path / "store").rglob(".*.claim"))
+
+
+def test_a_claim_left_by_a_process_that_is_gone_is_taken_over(tmp_path):
+    store = Store(tmp_path / "s")
+    assert store.claim("s", "numpy", "c1") and not store.claim("s", "numpy", "c1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    claim = next((tmp_path / "s").rglob(".c1.claim"))
+    claim.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead)}))
+    assert store.claim("s", "numpy", "c1")
+    store.release("s", "numpy", "c1")
+    assert not claim.exists()
+
+
+def test_a_failed_task_whose_cell_was_stored_is_not_lost(tmp_path):
+    store = Store(tmp_path / "s")
+    cell = grids.Cell(sweep="s", trace="t", trace_key="t", backend="numpy", seed=None, params={},
+                      settings={}, code="x", resources={}, id="c1")
+    lost = []
+    assert sweep._stored_or_lost(store, cell, "died", lost, wait=0.2) == "lost"
+    assert lost == [(cell, "died")]
+    store.write_cell("s", "numpy", "c1", {"status": "FAIL"})
+    lost.clear()
+    assert sweep._stored_or_lost(store, cell, "died", lost, wait=0.2) == "FAIL" and not lost
 
 
 def _descendants(pid: int) -> set[int]:

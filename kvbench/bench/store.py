@@ -10,14 +10,17 @@ be copied back. A file is written under a hidden name and then moved into place,
 resumed sweep) never sees half a cell. A cell's file name is its id, a content hash of what it ran
 (kvbench.bench.sweep): a cell whose file is a readable Parquet file is done. A file that is not (a
 truncated copy, a disk that filled up) is named in a warning, skipped by every reader and run again
-by a resumed sweep, which writes the cell over it.
+by a resumed sweep, which writes the cell over it. A worker claims a cell before running it (a
+hidden claim file beside it), so two sweeps of one grid into one store never run a cell twice.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import io
 import json
 import os
+import socket
 import uuid
 import warnings
 from urllib.parse import quote, unquote
@@ -69,6 +72,26 @@ def _segment(key: str, value: str) -> str:
     return f"{key}={quote(str(value), safe='')}"
 
 
+def _stale_claim(path: str) -> bool:
+    """Whether a claim file was left by a process of this machine that no longer runs."""
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):  # being written this instant
+        return False
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, KeyError, ValueError):  # alive under another user, or an unreadable claim
+        pass
+    return False
+
+
 class CorruptCell(UserWarning):
     """A cell file of the store that is not readable Parquet."""
 
@@ -112,6 +135,46 @@ class Store:
             good.append(path)
         return good
 
+    def _cell_path(self, sweep: str, backend: str, cell_id: str, prefix: str = "", suffix: str = ".parquet") -> str:
+        return f"{self._sweep_dir(sweep)}/{_segment('backend', backend)}/{prefix}{cell_id}{suffix}"
+
+    def status(self, sweep: str, backend: str, cell_id: str) -> str | None:
+        """The stored status of one cell; None when it is not stored (or not readable)."""
+        try:
+            return pq.read_table(self._cell_path(sweep, backend, cell_id), columns=["status"],
+                                 filesystem=self.fs)["status"][0].as_py()
+        except (OSError, pa.ArrowException, KeyError):
+            return None
+
+    # --- claims: two sweeps of one grid into one store never run a cell twice ------------------
+
+    def claim(self, sweep: str, backend: str, cell_id: str) -> bool:
+        """Take the claim on a cell before running it; False when another process holds it. A
+        claim is a file created exclusively beside the cell; one left by a process of this machine
+        that is gone is taken over. In a store at a URL (no exclusive create) every claim is taken."""
+        if "://" in self.url:
+            return True
+        path = self._cell_path(sweep, backend, cell_id, ".", ".claim")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if not _stale_claim(path):
+                    return False
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+            return True
+        return False
+
+    def release(self, sweep: str, backend: str, cell_id: str) -> None:
+        if "://" not in self.url:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._cell_path(sweep, backend, cell_id, ".", ".claim"))
+
     # --- writing -------------------------------------------------------------------------------
 
     def write_cell(self, sweep: str, backend: str, cell_id: str, row: dict) -> str:
@@ -121,8 +184,8 @@ class Store:
         table = cell_table({k: v for k, v in row.items() if k not in PARTITIONS})
         buf = io.BytesIO()
         pq.write_table(table, buf)
-        path = f"{folder}/{cell_id}.parquet"
-        tmp = f"{folder}/.{cell_id}.{uuid.uuid4().hex[:8]}.tmp"
+        path = self._cell_path(sweep, backend, cell_id)
+        tmp = self._cell_path(sweep, backend, cell_id, ".", f".{uuid.uuid4().hex[:8]}.tmp")
         with self.fs.open_output_stream(tmp) as f:
             f.write(buf.getvalue())
         self.fs.move(tmp, path)

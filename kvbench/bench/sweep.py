@@ -38,6 +38,9 @@ from kvbench.quant.pool import pool_block_bytes
 from kvbench.analyses import suite
 from kvbench.traces.format import Trace
 
+# The status of a cell another sweep of the same grid into the same store ran (or is running).
+ELSEWHERE = "another sweep"
+
 # Columns of a record that depend on where and when it ran, not on what it ran.
 RUN_COLUMNS = ("wall_s", "backend_ms", "ops_per_s", "started", "worker_pid", "worker_cores")
 MACHINE_PREFIX = "machine_"
@@ -59,7 +62,19 @@ def _machine() -> dict:
 
 def run_cell(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     """Replay one cell, write its record into ``store``; a small summary for the progress.
-    ``commit``: the driver's code_version()."""
+    ``commit``: the driver's code_version(). A cell claimed by another sweep, or stored by one
+    since this sweep listed the store, is left to it (status ELSEWHERE)."""
+    if not store.claim(cell.sweep, cell.backend, cell.id):
+        return {"id": cell.id, "status": ELSEWHERE, "wall_s": 0.0, "error": ""}
+    try:
+        if store.status(cell.sweep, cell.backend, cell.id) not in (None, "ERROR"):  # ERROR: a retry
+            return {"id": cell.id, "status": ELSEWHERE, "wall_s": 0.0, "error": ""}
+        return _run_claimed(cell, trace, store, commit)
+    finally:
+        store.release(cell.sweep, cell.backend, cell.id)
+
+
+def _run_claimed(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     where = known_settings()
     kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in cell.settings.items()}
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -151,6 +166,18 @@ class Progress:
             print(self.line(), file=self.stream, flush=True)
 
 
+def _stored_or_lost(store: Store, cell: Cell, why: str, lost: list, wait: float = 2.0) -> str:
+    """The status of a cell whose task failed: the one stored if its worker wrote the cell before
+    dying (a file a remote store may show a moment later), else "lost" (noted in ``lost``)."""
+    deadline = time.monotonic() + wait
+    while (status := store.status(cell.sweep, cell.backend, cell.id)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if status is None:
+        lost.append((cell, why))
+        return "lost"
+    return status
+
+
 # --- executors -----------------------------------------------------------------------------------
 
 
@@ -220,9 +247,8 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
             cell = pending.pop(f)
             try:
                 progress.update(f.result()["status"])
-            except Exception as e:  # the worker died (BrokenProcessPool): nothing recorded
-                lost.append((cell, f"{type(e).__name__}: {e}"))
-                progress.update("lost")
+            except Exception as e:  # the worker died (BrokenProcessPool): recorded, or lost
+                progress.update(_stored_or_lost(store, cell, f"{type(e).__name__}: {e}", lost))
     try:
         pending = {pool.submit(_pool_cell, c, store, commit): c for c in cells}
         while pending:
@@ -265,9 +291,9 @@ def run_ray(cells, traces, store, commit, progress, *, address: str | None = Non
                 cell = pending.pop(ref)
                 try:
                     progress.update(ray.get(ref)["status"])
-                except ray.exceptions.RayError as e:  # its worker or node died: nothing recorded
-                    lost.append((cell, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
-                    progress.update("lost")
+                except ray.exceptions.RayError as e:  # its worker or node died: recorded, or lost
+                    progress.update(_stored_or_lost(store, cell, f"{type(e).__name__}: "
+                                                    f"{str(e).splitlines()[0]}", lost))
             progress.tick()
     except KeyboardInterrupt:
         interrupted = True
@@ -324,5 +350,5 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
     return SweepRun(grid, cells, len(cells) - len(todo), progress.counts, out["lost"], out["interrupted"], wall)
 
 
-__all__ = ["run_cell", "run_sweep", "run_local", "run_ray", "Progress", "SweepRun", "RUN_COLUMNS",
+__all__ = ["run_cell", "run_sweep", "run_local", "run_ray", "Progress", "SweepRun", "RUN_COLUMNS", "ELSEWHERE",
            "EXECUTORS", "ship_code_env"]

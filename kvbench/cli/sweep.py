@@ -57,9 +57,11 @@ def cmd_sweep(args) -> int:
     run = sweep.run_sweep(grid, store, executor=args.executor, retry_errors=args.retry_errors,
                           progress={"interval": args.progress_interval, "enabled": not args.quiet},
                           **options)
-    print(f"{grid.name}: {len(run.cells)} cells: {run.skipped} were in the store, ran {sum(run.summary.values())} "
-          f"({', '.join(f'{n} {k}' for k, n in sorted(run.summary.items())) or 'none'}) in {run.wall_s:.1f}s; "
-          f"store {store.url}")
+    ran = {k: n for k, n in run.summary.items() if k != sweep.ELSEWHERE}
+    elsewhere = run.summary.get(sweep.ELSEWHERE, 0)
+    print(f"{grid.name}: {len(run.cells)} cells: {run.skipped} were in the store, ran {sum(ran.values())} "
+          f"({', '.join(f'{n} {k}' for k, n in sorted(ran.items())) or 'none'}) in {run.wall_s:.1f}s"
+          + (f", left {elsewhere} to another sweep of this grid" if elsewhere else "") + f"; store {store.url}")
     for cell, why in run.lost[:10]:
         print(f"lost {cell.id[:12]} {cell.columns()}: {why}")
     if run.interrupted or run.lost:
