@@ -2,12 +2,11 @@
 where and when the figures were measured (commit, machine, date), and an atomic write."""
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.outputs import save_figure
-from kvbench.provenance import commit_info, machine_info
+from kvbench.provenance import commit_date, commit_info, machine_info
 
 CATEGORY_LABELS = {c: c.replace("_", " ") for c in MEMORY_CATEGORIES}
 CATEGORY_COLORS = {"token_states": "#4c72b0", "reservation": "#dd8452",
@@ -17,10 +16,10 @@ CATEGORY_COLORS = {"token_states": "#4c72b0", "reservation": "#dd8452",
 
 def provenance(rec: dict | None = None) -> str:
     """'commit abc12345 (dirty), host (cpu, 2 cpus), 2026-01-01 12:00 UTC' of a result record, or
-    of this checkout and machine now."""
+    of this checkout and machine, dated by the commit: a chart drawn again from the same commit
+    on the same machine is the same file, byte for byte (a committed chart stays clean)."""
     if rec is None:
-        rec = {**commit_info(), "machine": machine_info(),
-               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        rec = {**commit_info(), "machine": machine_info(), "created": commit_date() or "?"}
     m = rec.get("machine", {})
     where = m.get("gpu") or m.get("device") or m.get("processor") or "?"
     created = str(rec.get("created", "?")).replace("T", " ").replace("+00:00", " UTC")

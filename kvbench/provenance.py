@@ -3,6 +3,7 @@ result records and every chart's provenance line."""
 from __future__ import annotations
 
 import importlib.metadata
+import datetime as _dt
 import os
 import platform
 import subprocess
@@ -24,6 +25,18 @@ def commit_info(root: Path = REPO_ROOT) -> dict:
     sha = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     return {"commit": sha or "unknown", "dirty": dirty}
+
+
+def commit_date(root: Path = REPO_ROOT) -> str:
+    """The committer date of HEAD (ISO 8601, UTC), or '' outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "show", "-s", "--format=%cI", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if not out:
+        return ""
+    return _dt.datetime.fromisoformat(out).astimezone(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def machine_info(device: str | None = None) -> dict:
