@@ -3,6 +3,8 @@ of a backend, is caught by the default suite, the committed workloads `kvbench r
 only by a trace written for it; and the suite passes the backends the faults were planted into."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from impls.faults import CATALOGUE
@@ -25,6 +27,12 @@ def test_every_engine_bug_is_caught_by_the_default_suite(table, bug):
     assert row["caught"] == "yes", f"{bug.name} ({bug.upstream}) passes every committed workload"
     assert row["workload"] and isinstance(row["step"], int)
     assert row["first divergence"].startswith(row["divergence"].quantity)
+
+
+def test_the_faults_document_is_the_catalogue(table):
+    doc = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
+    assert doc.read_text() == cli.markdown(list(table.values())), \
+        "docs/faults.md is stale: kvbench faults --markdown docs/faults.md"
 
 
 def test_the_planted_faults_of_the_tests_are_caught_too(table):
