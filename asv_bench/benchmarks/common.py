@@ -53,6 +53,9 @@ BLOCK_SIZE = 16
 MODEL_SHAPE = dict(name="asv-1k", layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
 
 # Benchmark name -> (registry name or package.module:Factory, CacheConfig fields it fixes).
+# Listed here, not read from the registry: asv imports this file against every commit it builds,
+# and a benchmark's parameters are the keys of its history, so they must not follow one commit's
+# registry (older commits have other entries, or none).
 BACKENDS = {
     "numpy": ("numpy", {}),
     "torch-cpu": ("torch", {"device": "cpu"}),
