@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import types
 
+from impls.prefix_keys import block_keys, tagged_extra
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -74,7 +75,7 @@ def _block_hash(h) -> bytes:
 class VllmBlockPool(Backend):
     name = "vllm-blockpool"
     capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=())
+                                prefix_caching=True, eviction=(), cache_salt=True)
     # No eviction policy: vLLM preempts requests in its scheduler, not in the block pool, so a
     # config with a policy is reported not applicable by the checker.
 
@@ -125,15 +126,17 @@ class VllmBlockPool(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
         if seq in self.tables:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
         B = self.block_size
         n = -(-tokens // B)
-        # Only full blocks carry a hash.
-        hashes = [_block_hash(h) for h in (block_hashes or ())][:tokens // B] if self.caching else []
+        # Only full blocks carry a hash. vLLM's BlockPool takes the hashes its caller computed (the
+        # KVCacheManager chains the salt and the LoRA name into them): so do the same here.
+        keys = block_keys(tokens, B, block_hashes, token_ids, tagged_extra(salt, adapter)) if self.caching else []
+        hashes = [_block_hash(h) for h in keys]
         hits = self._hits(hashes)
         # A hit on a freed cached block takes it back out of the free queue: it counts too.
         self._check_free(n - len(hits) + sum(1 for b in hits if b.ref_cnt == 0),
