@@ -50,7 +50,7 @@ VERSION = "0.5.23"
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
-                            hit_leaves_last_token=True, caches_every_full_block=True)
+                            hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True)
 
 
 def _torchvision_importable() -> None:
@@ -129,6 +129,12 @@ class _Req:
     lock: object = None
     protected: int = 0  # cache_protected_len: the tree-owned prefix
     inserted: int = 0  # cache_inserted_len
+    adapter: str | None = None  # Req.extra_key (its LoRA): a namespace of the tree
+    salt: str | None = None  # Req.cache_salt: another namespace
+
+    def key(self, n: int, **kw):
+        """``RadixKey`` of the first ``n`` token ids, in this request's namespaces."""
+        return _sglang().RadixKey(self.ids[:n], extra_key=self.adapter, cache_salt=self.salt, **kw)
 
 
 class SglangRadix(Backend):
@@ -163,7 +169,7 @@ class SglangRadix(Backend):
             disable=not self.caching, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
             page_size=P, eviction_policy=self.radix_policy))
         self.reqs: dict[int, _Req] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 << 48)  # token ids made up here: above any a trace gives
         self._hash_ids: dict = {}
         self.hit_blocks = 0
 
@@ -220,12 +226,12 @@ class SglangRadix(Backend):
     def _checkpoint(self, r: _Req) -> None:
         """SGLang's RadixCache.checkpoint (radix_cache.py, ``_insert_cache`` and ``checkpoint``)."""
         s = self._s
-        key = s.RadixKey(r.ids[:len(r.kv)]).page_aligned(self.page)
+        key = r.key(len(r.kv)).page_aligned(self.page)
         n = len(key)
         result = self.tree.insert(s.InsertParams(key=key, value=r.kv[:n].clone(),
                                                  inserted_len=r.inserted, priority=0))
         r.inserted = max(r.inserted, n)
-        prompt_key = s.RadixKey(r.ids[:r.prompt]).page_aligned(self.page)
+        prompt_key = r.key(r.prompt).page_aligned(self.page)
         if 0 < len(prompt_key) < n:  # split at the prompt so the output can go on its own
             self.tree.insert(s.InsertParams(key=prompt_key, value=r.kv[:len(prompt_key)].clone(),
                                             inserted_len=len(prompt_key), priority=1))
@@ -239,13 +245,15 @@ class SglangRadix(Backend):
         self.tree.unlock(r.lock)
         r.lock = self.tree.lock(node)
 
-    def _admit(self, seq, ids: list, prompt: int, final: int, what: str) -> int:
-        """A new request with these token ids: match, lock, allocate, checkpoint. Hit tokens."""
+    def _admit(self, seq, ids: list, prompt: int, final: int, what: str, adapter=None, salt=None) -> int:
+        """A new request with these token ids (in the namespaces of ``adapter`` and ``salt``):
+        match, lock, allocate, checkpoint. Hit tokens."""
         s = self._s
         ids = s.array("q", ids)
         T = len(ids)
+        probe = _Req(ids=ids, kv=None, prompt=prompt, final=final, adapter=adapter, salt=salt)
         # Req._compute_max_prefix_len: at most T - 1 tokens, for the last token's logits.
-        match = self.tree.match_prefix(s.MatchPrefixParams(key=s.RadixKey(ids, limit=max(0, T - 1))))
+        match = self.tree.match_prefix(s.MatchPrefixParams(key=probe.key(T, limit=max(0, T - 1))))
         hit = match.device_prefix_len
         lock = self.tree.lock(match.last_device_node)  # PrefillAdder: the hit stays put
         try:
@@ -253,8 +261,8 @@ class SglangRadix(Backend):
         except OutOfMemory:
             self.tree.unlock(lock)
             raise
-        r = _Req(ids=ids, kv=self.tree.path_device_indices(match.last_device_node)[:hit].clone(),
-                 prompt=prompt, final=final, lock=lock, protected=hit)
+        r = dataclasses.replace(probe, kv=self.tree.path_device_indices(match.last_device_node)[:hit].clone(),
+                                lock=lock, protected=hit)
         if T > hit:
             self._extend([r], [T - hit])
         if self.caching:
@@ -265,21 +273,24 @@ class SglangRadix(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
         if seq in self.reqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
         P = self.page
-        hashes = tuple(block_hashes or ())[:tokens // P] if self.caching else ()
-        ids = []
-        for h in hashes:
-            if h not in self._hash_ids:
-                self._hash_ids[h] = self._new_ids(P)
-            ids += self._hash_ids[h]
+        if token_ids is not None and self.caching:  # SGLang keys its tree on the tokens themselves
+            ids = [int(t) for t in token_ids[:tokens]]
+        else:
+            ids = []
+            for h in tuple(block_hashes or ())[:tokens // P] if self.caching else ():
+                if h not in self._hash_ids:
+                    self._hash_ids[h] = self._new_ids(P)
+                ids += self._hash_ids[h]
         ids += self._new_ids(tokens - len(ids))
         final = final_tokens if final_tokens is not None else tokens
-        hit = self._admit(seq, ids, tokens, final, f"prefill of sequence {seq} ({tokens} tokens)")
+        hit = self._admit(seq, ids, tokens, final, f"prefill of sequence {seq} ({tokens} tokens)",
+                          adapter, salt)
         self.hit_blocks += hit // P
         return ()
 
@@ -304,7 +315,7 @@ class SglangRadix(Backend):
         T = len(parent.kv)
         final = final_tokens if final_tokens is not None else T
         self._admit(seq, list(parent.ids[:T]), T, final,
-                    f"fork of sequence {src} into {seq} ({T} tokens)")
+                    f"fork of sequence {src} into {seq} ({T} tokens)", parent.adapter, parent.salt)
         return ()
 
     def free(self, seq, *, step=0):
