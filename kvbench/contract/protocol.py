@@ -269,8 +269,10 @@ def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     accept), 'chunked' (a prefill taking ``prompt_tokens``)."""
     if lifecycle == "speculative":
         return type(backend).accept is not Backend.accept
-    if lifecycle == "chunked":
-        return _takes(type(backend), "prefill", "prompt_tokens")
+    if lifecycle == "chunked":  # a subclass passing **kwargs on takes what its base takes
+        params = inspect.signature(type(backend).prefill).parameters.values()
+        return _takes(type(backend), "prefill", "prompt_tokens") or any(
+            p.kind is p.VAR_KEYWORD for p in params)
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 
