@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.traces.ops import OPS, Append, Fork, Free, Prefill
+from kvbench.traces.ops import OPS, Append, Fork, Free, Prefill, final_lengths
 
 KINDS = tuple(OPS)  # the kind column's codes: prefill, append, fork, free, then the rest
 PREFILL, APPEND, FORK, FREE = range(4)
@@ -193,7 +193,6 @@ class OpTable:
     def final_lengths(self) -> dict:
         """Each sequence's length when it is freed or the trace ends (valid histories only)."""
         if self.side:
-            from kvbench.traces.format import final_lengths
             return final_lengths(self)
         ids, made = self.creators()
         order = np.argsort(ids, kind="stable")

@@ -19,6 +19,10 @@ first line, ``# {json}``).
 
 A field the format does not know (a typo: ``block_hash``), a key given twice on one line, a header
 setting of the wrong type: each is refused with the file and the line, never ignored.
+
+Over 500 lines: one parser per operation of the registry (kvbench.traces.ops) and the history
+rules that tie them (a chunked prompt, pending drafts, a preempted sequence: SPEC §13) are read
+together with the JSONL and CSV readers whose line numbers their errors name.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
 from kvbench.traces.ops import (OPS, PREEMPT_MODES, Accept, Append, Fork, Free, Op, Preempt, Prefill,
-                                Resume, op_to_dict)
+                                Resume, final_lengths, op_to_dict)
 
 from kvbench.outputs import staged
 from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
@@ -126,32 +130,6 @@ class Trace:
             elif isinstance(op, Fork):
                 tenant[op.seq] = tenant[op.src]
         return tenant
-
-
-def final_lengths(ops: Iterable[Op]) -> dict:
-    """Each sequence's length when it is freed or the trace ends; for one whose drafts were
-    rolled back, the longest it was (what a slab must hold, what its tail's slots served)."""
-    length, final, drafted, peak = {}, {}, {}, {}
-    for op in ops:
-        kind = op.kind
-        if kind == "prefill":
-            length[op.seq] = op.tokens
-        elif kind == "append":
-            for i, (s, t) in enumerate(zip(op.seqs, op.tokens)):
-                length[s] += t
-                if op.draft is not None:
-                    drafted[s] = op.draft[i]
-        elif kind == "fork":
-            length[op.seq] = length[op.src]
-        elif kind == "accept":
-            peak[op.seq] = max(peak.get(op.seq, 0), length[op.seq])
-            length[op.seq] -= drafted.pop(op.seq) - op.n
-        elif kind == "free":
-            final[op.seq] = length.pop(op.seq)
-    final.update(length)
-    for s, longest in peak.items():
-        final[s] = max(final[s], longest)
-    return final
 
 
 # --- parsing and validation -------------------------------------------------------------------

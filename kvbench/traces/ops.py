@@ -9,7 +9,7 @@ history with ``_Validator.<kind>``; the checker replays it with ``_Replay.<kind>
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterable, Union
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,29 @@ def op_to_dict(op) -> dict:
         if v is not None:
             d[name] = list(v) if isinstance(v, tuple) else v
     return d
+
+
+def final_lengths(ops: Iterable) -> dict:
+    """Each sequence's length when it is freed or the trace ends; for one whose drafts were
+    rolled back, the longest it was (what a slab must hold, what its tail's slots served)."""
+    length, final, drafted, peak = {}, {}, {}, {}
+    for op in ops:
+        kind = op.kind
+        if kind == "prefill":
+            length[op.seq] = op.tokens
+        elif kind == "append":
+            for i, (s, t) in enumerate(zip(op.seqs, op.tokens)):
+                length[s] += t
+                if op.draft is not None:
+                    drafted[s] = op.draft[i]
+        elif kind == "fork":
+            length[op.seq] = length[op.src]
+        elif kind == "accept":
+            peak[op.seq] = max(peak.get(op.seq, 0), length[op.seq])
+            length[op.seq] -= drafted.pop(op.seq) - op.n
+        elif kind == "free":
+            final[op.seq] = length.pop(op.seq)
+    final.update(length)
+    for s, longest in peak.items():
+        final[s] = max(final[s], longest)
+    return final
