@@ -2,12 +2,15 @@
 simulation, counted by hand on one request, and the logged trace replayed by the checker."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import make_config
 
 from impls.object_model import ObjectModel
 from kvbench.analyses import serving as S
 from kvbench.checking.checker import check
+from kvbench.cli import main as cli_main
 from kvbench.contract import registry
 from kvbench.contract.protocol import Backend
 from kvbench.traces.loaders import Request
@@ -62,3 +65,20 @@ class NoAccept(ObjectModel):  # a plug-in written before SPEC §13
 def test_a_backend_without_accept_is_refused_up_front():
     with pytest.raises(ValueError, match="'no-accept' does not roll back draft tokens"):
         S.simulate([Request(0.0, 14, 10)], NoAccept, make_config(), speculative_k=4)
+
+
+def test_the_command_reports_blocks_for_drafts_and_rollbacks(tmp_path, capsys):
+    # The same request as above, from a lengths file: the record's row has the hand counts.
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n14,10\n")
+    code = cli_main(["run", "--trace", str(csv), "--format", "lengths", "--model", "tiny",
+                     "--budget", "8", "--block-size", "16", "--backend", "numpy",
+                     "--speculative-k", "4", "--acceptance", "0", "--check", "--quiet",
+                     "--output", str(tmp_path / "r.json")])
+    assert code == 0  # the logged trace passed the checker
+    assert "rollbacks" in capsys.readouterr().out
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    assert {k: row[k] for k in ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks",
+                                "rollback_blocks")} == {"drafted_tokens": 30, "rejected_tokens": 30,
+                                                        "rollbacks": 9, "draft_blocks": 2,
+                                                        "rollback_blocks": 2}
