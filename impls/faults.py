@@ -557,6 +557,7 @@ class ChunkCachedBeforeComplete(NumpyPaged):
             keys, done = self.chunking[seq]
             r = self.row_of[seq]
             if done < len(keys) and done < self.nblocks[r]:  # the chunk's partial last block
+                self.sharing_rows.add(r)  # a hit may share its tail: its reservation is kept right
                 for g in range(self.G):
                     b = int(self.tables[g][r, done])
                     if (g, keys[done]) not in self.by_hash:

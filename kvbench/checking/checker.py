@@ -459,7 +459,9 @@ class _Replay:
 
         toks_list = toks.tolist()
         got = self.call("append", lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step),
-                        lambda: oracle.append(seqs, toks_list, op.step, drafts), sum(toks_list), kv)
+                        lambda: oracle.append(seqs, toks_list, op.step,
+                                              **({"drafts": drafts} if drafts else {})),
+                        sum(toks_list), kv)
         if got is None:
             return
         for s, d in zip(seqs, drafts or ()):

@@ -557,7 +557,8 @@ class Oracle:
         p = st.prompt
         victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, p.get("hashes"),
                                salt=p.get("salt"), adapter=p.get("adapter"),
-                               token_ids=p.get("token_ids"), prompt_tokens=p.get("prompt_tokens"))
+                               token_ids=p.get("token_ids"),
+                               **({"prompt_tokens": p["prompt_tokens"]} if "prompt_tokens" in p else {}))
         self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
         self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
