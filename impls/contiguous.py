@@ -149,7 +149,8 @@ class Contiguous(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, prompt_tokens=None):
+        """``prompt_tokens`` (a chunked prompt's whole length) changes nothing: no prefix cache."""
         if seq in self.seqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         final = final_tokens if final_tokens is not None else tokens
@@ -179,6 +180,11 @@ class Contiguous(Backend):
             st["tokens"] += dt
             st["last"] = step
             st["uses"] += 1
+        return ()
+
+    def accept(self, seq, n, *, drafted, step=0):
+        """Roll back drafted - n draft tokens: the slab stays, its tail slots free again."""
+        self.seqs[seq]["tokens"] -= drafted - n
         return ()
 
     def fork(self, seq, src, *, final_tokens=None, step=0):

@@ -517,6 +517,77 @@ class StepsPackHighNibbleFirst(Int4StepsPool):
         return qt
 
 
+# --- scheduler lifecycles (SPEC §13) -----------------------------------------------------------
+
+class RollbackKeepsTailFill(NumpyPaged):
+    """An accept releases the blocks past the new length but leaves the tail's fill as the
+    drafts left it: the rejected slots still count as written, and the next append writes after
+    them."""
+
+    def accept(self, seq, n, *, drafted, step=0):
+        fill = self.fill.copy()
+        super().accept(seq, n, drafted=drafted, step=step)
+        r = self._row(seq)
+        tails = np.array([t[r, self.nblocks[r] - 1] for t in self.tables], dtype=np.intp)
+        self._set_fill(tails, fill[tails])
+        return ()
+
+
+class RejectedDraftsCached(NumpyPaged):
+    """A block holding draft tokens enters the prefix cache when they are written, so the
+    rollback of its drafts leaves it cached (evictable), not free."""
+
+    def accept(self, seq, n, *, drafted, step=0):
+        r = self._row(seq)
+        new = int(self.tokens[r]) - (drafted - n)
+        for g, t in enumerate(self.tables):
+            for i in range(-(-new // self.B), int(self.nblocks[r])):
+                key = (g, ("draft", seq, i, step))
+                self.by_hash[key], self.hash_of[int(t[r, i])] = int(t[r, i]), key
+        return super().accept(seq, n, drafted=drafted, step=step)
+
+
+class ChunkCachedBeforeComplete(NumpyPaged):
+    """A chunked prompt's block enters the prefix cache when its first chunk is written, not
+    when its last token is: a request arriving between the chunks hits a block half written."""
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        victims = super().prefill(seq, tokens, kv, **kw)
+        if seq in self.chunking:
+            keys, done = self.chunking[seq]
+            r = self.row_of[seq]
+            if done < len(keys) and done < self.nblocks[r]:  # the chunk's partial last block
+                self.sharing_rows.add(r)  # a hit may share its tail: its reservation is kept right
+                for g in range(self.G):
+                    b = int(self.tables[g][r, done])
+                    if (g, keys[done]) not in self.by_hash:
+                        self.by_hash[(g, keys[done])], self.hash_of[b] = b, (g, keys[done])
+                self.chunking[seq] = (keys, done + 1)
+        return victims
+
+
+class ResumeIntoOldBlocks(NumpyPaged):
+    """A preempted sequence's resume reads back the blocks it held before its preemption (as a
+    swap-in that trusts stale block ids), though another sequence may hold them by then."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.held_before: dict = {}
+
+    def free(self, seq, *, step=0):
+        r = self._row(seq)
+        self.held_before[seq] = self.tables[0][r, :self.nblocks[r]].copy()
+        super().free(seq, step=step)
+
+    def prefill(self, seq, tokens, kv=None, **kw):
+        victims = super().prefill(seq, tokens, kv, **kw)
+        old = self.held_before.pop(seq, None)
+        if old is not None and self.pool is not None:
+            new = self.tables[0][self._row(seq), :len(old)]
+            self._copy_blocks(old[:len(new)], new)
+        return victims
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -578,4 +649,11 @@ CATALOGUE = [
     Bug("(j) eviction of the sequence being served", "kvbench", EvictsServed, False),
     Bug("contiguous: best fit instead of first fit", "kvbench", BestFit, False),
     Bug("contiguous: fork without the K/V", "kvbench", ForkWithoutData, False),
+    Bug("a rollback leaves the tail's fill", "kvbench §13", RollbackKeepsTailFill, False),
+    Bug("a block of rejected drafts stays in the prefix cache", "kvbench §13", RejectedDraftsCached,
+        False),
+    Bug("a chunked prompt's block cached before it is complete", "kvbench §13",
+        ChunkCachedBeforeComplete, False),
+    Bug("a resumed sequence reads the blocks it held before (another's by then)", "kvbench §13",
+        ResumeIntoOldBlocks, False),
 ] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS]

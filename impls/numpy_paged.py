@@ -95,6 +95,8 @@ class NumpyPaged(StackChanges, Backend):
         self.hash_of: dict = {}
         self.evictable = CachedQueue()  # popitem(last=False): the oldest, O(1)
         self.hit_blocks = 0
+        # Chunked prompts (SPEC §13): sequence -> (its whole prompt's keys, blocks cached so far)
+        self.chunking: dict = {}
         # The ledger's figures, kept as blocks change hands (ledger() scans nothing): blocks in
         # use, blocks with 2+ references, slots filled in blocks in use, blocks in use per
         # group; reservation per row, recomputed for the rows an operation touched.
@@ -292,6 +294,7 @@ class NumpyPaged(StackChanges, Backend):
 
     def _drop_row(self, r: int) -> None:
         seq = int(self.seq_of_row[r])
+        self.chunking.pop(seq, None)
         self._release_row(r)
         del self.row_of[seq]
         if seq < len(self.row_index):
@@ -426,15 +429,24 @@ class NumpyPaged(StackChanges, Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
+                prompt_tokens=None):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         self._check_kv(kv, tokens)
         n = -(-tokens // self.B)
         keys = []
         if self.config.prefix_caching:
-            keys = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter))
+            keys = block_keys(prompt_tokens or tokens, self.B, block_hashes, token_ids,
+                              self._extra_keys(salt, adapter))
+            if len(keys) > tokens // self.B:  # a chunked prompt: its later blocks once written
+                keys, later = keys[:tokens // self.B], keys
+                victims = self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
+                self.chunking[seq] = (later, len(keys))
+                return victims
+        return self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
 
+    def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
         if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
             r = self._new_row(seq)
             self._grow_cols(n)
@@ -522,6 +534,51 @@ class NumpyPaged(StackChanges, Backend):
             raise KeyError(f"{self.name}: unknown sequence {e.args[0]}") from None
 
     def append(self, seqs, tokens, kv=None, *, step=0):
+        victims = self._append(seqs, tokens, kv, step)
+        if self.chunking:
+            self._cache_chunks(seqs)
+        return victims
+
+    def _cache_chunks(self, seqs) -> None:
+        """Cache the blocks of chunked prompts that the last append completed (SPEC §13); a key
+        already cached keeps its block."""
+        for s in seqs:
+            if s not in self.chunking:
+                continue
+            keys, done = self.chunking[s]
+            r = self.row_of[s]
+            upto = min(len(keys), int(self.tokens[r]) // self.B)
+            for i in range(done, upto):
+                for g in range(self.G):
+                    b = int(self.tables[g][r, i])
+                    if (g, keys[i]) not in self.by_hash and b >= 0:
+                        self.by_hash[(g, keys[i])] = b
+                        self.hash_of[b] = (g, keys[i])
+            if upto == len(keys):
+                del self.chunking[s]
+            else:
+                self.chunking[s] = (keys, upto)
+
+    def accept(self, seq, n, *, drafted, step=0):
+        """Roll back the drafted - n rejected draft tokens: blocks wholly past the new length
+        released (group by group, each from the tail), the tail's fill shrunk."""
+        r = self._row(seq)
+        new = int(self.tokens[r]) - (drafted - n)
+        keep, nb = -(-new // self.B), int(self.nblocks[r])
+        gone = [t[r, keep:nb][::-1].copy() for t in self.tables]
+        for t in self.tables:
+            t[r, keep:nb] = -1
+        gone = np.concatenate(gone)
+        self._release_blocks(gone[gone >= 0])
+        self.nblocks[r] = keep
+        if keep:
+            tails = np.array([t[r, keep - 1] for t in self.tables], dtype=np.intp)
+            self._set_fill(tails[tails >= 0], new - (keep - 1) * self.B)
+        self.tokens[r] = new
+        self.dirty.add(r)
+        return ()
+
+    def _append(self, seqs, tokens, kv, step):
         if len(seqs) <= SMALL_BATCH and self._decode_small(seqs, tokens, kv, step):
             return ()
         rows = self._rows(seqs)

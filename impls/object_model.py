@@ -154,7 +154,9 @@ class ObjectModel(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
+                protect=(), block_hashes=None, prompt_tokens=None):
+        """``prompt_tokens`` (a chunked prompt's whole length) changes nothing here: no prefix
+        cache, so the appends that write the rest of the prompt are appends."""
         if seq in self.sequences:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         n = self._blocks_needed(tokens)
@@ -195,6 +197,22 @@ class ObjectModel(Backend):
             seq.last_access_step = step
             seq.use_count += 1
         return tuple(victims)
+
+    def accept(self, seq, n, *, drafted, step=0):
+        """Roll back drafted - n draft tokens: blocks wholly past the new length released (from
+        the tail), the tail's fill shrunk."""
+        q = self.sequences[seq]
+        q.num_tokens -= drafted - n
+        keep = self._blocks_needed(q.num_tokens)
+        for blk in reversed(q.block_table[keep:]):
+            blk.ref_count -= 1
+            if blk.ref_count == 0:
+                blk.filled = 0
+                self.free_blocks.append(blk)
+        del q.block_table[keep:]
+        if keep:
+            q.block_table[-1].filled = q.num_tokens - (keep - 1) * self.block_size
+        return ()
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
         if seq in self.sequences:

@@ -148,6 +148,7 @@ class TorchPaged(StackChanges, Backend):
         self.hash_of: dict = {}
         self.evictable = CachedQueue()
         self.hit_blocks = 0
+        self.chunking: dict = {}  # chunked prompts: sequence -> (whole prompt's keys, blocks cached)
 
     @property
     def table(self):
@@ -316,6 +317,7 @@ class TorchPaged(StackChanges, Backend):
 
     def _drop_row(self, r: int) -> None:
         seq = int(self.seq_of_row[r])
+        self.chunking.pop(seq, None)
         self._release_row(r)
         del self.row_of[seq]
 
@@ -464,15 +466,18 @@ class TorchPaged(StackChanges, Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
+                prompt_tokens=None):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         torch = self.torch
         kv_t = self._kv(kv, tokens)
         n = self._blocks_needed(tokens)
-        keys = []
+        keys = later = []
         if self.config.prefix_caching:
-            keys = block_keys(tokens, self.B, block_hashes, token_ids, tagged_extra(salt, adapter))
+            later = block_keys(prompt_tokens or tokens, self.B, block_hashes, token_ids,
+                               tagged_extra(salt, adapter))
+            keys = later[:tokens // self.B]  # a chunked prompt's later blocks: once written
         L, hits = hit_plan(keys, self.by_hash, self.windows, self.B) if keys else (0, [[]] * self.G)
         hit_all = [b for h in hits for b in h]
         hit_t = self._dev(hit_all)
@@ -521,9 +526,55 @@ class TorchPaged(StackChanges, Backend):
         self.tenant_idx[r] = self._tenant(tenant)
         if self.sliding:
             self._slide(np.array([r]), self.tokens_host[[r]])
+        if len(later) > len(keys):
+            self.chunking[seq] = (later, len(keys))
         return tuple(victims)
 
+    def _cache_chunks(self, seqs) -> None:
+        """Cache the blocks of chunked prompts that the last append completed (SPEC §13); a key
+        already cached keeps its block."""
+        for s in seqs:
+            if s not in self.chunking:
+                continue
+            keys, done = self.chunking[s]
+            r = self.row_of[s]
+            upto = min(len(keys), int(self.tokens_host[r]) // self.B)
+            for g in range(self.G):
+                row = self.tables[g][r, done:upto].tolist()
+                for i, b in zip(range(done, upto), row):
+                    if (g, keys[i]) not in self.by_hash and b >= 0:
+                        self.by_hash[(g, keys[i])] = b
+                        self.hash_of[b] = (g, keys[i])
+            if upto == len(keys):
+                del self.chunking[s]
+            else:
+                self.chunking[s] = (keys, upto)
+
+    def accept(self, seq, n, *, drafted, step=0):
+        """Roll back the drafted - n rejected draft tokens: blocks wholly past the new length
+        released (group by group, each from the tail), the tail's fill shrunk."""
+        r = self._row(seq)
+        new = int(self.tokens_host[r]) - (drafted - n)
+        keep, nb = self._blocks_needed(new), int(self._blocks_needed(self.tokens_host[r]))
+        gone = self.torch.cat([t[r, keep:nb].flip(0) for t in self.tables])
+        for t in self.tables:
+            t[r, keep:nb] = -1
+        self._release_blocks(gone[gone >= 0])
+        if keep:
+            tails = self.torch.stack([t[r, keep - 1] for t in self.tables])
+            self.fill[tails[tails >= 0]] = new - (keep - 1) * self.B
+        self.nblocks[r] = keep
+        self.tokens[r] = new
+        self.tokens_host[r] = new
+        return ()
+
     def append(self, seqs, tokens, kv=None, *, step=0):
+        victims = self._append(seqs, tokens, kv, step)
+        if self.chunking:
+            self._cache_chunks(seqs)
+        return victims
+
+    def _append(self, seqs, tokens, kv, step):
         torch = self.torch
         rows_h = np.array([self._row(s) for s in seqs], dtype=np.int64)
         dts_h = np.asarray(tokens, dtype=np.int64).reshape(-1)

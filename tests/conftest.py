@@ -4,6 +4,7 @@ Import them as ``from conftest import make_config, make_trace, P, A, K, X``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -41,8 +42,12 @@ def X(seq: int) -> tuple:
 
 
 def make_ops(*specs) -> list:
+    """Ops from P/A/K/X specs, or op objects (any step: renumbered in order)."""
     ops = []
     for step, spec in enumerate(specs):
+        if not isinstance(spec, tuple):
+            ops.append(dataclasses.replace(spec, step=step))
+            continue
         kind = spec[0]
         if kind == "prefill":
             ops.append(Prefill(step, spec[1], spec[3], spec[2]))

@@ -197,3 +197,24 @@ def test_a_fault_in_the_quantizers_numpy_steps_fails_the_default_run(table):
         compiled = type("Compiled", (StepsPackHighNibbleFirst,), {"compiled": None})
         trace = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0]
         assert check(trace, compiled(suite.config_for(trace))).valid is True
+
+
+# Where the default run must catch each scheduler-lifecycle fault (SPEC §13), and why there:
+LIFECYCLE_CATCHES = {
+    # the first accept that rejects a draft: 0's 63 + 5 = 68 tokens, 3 of 4 kept: 67, its tail
+    # holds 67 - 64 = 3 tokens, not 4;
+    "a rollback leaves the tail's fill": ("lifecycle-speculative", 4),
+    # the first rollback across a block edge: 2 grows 63 -> 68 -> 71 -> 76 (5 written, 4, 2, 4 of
+    # the 4 drafts kept), then 81 with 3 kept: 80 = 5 * 16, so block 5 lies wholly past it;
+    "a block of rejected drafts stays in the prefix cache": ("lifecycle-speculative", 18),
+    # 3's whole prompt p1.0 .. p1.4 arrives while 2 has written 24 of its 94 (p1.1 half written);
+    "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 3),
+    # 2, preempted at step 8, resumes after 0 and 1 took the blocks it released.
+    "a resumed sequence reads the blocks it held before (another's by then)": ("lifecycle-preempt", 12),
+}
+
+
+@pytest.mark.parametrize("name", LIFECYCLE_CATCHES)
+def test_each_lifecycle_fault_fails_the_default_run_at_its_step(table, name):
+    row = table[name]
+    assert (row["caught"], row["workload"], row["step"]) == ("yes", *LIFECYCLE_CATCHES[name])

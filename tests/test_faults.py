@@ -14,6 +14,7 @@ from conftest import A, K, P, X, make_config, make_trace
 from impls.contiguous import Contiguous
 from impls.faults import (
     BestFit,
+    ChunkCachedBeforeComplete,
     CopyWithoutData,
     EvictsServed,
     FairByUsage,
@@ -26,10 +27,14 @@ from impls.faults import (
     LruTiesWrongWay,
     NoCopyOnWrite,
     PoolFragmentation,
+    RejectedDraftsCached,
+    ResumeIntoOldBlocks,
+    RollbackKeepsTailFill,
     SharedCountedTwice,
 )
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
+from kvbench.traces.ops import Accept, Append, Preempt, Prefill, Resume
 
 # --- where each one shows -------------------------------------------------------------------
 
@@ -107,6 +112,31 @@ CASES = {
     "contiguous-fork-without-data": Case(ForkWithoutData, {"reservation": "oracle"},
                                          make_trace(P(0, 12), K(1, 0)),
                                          1, "kv of sequence 1", "what it wrote or inherited", "different values"),
+    # Scheduler lifecycles (SPEC §13). 20 + 5 tokens (4 of them drafts) = 25 in 2 blocks; keeping
+    # 1 of the 4 leaves 22: free slots 2 * 16 - 22 = 10. With the tail's fill left at 25 - 16 = 9
+    # the fault counts 16 + 9 = 25 written: 32 - 25 = 7.
+    "rollback-keeps-tail-fill": Case(RollbackKeepsTailFill, {},
+                                     make_trace(P(0, 20), Append(0, (0,), (5,), (4,)), Accept(0, 0, 1)),
+                                     2, "free_slots", 10, 7),
+    # 16 + 4 drafts = 20 tokens in 2 blocks; none kept: block 1 lies wholly past 16 tokens and is
+    # released to the free pool (no hash: not cached). The fault cached it when it was written.
+    "rejected-drafts-cached": Case(RejectedDraftsCached, {},
+                                   make_trace(P(0, 16), Append(0, (0,), (4,), (4,)), Accept(0, 0, 0)),
+                                   2, "cached_blocks", 0, 1),
+    # 0 writes 24 of its 40-token prompt: ceil(24 / 16) = 2 blocks, block h1 holds 8 of 16 tokens,
+    # so 1's prompt (h0, h1) hits h0 only and takes 2 - 1 = 1 block: 2 + 1 = 3 in use. Cached
+    # early, h1 is a hit too: 2 + 0 = 2.
+    "chunk-cached-before-complete": Case(
+        ChunkCachedBeforeComplete, {"prefix_caching": True},
+        make_trace(Prefill(0, 0, "a", 24, ("h0", "h1"), prompt_tokens=40),
+                   Prefill(0, 1, "a", 32, ("h0", "h1"))),
+        1, "blocks_used", 3, 2),
+    # 0's blocks 0 and 1 go back at its preemption (tail first: block 0 on top), 1's prompt
+    # takes them; 0's resume takes blocks 2 and 3, and the fault fills them from 0 and 1, which
+    # hold 1's K/V by then.
+    "resume-into-old-blocks": Case(ResumeIntoOldBlocks, {},
+                                   make_trace(P(0, 32), Preempt(0, 0), P(1, 32), Resume(0, 0)),
+                                   3, "kv of sequence 0", "what it wrote or inherited", "different values"),
 }
 
 

@@ -23,6 +23,8 @@ DEFAULT_BLOCKS = 256
 # (tests/test_fault_catalogue.py).
 EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
                  "salted_prefixes", "window_decode"}
+# Scheduler lifecycles (SPEC §13), as small: tests/test_lifecycles.py, tests/test_fault_catalogue.py.
+LIFECYCLE_FAMILIES = {"chunked_prefill", "speculative_forks", "preemption"}
 
 
 def canonical(fname):
@@ -30,16 +32,24 @@ def canonical(fname):
 
 
 def lengths_over_time(ops):
-    """The test's own replay: after each op, {live seq: tokens} (no generator code)."""
-    length = {}
+    """The test's own replay: after each op, {live seq: tokens} (no generator code); a preempted
+    sequence is not live until its resume."""
+    length, drafted, preempted = {}, {}, {}
     for op in ops:
         if isinstance(op, Prefill):
             length[op.seq] = op.tokens
         elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
+            for i, (s, t) in enumerate(zip(op.seqs, op.tokens)):
                 length[s] += t
+                drafted[s] = op.draft[i] if op.draft else 0
         elif isinstance(op, Fork):
             length[op.seq] = length[op.src]
+        elif op.kind == "accept":
+            length[op.seq] -= drafted[op.seq] - op.n
+        elif op.kind == "preempt":
+            preempted[op.seq] = length.pop(op.seq)
+        elif op.kind == "resume":
+            length[op.seq] = preempted.pop(op.seq)
         else:
             del length[op.seq]
         yield op, dict(length)
@@ -87,7 +97,8 @@ def test_canonical_traces_are_small_and_end_with_nothing_live(fname):
     if CANONICAL[fname][0] == "long_history":
         assert 10_000 <= len(ops) <= 10_100
     else:
-        assert (40 if CANONICAL[fname][0] in EDGE_FAMILIES else 100) <= len(ops) <= 400
+        small = CANONICAL[fname][0] in EDGE_FAMILIES | LIFECYCLE_FAMILIES
+        assert (40 if small else 100) <= len(ops) <= 400
     _, live = list(lengths_over_time(ops))[-1]
     assert live == {}
 

@@ -45,6 +45,10 @@ CAUGHT_ON = {
     "j-evicts-served": ("tenant-flood", "lru", None, {}),
     "contiguous-best-fit": ("prefill-alpaca", None, None, {"reservation": "oracle"}),
     "contiguous-fork-without-data": ("fork-beam", None, None, {"reservation": "oracle"}),
+    "rollback-keeps-tail-fill": ("lifecycle-speculative", None, None, {}),
+    "rejected-drafts-cached": ("lifecycle-speculative", None, None, {}),
+    "chunk-cached-before-complete": ("lifecycle-chunked", None, None, {}),
+    "resume-into-old-blocks": ("lifecycle-preempt", None, None, {}),
 }
 FAULTS = {name: CASES[name].fault for name in CAUGHT_ON}
 # The quantized pool's replay faults (tests/test_quant_pool.py).

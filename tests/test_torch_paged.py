@@ -72,6 +72,9 @@ class Tandem(Backend):
     def fork(self, seq, src, **kw):
         return self._both(f"fork({seq}, {src})", lambda b: b.fork(seq, src, **kw))
 
+    def accept(self, seq, n, **kw):
+        return self._both(f"accept({seq}, {n})", lambda b: b.accept(seq, n, **kw))
+
     def free(self, seq, *, step=0):
         return self._both(f"free({seq})", lambda b: b.free(seq, step=step))
 

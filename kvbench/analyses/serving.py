@@ -8,7 +8,10 @@ checker verifies the simulation like any other trace.
 One simulated step is one scheduler iteration, in this order (vLLM v1's: running requests first,
 waiting ones with what is left):
 
-1. **Decode**: every running sequence gains one token, as ONE batched append. When it does not
+1. **Decode**: every running sequence gains one token, as ONE batched append (with speculative
+   decoding, ``speculative_k`` draft tokens after it, at most what its output has left; then
+   each sequence's accept keeps ``n ~ Binomial(k, acceptance)`` of them, drawn in batch order
+   from ``numpy.random.default_rng(seed)``, SPEC §13). When it does not
    fit (``OutOfMemory``), the most recently admitted running sequence is preempted (vLLM's
    recompute preemption): freed, its request put back at the head of the queue with the tokens it
    generated, and the append retried with the rest of the batch. A sequence that cannot grow even
@@ -51,8 +54,10 @@ from kvbench.contract.protocol import (
     OutOfMemory,
     kv_tokens,
     kv_values,
+    takes_lifecycle,
 )
-from kvbench.traces.format import Append, Free, Header, Prefill, Trace
+from kvbench.contract.formulas import blocks_needed
+from kvbench.traces.format import Accept, Append, Free, Header, Prefill, Trace
 from kvbench.traces.loaders import Request, split_block_hashes
 
 SIM_VERSION = 1
@@ -83,6 +88,14 @@ class SimResult:
     wall_seconds: float
     backend_seconds: float  # inside the backend's prefill/append/free calls
     prefix_hit_blocks: int = 0  # prompt blocks the backend found in its prefix cache
+    # Speculative decoding: draft tokens written and rejected; accepts that rolled back at
+    # least one; blocks taken only for drafts (ceil((T+1+k)/B) - ceil((T+1)/B) per sequence and
+    # step, T its length before) and those its rollbacks released (... - ceil((T+1+n)/B)).
+    drafted_tokens: int = 0
+    rejected_tokens: int = 0
+    rollbacks: int = 0
+    draft_blocks: int = 0
+    rollback_blocks: int = 0
 
     @property
     def max_running(self) -> int:
@@ -140,20 +153,32 @@ def _prompt_hashes(req: Request, index: int, block_size: int):
 def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              max_batch: int = DEFAULT_MAX_BATCH, max_steps: int | None = None,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
-             source: dict | None = None, progress=None) -> SimResult:
+             source: dict | None = None, progress=None, speculative_k: int = 0,
+             acceptance: float = 0.0) -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
+    ``speculative_k`` > 0: speculative decoding with that many drafts per step, of which a
+    share ``acceptance`` is kept on average (the backend must implement accept).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
     ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
     """
     reqs = list(requests)
     _check_options(max_batch, max_steps, step_seconds)
+    if isinstance(speculative_k, bool) or not isinstance(speculative_k, int) or speculative_k < 0:
+        raise ValueError(f"speculative_k must be an integer >= 0, got {speculative_k!r}")
+    if not (isinstance(acceptance, (int, float)) and 0 <= acceptance <= 1):
+        raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
     be, label = _make_backend(backend, config)
     cfg = be.config
+    if speculative_k and not takes_lifecycle(be, "speculative"):
+        raise ValueError(f"backend {label!r} does not roll back draft tokens (no accept): it cannot "
+                         f"serve with speculative decoding")
     if cfg.policy is not None:
         raise ValueError(f"the serving simulation preempts by itself (recompute); run it without an "
                          f"eviction policy (got policy={cfg.policy!r})")
     server = _Server(be, reqs, max_batch)
+    server.k, server.acceptance = speculative_k, float(acceptance)
+    server.rng = np.random.default_rng(0 if seed is None else seed)
     eligible = np.ceil(server.arrival / step_seconds).astype(np.int64)
     order = np.argsort(eligible, kind="stable")  # FCFS: arrival step, then list order
     # A request longer than the model's context cannot be served by any backend.
@@ -192,7 +217,9 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         # The generator name is a stable identifier recorded in logged traces.
         family="serving", generator=f"kvbench.serving.simulate v{SIM_VERSION}",
         params={"backend": label, "requests": len(reqs), "max_batch": max_batch, "max_steps": max_steps,
-                "step_seconds": step_seconds, **(source or {})},
+                "step_seconds": step_seconds,
+                **({"speculative_k": speculative_k, "acceptance": acceptance} if speculative_k else {}),
+                **(source or {})},
         seed=seed,
         settings={"model": cfg.model.name, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
                   "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})})
@@ -205,7 +232,11 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         unserved=len(server.queue) + (len(order) - ptr), rejected=server.rejected,
         preemptions=c["preemptions"], recomputed_tokens=c["recomputed"],
         admissions=server.admissions, steps=t, prompt_tokens=c["prompt"], output_tokens=c["output"],
-        wall_seconds=wall, backend_seconds=server.backend_seconds, prefix_hit_blocks=server.hit_blocks)
+        wall_seconds=wall, backend_seconds=server.backend_seconds, prefix_hit_blocks=server.hit_blocks,
+        **{f: c[f] for f in SPECULATIVE_COUNTS})
+
+
+SPECULATIVE_COUNTS = ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks")
 
 
 SAMPLE_COLUMNS = ["step", "running", "waiting", "decoded", "prefilled", "preempted", "finished",
@@ -248,7 +279,10 @@ class _Server:
         self.generated = np.zeros(len(reqs), dtype=np.int64)  # tokens generated before a preemption
         self.started = np.zeros(len(reqs), dtype=bool)
         self.admissions, self.samples = [], []
-        self.counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0)
+        self.counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0,
+                           drafted_tokens=0, rejected_tokens=0, rollbacks=0, draft_blocks=0,
+                           rollback_blocks=0)
+        self.k, self.acceptance, self.rng = 0, 0.0, None
         self.backend_seconds = 0.0
         self.next_seq = self.hit_blocks = 0
 
@@ -273,10 +307,17 @@ class _Server:
         preempted = finished = decoded = 0
         batch = list(running)
         while batch:
-            kv = kv_tokens(batch, [running[s].tokens for s in batch], self.model, self.dtype) \
-                if self.store else None
+            # 1 token each, then as many drafts as the output has left (at most k)
+            drafts = [min(self.k, running[s].final - running[s].tokens - 1) for s in batch]
+            toks = [1 + d for d in drafts]
+            kv = None
+            if self.store:
+                writers = np.repeat(batch, toks)
+                starts = np.repeat([running[s].tokens for s in batch], toks)
+                offsets = np.arange(len(writers)) - np.repeat(np.cumsum(toks) - toks, toks)
+                kv = kv_tokens(writers, starts + offsets, self.model, self.dtype)
             try:
-                self.timed(self.be.append, batch, [1] * len(batch), kv, step=len(self.ops))
+                self.timed(self.be.append, batch, toks, kv, step=len(self.ops))
             except OutOfMemory:
                 victim = batch[-1]
                 st = running.pop(victim)
@@ -289,13 +330,15 @@ class _Server:
                     preempted += 1
                 batch = list(running)
                 continue
-            self.ops.append(Append(len(self.ops), tuple(batch), (1,) * len(batch)))
+            self.ops.append(Append(len(self.ops), tuple(batch), tuple(toks),
+                                   tuple(drafts) if any(drafts) else None))
+            kept = self.accept(batch, drafts)
             decoded = len(batch)
-            self.counts["output"] += decoded
-            for s in batch:
+            self.counts["output"] += decoded + sum(kept)
+            for s, n in zip(batch, kept):
                 st = running[s]
-                st.tokens += 1
-                st.generated += 1
+                st.tokens += 1 + n
+                st.generated += 1 + n
                 if st.tokens == st.final:
                     del running[s]
                     self.free(s)
@@ -303,6 +346,24 @@ class _Server:
             break
         self.counts["preemptions"] += preempted
         return decoded, preempted, finished
+
+    def accept(self, batch, drafts) -> list:
+        """Each sequence's accept of its drafts (none without): how many it kept."""
+        kept, B, c = [], self.be.config.block_size, self.counts
+        for s, d in zip(batch, drafts):
+            n = int(self.rng.binomial(d, self.acceptance)) if d else 0
+            kept.append(n)
+            if not d:
+                continue
+            self.timed(self.be.accept, s, n, drafted=d, step=len(self.ops))
+            self.ops.append(Accept(len(self.ops), s, n))
+            base = self.running[s].tokens + 1  # its length with the token before the drafts
+            c["drafted_tokens"] += d
+            c["rejected_tokens"] += d - n
+            c["rollbacks"] += n < d
+            c["draft_blocks"] += blocks_needed(base + d, B) - blocks_needed(base, B)
+            c["rollback_blocks"] += blocks_needed(base + d, B) - blocks_needed(base + n, B)
+        return kept
 
     def admit(self, admitting: bool, t: int) -> tuple[int, int, bool]:
         """Step 3: FCFS admission while memory and the batch allow. Returns (prefilled, finished

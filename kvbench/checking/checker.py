@@ -43,9 +43,9 @@ from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of
+from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of, takes_lifecycle
 from kvbench.traces.columns import OpTable
-from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
+from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
 
 BLOCK_FIELDS = named(blocks=True)  # compared only for a paged layout
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
@@ -68,6 +68,40 @@ def applicable(trace: Trace, backend: Backend) -> str:
     policy = backend.config.policy
     if policy and policy not in caps.eviction:
         return f"{backend.name} does not implement eviction policy {policy!r}"
+    return _lifecycle_applicable(lifecycle(trace), backend)
+
+
+def lifecycle(trace: Trace) -> set:
+    """The scheduler lifecycles (SPEC §13) the trace uses: 'speculative' (an accept), 'chunked'
+    (a prefill of a prompt's first chunk), 'preempt'."""
+    ops = trace.ops
+    ops = ops.side.values() if isinstance(ops, OpTable) else ops
+    used = set()
+    for op in ops:
+        if op.kind == "accept":
+            used.add("speculative")
+        elif op.kind == "preempt":
+            used.add("preempt")
+        elif op.kind == "prefill" and op.prompt_tokens is not None:
+            used.add("chunked")
+    return used
+
+
+def _lifecycle_applicable(used: set, backend: Backend) -> str:
+    if not used:
+        return ""
+    caps, model = backend.capabilities, backend.config.model
+    if "speculative" in used:
+        if not takes_lifecycle(backend, "speculative"):
+            return f"{backend.name} does not roll back draft tokens (no accept: speculative decoding, SPEC §13)"
+        if caps.lookahead_slots:
+            return (f"{backend.name} keeps rejected drafts' blocks as lookahead slots, which the "
+                    f"oracle does not model yet")
+        if any(w is not None for w in (g.window for g in model.kv_groups)):
+            return (f"a rollback under the sliding window of model {model.name} would need blocks "
+                    f"the window already released: not modelled")
+    if "chunked" in used and not takes_lifecycle(backend, "chunked"):
+        return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
     return ""
 
 
@@ -199,6 +233,7 @@ class _Replay:
         self.tenant_of = trace.tenant_of()
         self.touches: dict = {}  # tenant -> [hits, misses]
         self.refused: set = set()
+        self.drafted: dict = {}  # sequence -> draft tokens its last append wrote, not yet accepted
         self.index, self.op = -1, None
         self.traceback = ""
 
@@ -258,6 +293,11 @@ class _Replay:
         writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments]) \
             if segments else np.zeros(0, np.int64)
         return kv_tokens(writers, np.arange(len(writers)), self.model, self.dtype)
+
+    @staticmethod
+    def chunked(prompt_tokens) -> dict:
+        """A chunked prefill's whole-prompt length, to pass where there is one."""
+        return {} if prompt_tokens is None else {"prompt_tokens": prompt_tokens}
 
     def prompt_kwargs(self, prompt) -> dict:
         """The salt, adapter and token ids a prefill passes, to a backend that takes them."""
@@ -341,6 +381,7 @@ class _Replay:
                                                         final_tokens=st.final, step=step,
                                                         protect=tuple(protect),
                                                         block_hashes=st.prompt.get("hashes"),
+                                                        **self.chunked(st.prompt.get("prompt_tokens")),
                                                         **extra),
                         lambda: self.oracle.recompute(seq, step, protect),
                         st.tokens, lambda: self.content(seq, segments))
@@ -353,14 +394,7 @@ class _Replay:
 
     def apply(self, op) -> dict:
         self.changed = {}
-        if isinstance(op, Prefill):
-            self.prefill(op)
-        elif isinstance(op, Append):
-            self.append(op)
-        elif isinstance(op, Fork):
-            self.fork(op)
-        elif isinstance(op, Free) and op.seq not in self.refused:
-            self.free(op)
+        getattr(self, op.kind)(op)  # one handler per trace operation, named as the operation
         for s in self.changed:
             if s in self.oracle.seqs:
                 self.live.add(s)
@@ -377,16 +411,17 @@ class _Replay:
 
         def kv():  # the prompt's K/V as the oracle sees them (a keyed block holds its prefix's)
             segments = content_segments(op.seq, op.tokens, oracle.prompt_keys(
-                op.tokens, op.block_hashes, **keys), oracle.B)
+                op.prompt_tokens or op.tokens, op.block_hashes, **keys), oracle.B)
             return self.content(op.seq, segments)
 
+        chunked = self.chunked(op.prompt_tokens)
         got = self.call("prefill",
                         lambda kv: self.backend.prefill(op.seq, op.tokens, kv, tenant=op.tenant,
                                                         final_tokens=self.final[op.seq],
                                                         step=op.step, block_hashes=op.block_hashes,
-                                                        **self.prompt_kwargs(keys)),
+                                                        **chunked, **self.prompt_kwargs(keys)),
                         lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
-                                               op.step, hashes=op.block_hashes, **keys),
+                                               op.step, hashes=op.block_hashes, **keys, **chunked),
                         op.tokens, kv)
         if got is None:
             self.refused.add(op.seq)
@@ -395,28 +430,43 @@ class _Replay:
 
     def append(self, op) -> None:
         oracle = self.oracle
-        pairs = [(s, t) for s, t in zip(op.seqs, op.tokens) if s not in self.refused]
-        seqs = [s for s, _ in pairs]
+        drafts = op.draft or (0,) * len(op.seqs)
+        pairs = [(s, t, d) for s, t, d in zip(op.seqs, op.tokens, drafts) if s not in self.refused]
+        seqs = [s for s, _, _ in pairs]
         for s in seqs:
             self.touch(s)
             if s in oracle.preempted and self.restore(s, set(seqs)) is None:
                 return
         if not seqs:
             return
-        toks = np.array([t for _, t in pairs], dtype=np.int64)
+        toks = np.array([t for _, t, _ in pairs], dtype=np.int64)
         starts = np.array([oracle.seqs[s].tokens for s in seqs], dtype=np.int64)
         sharers = self._tail_sharers(seqs)
+        drafts = [d for _, _, d in pairs] if op.draft else None
+        # Draft tokens and a chunked prompt's blocks have writers of their own (the oracle's).
+        special = drafts or any("chunk_keys" in oracle.seqs[s].prompt for s in seqs)
+        segments = [seg for s, t, d in pairs for seg in oracle.append_segments(s, t, d, op.step)] \
+            if special else None  # before the oracle writes them
 
         def kv():
+            if special:
+                writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments])
+                positions = np.concatenate([np.arange(a, a + c) for _, a, c in segments])
+                return kv_tokens(writers, positions, self.model, self.dtype)
             writers = np.repeat(np.asarray(seqs, dtype=np.int64), toks)
             positions = np.arange(int(toks.sum())) + np.repeat(starts - (np.cumsum(toks) - toks), toks)
             return kv_tokens(writers, positions, self.model, self.dtype)
 
         toks_list = toks.tolist()
         got = self.call("append", lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step),
-                        lambda: oracle.append(seqs, toks_list, op.step), sum(toks_list), kv)
+                        lambda: oracle.append(seqs, toks_list, op.step,
+                                              **({"drafts": drafts} if drafts else {})),
+                        sum(toks_list), kv)
         if got is None:
             return
+        for s, d in zip(seqs, drafts or ()):
+            if d:
+                self.drafted[s] = d
         B = oracle.B if oracle.layout == "paged" else 1
         for s, start in zip(seqs, starts.tolist()):
             self.mark(s, start // B * B)  # from the tail block on: it may have been copied
@@ -460,20 +510,61 @@ class _Replay:
         self.mark(op.src, kv=False)
 
     def free(self, op) -> None:
+        if op.seq in self.refused:
+            return
         evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
         if not evicted and self.gather == "touched":
             self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
         self.oracle.free(op.seq)
+        self.drafted.pop(op.seq, None)
         self.mark(op.seq, kv=False)
         if self.backend is not None and not evicted:
-            t0 = time.perf_counter()
-            try:
-                guarded("free", self.backend.free, op.seq, step=op.step)
-            except OutOfMemory as e:
-                self.raised(BackendRaised("free", e))
-            except BackendRaised as e:
-                self.raised(e)
-            self.verdict.backend_seconds += time.perf_counter() - t0
+            self.free_call(op.seq, op.step)
+
+    def free_call(self, seq, step) -> None:
+        """The backend's free of ``seq``; its exception is the backend's FAIL."""
+        t0 = time.perf_counter()
+        try:
+            guarded("free", self.backend.free, seq, step=step)
+        except OutOfMemory as e:
+            self.raised(BackendRaised("free", e))
+        except BackendRaised as e:
+            self.raised(e)
+        self.verdict.backend_seconds += time.perf_counter() - t0
+
+    def accept(self, op) -> None:
+        """Keep ``n`` of the drafts (SPEC §13); the rolled-back positions are gone from the
+        sequence, its tail block is read again."""
+        drafted = self.drafted.pop(op.seq, None)
+        if drafted is None:  # its speculative append was refused or dropped: so is this
+            return
+        if op.seq in self.oracle.preempted and self.restore(op.seq, {op.seq}) is None:
+            return  # evicted since: recomputed with its drafts first
+        new = self.oracle.seqs[op.seq].tokens - (drafted - op.n)
+        self.call("accept", lambda kv: self.backend.accept(op.seq, op.n, drafted=drafted, step=op.step),
+                  lambda: self.oracle.accept(op.seq, drafted, op.n, op.step))
+        B = self.oracle.B if self.paged else 1
+        self.mark(op.seq, max(0, new - B))
+
+    def preempt(self, op) -> None:
+        """Preemption by recompute (SPEC §13): the backend frees the sequence; the oracle keeps
+        its content for the resume."""
+        if op.seq in self.refused or op.seq in self.oracle.preempted:
+            return  # refused, or already evicted: nothing left to free
+        if self.gather == "touched":
+            self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
+        self.oracle.preempt(op.seq)
+        self.mark(op.seq, kv=False)
+        self.verdict.preemptions += 1
+        if self.backend is not None:
+            self.free_call(op.seq, op.step)
+
+    def resume(self, op) -> None:
+        """A new prefill of all the preempted sequence's tokens (prefix hits allowed), with the
+        K/V it had: read back whole."""
+        if op.seq in self.refused or op.seq not in self.oracle.preempted:
+            return  # refused; or recomputed already (an operation before needed it)
+        self.restore(op.seq, {op.seq})  # refused for lack of room: the next use recomputes it
 
     # --- what is compared after every operation ------------------------------------------------
 

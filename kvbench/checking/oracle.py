@@ -144,6 +144,7 @@ class Oracle:
         self._ids = None  # free_list()'s buffer
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
+        self._spec_from: dict = {}  # during an append: sequence -> its first draft position
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -444,12 +445,9 @@ class Oracle:
         return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
 
     def _evict(self, victim: int) -> None:
-        self._dirty.add(victim)
-        st = self.seqs.pop(victim)
-        self._release(st)
-        st.tables, st.slabs = [], []
-        self.preempted[victim] = st
-        self.tenant_stats.setdefault(st.tenant, TenantStats()).evictions += 1
+        tenant = self.seqs[victim].tenant
+        self.preempt(victim)
+        self.tenant_stats.setdefault(tenant, TenantStats()).evictions += 1
 
     def _make_room(self, call, protect) -> list:
         """Evict until the call fits; raise ModelOOM (changing nothing) when it cannot."""
@@ -501,11 +499,14 @@ class Oracle:
     # --- the operations --------------------------------------------------------------------
 
     def prefill(self, seq, tokens, tenant, final, step, protect=(), hashes=(), *, salt=None,
-                adapter=None, token_ids=None) -> list:
+                adapter=None, token_ids=None, prompt_tokens=None) -> list:
         """A new sequence of ``tokens`` tokens; ``hashes`` (or ``token_ids``) name its full
-        blocks, ``salt`` and ``adapter`` are their extra keys."""
+        blocks, ``salt`` and ``adapter`` are their extra keys. ``prompt_tokens``: the whole
+        prompt's length, of which this is the first chunk (SPEC §13): the keys cover the whole
+        prompt, and a block becomes a cache entry only once an append completes it."""
         n = F.blocks_needed(tokens, self.B)
-        keys = self.prompt_keys(tokens, hashes, token_ids, salt, adapter)
+        whole = self.prompt_keys(prompt_tokens or tokens, hashes, token_ids, salt, adapter)
+        keys = whole[:tokens // self.B]
         lookup = keys if self.caching else ()
         G = len(self.groups)
         sizes = self._slab_sizes(final) if self.layout == "contiguous" else None
@@ -518,9 +519,11 @@ class Oracle:
         untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False) if keys else ()
         extra = extra_keys(salt, adapter)
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
-                      segments=content_segments(seq, tokens, keys, self.B),
+                      segments=content_segments(seq, tokens, whole, self.B),
                       prompt={"hashes": tuple(hashes or ()) or None, "salt": salt, "adapter": adapter,
                               "token_ids": token_ids, "extra": extra, "untagged": untagged})
+        if prompt_tokens is not None and prompt_tokens > tokens:  # the chunks still to come
+            st.prompt.update(prompt_tokens=prompt_tokens, chunk_keys=whole)
         self._note_writers(seq, untagged, extra)
         if self.layout == "paged":
             L, hits, counted = self._cache_hits(lookup, tokens)
@@ -552,13 +555,16 @@ class Oracle:
         p = st.prompt
         victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, p.get("hashes"),
                                salt=p.get("salt"), adapter=p.get("adapter"),
-                               token_ids=p.get("token_ids"))
+                               token_ids=p.get("token_ids"),
+                               **({"prompt_tokens": p["prompt_tokens"]} if "prompt_tokens" in p else {}))
         self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
         self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
         return victims
 
-    def append(self, seqs, tokens, step) -> list:
+    def append(self, seqs, tokens, step, drafts=None) -> list:
+        """``drafts``: per sequence, how many of its tokens (the last) are draft tokens (SPEC §13):
+        their K/V are their own (see append_segments), and no block they complete is cached."""
         for s, dt in zip(seqs, tokens):
             st = self.seqs[s]
             if self.layout == "contiguous" and any(
@@ -576,12 +582,20 @@ class Oracle:
             if snap is not None:
                 self._restore(snap)
             raise
+        self._spec_from = {s: self.seqs[s].tokens + dt - d for s, dt, d in zip(seqs, tokens, drafts)
+                           if d} if drafts else {}
         if self.layout == "paged":
             self._paged_write(seqs, tokens)
         self._dirty.update(seqs)
-        for s, dt in zip(seqs, tokens):
+        for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]
-            st.segments.append((s, st.tokens, dt))
+            if drafts or "chunk_keys" in st.prompt:
+                st.segments.extend(self.append_segments(s, dt, drafts[i] if drafts else 0, step))
+                if st.tokens + dt >= st.prompt.get("prompt_tokens", 0):
+                    st.prompt.pop("chunk_keys", None)  # the prompt is complete
+                    st.prompt.pop("prompt_tokens", None)
+            else:
+                st.segments.append((s, st.tokens, dt))
             st.tokens += dt
             st.last_access = step
             st.use_count += 1
@@ -609,13 +623,76 @@ class Oracle:
                     self.filled += take
                     dt -= take
                     if take and fill + take == self.B:
-                        self._filled(table[-1], g, s, len(table) - 1)
+                        self._completed(table[-1], g, s, len(table) - 1)
                 while dt > 0:
                     take = min(dt, self.B)
                     table.append(self._new_block(take, g))
                     dt -= take
                     if take == self.B:
-                        self._filled(table[-1], g, s, len(table) - 1)
+                        self._completed(table[-1], g, s, len(table) - 1)
+
+    def _completed(self, b: int, g: int, seq, i: int) -> None:
+        """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
+        a block of a chunked prompt becomes the cache entry of its key; a block holding a draft
+        token is cached by no engine (its accept may still roll it back)."""
+        chunk = self.seqs[seq].prompt.get("chunk_keys")
+        if chunk is not None and i < len(chunk):
+            if self.caching:
+                self._register(b, g, chunk[i])
+        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
+            self._filled(b, g, seq, i)
+
+    def append_segments(self, seq, count: int, draft: int = 0, step: int = 0) -> list:
+        """[(writer, start, count)]: who writes the next ``count`` positions of ``seq`` (before
+        they are written): a block of its chunked prompt holds its key's K/V, as if a prefill
+        wrote it; of the rest, the last ``draft`` are a draft's (a writer of their own, one per
+        step, so that a rolled-back position written again reads differently); the others the
+        sequence's own."""
+        st = self.seqs[seq]
+        start, stop = st.tokens, st.tokens + count
+        chunk = st.prompt.get("chunk_keys")
+        segments = content_segments(seq, stop - draft, chunk, self.B, start) if chunk else \
+            [(seq, start, count - draft)] if count > draft else []
+        if draft:
+            segments.append((draft_writer(seq, step), stop - draft, draft))
+        return segments
+
+    def accept(self, seq, drafted: int, n: int, step: int) -> list:
+        """Keep the first ``n`` of the ``drafted`` draft tokens ``seq``'s last append wrote
+        (SPEC §13): the length drops by drafted - n, every block wholly past it is released (its
+        reference dropped, group by group from the tail, as a free would), the tail's fill
+        shrinks, and a block the kept drafts completed may now be cached."""
+        st = self.seqs[seq]
+        first_draft = st.tokens - drafted
+        new = st.tokens - (drafted - n)
+        st.segments = _cut(st.segments, new)
+        self._dirty.add(seq)
+        if self.layout == "paged":
+            keep = F.blocks_needed(new, self.B)
+            for g, table in enumerate(st.tables):
+                for b in reversed(table[keep:]):
+                    if b is not None:
+                        self._drop_ref(b)
+                del table[keep:]
+                if keep and table[-1] is not None:
+                    b = table[-1]
+                    fill = new - (keep - 1) * self.B
+                    self.filled += fill - self.blocks[b][1]
+                    self.blocks[b][1] = fill
+                for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
+                    if table[i] is not None:
+                        self._filled(table[i], g, seq, i)
+        st.tokens = new
+        return []
+
+    def preempt(self, seq) -> None:
+        """Preemption by recompute (SPEC §13): the sequence's blocks are released as a free
+        releases them, its content kept for its resume (a prefill of all its tokens)."""
+        self._dirty.add(seq)
+        st = self.seqs.pop(seq)
+        self._release(st)
+        st.tables, st.slabs = [], []
+        self.preempted[seq] = st
 
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
@@ -823,15 +900,33 @@ class Oracle:
                           tables=tables, mark=self._mark)
 
 
-def content_segments(seq: int, tokens: int, keys, block_size: int) -> list:
-    """Who "wrote" each position of a prefill: a keyed full block holds what its prefix (and
-    extra keys) determine, the same for every sequence with that key; the rest is the sequence's
-    own."""
-    segments = [(hash_writer(k), i * block_size, block_size) for i, k in enumerate(keys)]
-    done = len(keys) * block_size
+def content_segments(seq: int, tokens: int, keys, block_size: int, start: int = 0) -> list:
+    """Who "wrote" each position ``start .. tokens-1`` of a prompt: a keyed block (``keys`` by
+    position) holds what its prefix (and extra keys) determine, the same for every sequence with
+    that key, written whole or in chunks; the rest is the sequence's own."""
+    B, segments = block_size, []
+    for i in range(start // B, min(len(keys), -(-tokens // B))):
+        lo, hi = max(start, i * B), min(tokens, (i + 1) * B)
+        segments.append((hash_writer(keys[i]), lo, hi - lo))
+    done = max(start, len(keys) * B)
     if tokens > done:
         segments.append((seq, done, tokens - done))
     return segments
+
+
+def draft_writer(seq: int, step: int) -> int:
+    """The pseudo-writer of the draft tokens ``seq`` wrote at ``step``."""
+    return hash_writer(("draft", seq, step))
+
+
+def _cut(segments, length: int) -> list:
+    """[(writer, start, count)] cut to the positions below ``length``."""
+    out = []
+    for w, start, count in segments:
+        if start >= length:
+            break
+        out.append((w, start, min(count, length - start)))
+    return out
 
 
 def step(oracle: Oracle, call: tuple) -> tuple[Oracle, list | None]:

@@ -45,6 +45,7 @@ class Verdict:
     ooms: int = 0
     evictions: int = 0
     recomputed_tokens: int = 0
+    preemptions: int = 0  # the trace's preempt operations replayed (SPEC §13)
     gathers: int = 0
     hits: int = 0  # operations that found the sequence they touch still resident
     misses: int = 0  # ... that found it evicted, and recomputed it

@@ -51,6 +51,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--step-seconds", type=positive_float, default=STEP_SECONDS,
         help="simulated seconds per step: maps trace arrivals onto steps")
     add("--max-requests", type=positive_int, help="serve only the first N requests")
+    add("--speculative-k", type=int, default=0,
+        help="speculative decoding: draft tokens per sequence and step (default 0: none)")
+    add("--acceptance", type=float, default=0.6,
+        help="--speculative-k: the share of drafts kept (each accept keeps Binomial(k, this))")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
     add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
     add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
@@ -138,6 +142,11 @@ def run_serving(args, stdout=None) -> int:
             check_writable(value, option=option, folder=folder)
     backends = getattr(args, "backend", None) or available_backends(getattr(args, "device", "cpu") or "cpu")
     sim = {"max_batch": args.max_batch, "max_steps": args.max_steps, "seed": args.seed}
+    speculative = getattr(args, "speculative_k", 0)
+    if speculative:
+        if args.scenario:
+            raise UsageError("--speculative-k applies to --trace runs, not --scenario")
+        sim.update(speculative_k=speculative, acceptance=args.acceptance)
     progress = not getattr(args, "quiet", False)
     for name in backends:
         try:
@@ -170,6 +179,8 @@ def run_serving(args, stdout=None) -> int:
                   "step_seconds": args.step_seconds, "prefix_caching": cfg.prefix_caching}
     paper = ["paper_token_states"] if "paper_token_states" in table else []
     cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
+    if speculative:  # blocks held for drafts, and what rollbacks gave back
+        cols += ["drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks"]
     print_table(table, cols)
     for r in table.itertuples():
         if r.requests and not r.finished:

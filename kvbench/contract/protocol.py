@@ -103,6 +103,9 @@ class Capabilities:
     # block_state() hands out and releases blocks in kvbench's order (README, "Writing a
     # backend"), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
+    # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
+    # (vLLM's lookahead slots) instead of releasing those wholly past the new length.
+    lookahead_slots: bool = False
 
     def __post_init__(self):
         if self.devices is not None:
@@ -201,6 +204,18 @@ class Backend(ABC):
     @abstractmethod
     def free(self, seq: int, *, step: int = 0) -> None: ...
 
+    def accept(self, seq: int, n: int, *, drafted: int, step: int = 0) -> tuple:
+        """Speculative decoding (SPEC §13): of the ``drafted`` draft tokens that ``seq``'s last
+        append wrote (its last ones), keep the first ``n``; the length drops by drafted - n, the
+        blocks wholly past it are released as a free releases them, the tail's fill shrinks.
+        Optional: a backend without it runs no trace that speculates (reported not applicable).
+
+        Chunked prefill (SPEC §13) is ``prefill(..., prompt_tokens=P)``: ``tokens`` is the first
+        chunk, ``block_hashes`` / ``token_ids`` cover the whole prompt of ``P`` tokens, the
+        appends that follow write the rest, and a block is cached once its last token is written.
+        A backend whose prefill takes no ``prompt_tokens`` runs no chunked trace."""
+        raise NotImplementedError(f"{self.name} does not roll back draft tokens")
+
     @abstractmethod
     def ledger(self, seqs=None) -> Ledger:
         """The backend's own account. ``seqs``: the checker reads ``tokens`` and ``seq_blocks``
@@ -247,6 +262,18 @@ def _accepts(method, name: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def _takes(cls: type, method: str, name: str) -> bool:
     return _accepts(getattr(cls, method), name)
+
+
+def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
+    """Whether ``backend`` implements a scheduler lifecycle of SPEC §13: 'speculative' (its own
+    accept), 'chunked' (a prefill taking ``prompt_tokens``)."""
+    if lifecycle == "speculative":
+        return type(backend).accept is not Backend.accept
+    if lifecycle == "chunked":  # a subclass passing **kwargs on takes what its base takes
+        params = inspect.signature(type(backend).prefill).parameters.values()
+        return _takes(type(backend), "prefill", "prompt_tokens") or any(
+            p.kind is p.VAR_KEYWORD for p in params)
+    raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 
 def read_kv(backend: Backend, seq: int, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -320,4 +347,4 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 __all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend",
            "kv_tokens",
-           "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of"]
+           "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of", "takes_lifecycle"]

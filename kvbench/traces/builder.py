@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from kvbench.contract.formulas import blocks_needed
-from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, validate
+from kvbench.traces.format import (Accept, Append, Fork, Free, Header, Preempt, Prefill, Resume, Trace,
+                                   validate)
 from kvbench.traces.laws import normalize_law
 
 GENERATOR_VERSION = 1
@@ -27,22 +28,35 @@ class _Builder:
         self.next_seq = 0
 
     def prefill(self, tokens: int, tenant: str = DEFAULT_TENANT, block_hashes=None, *,
-                salt=None, adapter=None, token_ids=None) -> int:
+                salt=None, adapter=None, token_ids=None, prompt_tokens=None) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         self.ops.append(Prefill(len(self.ops), seq, tenant, int(tokens),
                                 tuple(block_hashes) if block_hashes else None, salt, adapter,
-                                None if token_ids is None else tuple(int(t) for t in token_ids)))
+                                None if token_ids is None else tuple(int(t) for t in token_ids),
+                                None if prompt_tokens is None else int(prompt_tokens)))
         self.length[seq] = int(tokens)
         return seq
 
-    def append(self, seqs, tokens) -> None:
+    def append(self, seqs, tokens, draft=None) -> None:
         seqs = [int(s) for s in seqs]
         tokens = [int(t) for t in tokens]
         if min(tokens) < 1:
             raise AssertionError(f"generator bug: append of {tokens} tokens at step {len(self.ops)}")
-        self.ops.append(Append(len(self.ops), tuple(seqs), tuple(tokens)))
+        self.ops.append(Append(len(self.ops), tuple(seqs), tuple(tokens),
+                               None if draft is None else tuple(int(d) for d in draft)))
         for s, t in zip(seqs, tokens):
             self.length[s] += t
+
+    def accept(self, seq: int, drafted: int, n: int) -> None:
+        """Keep ``n`` of the ``drafted`` draft tokens of ``seq``'s last append."""
+        self.ops.append(Accept(len(self.ops), int(seq), int(n)))
+        self.length[seq] -= drafted - n
+
+    def preempt(self, seq: int) -> None:
+        self.ops.append(Preempt(len(self.ops), int(seq), "recompute"))
+
+    def resume(self, seq: int) -> None:
+        self.ops.append(Resume(len(self.ops), int(seq)))
 
     def fork(self, src: int) -> int:
         seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -61,15 +75,29 @@ class _Builder:
 
 
 def _walk(ops):
-    """Yield (op, lengths of the live sequences after it, the sequences it wrote or created)."""
-    length = {}
+    """Yield (op, lengths of the live sequences after it, the sequences it wrote or created); a
+    preempted sequence holds nothing until its resume."""
+    length, drafted, off = {}, {}, {}
     for op in ops:
-        if isinstance(op, Prefill):
+        touched = ()
+        if op.kind == "accept":
+            length[op.seq] -= drafted.pop(op.seq) - op.n
+            touched = (op.seq,)
+        elif op.kind == "preempt":
+            off[op.seq] = length.pop(op.seq)
+        elif op.kind == "resume":
+            length[op.seq] = off.pop(op.seq)
+            touched = (op.seq,)
+        elif isinstance(op, Free) and op.seq in off:
+            del off[op.seq]
+        elif isinstance(op, Prefill):
             length[op.seq] = op.tokens
             touched = (op.seq,)
         elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
+            for i, (s, t) in enumerate(zip(op.seqs, op.tokens)):
                 length[s] += t
+                if op.draft:
+                    drafted[s] = op.draft[i]
             touched = op.seqs
         elif isinstance(op, Fork):
             length[op.seq] = length[op.src]
@@ -84,8 +112,8 @@ def peak_blocks(ops, block_size: int) -> int:
     """max over time of sum over live sequences of ceil(T / B): an upper bound (sharing ignored)."""
     blocks, total, peak = {}, 0, 0
     for op, length, touched in _walk(ops):
-        if isinstance(op, Free):
-            total -= blocks.pop(op.seq)
+        if op.kind in ("free", "preempt"):
+            total -= blocks.pop(op.seq, 0)
         for s in touched:
             new = blocks_needed(length[s], block_size)
             total += new - blocks.get(s, 0)

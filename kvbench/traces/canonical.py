@@ -99,6 +99,20 @@ CANONICAL = [
     # edges, before and after a fork.
     ("hybrid-decode.jsonl", "window_decode",
      {"model": "tiny-hybrid", "rounds": 2, "block_size": 8}, 0),
+    # Scheduler lifecycles (SPEC §13). Prompts written in chunks of 24 tokens (ending inside
+    # blocks of 16) beside sharers of their prefixes that arrive between the chunks;
+    ("lifecycle-chunked.jsonl", "chunked_prefill",
+     {"num_requests": 12, "prefixes": 3, "prefix_blocks": [2, 5], "own_tokens": [1, 30],
+      "chunk": 24, "whole_rate": 0.3, "concurrency": 4, "output": [4, 16], "decode_chunk": 4,
+      "block_size": 16}, 0),
+    # speculative decoding, 4 drafts a round, 0.6 of them accepted, over forks;
+    ("lifecycle-speculative.jsonl", "speculative_forks",
+     {"num_trees": 3, "width": 3, "prompt": [20, 70], "rounds": [5, 9], "k": 4,
+      "acceptance": 0.6, "prune_rate": 0.2, "block_size": 16}, 0),
+    # preemption by recompute (and resume) under a budget of 16 blocks.
+    ("lifecycle-preempt.jsonl", "preemption",
+     {"num_requests": 10, "prompt": [20, 90], "output": [20, 60], "decode_chunk": 6,
+      "num_blocks": 16, "block_size": 16}, 0),
 ]
 
 

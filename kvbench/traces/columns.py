@@ -7,6 +7,10 @@ Columns: ``kind`` (prefill, append, fork, free), ``step``, ``seq`` (-1 for an ap
 prefill); a batched append's sequences and token counts in two flat arrays, ``batch[i]`` ..
 ``batch[i+1]`` being operation i's slice (empty for the other kinds); block hashes, rare and of
 any JSON type, in a dict by operation index, and so a prefill's salt, adapter and token ids.
+An operation the columns do not hold (a scheduler lifecycle's, SPEC §13: accept, preempt,
+resume, an append with drafts, a chunked prefill) is kept whole in ``side``, by operation index,
+its kind in ``kind``; a trace with any of them is checked and measured op by op (such traces are
+small), the columnar fast paths being for the four plain operations.
 
 :func:`first_invalid` checks a history with array operations: the same rules as the scalar
 ``_Validator`` of format.py (which names the error, and which a test holds this one to).
@@ -15,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.traces.ops import Append, Fork, Free, Prefill
+from kvbench.traces.ops import OPS, Append, Fork, Free, Prefill, final_lengths
 
-KINDS = ("prefill", "append", "fork", "free")
+KINDS = tuple(OPS)  # the kind column's codes: prefill, append, fork, free, then the rest
 PREFILL, APPEND, FORK, FREE = range(4)
 _CHUNK = 1 << 16  # operations converted from Python lists to arrays at a time
 
@@ -31,6 +35,7 @@ class TableBuilder:
         self.tenant_index: dict = {}
         self.hashes: dict = {}
         self.keys: dict = {}  # operation index -> (salt, adapter, token_ids) of a prefill
+        self.side: dict = {}  # operation index -> an operation the columns do not hold
         self.n = 0
         self._reset()
 
@@ -64,6 +69,12 @@ class TableBuilder:
             self._flush()
 
     def add(self, op) -> None:
+        if op.kind not in KINDS[:4]:
+            self.side[self.n] = op
+            self.row(KINDS.index(op.kind), op.step, op.seq)
+            return
+        if getattr(op, "draft", None) is not None or getattr(op, "prompt_tokens", None) is not None:
+            self.side[self.n] = op  # and its plain columns below, for the counts and tenants
         if isinstance(op, Prefill):
             if op.salt is not None or op.adapter is not None or op.token_ids is not None:
                 self.keys[self.n] = (op.salt, op.adapter, op.token_ids)
@@ -96,18 +107,19 @@ class TableBuilder:
         batch = np.zeros(len(kind) + 1, np.int64)
         np.cumsum(nbatch, out=batch[1:])
         return OpTable(kind, step, seq, src, tokens, tenant, list(self.tenants), batch, flat_seq,
-                       flat_tok, dict(self.hashes), dict(self.keys))
+                       flat_tok, dict(self.hashes), dict(self.keys), dict(self.side))
 
 
 class OpTable:
     """A trace's operations as columns; a read-only sequence of op objects made on access."""
 
     def __init__(self, kind, step, seq, src, tokens, tenant, tenants, batch, flat_seq, flat_tok, hashes,
-                 keys=None):
+                 keys=None, side=None):
         self.kind, self.step, self.seq, self.src = kind, step, seq, src
         self.tokens, self.tenant, self.tenants = tokens, tenant, tenants
         self.batch, self.flat_seq, self.flat_tok, self.hashes = batch, flat_seq, flat_tok, hashes
         self.keys = keys or {}  # a prefill's salt, adapter and token ids, by operation index
+        self.side = side or {}  # operations the columns do not hold, whole, by operation index
 
     @classmethod
     def from_ops(cls, ops) -> OpTable:
@@ -125,6 +137,8 @@ class OpTable:
         return len(self.kind)
 
     def _op(self, i, kind, step, seq, src, tokens, tenant, b0, b1, fs, ft):
+        if self.side and i in self.side:
+            return self.side[i]
         if kind == APPEND:
             return Append(step, tuple(fs[b0:b1]), tuple(ft[b0:b1]))
         if kind == PREFILL:
@@ -178,6 +192,8 @@ class OpTable:
 
     def final_lengths(self) -> dict:
         """Each sequence's length when it is freed or the trace ends (valid histories only)."""
+        if self.side:
+            return final_lengths(self)
         ids, made = self.creators()
         order = np.argsort(ids, kind="stable")
         sid = ids[order]
@@ -216,6 +232,8 @@ def first_invalid(t: OpTable) -> int | None:
     n = len(t)
     if n == 0:
         return None
+    if t.side:  # lifecycle operations: only the scalar rules (format._Validator) know them
+        return 0
     bad = []
     out_of_order = np.flatnonzero(np.diff(t.step) <= 0)
     if len(out_of_order):

@@ -19,6 +19,10 @@ first line, ``# {json}``).
 
 A field the format does not know (a typo: ``block_hash``), a key given twice on one line, a header
 setting of the wrong type: each is refused with the file and the line, never ignored.
+
+Over 500 lines: one parser per operation of the registry (kvbench.traces.ops) and the history
+rules that tie them (a chunked prompt, pending drafts, a preempted sequence: SPEC §13) are read
+together with the JSONL and CSV readers whose line numbers their errors name.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
-from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
+from kvbench.traces.ops import (OPS, PREEMPT_MODES, Accept, Append, Fork, Free, Op, Preempt, Prefill,
+                                Resume, final_lengths, op_to_dict)
 
 from kvbench.outputs import staged
 from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
@@ -127,49 +132,12 @@ class Trace:
         return tenant
 
 
-def op_to_dict(op: Op) -> dict:
-    if isinstance(op, Prefill):
-        d = {"step": op.step, "op": "prefill", "seq": op.seq, "tenant": op.tenant, "tokens": op.tokens}
-        if op.block_hashes is not None:
-            d["block_hashes"] = list(op.block_hashes)
-        if op.token_ids is not None:
-            d["token_ids"] = list(op.token_ids)
-        if op.salt is not None:
-            d["salt"] = op.salt
-        if op.adapter is not None:
-            d["adapter"] = op.adapter
-        return d
-    if isinstance(op, Append):
-        return {"step": op.step, "op": "append", "seqs": list(op.seqs), "tokens": list(op.tokens)}
-    if isinstance(op, Fork):
-        return {"step": op.step, "op": "fork", "seq": op.seq, "src": op.src}
-    return {"step": op.step, "op": "free", "seq": op.seq}
-
-
-def final_lengths(ops: Iterable[Op]) -> dict:
-    length, final = {}, {}
-    for op in ops:
-        if isinstance(op, Prefill):
-            length[op.seq] = op.tokens
-        elif isinstance(op, Append):
-            for s, t in zip(op.seqs, op.tokens):
-                length[s] += t
-        elif isinstance(op, Fork):
-            length[op.seq] = length[op.src]
-        else:
-            final[op.seq] = length.pop(op.seq)
-    final.update(length)
-    return final
-
-
 # --- parsing and validation -------------------------------------------------------------------
 
 # The fields of each operation (anything else is refused: a typo must not silently drop a field).
-OP_FIELDS = {"prefill": {"step", "op", "seq", "tenant", "tokens", "block_hashes", "token_ids",
-                         "salt", "adapter"},
-             "append": {"step", "op", "seqs", "tokens"},
-             "fork": {"step", "op", "seq", "src"},
-             "free": {"step", "op", "seq"}}
+OP_FIELDS = {kind: {"step", "op", *cls.FIELDS} for kind, cls in OPS.items()}
+
+
 def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     if key not in d:
         fail(f"missing field {key!r}")
@@ -187,90 +155,198 @@ def parse_op(d: dict, fail) -> Op:
     if not isinstance(d, dict):
         fail(f"an operation must be a JSON object, got {type(d).__name__}")
     kind = d.get("op")
-    unknown = sorted(set(d) - OP_FIELDS[kind]) if kind in OP_FIELDS else []
+    if kind not in OPS:
+        fail(f"unknown op {kind!r} (known: {', '.join(OPS)})")
+    unknown = sorted(set(d) - OP_FIELDS[kind])
     if unknown:
         fail(f"unknown field {unknown[0]!r} of op {kind!r} (its fields: "
              f"{', '.join(sorted(OP_FIELDS[kind]))})")
     step = _int(d, "step", fail, minimum=0)
-    if kind == "prefill":
-        tenant = d.get("tenant")
-        if not isinstance(tenant, str) or not tenant:
-            fail(f"prefill needs a non-empty string 'tenant', got {tenant!r}")
-        hashes = d.get("block_hashes")
+    return _PARSERS[kind](d, step, fail)
+
+
+def _parse_prefill(d, step, fail) -> Prefill:
+    tenant = d.get("tenant")
+    if not isinstance(tenant, str) or not tenant:
+        fail(f"prefill needs a non-empty string 'tenant', got {tenant!r}")
+    hashes = d.get("block_hashes")
+    if hashes is not None:
+        if not isinstance(hashes, list):
+            fail("'block_hashes' must be a list")
+        for i, h in enumerate(hashes):
+            if not ((isinstance(h, int) and not isinstance(h, bool)) or (isinstance(h, str) and h)):
+                fail(f"block_hashes[{i}] must be an integer or a non-empty string, got {h!r}")
+        hashes = tuple(hashes)
+    tokens = _int(d, "tokens", fail, 1)
+    prompt = None
+    if d.get("prompt_tokens") is not None:
+        prompt = _int(d, "prompt_tokens", fail, tokens)
+    ids = d.get("token_ids")
+    if ids is not None:
         if hashes is not None:
-            if not isinstance(hashes, list):
-                fail("'block_hashes' must be a list")
-            for i, h in enumerate(hashes):
-                if not ((isinstance(h, int) and not isinstance(h, bool)) or (isinstance(h, str) and h)):
-                    fail(f"block_hashes[{i}] must be an integer or a non-empty string, got {h!r}")
-            hashes = tuple(hashes)
-        tokens = _int(d, "tokens", fail, 1)
-        ids = d.get("token_ids")
-        if ids is not None:
-            if hashes is not None:
-                fail("a prefill names either 'block_hashes' or 'token_ids', not both")
-            if not isinstance(ids, list) or len(ids) != tokens:
-                fail(f"'token_ids' must be a list of {tokens} ids (one per prompt token)")
-            for i, t in enumerate(ids):
-                _int({f"token_ids[{i}]": t}, f"token_ids[{i}]", fail, 0)
-            ids = tuple(ids)
-        extra = {}
-        for key in ("salt", "adapter"):
-            v = d.get(key)
-            if v is not None and (not isinstance(v, str) or not v):
-                fail(f"{key!r} must be a non-empty string, got {v!r}")
-            extra[key] = v
-        return Prefill(step, _int(d, "seq", fail, 0), tenant, tokens, hashes, token_ids=ids,
-                       **extra)
-    if kind == "append":
-        seqs, tokens = d.get("seqs"), d.get("tokens")
-        if not isinstance(seqs, list) or not isinstance(tokens, list):
-            fail("append needs lists 'seqs' and 'tokens'")
-        if not seqs:
-            fail("append with an empty batch")
-        if len(seqs) != len(tokens):
-            fail(f"append has {len(seqs)} seqs but {len(tokens)} token counts")
-        for i, (s, t) in enumerate(zip(seqs, tokens)):
-            _int({"seq": s}, "seq", fail, 0)
-            _int({f"tokens[{i}]": t}, f"tokens[{i}]", fail, 1)
-        if len(set(seqs)) != len(seqs):
-            fail("append names a sequence twice in one batch")
-        return Append(step, tuple(seqs), tuple(tokens))
-    if kind == "fork":
-        return Fork(step, _int(d, "seq", fail, 0), _int(d, "src", fail, 0))
-    if kind == "free":
-        return Free(step, _int(d, "seq", fail, 0))
-    fail(f"unknown op {kind!r} (known: prefill, append, fork, free)")
+            fail("a prefill names either 'block_hashes' or 'token_ids', not both")
+        whole = tokens if prompt is None else prompt
+        if not isinstance(ids, list) or len(ids) != whole:
+            fail(f"'token_ids' must be a list of {whole} ids (one per prompt token)")
+        for i, t in enumerate(ids):
+            _int({f"token_ids[{i}]": t}, f"token_ids[{i}]", fail, 0)
+        ids = tuple(ids)
+    extra = {}
+    for key in ("salt", "adapter"):
+        v = d.get(key)
+        if v is not None and (not isinstance(v, str) or not v):
+            fail(f"{key!r} must be a non-empty string, got {v!r}")
+        extra[key] = v
+    return Prefill(step, _int(d, "seq", fail, 0), tenant, tokens, hashes, token_ids=ids,
+                   prompt_tokens=prompt, **extra)
+
+
+def _parse_append(d, step, fail) -> Append:
+    seqs, tokens, draft = d.get("seqs"), d.get("tokens"), d.get("draft")
+    if not isinstance(seqs, list) or not isinstance(tokens, list):
+        fail("append needs lists 'seqs' and 'tokens'")
+    if not seqs:
+        fail("append with an empty batch")
+    if len(seqs) != len(tokens):
+        fail(f"append has {len(seqs)} seqs but {len(tokens)} token counts")
+    for i, (s, t) in enumerate(zip(seqs, tokens)):
+        _int({"seq": s}, "seq", fail, 0)
+        _int({f"tokens[{i}]": t}, f"tokens[{i}]", fail, 1)
+    if len(set(seqs)) != len(seqs):
+        fail("append names a sequence twice in one batch")
+    if draft is not None:
+        if not isinstance(draft, list) or len(draft) != len(seqs):
+            fail(f"'draft' must be a list of {len(seqs)} counts (one per sequence)")
+        for i, k in enumerate(draft):
+            _int({f"draft[{i}]": k}, f"draft[{i}]", fail, 0)
+            if k > tokens[i]:
+                fail(f"draft[{i}] = {k} draft tokens, more than the {tokens[i]} tokens it appends")
+        draft = tuple(draft)
+    return Append(step, tuple(seqs), tuple(tokens), draft)
+
+
+def _parse_fork(d, step, fail) -> Fork:
+    return Fork(step, _int(d, "seq", fail, 0), _int(d, "src", fail, 0))
+
+
+def _parse_free(d, step, fail) -> Free:
+    return Free(step, _int(d, "seq", fail, 0))
+
+
+def _parse_accept(d, step, fail) -> Accept:
+    return Accept(step, _int(d, "seq", fail, 0), _int(d, "n", fail, 0))
+
+
+def _parse_preempt(d, step, fail) -> Preempt:
+    mode = d.get("mode", "recompute")
+    if mode not in PREEMPT_MODES:
+        fail(f"preempt mode {mode!r} is not known ({', '.join(PREEMPT_MODES)})")
+    if mode == "swap":  # restoring swapped blocks needs a lower tier to hold them
+        fail("preempt mode 'swap' needs the tiers of SPEC §11, which kvbench does not model "
+             "yet: use mode 'recompute'")
+    return Preempt(step, _int(d, "seq", fail, 0), mode)
+
+
+def _parse_resume(d, step, fail) -> Resume:
+    return Resume(step, _int(d, "seq", fail, 0))
+
+
+_PARSERS = {kind: globals()[f"_parse_{kind}"] for kind in OPS}
 
 
 class _Validator:
-    """Checks the history: ids live and unique, steps strictly increasing."""
+    """Checks the history: ids live and unique, steps strictly increasing; a chunked prompt,
+    pending draft tokens and a preempted sequence take only the operations that may follow
+    them (SPEC §13)."""
 
     def __init__(self):
         self.live: set = set()
         self.seen: set = set()
         self.last_step = -1
+        self.chunk_left: dict = {}  # sequence -> tokens of its chunked prompt not yet written
+        self.drafted: dict = {}  # sequence -> draft tokens of its last append, not yet accepted
+        self.preempted: set = set()
 
     def check(self, op: Op, fail) -> None:
         if op.step <= self.last_step:
             fail(f"step {op.step} is out of order (previous step {self.last_step})")
-        if isinstance(op, (Prefill, Fork)):
-            if op.seq in self.seen:
-                fail(f"duplicate sequence id {op.seq}")
-            if isinstance(op, Fork) and op.src not in self.live:
-                fail(f"fork from {'freed' if op.src in self.seen else 'unknown'} sequence {op.src}")
-        elif isinstance(op, Append):
-            for s in op.seqs:
-                if s not in self.live:
-                    fail(f"append to {'freed' if s in self.seen else 'unknown'} sequence {s}")
-        elif op.seq not in self.live:
-            fail(f"free of {'freed' if op.seq in self.seen else 'unknown'} sequence {op.seq}")
+        getattr(self, op.kind)(op, fail)
         self.last_step = op.step
-        if isinstance(op, (Prefill, Fork)):
-            self.live.add(op.seq)
-            self.seen.add(op.seq)
-        elif isinstance(op, Free):
-            self.live.discard(op.seq)
+
+    def _live(self, seq, what, fail, *, busy=True) -> None:
+        """``seq`` must be live; ``busy``: and neither preempted nor waiting for an accept."""
+        if seq not in self.live:
+            fail(f"{what} {'freed' if seq in self.seen else 'unknown'} sequence {seq}")
+        if busy and seq in self.preempted:
+            fail(f"{what} preempted sequence {seq} (resume it first)")
+        if busy and seq in self.drafted:
+            fail(f"{what} sequence {seq}, whose {self.drafted[seq]} draft tokens wait for an accept")
+
+    def _new(self, seq, fail) -> None:
+        if seq in self.seen:
+            fail(f"duplicate sequence id {seq}")
+        self.live.add(seq)
+        self.seen.add(seq)
+
+    def prefill(self, op, fail) -> None:
+        self._new(op.seq, fail)
+        if op.prompt_tokens is not None and op.prompt_tokens > op.tokens:
+            self.chunk_left[op.seq] = op.prompt_tokens - op.tokens
+
+    def append(self, op, fail) -> None:
+        for i, s in enumerate(op.seqs):
+            self._live(s, "append to", fail)
+            left = self.chunk_left.get(s)
+            if left is not None and op.tokens[i] > left:
+                fail(f"append of {op.tokens[i]} tokens to sequence {s}, whose chunked prompt has "
+                     f"{left} left (a chunk ends at the prompt's end)")
+            if left is not None and op.draft is not None and op.draft[i]:
+                fail(f"draft tokens for sequence {s} before its chunked prompt is complete")
+        for i, s in enumerate(op.seqs):
+            if s in self.chunk_left:
+                self.chunk_left[s] -= op.tokens[i]
+                if not self.chunk_left[s]:
+                    del self.chunk_left[s]
+            if op.draft is not None and op.draft[i]:
+                self.drafted[s] = op.draft[i]
+
+    def fork(self, op, fail) -> None:
+        if op.seq in self.seen:
+            fail(f"duplicate sequence id {op.seq}")
+        self._live(op.src, "fork from", fail)
+        if op.src in self.chunk_left:
+            fail(f"fork from sequence {op.src} before its chunked prompt is complete")
+        self._new(op.seq, fail)
+
+    def free(self, op, fail) -> None:
+        self._live(op.seq, "free of", fail, busy=False)
+        self.live.discard(op.seq)
+        for state in (self.chunk_left, self.drafted):
+            state.pop(op.seq, None)
+        self.preempted.discard(op.seq)
+
+    def accept(self, op, fail) -> None:
+        self._live(op.seq, "accept of", fail, busy=False)
+        k = self.drafted.get(op.seq)
+        if k is None:
+            fail(f"accept of sequence {op.seq} without a pending speculative append (no draft "
+                 f"tokens since its last accept)")
+        if op.n > k:
+            fail(f"accept keeps n = {op.n} draft tokens of sequence {op.seq}, which has only "
+                 f"k = {k} (n <= k)")
+        del self.drafted[op.seq]
+
+    def preempt(self, op, fail) -> None:
+        self._live(op.seq, "preempt of", fail)
+        if op.seq in self.chunk_left:
+            fail(f"preempt of sequence {op.seq} during its chunked prompt")
+        self.preempted.add(op.seq)
+
+    def resume(self, op, fail) -> None:
+        self._live(op.seq, "resume of", fail, busy=False)
+        if op.seq not in self.preempted:
+            fail(f"resume of sequence {op.seq}, which is not preempted")
+        self.preempted.discard(op.seq)
 
 
 def parse_header(d, fail) -> Header:
@@ -307,6 +383,8 @@ def _check_history(table, path, lines, *, fields: bool, upto: int | None = None)
     bad = C.first_invalid(table)
     if bad is None or (upto is not None and bad >= upto):
         return
+    if table.side:  # lifecycle operations: the scalar rules over the whole history
+        bad = len(table) - 1 if upto is None else min(upto, len(table)) - 1
     v = _Validator()
     for i, op in enumerate(table):  # the scalar rules, to name the error
         def fail(reason, _line=lines[i] if lines is not None else i + 2):
@@ -316,6 +394,8 @@ def _check_history(table, path, lines, *, fields: bool, upto: int | None = None)
         v.check(op, fail)
         if i == bad:
             break
+    if table.side:
+        return
     raise TraceError("the history is invalid (found by the columnar check, not named by the "
                      "operation-by-operation one: please report)", path, lines[bad] if lines is not None else bad + 2)
 
@@ -374,6 +454,7 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
 # --- CSV (flat, for large traces) -------------------------------------------------------------
 
 CSV_COLUMNS = ["step", "op", "seq", "tenant", "tokens", "src"]
+CSV_OPS = ("prefill", "append", "fork", "free")  # the operations its columns can hold
 
 
 def to_csv(trace: Trace) -> str:
@@ -393,10 +474,14 @@ def csv_lines(trace: Trace) -> Iterator[str]:
     yield "# " + json.dumps(trace.header.to_dict()) + "\n"
     w.writerow(CSV_COLUMNS)
     for op in trace.ops:
+        if op.kind not in CSV_OPS or getattr(op, "draft", None) is not None:
+            raise TraceError(f"step {op.step}: CSV holds no {op.kind} {'draft ' if op.kind == 'append' else ''}"
+                             f"operation: save the trace as .jsonl", trace.name)
         if isinstance(op, Prefill):
-            if op.salt is not None or op.adapter is not None or op.token_ids is not None:
-                raise TraceError(f"step {op.step}: CSV holds no salt, adapter or token ids: "
-                                 f"save the trace as .jsonl", trace.name)
+            if (op.salt is not None or op.adapter is not None or op.token_ids is not None
+                    or op.prompt_tokens is not None):
+                raise TraceError(f"step {op.step}: CSV holds no salt, adapter, token ids or chunked "
+                                 f"prompt: save the trace as .jsonl", trace.name)
             w.writerow([op.step, "prefill", op.seq, op.tenant, op.tokens, ""])
         elif isinstance(op, Append):
             for s, t in zip(op.seqs, op.tokens):

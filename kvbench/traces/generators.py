@@ -19,6 +19,8 @@
   sliding window's block and window edges, before and after a fork.
 - ``salted_prefixes`` (kvbench.traces.isolation): one prompt under several salts and adapters,
   named by block hashes and by token ids (which blocks may be shared, SPEC §9).
+- ``chunked_prefill``, ``speculative_forks``, ``preemption`` (kvbench.traces.lifecycles): SPEC
+  §13's scheduler lifecycles.
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -49,6 +51,7 @@ from kvbench.traces.edges import decode_edges, eviction_edges, long_history, ref
 from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows, window_decode
 from kvbench.traces.isolation import salted_prefixes
+from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -406,6 +409,9 @@ FAMILIES = {
     "salted_prefixes": salted_prefixes,
     "decode_edges": decode_edges,
     "window_decode": window_decode,
+    "chunked_prefill": chunked_prefill,
+    "speculative_forks": speculative_forks,
+    "preemption": preemption,
 }
 
 
@@ -425,5 +431,6 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
     "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
-    "salted_prefixes", "decode_edges", "window_decode", "FAMILIES", "generate",
+    "salted_prefixes", "decode_edges", "window_decode", "chunked_prefill", "speculative_forks",
+    "preemption", "FAMILIES", "generate",
 ]

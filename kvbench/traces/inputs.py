@@ -39,11 +39,12 @@ def check_prefill(header, d: dict, fail) -> None:
         fail(f"tenant {d.get('tenant')!r} is not declared in the header's 'tenants' "
              f"({', '.join(map(repr, header.tenants))})")
     hashes = d.get("block_hashes")
-    if isinstance(hashes, list) and isinstance(d.get("tokens"), int):
+    tokens = d.get("prompt_tokens") or d.get("tokens")  # a chunked prompt's hashes cover it whole
+    if isinstance(hashes, list) and isinstance(tokens, int):
         bs = header.settings.get("block_size", 16)
-        if len(hashes) > d["tokens"] // bs:
-            fail(f"{len(hashes)} block_hashes for {d['tokens']} tokens: a prompt of {d['tokens']} "
-                 f"tokens has {d['tokens'] // bs} full blocks of {bs} (the header's block size)")
+        if len(hashes) > tokens // bs:
+            fail(f"{len(hashes)} block_hashes for {tokens} tokens: a prompt of {tokens} "
+                 f"tokens has {tokens // bs} full blocks of {bs} (the header's block size)")
 
 
 def text_lines(f, fail):
