@@ -19,6 +19,8 @@ from kvbench.traces.ops import Append, Fork, Free, Prefill
 
 KINDS = ("prefill", "append", "fork", "free")
 PREFILL, APPEND, FORK, FREE = range(4)
+OTHER = 4  # a transfer (kvbench.traces.tier_ops), kept whole in ``others``; loads and aborts
+# also take the row of a prefill and a free, so that the history checks see them as such
 _CHUNK = 1 << 16  # operations converted from Python lists to arrays at a time
 
 
@@ -31,6 +33,7 @@ class TableBuilder:
         self.tenant_index: dict = {}
         self.hashes: dict = {}
         self.keys: dict = {}  # operation index -> (salt, adapter, token_ids) of a prefill
+        self.others: dict = {}  # operation index -> a transfer operation, whole
         self.n = 0
         self._reset()
 
@@ -64,6 +67,11 @@ class TableBuilder:
             self._flush()
 
     def add(self, op) -> None:
+        if op.kind not in KINDS:
+            self.others[self.n] = op
+            if not isinstance(op, (Prefill, Free)):
+                self.row(OTHER, op.step, getattr(op, "seq", -1))
+                return
         if isinstance(op, Prefill):
             if op.salt is not None or op.adapter is not None or op.token_ids is not None:
                 self.keys[self.n] = (op.salt, op.adapter, op.token_ids)
@@ -96,18 +104,19 @@ class TableBuilder:
         batch = np.zeros(len(kind) + 1, np.int64)
         np.cumsum(nbatch, out=batch[1:])
         return OpTable(kind, step, seq, src, tokens, tenant, list(self.tenants), batch, flat_seq,
-                       flat_tok, dict(self.hashes), dict(self.keys))
+                       flat_tok, dict(self.hashes), dict(self.keys), dict(self.others))
 
 
 class OpTable:
     """A trace's operations as columns; a read-only sequence of op objects made on access."""
 
     def __init__(self, kind, step, seq, src, tokens, tenant, tenants, batch, flat_seq, flat_tok, hashes,
-                 keys=None):
+                 keys=None, others=None):
         self.kind, self.step, self.seq, self.src = kind, step, seq, src
         self.tokens, self.tenant, self.tenants = tokens, tenant, tenants
         self.batch, self.flat_seq, self.flat_tok, self.hashes = batch, flat_seq, flat_tok, hashes
         self.keys = keys or {}  # a prefill's salt, adapter and token ids, by operation index
+        self.others = others or {}  # transfers, whole, by operation index
 
     @classmethod
     def from_ops(cls, ops) -> OpTable:
@@ -125,6 +134,8 @@ class OpTable:
         return len(self.kind)
 
     def _op(self, i, kind, step, seq, src, tokens, tenant, b0, b1, fs, ft):
+        if self.others and i in self.others:
+            return self.others[i]
         if kind == APPEND:
             return Append(step, tuple(fs[b0:b1]), tuple(ft[b0:b1]))
         if kind == PREFILL:
@@ -222,7 +233,7 @@ def first_invalid(t: OpTable) -> int | None:
         bad.append(int(out_of_order[0]) + 1)
     nb = np.diff(t.batch)
     op_of = np.repeat(np.arange(n), nb)  # the operation of each (sequence, tokens) of a batch
-    fields = ((t.step < 0) | ((t.kind != APPEND) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
+    fields = ((t.step < 0) | ((t.kind != APPEND) & (t.kind != OTHER) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
               | ((t.kind == FORK) & (t.src < 0)) | ((t.kind == APPEND) & (nb == 0)))
     empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
     if empty:

@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
 from kvbench.traces.ops import Append, Fork, Free, Op, Prefill
+from kvbench.traces import tier_ops
 
 from kvbench.outputs import staged
 from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
@@ -60,6 +61,7 @@ class Header:
     settings: dict = field(default_factory=dict)  # defaults for a run: SETTINGS names them
     version: int = FORMAT_VERSION
     groups: tuple = ()  # the model's KV cache group kinds, "full" / "sliding(W)" (SPEC §8)
+    tiers: tuple = ()  # the lower tiers, TierSpec each, tier 1 first (SPEC §11)
 
     def to_dict(self) -> dict:
         d = {"kvbench_trace": self.version, "family": self.family, "generator": self.generator,
@@ -70,6 +72,8 @@ class Header:
             d["settings"] = self.settings
         if self.groups:
             d["groups"] = list(self.groups)
+        if self.tiers:
+            d["tiers"] = [t.to_dict() for t in self.tiers]
         return d
 
 
@@ -128,6 +132,11 @@ class Trace:
 
 
 def op_to_dict(op: Op) -> dict:
+    if isinstance(op, tier_ops.TIER_OPS):
+        if isinstance(op, tier_ops.Load):
+            return {**op_to_dict(Prefill(*[getattr(op, f) for f in PREFILL_FIELDS])), "op": "load",
+                    "id": op.id}
+        return tier_ops.tier_op_to_dict(op)
     if isinstance(op, Prefill):
         d = {"step": op.step, "op": "prefill", "seq": op.seq, "tenant": op.tenant, "tokens": op.tokens}
         if op.block_hashes is not None:
@@ -156,7 +165,7 @@ def final_lengths(ops: Iterable[Op]) -> dict:
                 length[s] += t
         elif isinstance(op, Fork):
             length[op.seq] = length[op.src]
-        else:
+        elif isinstance(op, Free):
             final[op.seq] = length.pop(op.seq)
     final.update(length)
     return final
@@ -183,10 +192,16 @@ def _int(d: dict, key: str, fail, minimum: int | None = None) -> int:
     return v
 
 
+PREFILL_FIELDS = ("step", "seq", "tenant", "tokens", "block_hashes", "salt", "adapter", "token_ids")
+
+
 def parse_op(d: dict, fail) -> Op:
     if not isinstance(d, dict):
         fail(f"an operation must be a JSON object, got {type(d).__name__}")
     kind = d.get("op")
+    transfer = tier_ops.parse_tier_op(d, fail, _int, lambda fields: parse_op(fields, fail))
+    if transfer is not None:
+        return transfer
     unknown = sorted(set(d) - OP_FIELDS[kind]) if kind in OP_FIELDS else []
     if unknown:
         fail(f"unknown field {unknown[0]!r} of op {kind!r} (its fields: "
@@ -240,20 +255,24 @@ def parse_op(d: dict, fail) -> Op:
         return Fork(step, _int(d, "seq", fail, 0), _int(d, "src", fail, 0))
     if kind == "free":
         return Free(step, _int(d, "seq", fail, 0))
-    fail(f"unknown op {kind!r} (known: prefill, append, fork, free)")
+    fail(f"unknown op {kind!r} (known: prefill, append, fork, free, store, load, done, abort)")
 
 
 class _Validator:
     """Checks the history: ids live and unique, steps strictly increasing."""
 
-    def __init__(self):
+    def __init__(self, tiers: tuple = ()):
         self.live: set = set()
         self.seen: set = set()
         self.last_step = -1
+        self.transfers = tier_ops.TransferHistory(tiers)
 
     def check(self, op: Op, fail) -> None:
         if op.step <= self.last_step:
             fail(f"step {op.step} is out of order (previous step {self.last_step})")
+        if self.transfers.check(op, self.live, fail):
+            self.last_step = op.step
+            return
         if isinstance(op, (Prefill, Fork)):
             if op.seq in self.seen:
                 fail(f"duplicate sequence id {op.seq}")
@@ -283,16 +302,17 @@ def parse_header(d, fail) -> Header:
     tenants, groups = d.get("tenants") or {}, d.get("groups") or ()
     return Header(family=d["family"], generator=d.get("generator", ""), params=d.get("params") or {},
                   seed=d.get("seed"), tenants=tenants, settings=d.get("settings") or {},
-                  version=version, groups=tuple(groups))
+                  version=version, groups=tuple(groups),
+                  tiers=tier_ops.parse_tiers(d.get("tiers"), fail))
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
     """Validate an in-memory trace (ops built by code); line numbers count the header as 1.
     Columns are checked with array operations, and op by op only to name an error found."""
     if isinstance(trace.ops, C.OpTable):
-        _check_history(trace.ops, path or trace.name, None, fields=True)
+        _check_history(trace.ops, path or trace.name, None, fields=True, tiers=trace.header.tiers)
         return trace
-    v = _Validator()
+    v = _Validator(trace.header.tiers)
     for i, op in enumerate(trace.ops):
         def fail(reason, _line=i + 2):
             raise TraceError(reason, path or trace.name, _line)
@@ -301,13 +321,17 @@ def validate(trace: Trace, path: str | None = None) -> Trace:
     return trace
 
 
-def _check_history(table, path, lines, *, fields: bool, upto: int | None = None) -> None:
+def _check_history(table, path, lines, *, fields: bool, upto: int | None = None,
+                   tiers: tuple = ()) -> None:
     """Raise the TraceError of the first operation (before ``upto``) that breaks the history
-    rules; ``lines``: each operation's line number (None: index + 2)."""
+    rules; ``lines``: each operation's line number (None: index + 2). Transfers are checked
+    only op by op (a trace with transfers is replayed op by op anyway)."""
     bad = C.first_invalid(table)
+    if table.others:
+        bad = len(table) - 1 if bad is None else bad
     if bad is None or (upto is not None and bad >= upto):
         return
-    v = _Validator()
+    v = _Validator(tiers)
     for i, op in enumerate(table):  # the scalar rules, to name the error
         def fail(reason, _line=lines[i] if lines is not None else i + 2):
             raise TraceError(reason, path, _line)
@@ -316,6 +340,8 @@ def _check_history(table, path, lines, *, fields: bool, upto: int | None = None)
         v.check(op, fail)
         if i == bad:
             break
+    if C.first_invalid(table) is None:
+        return  # the transfers, checked op by op, are well formed
     raise TraceError("the history is invalid (found by the columnar check, not named by the "
                      "operation-by-operation one: please report)", path, lines[bad] if lines is not None else bad + 2)
 
@@ -361,12 +387,12 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
                 b.add(op)
             where.append(lineno)
     except TraceError as e:  # a history error on an earlier line comes first
-        _check_history(b.table(), path, where, fields=False)
+        _check_history(b.table(), path, where, fields=False, tiers=header.tiers if header else ())
         raise e
     if header is None:
         raise TraceError("empty trace: no header line", path, 1)
     table = b.table()
-    _check_history(table, path, where, fields=False)
+    _check_history(table, path, where, fields=False, tiers=header.tiers)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
     return Trace(header, table, name=name, path=path)
 
@@ -393,6 +419,9 @@ def csv_lines(trace: Trace) -> Iterator[str]:
     yield "# " + json.dumps(trace.header.to_dict()) + "\n"
     w.writerow(CSV_COLUMNS)
     for op in trace.ops:
+        if isinstance(op, tier_ops.TIER_OPS):
+            raise TraceError(f"step {op.step}: CSV holds no transfers: save the trace as .jsonl",
+                             trace.name)
         if isinstance(op, Prefill):
             if op.salt is not None or op.adapter is not None or op.token_ids is not None:
                 raise TraceError(f"step {op.step}: CSV holds no salt, adapter or token ids: "
