@@ -37,15 +37,17 @@ import traceback
 
 import numpy as np
 
-from kvbench.checking import identities
+from kvbench.checking import identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
 from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
+from kvbench.traces.tier_ops import TIER_OPS
 
 BLOCK_FIELDS = named(blocks=True)  # compared only for a paged layout
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
@@ -68,7 +70,7 @@ def applicable(trace: Trace, backend: Backend) -> str:
     policy = backend.config.policy
     if policy and policy not in caps.eviction:
         return f"{backend.name} does not implement eviction policy {policy!r}"
-    return ""
+    return tier_replay.applicable(trace, backend)
 
 
 def _salted(trace: Trace) -> bool:
@@ -134,8 +136,13 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
         caching = False
         verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
                                              f"trace salts its prompts: replayed without")
-    oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
-                    layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
+    layout = "paged" if caps.layout == "paged" else "contiguous"
+    config = dataclasses.replace(backend.config, prefix_caching=caching)
+    if trace.header.tiers:
+        oracle = TieredOracle(config, layout, caps, trace.header.tiers)
+        backend.attach_tiers(trace.header.tiers)
+    else:
+        oracle = Oracle(config, layout=layout, capabilities=caps)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
                    writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
 
@@ -201,6 +208,7 @@ class _Replay:
         self.refused: set = set()
         self.index, self.op = -1, None
         self.traceback = ""
+        self.tiered = tier_replay.TierReplay(self) if trace.header.tiers else None
 
     def diverge(self, quantity, expected, actual, detail="", *, soft=False):
         """Stop at this divergence; with ``keep_going``, a ``soft`` one (a figure or block id that
@@ -353,7 +361,9 @@ class _Replay:
 
     def apply(self, op) -> dict:
         self.changed = {}
-        if isinstance(op, Prefill):
+        if isinstance(op, TIER_OPS):
+            self.tiered.apply(op)
+        elif isinstance(op, Prefill):
             self.prefill(op)
         elif isinstance(op, Append):
             self.append(op)
@@ -534,13 +544,14 @@ class _Replay:
         if not self.do_gather:
             return
         oracle, gather = self.oracle, self.gather
+        loading = self.tiered.unreadable() if self.tiered else ()
         if gather == "all" or (gather in ("end", "touched") and last):
-            self.verify([(s, 0, None) for s in sorted(oracle.seqs)])
+            self.verify([(s, 0, None) for s in sorted(oracle.seqs) if s not in loading])
             return
         if gather != "touched":
             return
         ranges = [(s, *changed[s]) for s in sorted(changed)
-                  if changed[s] is not None and s in oracle.seqs]
+                  if changed[s] is not None and s in oracle.seqs and s not in loading]
         window = None
         if len(self.live):  # a seeded random window: a wrong slot anywhere shows up in time
             s = self.live.choice()  # read into a buffer: the gather(out=) path gets checked too

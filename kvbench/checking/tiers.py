@@ -57,6 +57,7 @@ class TierLedger:
     free: int
     bytes_down: int = 0
     bytes_up: int = 0
+    hits: int = 0  # blocks loads took from this tier so far
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -175,6 +176,7 @@ class Tier:
     policy: object = None
     bytes_down: int = 0
     bytes_up: int = 0
+    hits: int = 0
 
     def __post_init__(self):
         self.policy = POLICY_CLASSES[self.spec.policy](self.spec.capacity)
@@ -184,7 +186,8 @@ class Tier:
         loading = sum(1 for e in self.entries.values() if e.loads)
         stored = len(self.entries) - storing
         return TierLedger(self.spec.name, self.spec.capacity, stored, storing, loading,
-                          self.spec.capacity - len(self.entries), self.bytes_down, self.bytes_up)
+                          self.spec.capacity - len(self.entries), self.bytes_down, self.bytes_up,
+                          self.hits)
 
 
 @dataclass
@@ -224,7 +227,6 @@ class Tiers:
         self.finished: set = set()
         self.leases: dict = {}  # device block -> stores in flight copying it
         self.load_targets: dict = {}  # device block -> load id writing it
-        self.hits = [0] * len(self.tiers)  # blocks loaded from each tier
 
     def index(self, name: str) -> int:
         for i, t in enumerate(self.tiers):
@@ -302,7 +304,7 @@ class Tiers:
             entry.loads += 1
             if target is not None:
                 self.load_targets[target] = tid
-            self.hits[tier] += 1
+            self.tiers[tier].hits += 1
         for i, t in enumerate(self.tiers):
             t.policy.touch([k for k, tier, _ in blocks if tier == i])
         self.transfers[tid] = Transfer("load", seq, blocks=list(blocks))
@@ -348,15 +350,15 @@ class Tiers:
                 t.bytes_up += self.block_bytes
 
     def abort(self, seq: int) -> list:
-        """Cancel the loads of ``seq`` (returned: their device targets are to be freed); its
-        stores stay in flight and complete or fail later."""
+        """Cancel the loads of ``seq`` (returned as [(id, transfer)]: their device targets are to
+        be freed); its stores stay in flight and complete or fail later."""
         cancelled = []
         for tid, tr in list(self.transfers.items()):
             if tr.kind == "load" and tr.seq == seq:
                 del self.transfers[tid]
                 self.finished.add(tid)
                 self._end_load(tr, moved=False)
-                cancelled.append(tr)
+                cancelled.append((tid, tr))
         return cancelled
 
     def in_flight(self, seq: int, kind: str | None = None) -> list:

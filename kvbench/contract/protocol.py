@@ -103,6 +103,10 @@ class Capabilities:
     # block_state() hands out and releases blocks in kvbench's order (README, "Writing a
     # backend"), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
+    # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
+    # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
+    # read_stored (kvbench.checking.tier_replay names them).
+    tiers: tuple = ()
 
     def __post_init__(self):
         if self.devices is not None:

@@ -1,0 +1,141 @@
+"""Tier replays (SPEC §11) through the checker: the NumPy pool with a host and a disk tier
+passes; leases, loads, aborts and failed stores as the oracle derives them; backends without
+tiers are n/a with the reason."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_config
+
+from impls.contiguous import Contiguous
+from impls.numpy_paged import NumpyPaged
+from kvbench.checking.checker import check
+from kvbench.checking.tiers import TierSpec
+from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
+from kvbench.traces.tier_ops import Abort, Done, Load, Store
+
+TIERS = (TierSpec("host", 4), TierSpec("disk", 8))
+
+
+def steps(*makers):
+    """Operations from makers taking their step: lambda s: Prefill(s, ...)."""
+    return [m(i) for i, m in enumerate(makers)]
+
+
+def P(seq, tokens, hashes=None, salt=None):
+    return lambda s: Prefill(s, seq, "a", tokens, hashes, salt)
+
+
+def LD(tid, seq, tokens, hashes, salt=None):
+    return lambda s: Load(s, seq, "a", tokens, hashes, salt, id=tid)
+
+
+def ST(tid, seq, tier="host", blocks=None):
+    return lambda s: Store(s, tid, seq, tier, blocks)
+
+
+def D(tid, ok=True):
+    return lambda s: Done(s, tid, ok)
+
+
+def F(seq):
+    return lambda s: Free(s, seq)
+
+
+def AB(seq):
+    return lambda s: Abort(s, seq)
+
+
+def AP(seq, n):
+    return lambda s: Append(s, (seq,), (n,))
+
+
+def run(ops, backend_cls=NumpyPaged, num_blocks=16, **kw):
+    t = validate(Trace(Header("tiers", tiers=kw.pop("tiers", TIERS)), ops, name="t"))
+    backend = backend_cls(make_config(num_blocks=num_blocks, prefix_caching=True))
+    try:
+        return check(t, backend, **kw)
+    finally:
+        backend.close()
+
+
+ROUND_TRIP = steps(
+    P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
+    ST(1, 0, "host"),            # blocks 0, 1 leased
+    F(0),                        # 0 and 1 stay in use until the store completes
+    P(1, 13 * 16),               # 13 blocks: 3..15 but 0, 1 (leased), and 2 freed
+    D(1),                        # 0, 1 to the cached queue
+    F(1),
+    P(2, 16 * 16),               # every block: the cached 0 and 1 are taken (their hashes forgotten)
+    F(2),
+    LD(2, 3, 40, [1, 2]),        # no device hit, 2 blocks from host, 1 computed
+    D(2),
+    ST(3, 3, "disk"),
+    D(3, ok=False),              # a failed store leaves no trace on disk
+    AB(3),
+)
+
+
+@pytest.mark.parametrize("when", ["begin", "completion"])
+def test_round_trip_passes(when, monkeypatch):
+    monkeypatch.setattr(NumpyPaged, "TRANSFER_AT", when)
+    v = run(ROUND_TRIP)
+    assert v.valid, v.divergence
+    assert v.ops == len(ROUND_TRIP)
+
+
+def test_gather_all_passes():
+    v = run(ROUND_TRIP, gather="all")
+    assert v.valid, v.divergence
+
+
+class LeaseEndsAtFree(NumpyPaged):
+    """The lease ends when the sequence is freed, not when its store completes (vLLM #45704)."""
+
+    def free(self, seq, *, step=0):
+        for tid, (kind, s, t, moved) in self._transfers.items():
+            if kind == "store" and s == seq and moved:
+                self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
+                self._transfers[tid] = (kind, s, t, [(p, b, k, sl) for p, b, k, sl in moved])
+                self._released = getattr(self, "_released", set()) | {tid}
+        super().free(seq, step=step)
+
+    def _release_blocks(self, blocks):
+        if getattr(self, "_completing", None) in getattr(self, "_released", ()):
+            return  # released at the free already
+        super()._release_blocks(blocks)
+
+    def complete(self, tid, ok, kv=None, *, step=0):
+        self._completing = tid
+        try:
+            super().complete(tid, ok, kv, step=step)
+        finally:
+            self._completing = None
+
+
+class StoresTheNextBlock(NumpyPaged):
+    """The copy down reads the block after the one it stores."""
+
+    def _copy_down(self, t, blocks, slots):
+        super()._copy_down(t, np.asarray(blocks) + 1, slots)
+
+
+def test_lease_ending_at_the_free_fails_there():
+    v = run(ROUND_TRIP, LeaseEndsAtFree)
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (2, "blocks_used")
+    assert (d.expected, d.actual) == (2, 0)  # 2: blocks 0 and 1, leased; block 2 went back
+
+
+def test_a_wrong_copy_down_fails_at_the_completion():
+    v = run(ROUND_TRIP, StoresTheNextBlock)
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (4, "tier content of transfer 1")
+
+
+def test_backend_without_tiers_is_not_applicable():
+    t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
+    v = check(t, Contiguous(make_config(num_blocks=16)))
+    assert v.valid is None and "declares no tiers" in v.not_applicable
