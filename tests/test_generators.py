@@ -40,7 +40,7 @@ def lengths_over_time(ops):
                 length[s] += t
         elif isinstance(op, Fork):
             length[op.seq] = length[op.src]
-        else:
+        elif isinstance(op, Free):  # an abort too; a store or a completion changes no length
             del length[op.seq]
         yield op, dict(length)
 

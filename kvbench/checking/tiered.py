@@ -88,7 +88,7 @@ class TieredOracle(Oracle):
                 self._drop_ref(b)  # the lease ends
         else:
             for p, b, key in self.pending.pop(tid):
-                self._register(b, 0, key)
+                self._register(b, *key)  # key: (group, block key)
         return tr
 
     def abort(self, seq) -> list:

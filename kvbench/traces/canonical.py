@@ -99,6 +99,10 @@ CANONICAL = [
     # edges, before and after a fork.
     ("hybrid-decode.jsonl", "window_decode",
      {"model": "tiny-hybrid", "rounds": 2, "block_size": 8}, 0),
+    # Tiers (SPEC §11): conversations whose turns are stored to host and disk between turns and
+    # loaded back, leased blocks freed before their store completes, a failing store, an
+    # aborted load, two salts over the same hashes, a device hit beside a load.
+    ("tier-turns.jsonl", "tiered_turns", {"conversations": 5, "turns": 4, "block_size": 8}, 0),
 ]
 
 

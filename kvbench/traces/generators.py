@@ -49,6 +49,7 @@ from kvbench.traces.edges import decode_edges, eviction_edges, long_history, ref
 from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows, window_decode
 from kvbench.traces.isolation import salted_prefixes
+from kvbench.traces.tier_workloads import tiered_turns
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -406,6 +407,7 @@ FAMILIES = {
     "salted_prefixes": salted_prefixes,
     "decode_edges": decode_edges,
     "window_decode": window_decode,
+    "tiered_turns": tiered_turns,
 }
 
 
