@@ -121,6 +121,10 @@ class NumpyTiers:
     def _block_bytes_moved(self, n: int) -> int:
         return n * self.block_bytes()
 
+    def _tier_key(self, key):
+        """The key a tier holds a device block's content under: its prefix-cache key."""
+        return key
+
     # --- the operations --------------------------------------------------------------------
 
     def store(self, tid, seq, tier, blocks=None, *, step=0) -> None:
@@ -130,9 +134,8 @@ class NumpyTiers:
         items = []
         for p in positions:
             b = int(self.tables[0][r, p])
-            key = self.hash_of.get(b)
-            if key is not None:
-                items.append((p, b, key))
+            if b in self.hash_of:
+                items.append((p, b, self._tier_key(self.hash_of[b])))
         t = self._tiers[self._tier(tier)]
         keep = {k for _, _, k in items}
         moved = []
@@ -156,7 +159,7 @@ class NumpyTiers:
         L = self._hit_plan(keys)[0] if keys else 0
         run = []
         for k in keys[L:]:
-            t = next((t for t in self._tiers if t.ready.get((0, k))), None)
+            t = next((t for t in self._tiers if t.ready.get(self._tier_key((0, k)))), None)
             if t is None:
                 break
             run.append(t)
@@ -164,26 +167,28 @@ class NumpyTiers:
                                protect=protect, block_hashes=block_hashes, salt=salt,
                                adapter=adapter, token_ids=token_ids)
         r = self.row_of[seq]
-        moved = []
+        moved = []  # (position, device block, its prefix-cache key, tier key, tier)
         for i, t in enumerate(run):
             p = L + i
             b, key = int(self.tables[0][r, p]), (0, keys[p])
             if self.hash_of.get(b) == key:  # no hit from it until the load completes
                 del self.by_hash[key]
                 del self.hash_of[b]
-            t.readers[key] = t.readers.get(key, 0) + 1
+            tkey = self._tier_key(key)
+            t.readers[tkey] = t.readers.get(tkey, 0) + 1
             t.hits += 1
-            moved.append((p, b, key, t))
+            moved.append((p, b, key, tkey, t))
         for t in self._tiers:
-            t.touch([key for _, _, key, u in moved if u is t])
+            t.touch([tkey for *_, tkey, u in moved if u is t])
         if self.TRANSFER_AT == "begin":
-            self._load_data(moved)
+            self._load_data(seq, moved)
         self._transfers[tid] = ("load", seq, None, moved)
         return victims
 
-    def _load_data(self, moved) -> None:
+    def _load_data(self, seq, moved) -> None:
+        """Copy the tier blocks of a load into its target blocks."""
         for t in self._tiers:
-            mine = [(b, t.slot[key]) for _, b, key, u in moved if u is t]
+            mine = [(b, t.slot[tkey]) for _, b, _, tkey, u in moved if u is t]
             self._copy_up(t, [s for _, s in mine], np.array([b for b, _ in mine], dtype=np.intp))
 
     def complete(self, tid, ok, kv=None, *, step=0) -> None:
@@ -203,9 +208,9 @@ class NumpyTiers:
             self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
             return
         if ok and self.TRANSFER_AT == "completion":
-            self._load_data(moved)
-        for i, (p, b, key, u) in enumerate(moved):
-            u.readers[key] -= 1
+            self._load_data(seq, moved)
+        for i, (p, b, key, tkey, u) in enumerate(moved):
+            u.readers[tkey] -= 1
             if ok:
                 u.bytes_up += self._block_bytes_moved(1)
             elif self.pool is not None:  # computed again, into the same block
@@ -218,8 +223,8 @@ class NumpyTiers:
         for tid, (kind, s, _, moved) in list(self._transfers.items()):
             if kind == "load" and s == seq:
                 del self._transfers[tid]
-                for _, _, key, u in moved:
-                    u.readers[key] -= 1
+                for *_, tkey, u in moved:
+                    u.readers[tkey] -= 1
         self.free(seq, step=step)
 
     def tier_ledgers(self) -> list:

@@ -8,6 +8,7 @@ import pytest
 from conftest import make_config
 
 from impls.contiguous import Contiguous
+from impls.faults_tiers import LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
 from kvbench.checking.tiers import TierSpec
@@ -87,30 +88,6 @@ def test_round_trip_passes(when, monkeypatch):
 def test_gather_all_passes():
     v = run(ROUND_TRIP, gather="all")
     assert v.valid, v.divergence
-
-
-class LeaseEndsAtFree(NumpyPaged):
-    """The lease ends when the sequence is freed, not when its store completes (vLLM #45704)."""
-
-    def free(self, seq, *, step=0):
-        for tid, (kind, s, t, moved) in self._transfers.items():
-            if kind == "store" and s == seq and moved:
-                self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
-                self._transfers[tid] = (kind, s, t, [(p, b, k, sl) for p, b, k, sl in moved])
-                self._released = getattr(self, "_released", set()) | {tid}
-        super().free(seq, step=step)
-
-    def _release_blocks(self, blocks):
-        if getattr(self, "_completing", None) in getattr(self, "_released", ()):
-            return  # released at the free already
-        super()._release_blocks(blocks)
-
-    def complete(self, tid, ok, kv=None, *, step=0):
-        self._completing = tid
-        try:
-            super().complete(tid, ok, kv, step=step)
-        finally:
-            self._completing = None
 
 
 class StoresTheNextBlock(NumpyPaged):
