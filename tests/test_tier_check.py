@@ -116,3 +116,19 @@ def test_backend_without_tiers_is_not_applicable():
     t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
     v = check(t, Contiguous(make_config(num_blocks=16)))
     assert v.valid is None and "declares no tiers" in v.not_applicable
+
+
+def test_round_trip_figures_by_hand():
+    b = NumpyPaged(make_config(num_blocks=16, prefix_caching=True))
+    t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
+    try:
+        assert check(t, b).valid
+        host, disk = b.tier_ledgers()
+    finally:
+        b.close()
+    bb = 16 * 2 * 2 * 2 * 8 * 2  # 1024 = block_size * 2 * layers * kv_heads * head_dim * 2 bytes
+    # store 1: the 2 hashed blocks of sequence 0 down to host; load 2: both back up (no device hit:
+    # sequence 2 took every block, the cached ones included); store 3 to disk fails
+    assert (host["stored"], host["free"], host["hits"]) == (2, 4 - 2, 2)
+    assert (host["bytes_down"], host["bytes_up"]) == (2 * bb, 2 * bb)
+    assert (disk["stored"], disk["storing"], disk["free"], disk["bytes_down"]) == (0, 0, 8, 0)
