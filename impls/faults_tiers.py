@@ -15,7 +15,7 @@ class LeaseEndsAtFree(NumpyPaged):
 
     def free(self, seq, *, step=0):
         ended = getattr(self, "_ended", set())
-        for tid, (kind, s, _, moved) in self._transfers.items():
+        for tid, (kind, s, _, moved) in getattr(self, "_transfers", {}).items():
             if kind == "store" and s == seq and moved and tid not in ended:
                 self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
                 ended.add(tid)
