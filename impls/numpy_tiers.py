@@ -23,6 +23,13 @@ import numpy as np
 from impls.prefix_keys import block_keys
 
 
+def _copy_rows(src, rows, dst, into) -> None:
+    """dst[into] = src[rows] without the temporary a fancy-indexed read makes: one row at a time
+    (a block of 16 KiB and up is a copy long enough to amortise the call)."""
+    for i, j in zip(np.asarray(rows).tolist(), np.asarray(into).tolist()):
+        dst[j] = src[i]
+
+
 class _TierSlots:
     """One tier: its arrays (one per pool storage array), slots, states and LRU order."""
 
@@ -111,12 +118,12 @@ class NumpyTiers:
     def _copy_down(self, t: _TierSlots, blocks, slots) -> None:
         if self.pool is not None and len(blocks):
             for src, dst in zip(self._storage(), t.arrays):
-                dst[slots] = src[blocks]
+                _copy_rows(src, blocks, dst, slots)
 
     def _copy_up(self, t: _TierSlots, slots, blocks) -> None:
         if self.pool is not None and len(blocks):
             for dst, src in zip(self._storage(), t.arrays):
-                dst[blocks] = src[slots]
+                _copy_rows(src, slots, dst, blocks)
 
     def _block_bytes_moved(self, n: int) -> int:
         return n * self.block_bytes()
