@@ -18,6 +18,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
+from impls.numpy_tiers import NumpyTiers
 from impls.prefix_keys import block_keys, hit_plan, tagged_extra
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -46,11 +47,11 @@ def lazy_zeros(shape, dtype) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-class NumpyPaged(StackChanges, Backend):
+class NumpyPaged(NumpyTiers, StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
-                                groups=True, cache_salt=True, block_ids=True)
+                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",))
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)

@@ -18,7 +18,7 @@ from kvbench.quant.pool import scheme_of
 
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True)
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True, tiers=())  # not yet
     compiled = None  # quantize by the compiled kernels where numba is installed, else the NumPy steps
 
     def __init__(self, config):

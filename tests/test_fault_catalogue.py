@@ -52,6 +52,9 @@ def test_the_backends_the_faults_are_planted_into_pass_the_suite(base):
     for trace in suite.load_traces(suite.committed_workloads()):
         for policy in suite.policies_for(trace, "auto"):
             v = check(trace, base(suite.config_for(trace, policy=policy)))
+            if trace.header.tiers and not base.capabilities.tiers:  # n/a, with the reason
+                assert v.valid is None and "declares no tiers" in v.not_applicable
+                continue
             assert v.valid is True, f"{trace.name}@{policy}: {v.divergence}"
 
 
@@ -218,3 +221,30 @@ LIFECYCLE_CATCHES = {
 def test_each_lifecycle_fault_fails_the_default_run_at_its_step(table, name):
     row = table[name]
     assert (row["caught"], row["workload"], row["step"]) == ("yes", *LIFECYCLE_CATCHES[name])
+
+
+def test_each_tier_fault_fails_the_default_run_at_tier_turns(table):
+    from impls import faults_tiers as T
+    # tier-turns, blocks of 8. Step 0: conversation 0 prefills 23 tokens, hashes 1000 and 1001
+    # (2 full blocks + 7); step 1 decodes 7 (30 tokens, ceil(30 / 8) = 4 blocks); step 2 stores
+    # to host, leasing the 2 hashed blocks (block 2, full by decode, has no hash); step 3 frees
+    # it: the 2 leased blocks stay in use until step 5 completes the store.
+    # Step 14: conversation 3 loads 1000, 1001 under salt "b"; host holds them under "a" only.
+    # Step 29: conversation 0's second turn loads 1000 and 1001 from host into positions 0 and 1;
+    # a copy one block early puts 1001's K/V at position 0.
+    # Step 40: conversation 1's second-turn store to disk (its 3 hashed blocks 2000..2002) fails;
+    # disk holds conversation 0's second turn alone: 4 blocks (1000..1003).
+    # Step 107: conversation 2's last load is aborted; nothing else is live and no store is in
+    # flight (store 29 completed at step 106): 0 blocks in use. The fault keeps its 3 targets
+    # (3000..3002 from disk; 3003 has left host's LRU of 8 blocks).
+    where = {T.LeaseEndsAtFree: (3, "blocks_used", 2, 0),
+             T.TierKeyIgnoresSalt: (14, "tier host loading", 0, 2),
+             T.LoadIntoBlockBefore: (29, "kv of sequence 6", "what it wrote or inherited", "different values"),
+             T.FailedStoreVisible: (40, "tier disk stored", 4, 4 + 3),
+             T.AbortLeaksLoadBlocks: (107, "blocks_used", 0, 3)}
+    for name, upstream, fault in T.TIER_BUGS:
+        row = table[name]
+        d = row["divergence"]
+        assert (row["caught"], row["workload"]) == ("yes", "tier-turns"), name
+        assert (d.step, d.quantity, d.expected, d.actual) == where[fault], (name, str(d))
+    assert "first wrong position 0" in table[T.TIER_BUGS[1][0]]["divergence"].detail

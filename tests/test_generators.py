@@ -50,7 +50,7 @@ def lengths_over_time(ops):
             preempted[op.seq] = length.pop(op.seq)
         elif op.kind == "resume":
             length[op.seq] = preempted.pop(op.seq)
-        else:
+        elif isinstance(op, Free):  # an abort too; a store or a completion changes no length
             del length[op.seq]
         yield op, dict(length)
 

@@ -55,7 +55,7 @@ DRAFT = {"step": 1, "op": "append", "seqs": [0], "tokens": [5], "draft": [4]}
       {"step": 2, "op": "append", "seqs": [0], "tokens": [1]}], 4,
      "append to preempted sequence 0 (resume it first)"),
     ([PREFILL, {"step": 1, "op": "preempt", "seq": 0, "mode": "swap"}], 3,
-     "preempt mode 'swap' needs the tiers of SPEC §11"),
+     "preempt mode 'swap' (SPEC §13 over the tiers of §11) is not replayed yet"),
     ([PREFILL, {"step": 1, "op": "preempt", "seq": 0, "mode": "later"}], 3,
      "preempt mode 'later' is not known (recompute, swap)"),
     ([dict(PREFILL, prompt_tokens=30), {"step": 1, "op": "append", "seqs": [0], "tokens": [11]}], 3,

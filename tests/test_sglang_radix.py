@@ -30,7 +30,8 @@ TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 # RadixCache has no window groups: a workload on a hybrid model (SPEC §8) is n/a, tested apart.
 HYBRID = [p for p in committed_workloads() if config_for(load_traces([p])[0], policy=None).model.hybrid]
-ONE_GROUP = [p for p in committed_workloads() if p not in HYBRID]
+# Nor lower tiers: a workload with them is n/a (SPEC §11).
+ONE_GROUP = [p for p in committed_workloads() if p not in HYBRID and not load_traces([p])[0].header.tiers]
 UNHASHED = [p for p in ONE_GROUP if not any(
     getattr(op, "block_hashes", None) for op in load_traces([p])[0].ops)]
 

@@ -76,7 +76,8 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "hybrid-windows",
              "edge-refusals", "edge-eviction", "fork-wide", "long-history",
              "prefix-salts", "edge-decode", "hybrid-decode",
-             "lifecycle-chunked", "lifecycle-speculative", "lifecycle-preempt"]
+             "lifecycle-chunked", "lifecycle-speculative", "lifecycle-preempt",
+             "tier-turns"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
                 "edge-eviction", "edge-decode"]
@@ -239,6 +240,8 @@ def replay_backend(name: str, case: str, store_kv: bool = False):
     """(backend configured for the case's workload, trace, policy)."""
     workload, policy = split_case(case)
     trace = load_workload(workload)
+    if getattr(trace.header, "tiers", ()):  # stores and loads: only the checker drives them
+        raise NotImplementedError(f"the replay without oracle does not drive {workload}'s tiers")
     cfg = replay_config(trace, policy, store_kv)
     backend = make_backend(name, model_spec=cfg.model, **{
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"})

@@ -37,15 +37,17 @@ import traceback
 
 import numpy as np
 
-from kvbench.checking import identities
+from kvbench.checking import identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
 from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of, takes_lifecycle
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
+from kvbench.traces.tier_ops import TIER_OPS
 
 BLOCK_FIELDS = named(blocks=True)  # compared only for a paged layout
 SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in blocks
@@ -68,7 +70,7 @@ def applicable(trace: Trace, backend: Backend) -> str:
     policy = backend.config.policy
     if policy and policy not in caps.eviction:
         return f"{backend.name} does not implement eviction policy {policy!r}"
-    return _lifecycle_applicable(lifecycle(trace), backend)
+    return _lifecycle_applicable(lifecycle(trace), backend) or tier_replay.applicable(trace, backend)
 
 
 def lifecycle(trace: Trace) -> set:
@@ -168,8 +170,13 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
         caching = False
         verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
                                              f"trace salts its prompts: replayed without")
-    oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
-                    layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
+    layout = "paged" if caps.layout == "paged" else "contiguous"
+    config = dataclasses.replace(backend.config, prefix_caching=caching)
+    if trace.header.tiers:
+        oracle = TieredOracle(config, layout, caps, trace.header.tiers)
+        backend.attach_tiers(trace.header.tiers)
+    else:
+        oracle = Oracle(config, layout=layout, capabilities=caps)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
                    writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
 
@@ -236,6 +243,7 @@ class _Replay:
         self.drafted: dict = {}  # sequence -> draft tokens its last append wrote, not yet accepted
         self.index, self.op = -1, None
         self.traceback = ""
+        self.tiered = tier_replay.TierReplay(self) if trace.header.tiers else None
 
     def diverge(self, quantity, expected, actual, detail="", *, soft=False):
         """Stop at this divergence; with ``keep_going``, a ``soft`` one (a figure or block id that
@@ -394,7 +402,10 @@ class _Replay:
 
     def apply(self, op) -> dict:
         self.changed = {}
-        getattr(self, op.kind)(op)  # one handler per trace operation, named as the operation
+        if isinstance(op, TIER_OPS):  # SPEC §11's transfers: the tier replay's
+            self.tiered.apply(op)
+        else:
+            getattr(self, op.kind)(op)  # one handler per trace operation, named as the operation
         for s in self.changed:
             if s in self.oracle.seqs:
                 self.live.add(s)
@@ -625,13 +636,14 @@ class _Replay:
         if not self.do_gather:
             return
         oracle, gather = self.oracle, self.gather
+        loading = self.tiered.unreadable() if self.tiered else ()
         if gather == "all" or (gather in ("end", "touched") and last):
-            self.verify([(s, 0, None) for s in sorted(oracle.seqs)])
+            self.verify([(s, 0, None) for s in sorted(oracle.seqs) if s not in loading])
             return
         if gather != "touched":
             return
         ranges = [(s, *changed[s]) for s in sorted(changed)
-                  if changed[s] is not None and s in oracle.seqs]
+                  if changed[s] is not None and s in oracle.seqs and s not in loading]
         window = None
         if len(self.live):  # a seeded random window: a wrong slot anywhere shows up in time
             s = self.live.choice()  # read into a buffer: the gather(out=) path gets checked too

@@ -106,6 +106,10 @@ class Capabilities:
     # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
     # (vLLM's lookahead slots) instead of releasing those wholly past the new length.
     lookahead_slots: bool = False
+    # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
+    # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
+    # read_stored (kvbench.checking.tier_replay names them).
+    tiers: tuple = ()
 
     def __post_init__(self):
         if self.devices is not None:

@@ -113,6 +113,10 @@ CANONICAL = [
     ("lifecycle-preempt.jsonl", "preemption",
      {"num_requests": 10, "prompt": [20, 90], "output": [20, 60], "decode_chunk": 6,
       "num_blocks": 16, "block_size": 16}, 0),
+    # Tiers (SPEC §11): conversations whose turns are stored to host and disk between turns and
+    # loaded back, leased blocks freed before their store completes, a failing store, an
+    # aborted load, two salts over the same hashes, a device hit beside a load.
+    ("tier-turns.jsonl", "tiered_turns", {"conversations": 5, "turns": 4, "block_size": 8}, 0),
 ]
 
 

@@ -71,8 +71,9 @@ class TableBuilder:
     def add(self, op) -> None:
         if op.kind not in KINDS[:4]:
             self.side[self.n] = op
-            self.row(KINDS.index(op.kind), op.step, op.seq)
-            return
+            if not isinstance(op, (Prefill, Free)):  # a load and an abort: a prefill's and a free's row
+                self.row(KINDS.index(op.kind), op.step, getattr(op, "seq", -1))
+                return
         if getattr(op, "draft", None) is not None or getattr(op, "prompt_tokens", None) is not None:
             self.side[self.n] = op  # and its plain columns below, for the counts and tenants
         if isinstance(op, Prefill):

@@ -27,6 +27,7 @@ together with the JSONL and CSV readers whose line numbers their errors name.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -35,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
-from kvbench.traces.ops import (OPS, PREEMPT_MODES, Accept, Append, Fork, Free, Op, Preempt, Prefill,
-                                Resume, final_lengths, op_to_dict)
+from kvbench.traces import tier_ops
+from kvbench.traces.ops import (OPS, PREEMPT_MODES, Abort, Accept, Append, Done, Fork, Free, Load, Op,
+                                Preempt, Prefill, Resume, Store, final_lengths, op_to_dict)
 
 from kvbench.outputs import staged
 from kvbench.traces.inputs import (INT64_MAX, check_header, check_prefill, open_input, parse_json,
@@ -65,6 +67,7 @@ class Header:
     settings: dict = field(default_factory=dict)  # defaults for a run: SETTINGS names them
     version: int = FORMAT_VERSION
     groups: tuple = ()  # the model's KV cache group kinds, "full" / "sliding(W)" (SPEC §8)
+    tiers: tuple = ()  # the lower tiers, a TierSpec each, tier 1 first (SPEC §11)
 
     def to_dict(self) -> dict:
         d = {"kvbench_trace": self.version, "family": self.family, "generator": self.generator,
@@ -75,6 +78,8 @@ class Header:
             d["settings"] = self.settings
         if self.groups:
             d["groups"] = list(self.groups)
+        if self.tiers:
+            d["tiers"] = [t.to_dict() for t in self.tiers]
         return d
 
 
@@ -241,14 +246,46 @@ def _parse_preempt(d, step, fail) -> Preempt:
     mode = d.get("mode", "recompute")
     if mode not in PREEMPT_MODES:
         fail(f"preempt mode {mode!r} is not known ({', '.join(PREEMPT_MODES)})")
-    if mode == "swap":  # restoring swapped blocks needs a lower tier to hold them
-        fail("preempt mode 'swap' needs the tiers of SPEC §11, which kvbench does not model "
-             "yet: use mode 'recompute'")
+    if mode == "swap":  # a store of every block to a lower tier, and a load at the resume
+        fail("preempt mode 'swap' (SPEC §13 over the tiers of §11) is not replayed yet: write it "
+             "as store, done and free, then a load, or use mode 'recompute'")
     return Preempt(step, _int(d, "seq", fail, 0), mode)
 
 
 def _parse_resume(d, step, fail) -> Resume:
     return Resume(step, _int(d, "seq", fail, 0))
+
+
+def _parse_store(d, step, fail) -> Store:
+    tier = d.get("tier")
+    if not isinstance(tier, str) or not tier:
+        fail(f"store needs the name of a tier, 'tier', got {tier!r}")
+    blocks = d.get("blocks")
+    if blocks is not None:
+        if not isinstance(blocks, list) or not blocks:
+            fail("'blocks' must be a non-empty list of block positions")
+        for i, b in enumerate(blocks):
+            _int({f"blocks[{i}]": b}, f"blocks[{i}]", fail, 0)
+        if len(set(blocks)) != len(blocks):
+            fail("'blocks' names a position twice")
+        blocks = tuple(blocks)
+    return Store(step, _int(d, "id", fail, 0), _int(d, "seq", fail, 0), tier, blocks)
+
+
+def _parse_load(d, step, fail) -> Load:
+    p = _parse_prefill(d, step, fail)
+    return Load(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, id=_int(d, "id", fail, 0))
+
+
+def _parse_done(d, step, fail) -> Done:
+    ok = d.get("ok", True)
+    if not isinstance(ok, bool):
+        fail(f"field 'ok' must be true or false, got {ok!r}")
+    return Done(step, _int(d, "id", fail, 0), ok)
+
+
+def _parse_abort(d, step, fail) -> Abort:
+    return Abort(step, _int(d, "seq", fail, 0))
 
 
 _PARSERS = {kind: globals()[f"_parse_{kind}"] for kind in OPS}
@@ -259,10 +296,11 @@ class _Validator:
     pending draft tokens and a preempted sequence take only the operations that may follow
     them (SPEC §13)."""
 
-    def __init__(self):
+    def __init__(self, tiers: tuple = ()):
         self.live: set = set()
         self.seen: set = set()
         self.last_step = -1
+        self.transfers = tier_ops.TransferHistory(tiers)  # SPEC §11's begin / completion rules
         self.chunk_left: dict = {}  # sequence -> tokens of its chunked prompt not yet written
         self.drafted: dict = {}  # sequence -> draft tokens of its last append, not yet accepted
         self.preempted: set = set()
@@ -270,7 +308,8 @@ class _Validator:
     def check(self, op: Op, fail) -> None:
         if op.step <= self.last_step:
             fail(f"step {op.step} is out of order (previous step {self.last_step})")
-        getattr(self, op.kind)(op, fail)
+        if not self.transfers.check(op, self.live, fail):  # True: a store or a completion, done
+            getattr(self, op.kind)(op, fail)
         self.last_step = op.step
 
     def _live(self, seq, what, fail, *, busy=True) -> None:
@@ -348,6 +387,9 @@ class _Validator:
             fail(f"resume of sequence {op.seq}, which is not preempted")
         self.preempted.discard(op.seq)
 
+    load = prefill  # a prefill served from the lower tiers: a new sequence as any prefill
+    abort = free  # a free that cancels its loads (the transfer rules saw to those)
+
 
 def parse_header(d, fail) -> Header:
     if not isinstance(d, dict) or "kvbench_trace" not in d:
@@ -359,16 +401,17 @@ def parse_header(d, fail) -> Header:
     tenants, groups = d.get("tenants") or {}, d.get("groups") or ()
     return Header(family=d["family"], generator=d.get("generator", ""), params=d.get("params") or {},
                   seed=d.get("seed"), tenants=tenants, settings=d.get("settings") or {},
-                  version=version, groups=tuple(groups))
+                  version=version, groups=tuple(groups),
+                  tiers=tier_ops.parse_tiers(d.get("tiers"), fail))
 
 
 def validate(trace: Trace, path: str | None = None) -> Trace:
     """Validate an in-memory trace (ops built by code); line numbers count the header as 1.
     Columns are checked with array operations, and op by op only to name an error found."""
     if isinstance(trace.ops, C.OpTable):
-        _check_history(trace.ops, path or trace.name, None, fields=True)
+        _check_history(trace.ops, path or trace.name, None, fields=True, tiers=trace.header.tiers)
         return trace
-    v = _Validator()
+    v = _Validator(trace.header.tiers)
     for i, op in enumerate(trace.ops):
         def fail(reason, _line=i + 2):
             raise TraceError(reason, path or trace.name, _line)
@@ -377,15 +420,16 @@ def validate(trace: Trace, path: str | None = None) -> Trace:
     return trace
 
 
-def _check_history(table, path, lines, *, fields: bool, upto: int | None = None) -> None:
+def _check_history(table, path, lines, *, fields: bool, upto: int | None = None,
+                   tiers: tuple = ()) -> None:
     """Raise the TraceError of the first operation (before ``upto``) that breaks the history
-    rules; ``lines``: each operation's line number (None: index + 2)."""
+    rules; ``lines``: each operation's line number (None: index + 2); ``tiers``: the header's."""
     bad = C.first_invalid(table)
     if bad is None or (upto is not None and bad >= upto):
         return
-    if table.side:  # lifecycle operations: the scalar rules over the whole history
+    if table.side:  # lifecycle operations and transfers: the scalar rules over the whole history
         bad = len(table) - 1 if upto is None else min(upto, len(table)) - 1
-    v = _Validator()
+    v = _Validator(tiers)
     for i, op in enumerate(table):  # the scalar rules, to name the error
         def fail(reason, _line=lines[i] if lines is not None else i + 2):
             raise TraceError(reason, path, _line)
@@ -441,12 +485,12 @@ def read_jsonl(lines: Iterable[str], path: str | None = None) -> Trace:
                 b.add(op)
             where.append(lineno)
     except TraceError as e:  # a history error on an earlier line comes first
-        _check_history(b.table(), path, where, fields=False)
+        _check_history(b.table(), path, where, fields=False, tiers=header.tiers if header else ())
         raise e
     if header is None:
         raise TraceError("empty trace: no header line", path, 1)
     table = b.table()
-    _check_history(table, path, where, fields=False)
+    _check_history(table, path, where, fields=False, tiers=header.tiers)
     name = os.path.splitext(os.path.basename(path))[0] if path else "trace"
     return Trace(header, table, name=name, path=path)
 

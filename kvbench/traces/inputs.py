@@ -33,7 +33,7 @@ def check_prefill(header, d: dict, fail) -> None:
     """What a prefill line must agree with in its header: a declared tenant (when the header
     declares tenants), and no more block hashes than the prompt's full blocks at the header's
     block size."""
-    if d.get("op") != "prefill":
+    if d.get("op") not in ("prefill", "load"):
         return
     if header.tenants and d.get("tenant") not in header.tenants:
         fail(f"tenant {d.get('tenant')!r} is not declared in the header's 'tenants' "
@@ -64,7 +64,7 @@ def text_lines(f, fail):
 
 
 HEADER_FIELDS = ("kvbench_trace", "family", "generator", "params", "seed", "tenants", "settings",
-                 "groups")
+                 "groups", "tiers")
 # The header's settings (defaults of a run) and their types: a positive integer up to a bound,
 # a flag, or a name.
 SETTINGS = {"model": str, "block_size": MAX_BLOCK_SIZE, "num_blocks": INT64_MAX,

@@ -4,7 +4,8 @@ re-exports them; they live apart so that the columnar form (columns.py) can make
 
 A new operation is a class here with ``kind`` and ``FIELDS`` (its trace fields, in the order a
 trace writes them), added to ``OPS``; format.py parses it with ``parse_<kind>`` and checks its
-history with ``_Validator.<kind>``; the checker replays it with ``_Replay.<kind>``.
+history with ``_Validator.<kind>``; the checker replays it with ``_Replay.<kind>`` (transfers:
+with kvbench.checking.tier_replay).
 """
 from __future__ import annotations
 
@@ -95,8 +96,54 @@ class Resume:
     FIELDS = ("seq",)
 
 
-Op = Union[Prefill, Append, Fork, Free, Accept, Preempt, Resume]
-OPS = {cls.kind: cls for cls in (Prefill, Append, Fork, Free, Accept, Preempt, Resume)}
+# SPEC §11: transfers between the device and the lower tiers the header names. Each begins
+# (``store``, ``load``) and completes (``done``); ``abort`` frees a sequence whose load is in flight.
+
+
+@dataclass(frozen=True)
+class Store:
+    """Begin copying full blocks of a sequence down to ``tier`` (``blocks``: their positions;
+    None: every full block)."""
+
+    step: int
+    id: int
+    seq: int
+    tier: str
+    blocks: tuple | None = None
+    kind = "store"
+    FIELDS = ("id", "seq", "tier", "blocks")
+
+
+@dataclass(frozen=True)
+class Load(Prefill):
+    """A prefill served from the lower tiers after the device's own hit; complete at ``done``."""
+
+    id: int = -1
+    kind = "load"
+    FIELDS = Prefill.FIELDS + ("id",)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The completion of transfer ``id``: ``ok`` false for a failure."""
+
+    step: int
+    id: int
+    ok: bool = True
+    kind = "done"
+    FIELDS = ("id", "ok")
+
+
+@dataclass(frozen=True)
+class Abort(Free):
+    """A free that cancels the sequence's loads in flight (its stores still complete)."""
+
+    kind = "abort"
+
+
+TIER_OPS = (Store, Load, Done, Abort)
+Op = Union[Prefill, Append, Fork, Free, Accept, Preempt, Resume, Store, Load, Done, Abort]
+OPS = {cls.kind: cls for cls in (Prefill, Append, Fork, Free, Accept, Preempt, Resume, *TIER_OPS)}
 
 
 def op_to_dict(op) -> dict:
@@ -116,7 +163,7 @@ def final_lengths(ops: Iterable) -> dict:
     length, final, drafted, peak = {}, {}, {}, {}
     for op in ops:
         kind = op.kind
-        if kind == "prefill":
+        if kind in ("prefill", "load"):
             length[op.seq] = op.tokens
         elif kind == "append":
             for i, (s, t) in enumerate(zip(op.seqs, op.tokens)):
@@ -128,7 +175,7 @@ def final_lengths(ops: Iterable) -> dict:
         elif kind == "accept":
             peak[op.seq] = max(peak.get(op.seq, 0), length[op.seq])
             length[op.seq] -= drafted.pop(op.seq) - op.n
-        elif kind == "free":
+        elif kind in ("free", "abort"):
             final[op.seq] = length.pop(op.seq)
     final.update(length)
     for s, longest in peak.items():

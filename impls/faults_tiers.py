@@ -1,0 +1,104 @@
+"""Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
+its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
+catalogue (impls/faults.py) lists them; the default run catches each on tier-turns."""
+from __future__ import annotations
+
+import numpy as np
+
+from impls.numpy_paged import NumpyPaged
+from impls.prefix_keys import block_keys
+
+
+class LeaseEndsAtFree(NumpyPaged):
+    """A store's source blocks go back to the pool when their sequence is freed, not when the
+    store completes; the copy at completion then reads blocks another sequence may own."""
+
+    def free(self, seq, *, step=0):
+        ended = getattr(self, "_ended", set())
+        for tid, (kind, s, _, moved) in getattr(self, "_transfers", {}).items():
+            if kind == "store" and s == seq and moved and tid not in ended:
+                self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
+                ended.add(tid)
+        self._ended = ended
+        super().free(seq, step=step)
+
+    def _release_blocks(self, blocks):
+        if getattr(self, "_completing", None) in getattr(self, "_ended", ()):
+            return  # its lease ended at the free
+        super()._release_blocks(blocks)
+
+    def complete(self, tid, ok, kv=None, *, step=0):
+        self._completing = tid
+        try:
+            super().complete(tid, ok, kv, step=step)
+        finally:
+            self._completing = None
+
+
+class LoadIntoBlockBefore(NumpyPaged):
+    """A load copies each block into the device block of the position before its own: the
+    first lands on the device hit's last block, which another sequence is reading."""
+
+    def _load_data(self, seq, moved):
+        r = self.row_of[seq]
+        shifted = [(p, int(self.tables[0][r, p - 1]) if p else b, key, tkey, t)
+                   for p, b, key, tkey, t in moved]
+        super()._load_data(seq, shifted)
+
+
+class AbortLeaksLoadBlocks(NumpyPaged):
+    """An abort cancels the sequence's loads but keeps a reference to their target blocks: they
+    never return to the pool."""
+
+    def abort(self, seq, *, step=0):
+        for kind, s, _, moved in self._transfers.values():
+            if kind == "load" and s == seq and moved:
+                self._add_refs(np.array([b for _, b, *_ in moved], dtype=np.intp), 1)
+        super().abort(seq, step=step)
+
+
+class FailedStoreVisible(NumpyPaged):
+    """A store that fails still marks its blocks stored: lookups find blocks never written."""
+
+    def complete(self, tid, ok, kv=None, *, step=0):
+        if self._transfers[tid][0] == "store":
+            ok = True
+        super().complete(tid, ok, kv, step=step)
+
+
+class TierKeyIgnoresSalt(NumpyPaged):
+    """The tiers key blocks on their tokens alone (the prompt's hashes without salt or adapter),
+    so a salted request loads another tenant's blocks."""
+
+    def _note_raw(self, tokens, block_hashes, token_ids, salt, adapter) -> None:
+        if self.config.prefix_caching:
+            salted = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter))
+            raw = block_keys(tokens, self.B, block_hashes, token_ids)
+            self._raw = getattr(self, "_raw", {})
+            self._raw.update({(0, s): (0, k) for s, k in zip(salted, raw)})
+
+    def prefill(self, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None,
+                token_ids=None, **kw):
+        self._note_raw(tokens, block_hashes, token_ids, salt, adapter)
+        return super().prefill(seq, tokens, kv, block_hashes=block_hashes, salt=salt,
+                               adapter=adapter, token_ids=token_ids, **kw)
+
+    def load(self, tid, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None,
+             token_ids=None, **kw):
+        self._note_raw(tokens, block_hashes, token_ids, salt, adapter)  # looked up first
+        return super().load(tid, seq, tokens, kv, block_hashes=block_hashes, salt=salt,
+                            adapter=adapter, token_ids=token_ids, **kw)
+
+    def _tier_key(self, key):
+        return getattr(self, "_raw", {}).get(key, key)
+
+
+# (name, upstream, fault): each caught by the default run on tier-turns
+TIER_BUGS = [
+    ("a store's lease ends at the free: the copy at completion reads a reused block",
+     "vLLM #45704, PR #46278", LeaseEndsAtFree),
+    ("a load writes the block another request is reading", "vLLM PR #47291", LoadIntoBlockBefore),
+    ("aborted loads leak their device blocks", "vLLM #46283", AbortLeaksLoadBlocks),
+    ("a failed store stays visible to lookups", "LMCache #4991", FailedStoreVisible),
+    ("the tiers key blocks on raw tokens: salted requests match", "vLLM #53495", TierKeyIgnoresSalt),
+]

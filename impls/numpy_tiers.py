@@ -1,0 +1,244 @@
+"""Lower tiers for the NumPy paged pool (SPEC §11): a host tier of NumPy arrays, and a disk tier
+(any tier whose name starts with "disk") of real files, one per storage array, memory-mapped
+(np.memmap) in a temporary folder removed at close.
+
+A tier holds full, hashed blocks by the pool's own block key (salt and adapter included), in
+slots of the same layout as the pool's blocks (every storage array the pool keeps: a quantized
+pool's codes and scales alike). Eviction is LRU: a store puts a block at the recent end, a load
+touches its blocks so that the first is the most recent, the least recent stored block no load
+reads and not one of the store's own goes first. A store's source blocks get one more reference
+(the lease) until it completes; a load's target blocks stay out of the prefix cache until it
+completes. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
+lease exists for).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+
+import numpy as np
+
+from impls.prefix_keys import block_keys
+
+
+def _copy_rows(src, rows, dst, into) -> None:
+    """dst[into] = src[rows] without the temporary a fancy-indexed read makes: one row at a time
+    (a block of 16 KiB and up is a copy long enough to amortise the call)."""
+    for i, j in zip(np.asarray(rows).tolist(), np.asarray(into).tolist()):
+        dst[j] = src[i]
+
+
+class _TierSlots:
+    """One tier: its arrays (one per pool storage array), slots, states and LRU order."""
+
+    def __init__(self, spec, storage, folder):
+        self.name, self.capacity = spec.name, spec.capacity
+        self.disk = spec.name.startswith("disk")
+        self.arrays = []
+        for i, a in enumerate(storage):
+            shape = (spec.capacity,) + a.shape[1:]
+            if self.disk and spec.capacity:
+                path = os.path.join(folder, f"{spec.name}-{i}.bin")
+                self.arrays.append(np.memmap(path, dtype=a.dtype, mode="w+", shape=shape))
+            else:
+                self.arrays.append(np.zeros(shape, dtype=a.dtype))
+        self.free = list(range(spec.capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self.slot: dict = {}  # key -> slot
+        self.ready: dict = {}  # key -> True once stored, False while storing
+        self.readers: dict = {}  # key -> loads in flight reading it
+        self.recency: OrderedDict = OrderedDict()  # least recent first
+        self.bytes_down = self.bytes_up = self.hits = 0
+
+    def take(self, key, keep) -> int | None:
+        """A slot for ``key``, evicting the least recent stored block no load reads and not in
+        ``keep``; None when there is none."""
+        if not self.free:
+            victim = next((k for k in self.recency if self.ready[k] and not self.readers.get(k)
+                           and k not in keep), None)
+            if victim is None:
+                return None
+            self.drop(victim)
+        s = self.free.pop()
+        self.slot[key], self.ready[key] = s, False
+        self.recency[key] = None
+        return s
+
+    def drop(self, key) -> None:
+        self.free.append(self.slot.pop(key))
+        del self.ready[key]
+        del self.recency[key]
+        self.readers.pop(key, None)
+
+    def touch(self, keys) -> None:
+        for k in reversed(keys):
+            self.recency.move_to_end(k)
+
+    def figures(self) -> dict:
+        storing = sum(1 for r in self.ready.values() if not r)
+        return {"name": self.name, "capacity": self.capacity, "stored": len(self.slot) - storing,
+                "storing": storing, "loading": sum(1 for n in self.readers.values() if n),
+                "free": len(self.free), "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
+                "hits": self.hits}
+
+
+class NumpyTiers:
+    """The tier operations of a NumPy pool (a mixin of NumpyPaged)."""
+
+    TRANSFER_AT = "completion"
+
+    def attach_tiers(self, specs) -> None:
+        self.close_tiers()
+        self._tier_folder = tempfile.mkdtemp(prefix="kvbench-tiers-")
+        storage = self._storage() if self.pool is not None else []
+        self._tiers = [_TierSlots(s, storage, self._tier_folder) for s in specs]
+        self._transfers: dict = {}
+        self._stored_last: tuple = (None, [])
+
+    def close_tiers(self) -> None:
+        folder = getattr(self, "_tier_folder", None)
+        self._tiers = []
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            self._tier_folder = None
+
+    def close(self) -> None:
+        self.close_tiers()
+        super().close()
+
+    def _tier(self, name: str) -> int:
+        for i, t in enumerate(self._tiers):
+            if t.name == name:
+                return i
+        raise KeyError(f"{self.name}: no tier {name!r}")
+
+    # --- copies ----------------------------------------------------------------------------
+
+    def _copy_down(self, t: _TierSlots, blocks, slots) -> None:
+        if self.pool is not None and len(blocks):
+            for src, dst in zip(self._storage(), t.arrays):
+                _copy_rows(src, blocks, dst, slots)
+
+    def _copy_up(self, t: _TierSlots, slots, blocks) -> None:
+        if self.pool is not None and len(blocks):
+            for dst, src in zip(self._storage(), t.arrays):
+                _copy_rows(src, slots, dst, blocks)
+
+    def _block_bytes_moved(self, n: int) -> int:
+        return n * self.block_bytes()
+
+    def _tier_key(self, key):
+        """The key a tier holds a device block's content under: its prefix-cache key."""
+        return key
+
+    # --- the operations --------------------------------------------------------------------
+
+    def store(self, tid, seq, tier, blocks=None, *, step=0) -> None:
+        r = self._row(seq)
+        full = int(self.tokens[r]) // self.B
+        positions = range(full) if blocks is None else [p for p in blocks if p < full]
+        items = []
+        for p in positions:
+            b = int(self.tables[0][r, p])
+            if b in self.hash_of:
+                items.append((p, b, self._tier_key(self.hash_of[b])))
+        t = self._tiers[self._tier(tier)]
+        keep = {k for _, _, k in items}
+        moved = []
+        for p, b, key in items:
+            if key in t.slot:
+                continue  # stored or storing there already
+            s = t.take(key, keep)
+            if s is not None:
+                moved.append((p, b, key, s))
+        src = np.array([b for _, b, _, _ in moved], dtype=np.intp)
+        if len(src):
+            self._add_refs(src, 1)  # the lease
+        if self.TRANSFER_AT == "begin":
+            self._copy_down(t, src, [s for *_, s in moved])
+        self._transfers[tid] = ("store", seq, t, moved)
+
+    def load(self, tid, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+             protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None) -> tuple:
+        keys = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter)) \
+            if self.config.prefix_caching else []
+        L = self._hit_plan(keys)[0] if keys else 0
+        run = []
+        for k in keys[L:]:
+            t = next((t for t in self._tiers if t.ready.get(self._tier_key((0, k)))), None)
+            if t is None:
+                break
+            run.append(t)
+        victims = self.prefill(seq, tokens, kv, tenant=tenant, final_tokens=final_tokens, step=step,
+                               protect=protect, block_hashes=block_hashes, salt=salt,
+                               adapter=adapter, token_ids=token_ids)
+        r = self.row_of[seq]
+        moved = []  # (position, device block, its prefix-cache key, tier key, tier)
+        for i, t in enumerate(run):
+            p = L + i
+            b, key = int(self.tables[0][r, p]), (0, keys[p])
+            if self.hash_of.get(b) == key:  # no hit from it until the load completes
+                del self.by_hash[key]
+                del self.hash_of[b]
+            tkey = self._tier_key(key)
+            t.readers[tkey] = t.readers.get(tkey, 0) + 1
+            t.hits += 1
+            moved.append((p, b, key, tkey, t))
+        for t in self._tiers:
+            t.touch([tkey for *_, tkey, u in moved if u is t])
+        if self.TRANSFER_AT == "begin":
+            self._load_data(seq, moved)
+        self._transfers[tid] = ("load", seq, None, moved)
+        return victims
+
+    def _load_data(self, seq, moved) -> None:
+        """Copy the tier blocks of a load into its target blocks."""
+        for t in self._tiers:
+            mine = [(b, t.slot[tkey]) for _, b, _, tkey, u in moved if u is t]
+            self._copy_up(t, [s for _, s in mine], np.array([b for b, _ in mine], dtype=np.intp))
+
+    def complete(self, tid, ok, kv=None, *, step=0) -> None:
+        kind, seq, t, moved = self._transfers.pop(tid)
+        if kind == "store":
+            if ok:
+                if self.TRANSFER_AT == "completion":
+                    self._copy_down(t, np.array([b for _, b, _, _ in moved], dtype=np.intp),
+                                    [s for *_, s in moved])
+                for _, _, key, _ in moved:
+                    t.ready[key] = True
+                t.bytes_down += self._block_bytes_moved(len(moved))
+                self._stored_last = (tid, [(p, t, s) for p, _, _, s in moved])
+            else:
+                for _, _, key, _ in moved:
+                    t.drop(key)
+            self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
+            return
+        if ok and self.TRANSFER_AT == "completion":
+            self._load_data(seq, moved)
+        for i, (p, b, key, tkey, u) in enumerate(moved):
+            u.readers[tkey] -= 1
+            if ok:
+                u.bytes_up += self._block_bytes_moved(1)
+            elif self.pool is not None:  # computed again, into the same block
+                self._write_group(0, b * self.B + np.arange(self.B), kv[i * self.B:(i + 1) * self.B])
+            if key not in self.by_hash:
+                self.by_hash[key] = b
+                self.hash_of[b] = key
+
+    def abort(self, seq, *, step=0) -> None:
+        for tid, (kind, s, _, moved) in list(self._transfers.items()):
+            if kind == "load" and s == seq:
+                del self._transfers[tid]
+                for *_, tkey, u in moved:
+                    u.readers[tkey] -= 1
+        self.free(seq, step=step)
+
+    def tier_ledgers(self) -> list:
+        return [t.figures() for t in self._tiers]
+
+    def read_stored(self, tid) -> dict:
+        last, blocks = self._stored_last
+        if last != tid:
+            raise KeyError(f"{self.name}: store {tid} is not the last one completed")
+        return {p: np.asarray(t.arrays[0][s]).reshape((self.B,) + self.kv_shape) for p, t, s in blocks}

@@ -1,0 +1,207 @@
+"""The checker's side of tiers and transfers (SPEC §11): each store, load, completion and abort
+of a trace replayed through a backend that declares tiers, beside the TieredOracle.
+
+A backend with tiers (``Capabilities.tiers``: the policies it runs) implements::
+
+    attach_tiers(specs)                       the trace's tiers (TierSpec: name, capacity, policy)
+    store(id, seq, tier, blocks=None, *, step)   begin a store (blocks: positions; None: all full)
+    load(id, seq, tokens, kv, *, tenant, final_tokens, step, protect, block_hashes, ...)
+                                              a prefill served from the tiers; returns its victims
+    complete(id, ok, kv=None, *, step)        a transfer's completion; kv: a failed load's blocks
+                                              to compute again, [blocks * block_size, 2, L, H, D]
+    abort(seq, *, step)                       cancel seq's loads, free it
+    tier_ledgers()                            [{name, capacity, stored, storing, loading, free,
+                                                bytes_down, bytes_up, hits}] tier 1 first
+    read_stored(id)                           just after a store completed ok: {position: K/V of
+                                              the block it stored, read back from the tier}
+
+What is checked: every per-tier figure against the oracle after each transfer operation, and
+``stored + storing + free = capacity``, no count negative, ``loading <= stored``; at the end of
+every store, the K/V of each block it stored, read back from the tier, against what the
+sequence had written (so a copy made at completion from a block already reused shows); after
+every load, the loader's K/V whole (the loaded positions were handed to the backend as another
+writer's values, so a load that writes the prompt's K/V instead of the tier's shows); the device
+ledger as after every operation (a leased block is in use).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvbench.checking.oracle import content_segments
+from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.contract.protocol import kv_tokens
+from kvbench.traces.tier_ops import Abort, Done, Load, Store
+
+TIER_FIELDS = ("capacity", "stored", "storing", "loading", "free", "bytes_down", "bytes_up", "hits")
+
+
+def applicable(trace, backend) -> str:
+    """'' when the backend can replay the trace's tiers (or it has none), else why not."""
+    tiers = trace.header.tiers
+    if not tiers:
+        return ""
+    caps, cfg = backend.capabilities, backend.config
+    names = ", ".join(t.name for t in tiers)
+    if not caps.tiers:
+        return f"{backend.name} declares no tiers (SPEC §11) and the trace stores to and loads from {names}"
+    missing = sorted({t.policy for t in tiers} - set(caps.tiers))
+    if missing:
+        return f"{backend.name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
+    if cfg.model.hybrid:
+        return f"tier replays run models of one full-attention group, and {cfg.model.name} has more"
+    if not (cfg.prefix_caching and caps.prefix_caching):
+        return "a tier holds hashed blocks only: the replay needs prefix caching on"
+    if cfg.policy:
+        return "tier replays run without an eviction policy (a load in flight is never a victim yet)"
+    return ""
+
+
+def segment_kv(segments, start: int, stop: int, model, dtype, shift: int = 0):
+    """The K/V that ``segments`` [(writer, start, count)] put at positions start .. stop-1
+    (``shift``: the same writers' values ``shift`` positions further on, a wrong copy's)."""
+    writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments])[start:stop]
+    return kv_tokens(writers, np.arange(start, stop) + shift, model, dtype)
+
+
+class TierReplay:
+    """The transfer operations of one replay (``replay``: the checker's _Replay)."""
+
+    def __init__(self, replay):
+        self.r = replay
+        self.dropped: set = set()  # transfer ids whose begin was refused or dropped on both sides
+        self.loads: dict = {}  # load id -> (seq, first position, positions loaded)
+        if replay.backend is not None:
+            replay.figures.structures = replay.figures.exact = False
+            replay.verdict.skipped["block structures"] = (
+                "tier replay: a lease is a reference that no table holds, so SPEC §10's one "
+                "reference per table does not hold")
+
+    def unreadable(self) -> set:
+        """Sequences whose loads are in flight: their blocks are not readable yet."""
+        return self.r.oracle.loading_seqs()
+
+    def apply(self, op) -> None:
+        if isinstance(op, Load):
+            self.load(op)
+        elif isinstance(op, Store):
+            self.store(op)
+        elif isinstance(op, Done):
+            self.done(op)
+        elif isinstance(op, Abort):
+            self.abort(op)
+        self.compare()
+
+    def _backend(self, what, fn, *args, **kwargs):
+        if self.r.backend is None:
+            return None
+        try:
+            return guarded(what, fn, *args, **kwargs)
+        except BackendRaised as e:
+            self.r.raised(e)
+
+    def load(self, op) -> None:
+        r, oracle = self.r, self.r.oracle
+        keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
+        L, run, prompt = oracle.load_run(op.tokens, op.block_hashes, **keys)
+        lo, hi = L * oracle.B, (L + len(run)) * oracle.B
+
+        def kv():  # the loaded positions carry other values: a backend must take the tier's
+            segments = content_segments(op.seq, op.tokens, prompt, oracle.B)
+            return np.concatenate([segment_kv(segments, 0, lo, r.model, r.dtype),
+                                   segment_kv(segments, lo, hi, r.model, r.dtype, shift=oracle.B),
+                                   segment_kv(segments, hi, op.tokens, r.model, r.dtype)])
+
+        got = r.call("load",
+                     lambda kv: r.backend.load(op.id, op.seq, op.tokens, kv, tenant=op.tenant,
+                                               final_tokens=r.final[op.seq], step=op.step,
+                                               block_hashes=op.block_hashes, **r.prompt_kwargs(keys)),
+                     lambda: oracle.load(op.id, op.seq, op.tokens, op.tenant, r.final[op.seq], op.step,
+                                         hashes=op.block_hashes, **keys),
+                     op.tokens, kv)
+        if got is None:
+            r.refused.add(op.seq)
+            self.dropped.add(op.id)
+            return
+        self.loads[op.id] = (op.seq, lo, hi)  # not marked: nothing reads it until it completes
+
+    def store(self, op) -> None:
+        r, oracle = self.r, self.r.oracle
+        if op.seq not in oracle.seqs:  # refused (or evicted) on both sides: nothing to store
+            self.dropped.add(op.id)
+            return
+        oracle.store(op.id, op.seq, op.tier, op.blocks)
+        self._backend("store", getattr(r.backend, "store", None), op.id, op.seq, op.tier, op.blocks,
+                      step=op.step)
+        r.mark(op.seq, kv=False)
+
+    def done(self, op) -> None:
+        r, oracle = self.r, self.r.oracle
+        if op.id in self.dropped:
+            return
+        plan = oracle.store_plans.pop(op.id, None)
+        kv = None
+        if plan is None:
+            seq, lo, hi = self.loads.pop(op.id)
+            if not op.ok and r.writes_kv:  # computed again: the values the prompt has there
+                kv = segment_kv(oracle.seqs[seq].segments, lo, hi, r.model, r.dtype)
+        tr = oracle.done(op.id, op.ok)
+        self._backend("complete", getattr(r.backend, "complete", None), op.id, op.ok, kv, step=op.step)
+        if tr.kind == "load":
+            r.mark(tr.seq)  # whole: the loaded blocks are readable now
+            return
+        if tr.seq in oracle.seqs:
+            r.mark(tr.seq, kv=False)
+        if op.ok and r.backend is not None and r.do_gather:
+            self.read_back(op.id, *plan)
+
+    def read_back(self, tid, positions, segments) -> None:
+        """The K/V of each block store ``tid`` stored, read back from the tier."""
+        r = self.r
+        got = r.ask("read_stored", r.backend.read_stored, tid)
+        if sorted(got) != sorted(positions):
+            r.diverge(f"blocks stored by transfer {tid}", sorted(positions), sorted(got),
+                      "the positions whose blocks the store copied down (held ones are skipped)")
+        B = r.oracle.B
+        for p in positions:
+            want = segment_kv(segments, p * B, (p + 1) * B, r.model, r.dtype)
+            have = np.asarray(got[p])
+            if have.shape != want.shape or not np.array_equal(have, want):
+                bad = "shape " + str(have.shape) if have.shape != want.shape else \
+                    f"token {int(np.argwhere(have != want)[0][0])} of the block differs"
+                r.diverge(f"tier content of transfer {tid}", f"the K/V of position {p}", bad,
+                          "read back from the tier at the store's completion")
+
+    def abort(self, op) -> None:
+        r, oracle = self.r, self.r.oracle
+        if op.seq in r.refused:
+            return
+        if op.seq not in self.unreadable() and r.gather == "touched" and op.seq in oracle.seqs:
+            r.verify([(op.seq, 0, None)])
+        for tid, _ in oracle.abort(op.seq):
+            self.loads.pop(tid, None)
+        r.mark(op.seq, kv=False)
+        self._backend("abort", getattr(r.backend, "abort", None), op.seq, step=op.step)
+
+    def compare(self) -> None:
+        """Each tier's figures: its identities, then against the oracle's."""
+        r = self.r
+        if r.backend is None:
+            return
+        expected = [t.as_dict() for t in r.oracle.tiers.ledgers()]
+        actual = r.ask("tier_ledgers", r.backend.tier_ledgers)
+        if len(actual) != len(expected):
+            r.diverge("tiers", len(expected), len(actual), "tier_ledgers() gives one per tier")
+        for e, a in zip(expected, actual):
+            name = e["name"]
+            negative = [f for f in TIER_FIELDS if a.get(f, 0) < 0]
+            if negative:
+                r.diverge(f"tier {name} {negative[0]}", ">= 0", a[negative[0]], "no count is negative")
+            if a["stored"] + a["storing"] + a["free"] != a["capacity"]:
+                r.diverge(f"tier {name} stored + storing + free", a["capacity"],
+                          a["stored"] + a["storing"] + a["free"], "SPEC §11: = capacity")
+            if a["loading"] > a["stored"]:
+                r.diverge(f"tier {name} loading", f"<= stored ({a['stored']})", a["loading"],
+                          "a load reads stored blocks")
+            for f in TIER_FIELDS:
+                if e[f] != a.get(f):
+                    r.diverge(f"tier {name} {f}", e[f], a.get(f), soft=True)

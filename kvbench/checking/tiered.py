@@ -1,0 +1,106 @@
+"""The oracle with lower tiers (SPEC §11): the device model of oracle.py beside the tier model of
+tiers.py, joined by leases and load targets.
+
+- A store's lease on a source device block is a reference: while the store is in flight the block
+  stays in use (counted in ``blocks_used``, and in ``shared_blocks`` when a table holds it too),
+  is never handed out nor evicted from the prefix cache, even if its sequence is freed; when the
+  store completes the reference drops, and a block left with none goes back to the pool then
+  (to the cached queue's end, as it is hashed).
+- A load is a prefill: the device hit first, then the longest run of following blocks stored in
+  a tier (the nearest first), then the rest computed; out of memory is decided over all of it.
+  The run's device blocks are not in the prefix cache until the load completes (no hit is served
+  from them); a load that fails computes them again into the same blocks.
+- Abort cancels the sequence's loads and frees it; its stores still complete.
+
+Models of one full-attention group only (the keys carry group 0).
+"""
+from __future__ import annotations
+
+from kvbench.checking.oracle import ModelOOM, Oracle
+from kvbench.checking.tiers import Tiers
+
+
+class TieredOracle(Oracle):
+    def __init__(self, config, layout="paged", capabilities=None, tiers=()):
+        super().__init__(config, layout, capabilities)
+        self.tiers = Tiers(tiers, self.block_bytes)
+        self.pending: dict = {}  # load id -> [(position, block, key)] not yet in the prefix cache
+        self.store_plans: dict = {}  # store id -> (positions begun, the sequence's segments then)
+
+    # --- store ---------------------------------------------------------------------------
+
+    def store(self, tid, seq, tier: str, positions=None):
+        """Begin a store of ``seq``'s full, hashed blocks at ``positions`` (None: all of them)
+        to tier ``tier``; returns the tier's StorePlan (keys), with the positions begun kept."""
+        st = self.seqs[seq]
+        table = st.tables[0]
+        full = st.tokens // self.B
+        wanted = range(full) if positions is None else [p for p in positions if p < full]
+        items, where = [], {}
+        for p in wanted:
+            b = table[p] if p < len(table) else None
+            if b is not None and b in self.hash_of:
+                items.append((self.hash_of[b], b))
+                where[self.hash_of[b]] = p
+        plan = self.tiers.store_begin(tid, seq, self.tiers.index(tier), items)
+        for _, b in plan.begun:
+            self._add_ref(b)  # the lease
+            self.edits += 1
+        self.store_plans[tid] = ([where[k] for k, _ in plan.begun], list(st.segments))
+        return plan
+
+    # --- load ----------------------------------------------------------------------------
+
+    def load_run(self, tokens, hashes=None, *, salt=None, adapter=None, token_ids=None) -> tuple:
+        """(device hit L, the tiers of the run that follows) a load of this prompt would get."""
+        keys = self.prompt_keys(tokens, hashes, token_ids, salt, adapter) if self.caching else ()
+        L = self._cache_hits(keys, tokens)[0] if keys else 0
+        return L, self.tiers.load_run([(0, k) for k in keys[L:]]), keys
+
+    def load(self, tid, seq, tokens, tenant, final, step, protect=(), hashes=None, *, salt=None,
+             adapter=None, token_ids=None) -> list:
+        L, run, keys = self.load_run(tokens, hashes, salt=salt, adapter=adapter, token_ids=token_ids)
+        victims = self.prefill(seq, tokens, tenant, final, step, protect, hashes, salt=salt,
+                               adapter=adapter, token_ids=token_ids)
+        table = self.seqs[seq].tables[0]
+        blocks, pending = [], []
+        for i, tier in enumerate(run):
+            p = L + i
+            b, key = table[p], (0, keys[p])
+            if self.hash_of.get(b) == key:  # not in the prefix cache until the load completes
+                self.by_hash[key].remove(b)
+                if not self.by_hash[key]:
+                    del self.by_hash[key]
+                del self.hash_of[b]
+            blocks.append((key, tier, b))
+            pending.append((p, b, key))
+        self.tiers.load_begin(tid, seq, blocks)
+        self.pending[tid] = pending
+        return victims
+
+    # --- completion and abort --------------------------------------------------------------
+
+    def done(self, tid, ok: bool):
+        """Complete a transfer; returns it (kind "store" or "load")."""
+        tr = self.tiers.complete(tid, ok)
+        if tr.kind == "store":
+            for _, b in tr.blocks:
+                self._drop_ref(b)  # the lease ends
+        else:
+            for p, b, key in self.pending.pop(tid):
+                self._register(b, *key)  # key: (group, block key)
+        return tr
+
+    def abort(self, seq) -> list:
+        """Cancel ``seq``'s loads and free it; returns the cancelled loads."""
+        cancelled = self.tiers.abort(seq)
+        for tid, _ in cancelled:
+            del self.pending[tid]
+        self.free(seq)
+        return cancelled
+
+    def loading_seqs(self) -> set:
+        return {tr.seq for tr in self.tiers.transfers.values() if tr.kind == "load"}
+
+
+__all__ = ["TieredOracle", "ModelOOM"]

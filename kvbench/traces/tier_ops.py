@@ -1,0 +1,125 @@
+"""The trace operations of tiers and transfers (SPEC §11), their JSON and their history rules.
+
+Header: ``"tiers": [{"name": "host", "capacity": 64, "policy": "lru"}, ...]`` (tier 1 first;
+policy ``lru`` when absent). Operations::
+
+    {"step": 5, "op": "store", "id": 1, "seq": 0, "tier": "host"}             every full block
+    {"step": 6, "op": "store", "id": 2, "seq": 0, "tier": "disk", "blocks": [0, 1]}  by position
+    {"step": 7, "op": "load", "id": 3, "seq": 4, "tenant": "a", "tokens": 40, "block_hashes": [...]}
+    {"step": 8, "op": "done", "id": 1, "ok": true}
+    {"step": 9, "op": "abort", "seq": 4}
+
+The operations themselves are in kvbench.traces.ops (``Store``, ``Load``, ``Done``, ``Abort``,
+registered with the others) and are parsed in format.py; this module holds the header's tiers and
+the history rules of transfers. ``load`` is a prefill (every field of one) served from the lower
+tiers after the device's own hit; ``done`` completes a store or a load, ``ok`` false for a failure; ``abort`` frees a
+sequence, cancelling its loads in flight (its stores still complete). A load's sequence is its
+own until the load completes: no append, fork, store or free of it (abort it instead).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.traces.ops import TIER_OPS, Abort, Done, Load, Store  # noqa: F401 (TIER_OPS: re-exported)
+
+TIER_POLICIES = ("lru", "arc")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One lower tier: its name (``host``, ``disk``, ...), capacity in blocks and policy."""
+
+    name: str
+    capacity: int
+    policy: str = "lru"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or self.name == "device":
+            raise ValueError(f"a tier needs a name other than 'device', got {self.name!r}")
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0:
+            raise ValueError(f"tier {self.name!r}: capacity must be an integer >= 0, got {self.capacity!r}")
+        if self.policy not in TIER_POLICIES:
+            raise ValueError(f"tier {self.name!r}: unknown policy {self.policy!r} "
+                             f"(known: {', '.join(TIER_POLICIES)})")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "capacity": self.capacity, "policy": self.policy}
+
+
+def parse_tiers(value, fail) -> tuple:
+    """The header's ``tiers``: a list of {name, capacity, policy}."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        fail("'tiers' must be a non-empty list of {\"name\", \"capacity\", \"policy\"}")
+    specs = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict):
+            fail(f"'tiers'[{i}] must be an object, got {t!r}")
+        unknown = sorted(set(t) - {"name", "capacity", "policy"})
+        if unknown:
+            fail(f"'tiers'[{i}]: unknown field {unknown[0]!r} (its fields: capacity, name, policy)")
+        try:
+            specs.append(TierSpec(t.get("name"), t.get("capacity"), t.get("policy", "lru")))
+        except ValueError as e:
+            fail(f"'tiers'[{i}]: {e}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        fail(f"'tiers': a name given twice ({', '.join(names)})")
+    return tuple(specs)
+
+
+class TransferHistory:
+    """The history rules of transfers, op by op: ids unique, a completion after its begin and
+    once, a store of a live sequence to a declared tier, nothing done to a sequence whose load is
+    in flight but its abort. ``check`` returns True for an op it alone handles (store, done)."""
+
+    def __init__(self, tiers: tuple = ()):
+        self.tier_names = {t.name for t in tiers}
+        self.begun: dict = {}  # id -> (kind, seq), in flight
+        self.done: set = set()
+        self.loading: dict = {}  # seq -> load id in flight
+
+    def _begin(self, tid, kind, seq, fail) -> None:
+        if tid in self.begun or tid in self.done:
+            fail(f"transfer id {tid} is already used")
+        self.begun[tid] = (kind, seq)
+
+    def check(self, op, live, fail) -> bool:
+        seq = getattr(op, "seq", None)
+        if isinstance(op, Done):
+            if op.id not in self.begun:
+                fail(f"completion of transfer {op.id}, which "
+                     + ("already completed (or was aborted)" if op.id in self.done else "never began"))
+            kind, s = self.begun.pop(op.id)
+            self.done.add(op.id)
+            if kind == "load":
+                del self.loading[s]
+            return True
+        if isinstance(op, (Store, Load)) and not self.tier_names:
+            fail(f"op {op.kind!r} in a trace whose header declares no 'tiers'")
+        if isinstance(op, Store):
+            if op.tier not in self.tier_names:
+                fail(f"store to tier {op.tier!r}, which the header does not declare "
+                     f"(tiers: {', '.join(sorted(self.tier_names))})")
+            if op.seq not in live:
+                fail(f"store of sequence {op.seq}, which is not live")
+        if isinstance(op, Abort):
+            for tid, (kind, s) in list(self.begun.items()):
+                if kind == "load" and s == seq:  # cancelled: a completion of it is ill-formed
+                    del self.begun[tid]
+                    self.done.add(tid)
+                    del self.loading[s]
+        elif not isinstance(op, Load):  # an operation on a live sequence (a prefill makes a new one)
+            busy = [s for s in (getattr(op, "seqs", None) or (getattr(op, "src", seq),))
+                    if s in self.loading]
+            if busy:
+                fail(f"{op.kind} of sequence {busy[0]} while its load {self.loading[busy[0]]} is "
+                     f"in flight (a load's sequence is its own until it completes; abort it)")
+        if isinstance(op, Store):
+            self._begin(op.id, "store", op.seq, fail)
+            return True
+        if isinstance(op, Load):
+            self._begin(op.id, "load", op.seq, fail)
+            self.loading[op.seq] = op.id
+        return False

@@ -1,0 +1,110 @@
+"""Workloads of tiers and transfers (SPEC §11): multi-turn conversations whose earlier turns are
+stored down between turns and loaded back.
+
+Each turn of a conversation is a new sequence: the first a prefill, the later ones a load of the
+whole history so far plus a few new blocks; a short decode; a store of its full blocks (to
+``host`` on even turns, ``disk`` on odd ones) that completes only after the next conversation
+has taken its blocks (so the leased source blocks are still in use when their sequence is
+freed); then the free. After each round an unhashed prefill takes every free block (the device
+forgets its cached prefixes, so the next round loads from the tiers), and is freed. Conversations
+0 and 3 share their block hashes under salts "a" and "b" (a tier must keep them apart). In the
+last round a reader holds conversation 0's first block while its turn loads the rest after it
+(a device hit beside a load); one store fails; one load is aborted before it completes.
+"""
+from __future__ import annotations
+
+import random
+
+from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
+from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
+
+SALTS = ("a", "b", "a", "b")  # conversation 3 has conversation 0's hashes under another salt
+
+
+class _Ops:
+    """Operations in order, with the sequence and transfer ids they take."""
+
+    def __init__(self):
+        self.ops, self.next_seq, self.next_id = [], 0, 0
+
+    def seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
+    def tid(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def add(self, op) -> None:
+        self.ops.append(op)
+
+    @property
+    def step(self) -> int:
+        return len(self.ops)
+
+
+def tiered_turns(seed: int = 0, *, conversations: int = 4, turns: int = 3, new_blocks=(1, 2),
+                 output=(1, 12), block_size: int = 8, num_blocks: int = 40, host: int = 8,
+                 disk: int = 32) -> Trace:
+    if conversations < 4 or turns < 2:
+        raise ValueError("tiered_turns: at least 4 conversations (0 and 3 share hashes) and 2 turns")
+    rng = random.Random(seed)
+    B = block_size
+    tiers = (TierSpec("host", host), TierSpec("disk", disk))
+    b = _Ops()
+    history = [[] for _ in range(conversations)]
+    pending = None  # (store id, ok): completed after the next conversation's blocks are taken
+    failing = (1, 1)  # (conversation, turn) whose store fails
+    aborted = (2, turns - 1)  # whose load is aborted
+    for t in range(turns):
+        last = t == turns - 1
+        for c in range(conversations):
+            grow = rng.randint(*new_blocks)
+            hashes = list(history[0]) if c == 3 else \
+                history[c] + [1000 * (c + 1) + len(history[c]) + i for i in range(grow)]
+            tokens = len(hashes) * B + rng.randint(1, B - 1)
+            name, salt = f"c{c}", SALTS[c % len(SALTS)]
+            reader = None
+            if last and c == 0 and history[0]:  # a reader shares block 0 with the load
+                reader = b.seq()
+                b.add(Prefill(b.step, reader, name, B + 1, tuple(history[0][:1]), salt))
+            seq = b.seq()
+            if t == 0 and c != 3:
+                b.add(Prefill(b.step, seq, name, tokens, tuple(hashes), salt))
+                tid = None
+            else:
+                tid = b.tid()
+                b.add(Load(b.step, seq, name, tokens, tuple(hashes), salt, id=tid))
+            if pending is not None:
+                b.add(Done(b.step, *pending))
+                pending = None
+            if (c, t) == aborted:
+                b.add(Abort(b.step, seq))
+                continue
+            if tid is not None:
+                b.add(Done(b.step, tid, True))
+            if reader is not None:
+                b.add(Free(b.step, reader))
+            b.add(Append(b.step, (seq,), (rng.randint(*output),)))
+            sid = b.tid()
+            b.add(Store(b.step, sid, seq, "host" if t % 2 == 0 else "disk"))
+            b.add(Free(b.step, seq))
+            pending = (sid, (c, t) != failing)
+            history[c] = hashes
+        if pending is not None:
+            b.add(Done(b.step, *pending))
+            pending = None
+        if not last:  # the device forgets its cached prefixes: each turn ends with every block free
+            s = b.seq()
+            b.add(Prefill(b.step, s, "flush", num_blocks * B))
+            b.add(Free(b.step, s))
+    params = {"conversations": conversations, "turns": turns, "new_blocks": list(new_blocks),
+              "output": list(output), "block_size": B, "num_blocks": num_blocks, "host": host,
+              "disk": disk}
+    header = Header("tiered_turns", "kvbench.generators.tiered_turns v1", params, seed,
+                    settings={"block_size": B, "num_blocks": num_blocks, "prefix_caching": True},
+                    tiers=tiers)
+    return validate(Trace(header, b.ops, name="tiered_turns"))
+
+
+__all__ = ["tiered_turns"]

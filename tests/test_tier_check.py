@@ -1,0 +1,134 @@
+"""Tier replays (SPEC §11) through the checker: the NumPy pool with a host and a disk tier
+passes; leases, loads, aborts and failed stores as the oracle derives them; backends without
+tiers are n/a with the reason."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_config
+
+from impls.contiguous import Contiguous
+from impls.faults_tiers import LeaseEndsAtFree
+from impls.numpy_paged import NumpyPaged
+from kvbench.checking.checker import check
+from kvbench.traces.tier_ops import TierSpec
+from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
+from kvbench.traces.tier_ops import Abort, Done, Load, Store
+
+TIERS = (TierSpec("host", 4), TierSpec("disk", 8))
+
+
+def steps(*makers):
+    """Operations from makers taking their step: lambda s: Prefill(s, ...)."""
+    return [m(i) for i, m in enumerate(makers)]
+
+
+def P(seq, tokens, hashes=None, salt=None):
+    return lambda s: Prefill(s, seq, "a", tokens, hashes, salt)
+
+
+def LD(tid, seq, tokens, hashes, salt=None):
+    return lambda s: Load(s, seq, "a", tokens, hashes, salt, id=tid)
+
+
+def ST(tid, seq, tier="host", blocks=None):
+    return lambda s: Store(s, tid, seq, tier, blocks)
+
+
+def D(tid, ok=True):
+    return lambda s: Done(s, tid, ok)
+
+
+def F(seq):
+    return lambda s: Free(s, seq)
+
+
+def AB(seq):
+    return lambda s: Abort(s, seq)
+
+
+def AP(seq, n):
+    return lambda s: Append(s, (seq,), (n,))
+
+
+def run(ops, backend_cls=NumpyPaged, num_blocks=16, **kw):
+    t = validate(Trace(Header("tiers", tiers=kw.pop("tiers", TIERS)), ops, name="t"))
+    backend = backend_cls(make_config(num_blocks=num_blocks, prefix_caching=True))
+    try:
+        return check(t, backend, **kw)
+    finally:
+        backend.close()
+
+
+ROUND_TRIP = steps(
+    P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
+    ST(1, 0, "host"),            # blocks 0, 1 leased
+    F(0),                        # 0 and 1 stay in use until the store completes
+    P(1, 13 * 16),               # 13 blocks: 3..15 but 0, 1 (leased), and 2 freed
+    D(1),                        # 0, 1 to the cached queue
+    F(1),
+    P(2, 16 * 16),               # every block: the cached 0 and 1 are taken (their hashes forgotten)
+    F(2),
+    LD(2, 3, 40, [1, 2]),        # no device hit, 2 blocks from host, 1 computed
+    D(2),
+    ST(3, 3, "disk"),
+    D(3, ok=False),              # a failed store leaves no trace on disk
+    AB(3),
+)
+
+
+@pytest.mark.parametrize("when", ["begin", "completion"])
+def test_round_trip_passes(when, monkeypatch):
+    monkeypatch.setattr(NumpyPaged, "TRANSFER_AT", when)
+    v = run(ROUND_TRIP)
+    assert v.valid, v.divergence
+    assert v.ops == len(ROUND_TRIP)
+
+
+def test_gather_all_passes():
+    v = run(ROUND_TRIP, gather="all")
+    assert v.valid, v.divergence
+
+
+class StoresTheNextBlock(NumpyPaged):
+    """The copy down reads the block after the one it stores."""
+
+    def _copy_down(self, t, blocks, slots):
+        super()._copy_down(t, np.asarray(blocks) + 1, slots)
+
+
+def test_lease_ending_at_the_free_fails_there():
+    v = run(ROUND_TRIP, LeaseEndsAtFree)
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (2, "blocks_used")
+    assert (d.expected, d.actual) == (2, 0)  # 2: blocks 0 and 1, leased; block 2 went back
+
+
+def test_a_wrong_copy_down_fails_at_the_completion():
+    v = run(ROUND_TRIP, StoresTheNextBlock)
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (4, "tier content of transfer 1")
+
+
+def test_backend_without_tiers_is_not_applicable():
+    t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
+    v = check(t, Contiguous(make_config(num_blocks=16)))
+    assert v.valid is None and "declares no tiers" in v.not_applicable
+
+
+def test_round_trip_figures_by_hand():
+    b = NumpyPaged(make_config(num_blocks=16, prefix_caching=True))
+    t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
+    try:
+        assert check(t, b).valid
+        host, disk = b.tier_ledgers()
+    finally:
+        b.close()
+    bb = 16 * 2 * 2 * 2 * 8 * 2  # 1024 = block_size * 2 * layers * kv_heads * head_dim * 2 bytes
+    # store 1: the 2 hashed blocks of sequence 0 down to host; load 2: both back up (no device hit:
+    # sequence 2 took every block, the cached ones included); store 3 to disk fails
+    assert (host["stored"], host["free"], host["hits"]) == (2, 4 - 2, 2)
+    assert (host["bytes_down"], host["bytes_up"]) == (2 * bb, 2 * bb)
+    assert (disk["stored"], disk["storing"], disk["free"], disk["bytes_down"]) == (0, 0, 8, 0)

@@ -1,0 +1,238 @@
+"""The tier model of SPEC §11 (kvbench.checking.tiers): states, store skip / evict / refuse,
+completion, leases, loads, abort, ledgers, LRU and ARC as vLLM ships them, and the hit rates of
+a device LRU over a host tier against a two-level LRU written here independently."""
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.checking.tiers import Tiers, TransferError, replay_prompts
+from kvbench.traces.tier_ops import TierSpec
+
+BB = 1024  # block bytes
+
+
+def host(capacity, policy="lru"):
+    return Tiers([TierSpec("host", capacity, policy)], block_bytes=BB)
+
+
+def counts(tiers, i=0):
+    led = tiers.ledgers()[i]
+    assert led.stored + led.storing + led.free == led.capacity
+    return led.stored, led.storing, led.loading, led.free
+
+
+def test_store_states_and_ledger():
+    t = host(4)
+    plan = t.store_begin(1, seq=0, tier=0, blocks=[("a", 10), ("b", 11), ("c", 12)])
+    assert [k for k, _ in plan.begun] == ["a", "b", "c"] and not plan.skipped
+    assert counts(t) == (0, 3, 0, 1)  # 1 = 4 - 3 storing
+    assert t.lookup("a") is None  # storing: not loadable
+    assert t.leases == {10: 1, 11: 1, 12: 1}
+    t.complete(1, ok=True)
+    assert counts(t) == (3, 0, 0, 1)
+    assert t.lookup("a") == 0 and t.leases == {}
+    assert t.ledgers()[0].bytes_down == 3 * BB  # each block once
+
+
+def test_store_skips_held_blocks():
+    t = host(4)
+    t.store_begin(1, 0, 0, [("a", 10)])
+    plan = t.store_begin(2, 1, 0, [("a", 20), ("b", 21)])  # a storing: skipped, not leased
+    assert plan.skipped == ["a"] and [k for k, _ in plan.begun] == ["b"]
+    assert t.leases == {10: 1, 21: 1}
+    t.complete(1, True)
+    t.complete(2, True)
+    plan = t.store_begin(3, 1, 0, [("a", 20)])  # stored: skipped
+    assert plan.skipped == ["a"] and not plan.begun
+    assert counts(t) == (2, 0, 0, 2)
+
+
+def test_failed_store_leaves_no_trace():
+    t = host(2)
+    t.store_begin(1, 0, 0, [("a", 10), ("b", 11)])
+    t.complete(1, ok=False)
+    assert counts(t) == (0, 0, 0, 2)
+    assert t.lookup("a") is None and t.leases == {} and t.ledgers()[0].bytes_down == 0
+    plan = t.store_begin(2, 0, 0, [("a", 10)])  # stored again from scratch
+    assert [k for k, _ in plan.begun] == ["a"]
+
+
+def test_full_tier_evicts_lru_and_refuses_per_block():
+    t = host(3)
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2), ("c", 3)])
+    t.complete(1, True)
+    # LRU order a, b, c; d evicts a, e evicts b
+    plan = t.store_begin(2, 1, 0, [("d", 4), ("e", 5)])
+    assert plan.evicted == ["a", "b"]
+    assert counts(t) == (1, 2, 0, 0)  # c stored, d and e storing
+    # nothing evictable: c is one of this store's own blocks, d and e storing
+    plan = t.store_begin(3, 2, 0, [("c", 3), ("f", 6), ("g", 7)])
+    assert plan.skipped == ["c"] and plan.refused == ["f", "g"] and not plan.begun
+    assert counts(t) == (1, 2, 0, 0)  # refused blocks leave the tier as it was
+    t.complete(3, True)  # an empty store completes
+
+
+def test_load_touch_protects_and_orders():
+    t = host(3)
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2), ("c", 3)])
+    t.complete(1, True)
+    assert t.load_run(["a", "b", "x", "c"]) == [0, 0]  # the run stops at the first miss
+    t.load_begin(2, seq=5, blocks=[("a", 0, 20), ("b", 0, 21)])
+    assert counts(t) == (3, 0, 2, 0)
+    assert t.load_targets == {20: 2, 21: 2}
+    # touch [a, b] reversed: LRU order is now c, b, a; a and b are being read: c goes
+    plan = t.store_begin(3, 1, 0, [("d", 4)])
+    assert plan.evicted == ["c"]
+    plan = t.store_begin(4, 1, 0, [("e", 5)])  # a, b loading, d storing: refused
+    assert plan.refused == ["e"]
+    t.complete(2, True)
+    assert counts(t) == (2, 1, 0, 0) and t.load_targets == {}
+    assert t.ledgers()[0].bytes_up == 2 * BB
+    plan = t.store_begin(5, 1, 0, [("e", 5)])
+    assert plan.evicted == ["b"]  # b before a: the first block of a load is the most recent
+    assert t.ledgers()[0].hits == 2
+
+
+def test_abort_cancels_loads_not_stores():
+    t = host(4)
+    t.store_begin(1, 0, 0, [("a", 1)])
+    t.complete(1, True)
+    t.load_begin(2, seq=7, blocks=[("a", 0, 30)])
+    t.store_begin(3, 7, 0, [("b", 31)])
+    cancelled = t.abort(7)
+    assert [(tid, tr.blocks) for tid, tr in cancelled] == [(2, [("a", 0, 30)])]
+    assert t.load_targets == {} and t.leases == {31: 1}  # the store keeps its lease
+    assert counts(t) == (1, 1, 0, 2) and t.ledgers()[0].bytes_up == 0  # nothing moved up
+    t.complete(3, True)
+    assert t.leases == {} and counts(t) == (2, 0, 0, 2)
+    with pytest.raises(TransferError, match="already completed"):
+        t.complete(2, True)  # the cancelled load
+
+
+def test_ill_formed_completions():
+    t = host(2)
+    with pytest.raises(TransferError, match="never began"):
+        t.complete(9, True)
+    t.store_begin(1, 0, 0, [("a", 1)])
+    with pytest.raises(TransferError, match="already used"):
+        t.store_begin(1, 0, 0, [("b", 2)])
+    t.complete(1, True)
+    with pytest.raises(TransferError, match="already completed"):
+        t.complete(1, False)
+
+
+def test_leases_count_every_store_of_a_block():
+    t = Tiers([TierSpec("host", 2), TierSpec("disk", 2)], BB)
+    t.store_begin(1, 0, 0, [("a", 5)])
+    t.store_begin(2, 0, 1, [("a", 5)])  # the same device block to both tiers
+    assert t.leases == {5: 2}
+    t.complete(1, True)
+    assert t.leases == {5: 1}
+    t.complete(2, False)
+    assert t.leases == {} and t.lookup("a") == 0  # host holds it, disk does not
+
+
+def test_nearest_tier_first():
+    t = Tiers([TierSpec("host", 2), TierSpec("disk", 4)], BB)
+    t.store_begin(1, 0, 1, [("a", 1), ("b", 2)])
+    t.store_begin(2, 0, 0, [("b", 2)])
+    t.complete(1, True)
+    t.complete(2, True)
+    assert t.load_run(["a", "b"]) == [1, 0]  # a only on disk, b on host and disk: host
+
+
+def test_arc_as_vllm():
+    t = host(2, "arc")
+    arc = t.tiers[0].policy
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2)])
+    arc.touch(["a"])  # a storing: stays in T1, at its recent end
+    assert list(arc.t1) == ["b", "a"] and not arc.t2
+    t.complete(1, True)
+    t.load_begin(2, 0, [("a", 0, 9)])
+    t.complete(2, True)
+    assert list(arc.t1) == ["b"] and list(arc.t2) == ["a"]  # a stored and touched: T2
+    # |T1| = 1 >= int(target 0): T1's least recent (b) goes, remembered in B1
+    plan = t.store_begin(3, 0, 0, [("c", 3)])
+    assert plan.evicted == ["b"] and list(arc.b1) == ["b"]
+    t.complete(3, True)
+    arc.touch(["b"])  # a ghost hit in B1: target += max(1, |B2| / |B1|) = max(1, 0 / 1) = 1
+    assert arc.target == 1
+    # |T1| = 1 (c) >= int(1): c goes again from T1
+    plan = t.store_begin(4, 0, 0, [("d", 4)])
+    assert plan.evicted == ["c"] and list(arc.b1) == ["b", "c"]
+    t.complete(4, True)
+    arc.touch(["c"])  # target = min(1 + max(1, 0 / 2), capacity 2) = 2
+    assert arc.target == 2
+    # |T1| = 1 (d) < int(2): T2's least recent (a) goes, to B2
+    plan = t.store_begin(5, 0, 0, [("e", 5)])
+    assert plan.evicted == ["a"] and list(arc.b2) == ["a"]
+    t.complete(5, False)  # a failed store: no ghost
+    assert "e" not in arc.b1 and "e" not in arc.t1
+
+
+def test_arc_takes_t1_alone_never_when_below_target():
+    """As vLLM ships it: below the T1 target only T2 is searched, so a store is refused while T1
+    holds an evictable block and T2 none."""
+    t = host(1, "arc")
+    arc = t.tiers[0].policy
+    arc.target = 1.0
+    t.store_begin(1, 0, 0, [("a", 1)])
+    t.complete(1, True)
+    assert len(arc.t1) == 1  # 1 >= int(1): a can still go
+    arc.target = 2.0  # beyond |T1| = 1
+    plan = t.store_begin(2, 0, 0, [("b", 2)])
+    assert plan.refused == ["b"]
+
+
+def reference_two_level(prompts, c0, c1):
+    """A plain device LRU of c0 blocks over a host LRU of c1, written apart from the model."""
+    dev, hst = [], []  # least recent first
+    out = {"device": 0, "host": 0, "computed": 0}
+    for keys in prompts:
+        d = 0
+        while d < len(keys) and keys[d] in dev:
+            d += 1
+        h = d
+        while h < len(keys) and keys[h] in hst:
+            h += 1
+        out["device"] += d
+        out["host"] += h - d
+        out["computed"] += len(keys) - h
+        for k in reversed(keys[d:h]):  # a host hit makes the first block the most recent
+            hst.remove(k)
+            hst.append(k)
+        for k in keys:
+            if k in dev:
+                dev.remove(k)
+            dev.append(k)
+        while len(dev) > c0:
+            victim = next(k for k in dev if k not in keys)
+            dev.remove(victim)
+            if victim in hst:
+                continue  # already stored: skipped, its place kept
+            if len(hst) == c1:
+                if c1 == 0:
+                    continue
+                hst.pop(0)
+            hst.append(victim)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 8),
+       st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6), max_size=30))
+def test_two_level_lru_hit_rates(c0, c1, raw):
+    prompts = [list(dict.fromkeys(p))[:c0] for p in raw]  # distinct keys, at most c0 of them
+    got = replay_prompts(prompts, c0, host(c1))
+    assert got == reference_two_level(prompts, c0, c1)
+
+
+def test_two_level_by_hand():
+    # device 2 blocks over host 2: [a b] computes 2; [c] computes 1, evicts a to host;
+    # [a b]: b? device holds b, c: the prefix starts with a, not on the device; a on host (1),
+    # b on the device but after the miss: the run from host stops at b (not stored), computed 1
+    prompts = [["a", "b"], ["c"], ["a", "b"]]
+    got = replay_prompts(prompts, 2, host(2))
+    assert got == {"device": 0, "host": 1, "computed": 4}  # 4 = 2 + 1 + 1
