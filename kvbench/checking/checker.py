@@ -127,17 +127,25 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
         verdict.skipped["blocks"] = f"{caps.layout} layout has no blocks"
     if not caps.copy_on_write and caps.layout == "paged":
         verdict.skipped["copy-on-write"] = "declared unsupported"
-    caching = backend.config.prefix_caching and caps.prefix_caching
-    if backend.config.prefix_caching and not caps.prefix_caching:
-        verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
-    elif caching and not caps.cache_salt and _salted(trace):
-        caching = False
-        verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
-                                             f"trace salts its prompts: replayed without")
-    oracle = Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
-                    layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
+    oracle = oracle_for(trace, backend, verdict.skipped)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
                    writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
+
+
+def oracle_for(trace: Trace, backend: Backend, skipped: dict | None = None) -> Oracle:
+    """The oracle check() holds ``backend`` to on ``trace``: its settings and capabilities, prefix
+    caching off where the backend does not declare it (or the salts the trace names); why goes
+    into ``skipped``."""
+    caps, skipped = backend.capabilities, {} if skipped is None else skipped
+    caching = backend.config.prefix_caching and caps.prefix_caching
+    if backend.config.prefix_caching and not caps.prefix_caching:
+        skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
+    elif caching and not caps.cache_salt and _salted(trace):
+        caching = False
+        skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
+                                     f"trace salts its prompts: replayed without")
+    return Oracle(dataclasses.replace(backend.config, prefix_caching=caching),
+                  layout="paged" if caps.layout == "paged" else "contiguous", capabilities=caps)
 
 
 def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized,

@@ -1,0 +1,291 @@
+"""Random histories over random settings, for `kvbench fuzz`: a pure function of (seed, index)
+and the capabilities a backend declares.
+
+:func:`draw_settings` picks the settings of one history: a block size (1 to 32, now and then
+256), a model (``tiny``, ``tiny-hybrid`` or a random mix of full and sliding(W) groups over
+tiny-hybrid's four layers, W at and around block edges), prefix caching, salts and adapters,
+an eviction policy, tenants with integer or fractional Fair weights, and how the budget is set
+against the history's peak demand (exact fit, one block short, one over, tight, roomy). Only what
+the capabilities declare is drawn: no sliding window for a backend without groups, no fork for
+one that cannot fork, no salt for one that takes none.
+
+:func:`random_ops` builds the history from :data:`OP_KINDS`, each a weighted choice gated by a
+capability: plain, shared-prefix and keyed prefills (lengths at, one under and one over block
+multiples), batched appends up to and across block edges, a one-token decode over every live
+sequence (the wide decode path), forks, wide forks (now and then 128+ sharers), frees, and
+draining every sequence (its cached blocks left for later prompts). A new operation (a tier
+move, a lifecycle step) is one more :class:`OpKind` in the list, with its ``needs`` predicate.
+
+Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
+(seed, index, capabilities) gives the same trace, byte for byte.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kvbench.contract.formulas import get_model, next_pow2, with_group_kinds
+from kvbench.contract.protocol import CacheConfig, Capabilities
+from kvbench.traces.builder import _Builder
+from kvbench.traces.format import Header, Trace, validate
+from kvbench.traces.hybrid import VOCAB
+
+GENERATOR = "kvbench.traces.random_histories v1"
+BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 32)
+LARGE_BLOCK = 256  # a full block of 256 tokens: a one-byte fill counter wraps to 0
+LARGE_BLOCK_RATE = 0.03
+BUDGETS = ("exact", "one short", "one over", "tight", "roomy")
+PREFIXES = 3  # shared prefixes a cached prompt opens with
+SALTS = (None, "s0", "s1")
+ADAPTERS = (None, "s0", "a1")  # "s0" also names a salt: a hash that does not tag them mixes them
+WIDE_FORK = 130  # the wide fork now and then: 128+ sharers of one block, 65+ live sequences
+WIDE_FORK_RATE = 0.1
+HYBRID_LAYERS = 4  # tiny-hybrid's layers: 1, 2 or 4 groups
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One history's settings. ``groups``: the model's group kinds (empty: the model's own)."""
+
+    block_size: int
+    model: str
+    groups: tuple = ()
+    prefix_caching: bool = False
+    keyed: bool = False  # salts, adapters and token ids on prompts
+    policy: str | None = None
+    tenants: dict = field(default_factory=dict)
+    budget: str = "roomy"
+    max_len: int = 64  # longest a sequence grows
+    ops: int = 32
+
+    def kinds(self) -> tuple:
+        """The group kinds of the model these settings run."""
+        return tuple(g.kind for g in self.spec().kv_groups)
+
+    def spec(self):
+        model = get_model(self.model)
+        return with_group_kinds(model, self.groups) if self.groups else model
+
+    def config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(model=self.spec(), block_size=self.block_size, num_blocks=num_blocks,
+                           policy=self.policy, prefix_caching=self.prefix_caching,
+                           tenant_weights=dict(self.tenants), max_context=next_pow2(self.max_len))
+
+
+def _window(rng, B: int) -> int:
+    """A window at or one off a block edge, or anywhere up to four blocks."""
+    k = int(rng.integers(1, 4))
+    return max(1, int(rng.choice([1, k * B - 1, k * B, k * B + 1, int(rng.integers(1, 4 * B + 1))])))
+
+
+def draw_settings(rng, caps: Capabilities) -> Settings:
+    B = int(rng.choice(BLOCK_SIZES))
+    if rng.random() < LARGE_BLOCK_RATE:
+        B = LARGE_BLOCK
+    model, groups = "tiny", ()
+    if caps.groups and rng.random() < 0.5:
+        model = "tiny-hybrid"
+        if rng.random() < 0.7:  # a random mix; otherwise the preset's own groups
+            G = int(rng.choice([1, 2, 4]))
+            groups = tuple("full" if rng.random() < 0.4 else f"sliding({_window(rng, B)})"
+                           for _ in range(G))
+    caching = bool(caps.prefix_caching and caps.layout == "paged" and rng.random() < 0.5)
+    keyed = bool(caching and caps.cache_salt and rng.random() < 0.5)
+    policy = None
+    if caps.eviction and rng.random() < 0.6:
+        policy = str(rng.choice(list(caps.eviction)))
+    n_tenants = int(rng.integers(1, 4))
+    fractional = rng.random() < 0.3  # 0.1 + 0.2 + 0.3 is not 0.6 in floating point
+    tenants = {f"t{i}": (round(0.1 * (i + 1), 1) if fractional else int(rng.integers(1, 4)))
+               for i in range(n_tenants)}
+    budget = str(rng.choice(BUDGETS))
+    max_blocks = int(rng.integers(2, 21 if B <= 4 else 9))
+    max_len = B * max_blocks if B < LARGE_BLOCK else 3 * B
+    ops = int(rng.integers(8, 61))
+    return Settings(B, model, groups, caching, keyed, policy, tenants, budget, max_len, ops)
+
+
+# --- the operations ----------------------------------------------------------------------------
+
+class History(_Builder):
+    """The builder of one history: its settings, its random source and the ids it hands out."""
+
+    def __init__(self, settings: Settings, rng, caps: Capabilities):
+        super().__init__()
+        self.s, self.rng, self.caps = settings, rng, caps
+        self.own_ids = VOCAB  # token ids no shared prefix uses
+
+    def tenant(self) -> str:
+        return str(self.rng.choice(sorted(self.s.tenants)))
+
+    def draw_length(self, hi: int | None = None) -> int:
+        """Tokens at, one under or one over a block multiple, or anywhere up to ``hi``."""
+        hi = hi or self.s.max_len
+        B, rng = self.s.block_size, self.rng
+        k = int(rng.integers(1, max(1, hi // B) + 1))
+        n = int(rng.choice([k * B, k * B - 1, k * B + 1, int(rng.integers(1, hi + 1))]))
+        return min(max(1, n), hi)
+
+    def room(self, seq) -> int:
+        return self.s.max_len - self.length_of(seq)
+
+    def length_of(self, seq) -> int:
+        return self.length[seq]
+
+    def live(self) -> list:
+        return sorted(self.length)
+
+    def pick(self) -> int:
+        return int(self.rng.choice(self.live()))
+
+    def prompt_blocks(self):
+        """A shared prefix's first m blocks and some tokens of the prompt's own: (tokens, prefix
+        number, m)."""
+        B, rng = self.s.block_size, self.rng
+        m = int(rng.integers(1, max(1, self.s.max_len // B // 2) + 1))
+        own = 0 if rng.random() < 0.4 else int(rng.integers(1, min(2 * B, self.s.max_len - m * B) + 1))
+        return m * B + max(0, own), int(rng.integers(PREFIXES)), m
+
+
+def _prefill(h: History) -> None:
+    h.prefill(h.draw_length(), h.tenant())
+
+
+def _prefill_shared(h: History) -> None:
+    tokens, k, m = h.prompt_blocks()
+    B, seq = h.s.block_size, h.next_seq
+    hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{seq}.{j}" for j in range(m, tokens // B)]
+    h.prefill(tokens, h.tenant(), hashes)
+
+
+def _prefill_keyed(h: History) -> None:
+    tokens, k, m = h.prompt_blocks()
+    B, rng, seq = h.s.block_size, h.rng, h.next_seq
+    keys = dict(salt=SALTS[int(rng.integers(len(SALTS)))],
+                adapter=ADAPTERS[int(rng.integers(len(ADAPTERS)))])
+    if rng.random() < 0.5:
+        hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{seq}.{j}" for j in range(m, tokens // B)]
+        h.prefill(tokens, h.tenant(), hashes, **keys)
+        return
+    ids = [k * VOCAB // PREFIXES + j for j in range(m * B)]
+    ids += list(range(h.own_ids, h.own_ids + tokens - m * B))
+    h.own_ids += tokens - m * B
+    h.prefill(tokens, h.tenant(), token_ids=ids, **keys)
+
+
+def _append(h: History) -> None:
+    rng, B = h.rng, h.s.block_size
+    room = [s for s in h.live() if h.room(s) > 0]
+    if not room:
+        return _prefill(h)
+    k = int(rng.integers(1, len(room) + 1))
+    seqs = sorted(int(s) for s in rng.choice(room, size=k, replace=False))
+    tokens = []
+    for s in seqs:
+        edge = B - h.length_of(s) % B  # up to the tail block's end
+        t = int(rng.choice([1, edge, edge + 1, int(rng.integers(1, 2 * B + 1))]))
+        tokens.append(min(max(1, t), h.room(s)))
+    h.append(seqs, tokens)
+
+
+def _decode_all(h: History) -> None:
+    """One token for every live sequence that has room: 9+ of them take the wide decode path."""
+    seqs = [s for s in h.live() if h.room(s) > 0]
+    if not seqs:
+        return _prefill(h)
+    h.append(seqs, [1] * len(seqs))
+
+
+def _fork(h: History) -> None:
+    if not h.length:
+        return _prefill(h)
+    h.fork(h.pick())
+
+
+def _fork_wide(h: History) -> None:
+    if not h.length:
+        return _prefill(h)
+    width = WIDE_FORK if h.rng.random() < WIDE_FORK_RATE else int(h.rng.integers(2, 9))
+    src = h.pick()
+    for _ in range(width):
+        h.fork(src)
+
+
+def _free(h: History) -> None:
+    if not h.length:
+        return _prefill(h)
+    h.free(h.pick())
+
+
+def _drain(h: History) -> None:
+    """Every sequence freed, in a random order: cached blocks stay for the prompts after."""
+    live = h.live()
+    for i in h.rng.permutation(len(live)).tolist():
+        h.free(live[i])
+
+
+@dataclass(frozen=True)
+class OpKind:
+    """One weighted choice of :func:`random_ops`: ``make(history)`` adds operations to it;
+    ``needs(capabilities, settings)`` says whether the backend and settings can take them."""
+
+    name: str
+    weight: float
+    make: Callable[[History], None]
+    needs: Callable[[Capabilities, Settings], bool] = lambda caps, s: True
+
+
+OP_KINDS: list[OpKind] = [
+    OpKind("prefill", 3, _prefill),
+    OpKind("prefill shared prefix", 3, _prefill_shared, lambda c, s: s.prefix_caching),
+    OpKind("prefill salted", 2, _prefill_keyed, lambda c, s: s.keyed),
+    OpKind("append", 4, _append),
+    OpKind("decode all", 2, _decode_all),
+    OpKind("fork", 2, _fork, lambda c, s: c.fork),
+    OpKind("fork wide", 0.5, _fork_wide, lambda c, s: c.fork),
+    OpKind("free", 2.5, _free),
+    OpKind("drain", 0.3, _drain),
+]
+
+
+def usable_kinds(caps: Capabilities, settings: Settings) -> list[OpKind]:
+    return [k for k in OP_KINDS if k.needs(caps, settings)]
+
+
+def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]:
+    """The operations of one history and the op kind each choice drew, in order."""
+    kinds = usable_kinds(caps, settings)
+    p = np.array([k.weight for k in kinds], dtype=float)
+    h = History(settings, rng, caps)
+    drawn = []
+    _prefill(h)
+    while len(h.ops) < settings.ops:
+        kind = kinds[int(rng.choice(len(kinds), p=p / p.sum()))]
+        drawn.append(kind.name)
+        kind.make(h)
+    if rng.random() < 0.5:
+        _drain(h)
+    return h.ops, drawn
+
+
+def random_history(seed: int, index: int, caps: Capabilities) -> tuple[Trace, Settings, list]:
+    """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn).
+    The header's settings leave ``num_blocks`` to the caller (it is set against the peak)."""
+    rng = np.random.default_rng([seed, index])
+    settings = draw_settings(rng, caps)
+    ops, drawn = random_ops(rng, settings, caps)
+    params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups")}
+    header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params},
+                    seed=seed, tenants=dict(settings.tenants),
+                    settings={"model": settings.model, "block_size": settings.block_size,
+                              "prefix_caching": settings.prefix_caching,
+                              "max_context": next_pow2(settings.max_len),
+                              **({"policy": settings.policy} if settings.policy else {})},
+                    groups=tuple(settings.groups))
+    return validate(Trace(header, ops, name=f"fuzz-{seed}-{index}")), settings, drawn
+
+
+__all__ = ["Settings", "OpKind", "OP_KINDS", "History", "draw_settings", "random_ops",
+           "random_history", "usable_kinds", "BUDGETS", "GENERATOR"]
