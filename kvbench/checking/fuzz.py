@@ -29,7 +29,7 @@ from kvbench.checking.checker import check, oracle_for
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.reproduce import divergence_kind, jsonable, settings_of
 from kvbench.checking.shrink import shrink
-from kvbench.contract.protocol import Backend, CacheConfig, Capabilities
+from kvbench.contract.protocol import CacheConfig, Capabilities
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.outputs import write_text
 from kvbench.traces.builder import peak_blocks
@@ -70,7 +70,8 @@ class Watch:
         hit = self._counts(op)
         if self.paged and o.blocks_used == o.config.num_blocks:
             self.reached.add("exact fit (every block in use)")
-        if self._refused(op):
+        refused = self._refused(op)
+        if refused:
             self.reached.add("refusal under a policy" if o.config.policy else "refusal")
         if isinstance(op, Prefill) and op.seq in o.seqs:
             if hit and op.tokens % B == 0:
@@ -80,7 +81,7 @@ class Watch:
         if isinstance(op, Append):
             if len(op.seqs) >= WIDE_DECODE and set(op.tokens) == {1}:
                 self.reached.add("wide decode (9+ sequences)")
-            if self.shared_tails.intersection(op.seqs):
+            if self.shared_tails.intersection(op.seqs) and not refused:
                 self.reached.add("copy-on-write")
         if isinstance(op, Fork) and self.tokens.get(op.src, 0) % B:
             self.reached.add("fork at a partial tail")
@@ -129,43 +130,42 @@ class Watch:
             self.released[s] = gone
 
 
-def _peak(trace: Trace, backend: Backend) -> int:
-    """The most blocks (a contiguous arena: its slots in use, in blocks) the history holds at
-    once when nothing is ever refused or evicted."""
-    B, G = backend.config.block_size, len(backend.config.model.kv_groups)
-    finals = trace.final_lengths()
-    live_max = len(finals)
-    roomy = (peak_blocks(trace.ops, B) + live_max * -(-backend.config.max_context // B)) * G + 1
-    config = dataclasses.replace(backend.config, num_blocks=roomy, policy=None)
-    probe = oracle_for(trace, _Configured(backend, config))
-    peak = [0]
+class _Peak:
+    """A progress sink for an oracle-only check(): the most blocks in use after any operation
+    (a contiguous arena: its slots not free, in blocks)."""
 
-    class Sink:
-        def update(self, _n=1):
-            if probe.layout == "paged":
-                peak[0] = max(peak[0], probe.blocks_used)
-            else:
-                led = probe.expected_ledger(())
-                peak[0] = max(peak[0], -(-(config.arena_slots - led.free - led.external_fragmentation) // B))
+    def __init__(self, oracle: Oracle):
+        self.o, self.blocks = oracle, 0
 
-    check(trace, None, model=probe, progress=Sink())
-    return max(1, peak[0])
+    def update(self, _n: int = 1) -> None:
+        o = self.o
+        if o.layout == "paged":
+            used = o.blocks_used
+        else:
+            led = o.expected_ledger(())
+            used = -(-(o.config.arena_slots - led.free - led.external_fragmentation) // o.B)
+        self.blocks = max(self.blocks, used)
+
+
+def _peak(trace: Trace, backend) -> int:
+    """The most blocks the history holds at once under a budget nothing exhausts (every
+    sequence at its longest, sharing ignored) and no eviction policy."""
+    config = backend.config
+    B, G = config.block_size, len(config.model.kv_groups)
+    roomy = (peak_blocks(trace.ops, B) + len(trace.final_lengths()) * -(-config.max_context // B)) * G + 1
+    config = dataclasses.replace(config, num_blocks=roomy, policy=None)
+    sink = _Peak(oracle_for(trace, _Configured(backend.name, backend.capabilities, config)))
+    check(trace, None, model=sink.o, progress=sink)
+    return max(1, sink.blocks)
 
 
 @dataclass
 class _Configured:
-    """A backend's name and capabilities under other settings (what oracle_for reads)."""
+    """A backend's name, capabilities and settings: what oracle_for reads of a backend."""
 
-    backend: Backend
-    config: object
-
-    @property
-    def capabilities(self):
-        return self.backend.capabilities
-
-    @property
-    def name(self):
-        return self.backend.name
+    name: str
+    capabilities: Capabilities
+    config: CacheConfig
 
 
 def budget_for(mode: str, peak: int, rng_value: float) -> int:
@@ -215,13 +215,17 @@ class Campaign:
     errors: list = field(default_factory=list)
     stopped: str = ""
     elapsed: float = 0.0
+    _caps: dict = field(default_factory=dict, repr=False)
 
-    def capabilities(self) -> Capabilities:
-        backend = self.entry.create(dataclasses.replace(_BASE, prefix_caching=True))
-        try:
-            return backend.capabilities
-        finally:
-            getattr(backend, "close", lambda: None)()
+    def capabilities(self, prefix_caching: bool = True) -> Capabilities:
+        """What the backend declares (an instance may declare per its settings: read once each)."""
+        if prefix_caching not in self._caps:
+            backend = self.entry.create(dataclasses.replace(_BASE, prefix_caching=prefix_caching))
+            try:
+                self._caps[prefix_caching] = backend.capabilities
+            finally:
+                getattr(backend, "close", lambda: None)()
+        return self._caps[prefix_caching]
 
     def run(self) -> Campaign:
         """History after history until the budget is spent or Ctrl-C; returns itself."""
@@ -257,15 +261,8 @@ class Campaign:
                                 f"policy {settings.policy or 'none'}", f"budget {settings.budget}"]
                                + ["prefix caching"] * settings.prefix_caching
                                + ["salts and adapters"] * settings.keyed)
-        try:
-            probe = self.entry.create(settings.config(1 + peak_blocks(trace.ops, settings.block_size)))
-        except BackendUnavailable as e:
-            self.not_applicable[f"settings refused: {str(e)[:80]}"] += 1
-            return
-        try:
-            peak = _peak(trace, probe)
-        finally:
-            getattr(probe, "close", lambda: None)()
+        peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
+                                        dataclasses.replace(settings.config(1), **self.entry.overrides)))
         rng_value = (index * 0.6180339887 + self.seed * 0.41421356) % 1.0  # deterministic, no draw
         config = settings.config(budget_for(settings.budget, peak, rng_value))
         try:
@@ -296,7 +293,7 @@ class Campaign:
     def found(self, trace: Trace, config, d, index: int) -> None:
         kind = divergence_kind(d)
         site = d.op.get("op", "?")
-        key = f"{kind} @ {site}"
+        key = f"{re.sub(r'[0-9]+', 'N', kind)} @ {site}"  # block ids left out, as the checker's classes
         if key in self.findings:
             self.findings[key].count += 1
             return

@@ -38,8 +38,10 @@ LARGE_BLOCK = 256  # a full block of 256 tokens: a one-byte fill counter wraps t
 LARGE_BLOCK_RATE = 0.03
 BUDGETS = ("exact", "one short", "one over", "tight", "roomy")
 PREFIXES = 3  # shared prefixes a cached prompt opens with
-SALTS = (None, "s0", "s1")
-ADAPTERS = (None, "s0", "a1")  # "s0" also names a salt: a hash that does not tag them mixes them
+# (salt, adapter) of a keyed prompt: "s0" names a salt and an adapter, so that a hash that does
+# not tag which is which mixes them up.
+KEYS = ((None, None), ("s0", None), (None, "s0"), ("s1", "a1"), ("s0", "a1"))
+BURST = (2, 12)  # prompts arriving at once: enough live sequences for the wide decode path
 WIDE_FORK = 130  # the wide fork now and then: 128+ sharers of one block, 65+ live sequences
 WIDE_FORK_RATE = 0.1
 HYBRID_LAYERS = 4  # tiny-hybrid's layers: 1, 2 or 4 groups
@@ -92,7 +94,7 @@ def draw_settings(rng, caps: Capabilities) -> Settings:
             groups = tuple("full" if rng.random() < 0.4 else f"sliding({_window(rng, B)})"
                            for _ in range(G))
     caching = bool(caps.prefix_caching and caps.layout == "paged" and rng.random() < 0.5)
-    keyed = bool(caching and caps.cache_salt and rng.random() < 0.5)
+    keyed = bool(caching and caps.cache_salt and rng.random() < 0.6)
     policy = None
     if caps.eviction and rng.random() < 0.6:
         policy = str(rng.choice(list(caps.eviction)))
@@ -153,6 +155,12 @@ def _prefill(h: History) -> None:
     h.prefill(h.draw_length(), h.tenant())
 
 
+def _burst(h: History) -> None:
+    """Several short prompts at once (a burst of arrivals)."""
+    for _ in range(int(h.rng.integers(*BURST, endpoint=True))):
+        h.prefill(h.draw_length(2 * h.s.block_size), h.tenant())
+
+
 def _prefill_shared(h: History) -> None:
     tokens, k, m = h.prompt_blocks()
     B, seq = h.s.block_size, h.next_seq
@@ -163,8 +171,8 @@ def _prefill_shared(h: History) -> None:
 def _prefill_keyed(h: History) -> None:
     tokens, k, m = h.prompt_blocks()
     B, rng, seq = h.s.block_size, h.rng, h.next_seq
-    keys = dict(salt=SALTS[int(rng.integers(len(SALTS)))],
-                adapter=ADAPTERS[int(rng.integers(len(ADAPTERS)))])
+    salt, adapter = KEYS[int(rng.integers(len(KEYS)))]
+    keys = dict(salt=salt, adapter=adapter)
     if rng.random() < 0.5:
         hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{seq}.{j}" for j in range(m, tokens // B)]
         h.prefill(tokens, h.tenant(), hashes, **keys)
@@ -239,8 +247,9 @@ class OpKind:
 
 OP_KINDS: list[OpKind] = [
     OpKind("prefill", 3, _prefill),
+    OpKind("prefill burst", 1, _burst),
     OpKind("prefill shared prefix", 3, _prefill_shared, lambda c, s: s.prefix_caching),
-    OpKind("prefill salted", 2, _prefill_keyed, lambda c, s: s.keyed),
+    OpKind("prefill salted", 3, _prefill_keyed, lambda c, s: s.keyed),
     OpKind("append", 4, _append),
     OpKind("decode all", 2, _decode_all),
     OpKind("fork", 2, _fork, lambda c, s: c.fork),
@@ -272,13 +281,15 @@ def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]
 
 def random_history(seed: int, index: int, caps: Capabilities) -> tuple[Trace, Settings, list]:
     """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn).
-    The header's settings leave ``num_blocks`` to the caller (it is set against the peak)."""
+    The header's settings leave ``num_blocks`` to the caller (it is set against the peak); it
+    names tenant weights only under a policy (a header with weights and no policy is replayed
+    under every policy by `kvbench check`)."""
     rng = np.random.default_rng([seed, index])
     settings = draw_settings(rng, caps)
     ops, drawn = random_ops(rng, settings, caps)
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params},
-                    seed=seed, tenants=dict(settings.tenants),
+                    seed=seed, tenants=dict(settings.tenants) if settings.policy else {},
                     settings={"model": settings.model, "block_size": settings.block_size,
                               "prefix_caching": settings.prefix_caching,
                               "max_context": next_pow2(settings.max_len),
