@@ -33,6 +33,30 @@ def one(target: str, histories: int, seed: int, attempts: int, first: bool) -> d
     return c.summary()
 
 
+def markdown(record: dict) -> str:
+    rows = record["faults"]
+    lines = [f"`{record['command']}`", "",
+             f"{sum(r['found'] for r in rows)} of {len(rows)} planted faults found within "
+             f"{record['histories']} histories (seed {record['seed']}, shrinking bounded at "
+             f"{record['attempts']} replays).", "",
+             "| fault | upstream | found at history | kind | at | ops | shrunk to | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        at = r["history"] if r["found"] else f"not in {r['histories_run']}"
+        lines.append(f"| {r['fault']} | {r['upstream']} | {at} | {r['kind']} | {r['site']} | "
+                     f"{r['ops_before'] or ''} | {r['ops_after'] or ''} | {r['seconds']:.1f} |")
+    if record["speed"]:
+        lines += ["", "| backend | histories | seconds | histories per minute | operations per second |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {s['backend']} | {s['histories']} | {s['seconds']:.1f} | "
+                  f"{s['histories_per_minute']} | {s['ops_per_second']} |" for s in record["speed"]]
+        edges = list(record["speed"][0]["edges"])
+        lines += ["", "Edge conditions reached (histories): " + "; ".join(
+            f"{e}: " + " / ".join(str(s["edges"][e]) for s in record["speed"]) for e in edges)
+            + " (" + " / ".join(s["backend"] for s in record["speed"]) + ")"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--histories", type=int, default=300)
@@ -71,6 +95,7 @@ def main(argv=None) -> int:
               "seed": args.seed, "histories": args.histories, "attempts": args.attempts,
               "faults": rows, "speed": speed}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown(record))
     found = sum(r["found"] for r in rows)
     print(f"{found} of {len(rows)} faults found", flush=True)
     return 0

@@ -164,3 +164,10 @@ def test_the_watch_sees_exact_fits_refusals_and_copy_on_write():
 def test_budgets_sit_at_the_edges_of_the_peak():
     assert [budget_for(m, 10, 0.5) for m in R.BUDGETS] == [10, 9, 11, 6, 20]  # 6 = 1 + 0.5 * 10
     assert budget_for("one short", 1, 0.0) == 1  # never below one block
+
+
+def test_a_bad_backend_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["fuzz", "--backend", "no-such-pool", "--max-histories", "1",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--backend no-such-pool: unknown backend" in err and len(err.strip().splitlines()) == 1

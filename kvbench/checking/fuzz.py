@@ -42,8 +42,9 @@ WIDE_DECODE = 9  # sequences in a one-token step: a pool's vectorized decode pat
 MANY_SHARERS, MANY_LIVE, LONG_PROMPT_BLOCKS = 128, 65, 17
 
 # The edge conditions a campaign reports reached or not, in the order of the summary.
-EDGES = ("exact fit (every block in use)", "refusal", "refusal under a policy",
-         "eviction", "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
+REFUSAL, POLICY_REFUSAL = "refusal", "refusal under a policy (evicting all would not do)"
+EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
+         "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
          "fork at a partial tail", "wide decode (9+ sequences)", "128+ sharers of a block",
          "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens")
@@ -72,7 +73,7 @@ class Watch:
             self.reached.add("exact fit (every block in use)")
         refused = self._refused(op)
         if refused:
-            self.reached.add("refusal under a policy" if o.config.policy else "refusal")
+            self.reached.add(POLICY_REFUSAL if o.config.policy else REFUSAL)
         if isinstance(op, Prefill) and op.seq in o.seqs:
             if hit and op.tokens % B == 0:
                 self.reached.add("hit on a block-aligned prompt")
@@ -83,8 +84,9 @@ class Watch:
                 self.reached.add("wide decode (9+ sequences)")
             if self.shared_tails.intersection(op.seqs) and not refused:
                 self.reached.add("copy-on-write")
-        if isinstance(op, Fork) and self.tokens.get(op.src, 0) % B:
-            self.reached.add("fork at a partial tail")
+        if isinstance(op, Fork):
+            if self.tokens.get(op.src, 0) % B:
+                self.reached.add("fork at a partial tail")
             if self.paged and int(o.refs.max(initial=0)) >= MANY_SHARERS:
                 self.reached.add("128+ sharers of a block")
         if len(o.seqs) >= MANY_LIVE:
