@@ -12,9 +12,10 @@ one that cannot fork, no salt for one that takes none.
 :func:`random_ops` builds the history from :data:`OP_KINDS`, each a weighted choice gated by a
 capability: plain, shared-prefix and keyed prefills (lengths at, one under and one over block
 multiples), batched appends up to and across block edges, a one-token decode over every live
-sequence (the wide decode path), forks, wide forks (now and then 128+ sharers), frees, and
-draining every sequence (its cached blocks left for later prompts). A new operation (a tier
-move, a lifecycle step) is one more :class:`OpKind` in the list, with its ``needs`` predicate.
+sequence (the wide decode path), forks, a fork and a write into the tail it shares, wide forks
+(now and then 128+ sharers), bursts of prompts, frees, and draining every sequence (its cached
+blocks left for later prompts). A new operation (a tier move, a lifecycle step) is one more
+:class:`OpKind` in the list, with its ``needs`` predicate.
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
 (seed, index, capabilities) gives the same trace, byte for byte.
@@ -212,6 +213,18 @@ def _fork(h: History) -> None:
     h.fork(h.pick())
 
 
+def _fork_write(h: History) -> None:
+    """A fork and at once a write into the tail the two share (a beam step): a copy on write,
+    the fresh child the one LFU evicts first."""
+    if not h.length:
+        return _prefill(h)
+    src = h.pick()
+    child = h.fork(src)
+    writer = src if h.rng.random() < 0.5 else child
+    if h.room(writer) > 0:
+        h.append([writer], [1])
+
+
 def _fork_wide(h: History) -> None:
     if not h.length:
         return _prefill(h)
@@ -253,6 +266,7 @@ OP_KINDS: list[OpKind] = [
     OpKind("append", 4, _append),
     OpKind("decode all", 2, _decode_all),
     OpKind("fork", 2, _fork, lambda c, s: c.fork),
+    OpKind("fork then write", 1.5, _fork_write, lambda c, s: c.fork),
     OpKind("fork wide", 0.5, _fork_wide, lambda c, s: c.fork),
     OpKind("free", 2.5, _free),
     OpKind("drain", 0.3, _drain),
