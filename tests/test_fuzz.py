@@ -171,3 +171,20 @@ def test_a_bad_backend_is_refused_in_one_line(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--backend no-such-pool: unknown backend" in err and len(err.strip().splitlines()) == 1
+
+
+def test_kvbench_families_come_in_with_random_parameters():
+    caps = NumpyPaged.capabilities
+    drawn = {}
+    for i in range(300):  # salted prompts come from keyed histories only: rarely
+        trace, settings, kinds = R.random_history(0, i, caps)
+        if kinds and kinds[0].startswith("family "):
+            drawn.setdefault(trace.header.params["family"], trace)
+            assert settings.max_len == max(trace.final_lengths().values())
+    assert set(drawn) == {name for name, _ in R.FAMILY_SOURCES}
+    beams = drawn["fork_trees"]
+    assert any(isinstance(op, Fork) for op in beams.ops) and beams.header.params["family_params"]
+    # Without fork, no family that forks: a continuous-batching stream only.
+    bare = Capabilities(fork=False)
+    names = {R.random_history(0, i, bare)[0].header.params.get("family") for i in range(150)}
+    assert names - {None} == {"decode_streams"}

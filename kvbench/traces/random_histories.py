@@ -15,14 +15,17 @@ multiples), batched appends up to and across block edges, a one-token decode ove
 sequence (the wide decode path), forks, a fork and a write into the tail it shares, wide forks
 (now and then 128+ sharers), bursts of prompts, frees, and draining every sequence (its cached
 blocks left for later prompts). A new operation (a tier move, a lifecycle step) is one more
-:class:`OpKind` in the list, with its ``needs`` predicate.
+:class:`OpKind` in the list, with its ``needs`` predicate. One history in five comes instead
+from one of kvbench's own families (:data:`FAMILY_SOURCES`: beam search and parallel sampling,
+continuous batching, shared prefixes, salted prompts, window edges) with random parameters,
+under the same drawn budget and policy.
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
 (seed, index, capabilities) gives the same trace, byte for byte.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -293,6 +296,70 @@ def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]
     return h.ops, drawn
 
 
+# --- histories from kvbench's own families, with random parameters ----------------------------
+
+def _family_params(name: str, rng, s: Settings) -> dict:
+    B, hi = s.block_size, s.max_len
+
+    def n(lo, top):
+        return int(rng.integers(lo, max(lo, top), endpoint=True))
+
+    prompt, output = max(1, hi // 2), max(1, hi // 4)
+    law = {"name": "uniform", "prompt": [1, prompt], "output": [1, output]}
+
+    if name == "fork_trees":
+        return dict(mode=str(rng.choice(["beam", "parallel"])), num_trees=n(1, 3), width=n(2, 5),
+                    law=law, max_prompt=prompt, max_output=output, depth=(0, B),
+                    prune_every=n(1, 4), sub_width=n(1, 3))
+    if name == "decode_streams":
+        return dict(num_requests=n(4, 12), law=law, max_prompt=prompt, max_output=output,
+                    max_batch=n(2, 10), arrival_rate=float(rng.random()))
+    if name == "prefix_sharing":
+        return dict(num_requests=n(6, 16), prefixes=n(1, 3), prefix_blocks=(0, max(0, hi // B // 2)),
+                    own_tokens=(1, 2 * B), output=(1, output), fork_rate=float(rng.random()),
+                    concurrency=n(2, 6), block_size=B)
+    if name == "salted_prefixes":
+        return dict(rounds=n(1, 2), prompt_blocks=(1, max(1, hi // B // 2)), own_tokens=(1, B),
+                    output=(1, B), block_size=max(2, B))
+    if name == "window_decode":
+        return dict(rounds=1, block_size=int(rng.choice([4, 8, 16])))  # block_size=2: low > high
+    raise ValueError(f"no random parameters for family {name!r}")
+
+
+# (family, whether the backend and settings can run it)
+FAMILY_SOURCES = (
+    ("fork_trees", lambda c, s: c.fork),
+    ("decode_streams", lambda c, s: True),
+    ("prefix_sharing", lambda c, s: c.fork and s.prefix_caching),
+    ("salted_prefixes", lambda c, s: s.keyed),
+    ("window_decode", lambda c, s: c.fork and c.groups and c.layout == "paged"),
+)
+FAMILY_RATE = 0.2  # histories drawn from a family instead of from OP_KINDS
+
+
+def _family_history(rng, settings: Settings, caps: Capabilities):
+    """A family's trace with random parameters, and the settings it runs under (its block size,
+    its model, its longest sequence, its tenants with drawn weights); None when no family fits."""
+    from kvbench.traces.generators import generate  # the families import this module's neighbours
+
+    usable = [name for name, needs in FAMILY_SOURCES if needs(caps, settings)]
+    if not usable:
+        return None
+    name = usable[int(rng.integers(len(usable)))]
+    params = _family_params(name, rng, settings)
+    t = generate(name, int(rng.integers(1 << 31)), **params)
+    s = t.header.settings
+    tenants = sorted(set(t.tenant_of().values()))
+    weights = list(settings.tenants.values())
+    settings = replace(settings, block_size=s.get("block_size", settings.block_size),
+                       model=s.get("model", settings.model),
+                       groups=tuple(t.header.groups) if name == "window_decode" else settings.groups,
+                       max_len=max(t.final_lengths().values()),
+                       tenants={x: weights[i % len(weights)] for i, x in enumerate(tenants)})
+    return t.ops, [f"family {name}"], settings, {"family": name, "family_params": t.header.params,
+                                                 "family_seed": t.header.seed}
+
+
 def random_history(seed: int, index: int, caps: Capabilities) -> tuple[Trace, Settings, list]:
     """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn).
     The header's settings leave ``num_blocks`` to the caller (it is set against the peak); it
@@ -300,9 +367,14 @@ def random_history(seed: int, index: int, caps: Capabilities) -> tuple[Trace, Se
     under every policy by `kvbench check`)."""
     rng = np.random.default_rng([seed, index])
     settings = draw_settings(rng, caps)
-    ops, drawn = random_ops(rng, settings, caps)
+    family = _family_history(rng, settings, caps) if rng.random() < FAMILY_RATE else None
+    source = {}
+    if family is not None:
+        ops, drawn, settings, source = family
+    else:
+        ops, drawn = random_ops(rng, settings, caps)
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups")}
-    header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params},
+    header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},
                     settings={"model": settings.model, "block_size": settings.block_size,
                               "prefix_caching": settings.prefix_caching,
