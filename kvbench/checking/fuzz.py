@@ -27,14 +27,14 @@ from pathlib import Path
 
 from kvbench.checking.checker import check, oracle_for
 from kvbench.checking.oracle import Oracle
-from kvbench.checking.reproduce import divergence_kind, jsonable, settings_of
+from kvbench.checking.reproduce import divergence_kind, failure_trace, jsonable, settings_of
 from kvbench.checking.shrink import shrink
 from kvbench.contract.protocol import CacheConfig, Capabilities
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.outputs import write_text
 from kvbench.traces.builder import peak_blocks
 from kvbench.traces.format import Append, Fork, Prefill, Trace
-from kvbench.traces.random_histories import BUDGETS, OP_KINDS, random_history
+from kvbench.traces.random_histories import GENERATOR, OP_KINDS, random_history
 
 DEFAULT_SHRINK_SECONDS = 120.0
 DEFAULT_SHRINK_ATTEMPTS = 3000
@@ -170,11 +170,11 @@ class _Configured:
     config: CacheConfig
 
 
-def budget_for(mode: str, peak: int, rng_value: float) -> int:
-    """The budget of a history set ``mode`` against its ``peak`` (``rng_value`` in [0, 1) places a
+def budget_for(mode: str, peak: int, tight: float) -> int:
+    """The budget of a history set ``mode`` against its ``peak`` (``tight`` in [0, 1) places a
     tight one between a block and the peak)."""
     return max(1, {"exact": peak, "one short": peak - 1, "one over": peak + 1,
-                   "tight": 1 + int(rng_value * peak), "roomy": 2 * peak}[mode])
+                   "tight": 1 + int(tight * peak), "roomy": 2 * peak}[mode])
 
 
 @dataclass
@@ -265,8 +265,7 @@ class Campaign:
                                + ["salts and adapters"] * settings.keyed)
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
-        rng_value = (index * 0.6180339887 + self.seed * 0.41421356) % 1.0  # deterministic, no draw
-        config = settings.config(budget_for(settings.budget, peak, rng_value))
+        config = settings.config(budget_for(settings.budget, peak, settings.tight))
         try:
             backend = self.entry.create(config)
         except BackendUnavailable as e:
@@ -307,8 +306,9 @@ class Campaign:
                         max_seconds=self.shrink_seconds, max_attempts=self.shrink_attempts,
                         backend=self.entry.name, source=f"kvbench fuzz seed {self.seed} history {index}")
         f.shrink = {k: v for k, v in result.as_record().items() if k != "trace"}
-        original = self.out / f"{name}.jsonl"
-        write_text(original, trace.to_jsonl())
+        original = self.out / f"{name}.jsonl"  # under the settings it failed with
+        write_text(original, failure_trace(trace, config, d, backend=self.entry.name,
+                                           generator=GENERATOR, source=trace.header.params).to_jsonl())
         f.files.append(original.name)
         if result.ok:
             f.ops_after = len(result.trace)

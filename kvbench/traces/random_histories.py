@@ -63,6 +63,7 @@ class Settings:
     policy: str | None = None
     tenants: dict = field(default_factory=dict)
     budget: str = "roomy"
+    tight: float = 0.5  # where a "tight" budget lies between one block and the peak, in [0, 1)
     max_len: int = 64  # longest a sequence grows
     ops: int = 32
 
@@ -106,11 +107,11 @@ def draw_settings(rng, caps: Capabilities) -> Settings:
     fractional = rng.random() < 0.3  # 0.1 + 0.2 + 0.3 is not 0.6 in floating point
     tenants = {f"t{i}": (round(0.1 * (i + 1), 1) if fractional else int(rng.integers(1, 4)))
                for i in range(n_tenants)}
-    budget = str(rng.choice(BUDGETS))
+    budget, tight = str(rng.choice(BUDGETS)), float(rng.random())
     max_blocks = int(rng.integers(2, 21 if B <= 4 else 9))
     max_len = B * max_blocks if B < LARGE_BLOCK else 3 * B
     ops = int(rng.integers(8, 61))
-    return Settings(B, model, groups, caching, keyed, policy, tenants, budget, max_len, ops)
+    return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight, max_len, ops)
 
 
 # --- the operations ----------------------------------------------------------------------------
