@@ -188,3 +188,15 @@ def test_kvbench_families_come_in_with_random_parameters():
     bare = Capabilities(fork=False)
     names = {R.random_history(0, i, bare)[0].header.params.get("family") for i in range(150)}
     assert names - {None} == {"decode_streams"}
+
+
+def test_progress_lines_carry_the_note():
+    import io
+
+    from kvbench.progress import Progress
+    stream = io.StringIO()  # not a terminal: plain lines
+    p = Progress(None, "fuzz", "histories", stream=stream, every=0)
+    p.note("12 ops/s, 1 found (blocks_used x3)")
+    p.update(2)
+    assert stream.getvalue().startswith("fuzz: 2 histories (")
+    assert stream.getvalue().rstrip().endswith(", 12 ops/s, 1 found (blocks_used x3))")

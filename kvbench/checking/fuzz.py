@@ -363,7 +363,8 @@ def summary_markdown(s: dict) -> str:
     lines = [f"# kvbench fuzz: {s['backend']}", "",
              f"Seed {s['seed']}: {s['histories']} histories, {s['operations']:,} operations in "
              f"{s['seconds']:.0f} s ({s['histories_per_minute']} histories per minute), stopped by "
-             f"{s['stopped']}. {len(s['findings'])} kinds of failure found.", ""]
+             f"{s['stopped']}. " + (f"{len(s['findings'])} kinds of failure found." if s["findings"]
+                                 else "Nothing found: the coverage below says what was tried."), ""]
     if s["findings"]:
         lines += ["| finding | kind | at | hit | ops (shrunk) | first divergence | settings |",
                   "|---|---|---|---|---|---|---|"]
