@@ -176,12 +176,17 @@ def test_a_bad_backend_is_refused_in_one_line(tmp_path, capsys):
 def test_kvbench_families_come_in_with_random_parameters():
     caps = NumpyPaged.capabilities
     drawn = {}
-    for i in range(300):  # salted prompts come from keyed histories only: rarely
+    families = {name for name, _ in R.FAMILY_SOURCES}
+    for i in range(1000):  # salted prompts come from keyed histories only: rarely
         trace, settings, kinds = R.random_history(0, i, caps)
         if kinds and kinds[0].startswith("family "):
             drawn.setdefault(trace.header.params["family"], trace)
             assert settings.max_len == max(trace.final_lengths().values())
-    assert set(drawn) == {name for name, _ in R.FAMILY_SOURCES}
+        if set(drawn) == families:
+            break
+    assert set(drawn) == families
+    edges = drawn["eviction_edges"]  # run at the budget it was built for
+    assert R.random_history(0, int(edges.name.rsplit("-", 1)[1]), caps)[1].budget == "as generated"
     beams = drawn["fork_trees"]
     assert any(isinstance(op, Fork) for op in beams.ops) and beams.header.params["family_params"]
     # Without fork, no family that forks: a continuous-batching stream only.

@@ -170,9 +170,11 @@ class _Configured:
     config: CacheConfig
 
 
-def budget_for(mode: str, peak: int, tight: float) -> int:
+def budget_for(mode: str, peak: int, tight: float, own: int | None = None) -> int:
     """The budget of a history set ``mode`` against its ``peak`` (``tight`` in [0, 1) places a
-    tight one between a block and the peak)."""
+    tight one between a block and the peak; ``own``: the budget a family's trace was built for)."""
+    if mode == "as generated":
+        return own
     return max(1, {"exact": peak, "one short": peak - 1, "one over": peak + 1,
                    "tight": 1 + int(tight * peak), "roomy": 2 * peak}[mode])
 
@@ -265,7 +267,7 @@ class Campaign:
                                + ["salts and adapters"] * settings.keyed)
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
-        config = settings.config(budget_for(settings.budget, peak, settings.tight))
+        config = settings.config(budget_for(settings.budget, peak, settings.tight, settings.own_blocks))
         try:
             backend = self.entry.create(config)
         except BackendUnavailable as e:

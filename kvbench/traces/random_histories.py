@@ -34,13 +34,14 @@ from kvbench.contract.formulas import get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
 from kvbench.traces.builder import _Builder
 from kvbench.traces.format import Header, Trace, validate
+from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
 
 GENERATOR = "kvbench.traces.random_histories v1"
 BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 32)
 LARGE_BLOCK = 256  # a full block of 256 tokens: a one-byte fill counter wraps to 0
 LARGE_BLOCK_RATE = 0.03
-BUDGETS = ("exact", "one short", "one over", "tight", "roomy")
+BUDGETS = ("exact", "one short", "one over", "tight", "roomy")  # and "as generated" (a family's)
 PREFIXES = 3  # shared prefixes a cached prompt opens with
 # (salt, adapter) of a keyed prompt: "s0" names a salt and an adapter, so that a hash that does
 # not tag which is which mixes them up.
@@ -64,6 +65,7 @@ class Settings:
     tenants: dict = field(default_factory=dict)
     budget: str = "roomy"
     tight: float = 0.5  # where a "tight" budget lies between one block and the peak, in [0, 1)
+    own_blocks: int | None = None  # the budget a family's trace was built for ("as generated")
     max_len: int = 64  # longest a sequence grows
     ops: int = 32
 
@@ -111,7 +113,8 @@ def draw_settings(rng, caps: Capabilities) -> Settings:
     max_blocks = int(rng.integers(2, 21 if B <= 4 else 9))
     max_len = B * max_blocks if B < LARGE_BLOCK else 3 * B
     ops = int(rng.integers(8, 61))
-    return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight, max_len, ops)
+    return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight,
+                    max_len=max_len, ops=ops)
 
 
 # --- the operations ----------------------------------------------------------------------------
@@ -322,6 +325,9 @@ def _family_params(name: str, rng, s: Settings) -> dict:
     if name == "salted_prefixes":
         return dict(rounds=n(1, 2), prompt_blocks=(1, max(1, hi // B // 2)), own_tokens=(1, B),
                     output=(1, B), block_size=max(2, B))
+    if name in OWN_BUDGET:
+        return dict(block_size=int(rng.choice([4, 8, 16])), num_blocks=n(16, 24), rounds=n(1, 2),
+                    tenants={"t0": 1, "t1": 2})
     if name == "window_decode":
         return dict(rounds=1, block_size=int(rng.choice([4, 8, 16])))  # block_size=2: low > high
     raise ValueError(f"no random parameters for family {name!r}")
@@ -334,15 +340,18 @@ FAMILY_SOURCES = (
     ("prefix_sharing", lambda c, s: c.fork and s.prefix_caching),
     ("salted_prefixes", lambda c, s: s.keyed),
     ("window_decode", lambda c, s: c.fork and c.groups and c.layout == "paged"),
+    ("eviction_edges", lambda c, s: c.fork),
+    ("decode_edges", lambda c, s: c.fork),
 )
+OWN_BUDGET = ("eviction_edges", "decode_edges")  # built for their own budget: always run at it
 FAMILY_RATE = 0.2  # histories drawn from a family instead of from OP_KINDS
 
 
 def _family_history(rng, settings: Settings, caps: Capabilities):
     """A family's trace with random parameters, and the settings it runs under (its block size,
-    its model, its longest sequence, its tenants with drawn weights); None when no family fits."""
-    from kvbench.traces.generators import generate  # the families import this module's neighbours
-
+    its longest sequence, its tenants with drawn weights; for a family that sets its own budget,
+    its model and, always for the edge families and else half the time, that budget); None when
+    no family fits."""
     usable = [name for name, needs in FAMILY_SOURCES if needs(caps, settings)]
     if not usable:
         return None
@@ -353,10 +362,13 @@ def _family_history(rng, settings: Settings, caps: Capabilities):
     tenants = sorted(set(t.tenant_of().values()))
     weights = list(settings.tenants.values())
     settings = replace(settings, block_size=s.get("block_size", settings.block_size),
-                       model=s.get("model", settings.model),
-                       groups=tuple(t.header.groups) if name == "window_decode" else settings.groups,
                        max_len=max(t.final_lengths().values()),
                        tenants={x: weights[i % len(weights)] for i, x in enumerate(tenants)})
+    if "num_blocks" in s:  # its budget is for its own model
+        own = name in OWN_BUDGET or rng.random() < 0.5
+        settings = replace(settings, model=s.get("model", "tiny"), groups=tuple(t.header.groups),
+                           budget="as generated" if own else settings.budget,
+                           own_blocks=int(s["num_blocks"]))
     return t.ops, [f"family {name}"], settings, {"family": name, "family_params": t.header.params,
                                                  "family_seed": t.header.seed}
 
