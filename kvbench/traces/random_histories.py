@@ -17,8 +17,8 @@ sequence (the wide decode path), forks, a fork and a write into the tail it shar
 blocks left for later prompts). A new operation (a tier move, a lifecycle step) is one more
 :class:`OpKind` in the list, with its ``needs`` predicate. One history in five comes instead
 from one of kvbench's own families (:data:`FAMILY_SOURCES`: beam search and parallel sampling,
-continuous batching, shared prefixes, salted prompts, window edges) with random parameters,
-under the same drawn budget and policy.
+continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges)
+with random parameters, under the drawn policy and budget, or the budget it was built for.
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
 (seed, index, capabilities) gives the same trace, byte for byte.
