@@ -16,6 +16,7 @@ class Progress:
         self.total, self.desc, self.unit, self.every = total, desc, unit, every
         self.stream = stream or sys.stderr
         self.done = 0
+        self.postfix = ""  # what else to show beside the count (note())
         self.started = self.last = time.monotonic()
         self.bar = None
         if getattr(self.stream, "isatty", lambda: False)():
@@ -37,10 +38,17 @@ class Progress:
             self.stream.write(f"{self.line(now)}\n")
             self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """Show ``text`` beside the count (rates, what was found so far)."""
+        self.postfix = text
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+
     def line(self, now: float | None = None) -> str:
         of = f"/{self.total}" if self.total is not None else ""
+        note = f", {self.postfix}" if self.postfix else ""
         return (f"{self.desc}: {self.done}{of} {self.unit} "
-                f"({(now or time.monotonic()) - self.started:.0f} s)")
+                f"({(now or time.monotonic()) - self.started:.0f} s{note})")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -70,6 +70,10 @@ def applicable(trace: Trace, backend: Backend) -> str:
     policy = backend.config.policy
     if policy and policy not in caps.eviction:
         return f"{backend.name} does not implement eviction policy {policy!r}"
+    if backend.config.prefix_caching and caps.prefix_caching and not caps.cache_salt and _salted(trace):
+        # Its cache would share blocks across the salts and adapters it is never told (SPEC §9).
+        return (f"{backend.name} does not declare cache_salt: it cannot take the salts, adapters "
+                f"or token ids this trace's prompts carry")
     return _lifecycle_applicable(lifecycle(trace), backend) or tier_replay.applicable(trace, backend)
 
 
@@ -163,22 +167,26 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
         verdict.skipped["blocks"] = f"{caps.layout} layout has no blocks"
     if not caps.copy_on_write and caps.layout == "paged":
         verdict.skipped["copy-on-write"] = "declared unsupported"
+    oracle = oracle_for(trace, backend, verdict.skipped)
+    if trace.header.tiers:
+        backend.attach_tiers(trace.header.tiers)
+    return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
+                   writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
+
+
+def oracle_for(trace: Trace, backend: Backend, skipped: dict | None = None) -> Oracle:
+    """The oracle check() holds ``backend`` to on ``trace``: its settings and capabilities, prefix
+    caching off where the backend does not declare it (or the salts the trace names); why goes
+    into ``skipped``."""
+    caps, skipped = backend.capabilities, {} if skipped is None else skipped
     caching = backend.config.prefix_caching and caps.prefix_caching
     if backend.config.prefix_caching and not caps.prefix_caching:
-        verdict.skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
-    elif caching and not caps.cache_salt and _salted(trace):
-        caching = False
-        verdict.skipped["prefix caching"] = (f"{backend.name} does not declare cache_salt and the "
-                                             f"trace salts its prompts: replayed without")
+        skipped["prefix caching"] = f"{backend.name} does not declare it: replayed without"
     layout = "paged" if caps.layout == "paged" else "contiguous"
     config = dataclasses.replace(backend.config, prefix_caching=caching)
     if trace.header.tiers:
-        oracle = TieredOracle(config, layout, caps, trace.header.tiers)
-        backend.attach_tiers(trace.header.tiers)
-    else:
-        oracle = Oracle(config, layout=layout, capabilities=caps)
-    return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
-                   writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
+        return TieredOracle(config, layout, caps, trace.header.tiers)
+    return Oracle(config, layout=layout, capabilities=caps)
 
 
 def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized,

@@ -1,0 +1,82 @@
+"""`kvbench fuzz --backend B`: random histories over random settings against one backend, every
+failure shrunk to NAME.min.jsonl and a pytest case in --out, with a summary (summary.json,
+summary.md) of what was found and what was reached.
+
+Exit status: 0 when nothing was found, 1 when something was (or the harness could not check a
+history), 2 for bad input or a backend that cannot run, 130 when interrupted with nothing found.
+Ctrl-C keeps every finding and the summary so far.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kvbench.checking.fuzz import DEFAULT_SHRINK_ATTEMPTS, DEFAULT_SHRINK_SECONDS, Campaign
+from kvbench.cli import options
+from kvbench.contract import registry
+from kvbench.outputs import check_writable
+from kvbench.progress import Progress
+
+DEFAULT_MINUTES = 5.0
+
+
+def cmd_fuzz(args) -> int:
+    try:
+        entry = registry.resolve(args.backend)
+    except ValueError as e:
+        raise options.UsageError(f"--backend {args.backend}: {e}") from None
+    ok, why = entry.available()
+    if not ok:
+        raise options.UsageError(f"--backend {args.backend}: cannot run here: {why}")
+    out = check_writable(args.out, option="--out", folder=True)
+    minutes = args.minutes if args.minutes is not None or args.max_histories else DEFAULT_MINUTES
+    bar = None if args.quiet else Progress(args.max_histories, "fuzz", "histories")
+    try:
+        c = Campaign(entry, out, seed=args.seed, max_histories=args.max_histories,
+                     seconds=None if minutes is None else minutes * 60,
+                     shrink_seconds=args.shrink_seconds, shrink_attempts=args.shrink_attempts,
+                     gather=args.gather, first=args.first, progress=bar).run()
+    finally:
+        if bar is not None:
+            bar.close()
+    s = c.summary()
+    print(f"{args.backend}: {s['histories']} histories, {s['operations']:,} operations, "
+          f"{s['histories_per_minute']} histories per minute ({c.stopped})")
+    for f in s["findings"]:
+        d = f["divergence"]
+        print(f"FAIL {f['name']}: {f['kind']} at {f['site']} (x{f['count']}), shrunk "
+              f"{f['ops_before']} -> {f['ops_after']} ops: step {d['step']} {d['quantity']} "
+              f"expected {d['expected']!r}, got {d['actual']!r}")
+    for e in s["errors"][:3]:
+        print(f"ERROR history {e['history']}: {e['error']}", file=sys.stderr)
+    missed = s["coverage"]["edges not reached"]
+    print(f"reached {len(s['coverage']['edges']) - len(missed)} of {len(s['coverage']['edges'])} "
+          f"edge conditions" + (f"; not: {', '.join(missed)}" if missed else ""))
+    print(f"wrote {out / 'summary.md'}")
+    if s["findings"] or s["errors"]:
+        return options.EXIT_FAIL
+    return options.EXIT_INTERRUPTED if c.stopped == "interrupted" else options.EXIT_OK
+
+
+def register(sub) -> None:
+    p = sub.add_parser("fuzz", help="random histories against a backend, each failure shrunk to a "
+                                    "reproducer", description=__doc__)
+    p.add_argument("--backend", required=True, help="backend name or package.module:Factory")
+    p.add_argument("--minutes", type=options.positive_float,
+                   help=f"stop after this long (default {DEFAULT_MINUTES:g}, unless "
+                        f"--max-histories is given); a shrink in progress finishes")
+    p.add_argument("--max-histories", type=options.positive_int,
+                   help="stop after this many histories (deterministic under --seed)")
+    p.add_argument("--seed", type=options.nonnegative_int, default=0,
+                   help="the campaign's seed: the same seed makes the same histories (default 0)")
+    p.add_argument("--out", default="fuzz-out", help="folder for the findings and the summary "
+                                                     "(default fuzz-out)")
+    p.add_argument("--shrink-seconds", type=options.positive_float, default=DEFAULT_SHRINK_SECONDS,
+                   help=f"time for shrinking one finding (default {DEFAULT_SHRINK_SECONDS:g})")
+    p.add_argument("--shrink-attempts", type=options.positive_int, default=DEFAULT_SHRINK_ATTEMPTS,
+                   help=f"replays for shrinking one finding (default {DEFAULT_SHRINK_ATTEMPTS})")
+    p.add_argument("--gather", choices=["touched", "all", "end", "none"], default="touched",
+                   help="which K/V the checker reads back (check()'s gather; default touched)")
+    p.add_argument("--first", action="store_true", help="stop at the first finding")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=cmd_fuzz)
