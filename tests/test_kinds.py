@@ -1,0 +1,216 @@
+"""SPEC §12: cache kinds beyond K and V per layer, KV formats and pages of unequal groups.
+
+Every expected figure is hand arithmetic from the presets' public configs (cited in formulas.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.contract import formulas as F
+
+GiB = 2**30
+
+
+# --- bytes per token and block bytes of the 2026 presets --------------------------------
+
+@pytest.mark.parametrize("name,per_token", [
+    ("deepseek-v3", 70_272),  # 70,272 = 61 layers * 576 * 2 bytes
+    ("deepseek-v3-fp8", 40_016),  # 40,016 = 61 layers * (512 + 4 * 4 + 64 * 2) bytes
+    ("kimi-k2", 70_272),  # 70,272 = 61 layers * (512 + 64) * 2 bytes
+    ("llama-4-scout", 196_608),  # 196,608 = 2 * 48 layers * 8 heads * 128 * 2 bytes
+    ("gpt-oss-20b", 49_152),  # 49,152 = 2 * 24 * 8 * 64 * 2
+    ("gpt-oss-120b", 73_728),  # 73,728 = 2 * 36 * 8 * 64 * 2
+    ("qwen3-next-80b-a3b", 24_576),  # 24,576 = 2 * 12 full layers * 2 heads * 256 * 2 (state: none)
+    ("jamba-v0.1", 16_384),  # 16,384 = 2 * 4 attention layers * 8 * 128 * 2
+    ("gemma-3-12b", 393_216),  # 393,216 = 2 * 48 * 8 * 256 * 2
+    ("llama-3-8b-fp8", 65_536),  # 65,536 = 2 * 32 * 8 * 128 * 1 byte
+    ("llama-3-8b-fp8-token-head", 67_584),  # 67,584 = 2 * 32 * 8 * (128 + 4-byte scale)
+    ("llama-3-8b-nvfp4", 36_864),  # 36,864 = 2 * 32 * 8 * (128/2 + 128/16)
+])
+def test_bytes_per_token_of_each_preset(name, per_token):
+    assert F.get_model(name).bytes_per_token == per_token
+
+
+@pytest.mark.parametrize("name,block", [
+    ("deepseek-v3", 1_124_352),  # 1,124,352 = 16 * 70,272 (one group of all 61 layers)
+    ("llama-4-scout", 786_432),  # 786,432 = 16 * 2 * 12 layers per group * 8 * 128 * 2
+    ("gpt-oss-20b", 393_216),  # 393,216 = 16 * 2 * 12 * 8 * 64 * 2
+    ("qwen3-next-80b-a3b", 393_216),  # 393,216 = 16 * 2 * 12 * 2 * 256 * 2
+    ("jamba-v0.1", 262_144),  # 262,144 = 16 * 2 * 4 * 8 * 128 * 2
+])
+def test_block_bytes_of_each_preset(name, block):
+    assert F.block_bytes(16, F.get_model(name)) == block
+
+
+def test_state_bytes_and_blocks():
+    qwen = F.get_model("qwen3-next-80b-a3b")
+    # 1,097,728 = (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 2 bytes, per layer
+    assert qwen.kv_groups[0].state_bytes == 1_097_728
+    assert qwen.state_bytes == 39_518_208  # 36 layers * 1,097,728
+    # 34 = ceil(12 * 1,097,728 / 393,216) = ceil(33.5)
+    assert F.state_blocks(qwen.kv_groups[0], 393_216) == 34
+    # 196,608 = 34 * 393,216 - 12 * 1,097,728: the last block's padding
+    assert F.padding_bytes(16, qwen, qwen.kv_groups[0]) == 196_608
+    jamba = F.get_model("jamba-v0.1")
+    assert [g.family for g in jamba.kv_groups] == ["state"] * 7 + ["full"]
+    assert jamba.kv_groups[-1].layers == (4, 12, 20, 28)  # attn_layer_period 8, offset 4
+    # 5 = ceil(4 * 311,296 / 262,144) = ceil(4.75)
+    assert F.state_blocks(jamba.kv_groups[0], 262_144) == 5
+
+
+def test_per_tensor_scales_are_counted_once():
+    # 256 = 2 (K, V) * 32 layers * 4 bytes
+    assert F.get_model("llama-3-8b-fp8").tensor_scale_bytes == 256
+    assert F.get_model("llama-3-8b-nvfp4").tensor_scale_bytes == 256
+    assert F.get_model("llama-3-8b-fp8-token-head").tensor_scale_bytes == 0
+    assert F.get_model("llama-3-8b").tensor_scale_bytes == 0
+
+
+# --- the largest concurrency at 8k / 32k / 128k ------------------------------------------
+
+@pytest.mark.parametrize("name,length,expected", [
+    # 149 = floor(80 GiB / (8192 * 70,272)) = floor(85,899,345,920 / 575,668,224) = floor(149.2)
+    ("deepseek-v3", 8192, 149),
+    # 9 = floor(85,899,345,920 / (131,072 * 70,272)) = floor(9.33)
+    ("deepseek-v3", 131072, 9),
+    # Llama-4-Scout at 8k: 3 chunked groups * 512 blocks (ceil(8191/16) = 512, B divides C) +
+    # 512 full = 2,048 blocks of 786,432: 53 = floor(85,899,345,920 / 1,610,612,736)
+    ("llama-4-scout", 8192, 53),
+    # at 128k: 3 * 512 + 8,192 = 9,728 blocks: 11 = floor(85,899,345,920 / 7,650,410,496)
+    ("llama-4-scout", 131072, 11),
+    # gpt-oss-20b at 32k: sliding ceil(127/16) + 1 = 9 blocks + full 2,048 = 2,057 blocks of
+    # 393,216: 106 = floor(85,899,345,920 / 808,845,312) = floor(106.2)
+    ("gpt-oss-20b", 32768, 106),
+    # Qwen3-Next at 8k: 3 states * 34 blocks + 512 full = 614 blocks of 393,216:
+    # 355 = floor(85,899,345,920 / 241,434,624) = floor(355.8)
+    ("qwen3-next-80b-a3b", 8192, 355),
+    # llama-3-8b-fp8 at 8k: (85,899,345,920 - 256) // (8192 * 65,536) = 159 (160 less the scales)
+    ("llama-3-8b-fp8", 8192, 159),
+])
+def test_concurrency_from_the_formulas(name, length, expected):
+    assert F.budget_concurrency(80 * GiB, length, F.get_model(name), 16) == expected
+
+
+def test_padded_concurrency_is_the_block_count_formula():
+    """With padded pages, floor(budget / (n * block_bytes)) = floor(floor(budget/block_bytes) / n)."""
+    for name in ("llama-4-scout", "gpt-oss-120b", "jamba-v0.1"):
+        m = F.get_model(name)
+        blocks = 80 * GiB // F.block_bytes(16, m)
+        for x in (8192, 32768, 131072):
+            assert F.budget_concurrency(80 * GiB, x, m, 16) == F.max_concurrency(blocks, x, m, 16)
+
+
+def test_pages_padded_vs_pools():
+    """An mla(8) group beside a full group of 2 heads of 8: slots of 2 * 8 * 2 = 32 and 2 * 2 * 2
+    * 8 * 2 = 128 bytes per token; padded, every page is 16 * 128 = 2,048 bytes."""
+    groups = (F.KVGroup((0, 2), latent=8), F.KVGroup((1, 3)))
+    padded = F.ModelSpec("m", 4, 2, 8, groups=groups)
+    pools = F.ModelSpec("m", 4, 2, 8, groups=groups, pages="pools")
+    assert padded.bytes_per_token == 160  # 32 + 128
+    assert F.block_bytes(16, padded) == 2048
+    assert F.padding_bytes(16, padded, groups[0]) == 1536  # 2,048 - 16 * 32
+    assert F.padding_bytes(16, pools, groups[0]) == 0
+    # 100 tokens: 7 blocks per group (ceil(100/16)). Padded: 14 * 2,048 = 28,672 bytes; pools:
+    # 7 * 512 + 7 * 2,048 = 17,920.
+    assert F.request_bytes(100, padded, 16) == 28_672
+    assert F.request_bytes(100, pools, 16) == 17_920
+
+
+# --- release rules and held blocks -------------------------------------------------------
+
+def test_chunked_holds_only_the_current_chunk():
+    g = F.KVGroup((0,), chunk=32)
+    # 70 tokens, chunk 32: the chunk starts at 64 = floor(70/32) * 32: blocks 0..7 of 8 released
+    assert F.released_blocks(70, g, 8) == range(8)
+    assert F.held_blocks(70, g, 8) == [8]
+    # exactly 64: the next token's chunk starts at 64, nothing of it written yet
+    assert F.held_blocks(64, g, 8) == []
+    # a chunk that is not a multiple of the block: C = 20, T = 45 -> start 40, block 5 (40..47)
+    assert F.held_blocks(45, F.KVGroup((0,), chunk=20), 8) == [5]
+
+
+def test_sinks_keep_their_blocks():
+    g = F.KVGroup((0,), sinks=(8, 24))
+    # 100 tokens: window starts at 100 - 24 + 1 = 77, block 9 (72..79); sinks in block 0
+    assert F.released_blocks(100, g, 8) == range(1, 9)
+    assert F.held_blocks(100, g, 8) == [0, 9, 10, 11, 12]
+    # S = 9 spans 2 blocks of 8: both kept
+    assert F.held_blocks(100, F.KVGroup((0,), sinks=(9, 24)), 8)[:2] == [0, 1]
+    # short: nothing released while the window still reaches the sinks
+    assert F.released_blocks(20, g, 8) == range(1, 1)
+
+
+def test_kind_blocks_bounds():
+    B, bb = 16, 2048
+    # chunked(8192), B = 16 divides C: 512 = ceil(8191/16); chunked(100): ceil(99/16) + 1 = 8
+    assert F.kind_blocks(10**6, F.KVGroup((0,), chunk=8192), B, bb) == 512
+    assert F.kind_blocks(10**6, F.KVGroup((0,), chunk=100), B, bb) == 8
+    assert F.kind_blocks(40, F.KVGroup((0,), chunk=8192), B, bb) == 3  # ceil(40/16), below a chunk
+    # sinks(4, 128): 1 + ceil(127/16) + 1 = 10
+    assert F.kind_blocks(10**6, F.KVGroup((0,), sinks=(4, 128)), B, bb) == 10
+    # mla: every block, like full
+    assert F.kind_blocks(100, F.KVGroup((0,), latent=576), B, bb) == 7
+
+
+# --- parsing, with clear errors ----------------------------------------------------------
+
+@pytest.mark.parametrize("text,fields", [
+    ("full", {}), ("sliding(4096)", {"window": 4096}), ("chunked(8192)", {"chunk": 8192}),
+    ("sinks(4, 1024)", {"sinks": (4, 1024)}), ("mla(576)", {"latent": 576}),
+    ("state(1097728)", {"state_bytes": 1097728}),
+])
+def test_parse_kind(text, fields):
+    assert F.parse_kind(text) == fields
+    assert F.KVGroup((0,), **fields).kind == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("chunked", r"not a KV cache group kind: 'chunked' \(chunked\(chunk\) takes 1"),
+    ("sinks(4)", r"sinks\(S, W\) takes 2"),
+    ("mla(x)", "not a KV cache group kind: 'mla\\(x\\)'"),
+    ("state(0)", "a state is at least 1 byte"),
+    ("chunked(0)", "a chunk is at least 1 token"),
+    ("ring(3)", "not a KV cache group kind: 'ring\\(3\\)'"),
+])
+def test_bad_kinds_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        F.parse_kind(text)
+
+
+def test_bad_models_are_refused():
+    with pytest.raises(ValueError, match="one kind per group, got window, chunk"):
+        F.KVGroup((0,), window=4, chunk=8)
+    with pytest.raises(ValueError, match="sinks must be \\(S, W\\)"):
+        F.KVGroup((0,), sinks=(4,))
+    with pytest.raises(ValueError, match="kv_encoding must be one of"):
+        F.ModelSpec("m", 1, 1, 16, kv_encoding="fp4")
+    with pytest.raises(ValueError, match="head_dim 24 is not a multiple of 16"):
+        F.ModelSpec("m", 1, 1, 24, kv_encoding="nvfp4")
+    with pytest.raises(ValueError, match="state groups only"):
+        F.ModelSpec("m", 1, 1, 16, groups=(F.KVGroup((0,), state_bytes=64),))
+
+
+def test_group_kinds_from_a_header():
+    m = F.with_group_kinds(F.get_model("tiny"), ["chunked(32)", "full"])
+    assert [g.kind for g in m.kv_groups] == ["chunked(32)", "full"]
+    assert F.with_group_kinds(F.get_model("tiny-chunked"), ["chunked(32)", "full"]) is F.get_model("tiny-chunked")
+
+
+# --- kvbench list-models -----------------------------------------------------------------
+
+def test_list_models_prints_the_formulas(capsys):
+    assert main(["list-models", "--models", "deepseek-v3,llama-4-scout", "--budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    # deepseek-v3: 70,272 B/token, 1,124,352 B/block, 149 / 37 / 9 at 8k / 32k / 128k
+    # (37 = floor(85,899,345,920 / (32,768 * 70,272)) = floor(37.3))
+    assert rows["deepseek-v3"][-3:] == ["149", "37", "9"]
+    assert "70272" in rows["deepseek-v3"] and "1124352" in rows["deepseek-v3"]
+    # llama-4-scout at 32k: 3 * 512 + 2,048 = 3,584 blocks of 786,432: 30 = floor(30.5)
+    assert rows["llama-4-scout"][-3:] == ["53", "30", "11"]
+
+
+def test_list_models_names_a_bad_model(capsys):
+    assert main(["list-models", "--models", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
