@@ -517,6 +517,15 @@ class StepsPackHighNibbleFirst(Int4StepsPool):
         return qt
 
 
+class SinkReleasedEarly(NumpyPaged):
+    """A sinks(S, W) group slides like sliding(W): the blocks holding the first S tokens go
+    back with the window's, though the sequence still attends to them (SPEC §12)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.kept = [0] * self.G
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -557,6 +566,7 @@ CATALOGUE = [
         False),
     Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
         False),
+    Bug("a sink block released with the window", "kvbench #25", SinkReleasedEarly, True),
     Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,
         False),
     Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,

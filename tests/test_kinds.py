@@ -4,10 +4,18 @@ Every expected figure is hand arithmetic from the presets' public configs (cited
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from conftest import backends
+from test_hybrid import passes, trace
 
+from impls.faults import SinkReleasedEarly
+from kvbench.checking.checker import check
+from kvbench.checking.oracle import Oracle
 from kvbench.cli import main
 from kvbench.contract import formulas as F
+from kvbench.contract import registry
+from kvbench.contract.protocol import CacheConfig, kv_tokens
 
 GiB = 2**30
 
@@ -194,7 +202,8 @@ def test_bad_models_are_refused():
 def test_group_kinds_from_a_header():
     m = F.with_group_kinds(F.get_model("tiny"), ["chunked(32)", "full"])
     assert [g.kind for g in m.kv_groups] == ["chunked(32)", "full"]
-    assert F.with_group_kinds(F.get_model("tiny-chunked"), ["chunked(32)", "full"]) is F.get_model("tiny-chunked")
+    kinds = ["chunked(32)"] * 3 + ["full"]
+    assert F.with_group_kinds(F.get_model("tiny-chunked"), kinds) is F.get_model("tiny-chunked")
 
 
 # --- kvbench list-models -----------------------------------------------------------------
@@ -214,3 +223,130 @@ def test_list_models_prints_the_formulas(capsys):
 def test_list_models_names_a_bad_model(capsys):
     assert main(["list-models", "--models", "nope"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+# --- chunked and sinks groups in the oracle and the pools (SPEC §12) -----------------------
+
+CHUNKED = F.get_model("tiny-chunked")  # chunked(32) on layers 0, 1, 2 (a group each), full on 3
+SINKS = F.get_model("tiny-sinks")  # sinks(8, 24) on layers 0, 2; full on 1, 3
+RELEASING = backends("paged", where=lambda caps: caps.groups)
+
+
+def kinds_config(model, block_size=8, num_blocks=64, **kw) -> CacheConfig:
+    return CacheConfig(model=model, block_size=block_size, num_blocks=num_blocks, **kw)
+
+
+def runs(model):
+    """The paged backends that declare the model's kinds (the rest are n/a, with the reason)."""
+    return [n for n in RELEASING
+            if {g.family for g in model.kv_groups} <= set(registry.resolve(n).load().capabilities.kinds)]
+
+
+def test_a_chunked_group_holds_only_its_current_chunk():
+    o = Oracle(kinds_config(CHUNKED))
+    o.prefill(0, 70, "t", 80, step=0)
+    # 70 tokens over blocks of 8: 9 blocks in the full group; each chunked group holds the
+    # blocks of [64, 70) (the chunk from floor(70/32) * 32 = 64): block 8 only.
+    assert o.expected_ledger().group_blocks == (1, 1, 1, 9)
+    o.append([0], [26], step=1)  # 96 tokens: the chunk starts at 96, nothing of it written
+    assert o.expected_ledger().group_blocks == (0, 0, 0, 12)
+    o.append([0], [1], step=2)  # 97: a new block 12 in every group
+    assert o.expected_ledger().group_blocks == (1, 1, 1, 13)
+    assert o.released_spans(0)[0] == (0, 96)
+
+
+def test_a_sinks_group_keeps_the_sinks_block():
+    o = Oracle(kinds_config(SINKS))
+    o.prefill(0, 100, "t", 120, step=0)
+    # Full: ceil(100/8) = 13 blocks. Sinks: block 0 (the first 8 tokens) and the window's
+    # [100 - 24 + 1, 100) = [77, 100): blocks 9..12; blocks 1..8 released.
+    assert o.expected_ledger().group_blocks == (5, 13)
+    assert [b is not None for b in o.seqs[0].tables[0]] == [True] + [False] * 8 + [True] * 4
+    assert o.released_spans(0) == ((8, 72), (0, 0))
+    o.fork(1, 0, 120, step=1)
+    o.append([1], [8], step=2)  # the child at 108: window from 85 // 8 = 10; block 9 goes
+    assert [b is not None for b in o.seqs[1].tables[0]] == [True] + [False] * 9 + [True] * 4
+
+
+@pytest.mark.parametrize("model", [CHUNKED, SINKS], ids=lambda m: m.name)
+def test_pools_replay_chunks_and_sinks(model):
+    t = trace(("p", 0, 100), ("a", {0: 12}), ("p", 1, 40), ("k", 2, 1), ("a", {1: 30, 2: 5}),
+              ("a", {0: 1, 1: 1, 2: 1}), ("x", 1), ("a", {0: 40, 2: 3}), ("x", 0), ("x", 2))
+    names = runs(model)
+    assert {"numpy", "torch"} <= set(names)
+    for policy in (None, "lru"):
+        passes(t, kinds_config(model, num_blocks=60, policy=policy), names)
+
+
+def test_a_chunked_hit_needs_only_the_current_chunk():
+    """A prompt of 40 tokens, then freed: a hit of L = 5 blocks needs the full group's 5 and
+    the chunked groups' blocks of [32, 40) only (block 4), the chunk at floor(40/32) * 32."""
+    ids = {"token_ids": tuple(range(40))}
+    cfg = kinds_config(CHUNKED, num_blocks=24, prefix_caching=True)
+    o = Oracle(cfg)
+    o.prefill(0, 40, "t", 40, 0, token_ids=ids["token_ids"])
+    o.free(0)
+    o.prefill(1, 40, "t", 40, 2, token_ids=ids["token_ids"])
+    assert o.hit_blocks == 8  # 5 full + 3 chunked groups * 1
+    passes(trace(("p", 0, 40, ids), ("x", 0), ("p", 1, 40, ids)), cfg, runs(CHUNKED))
+
+
+def test_a_sinks_hit_needs_the_sinks_block():
+    """sinks(8, 24) over blocks of 8 and a prompt of 48: the hit of 6 blocks needs block 0 and
+    the window's [25, 48) (blocks 3..5) cached in the sinks group."""
+    ids = {"token_ids": tuple(range(48))}
+    cfg = kinds_config(SINKS, num_blocks=16, prefix_caching=True)
+    o = Oracle(cfg)
+    o.prefill(0, 48, "t", 48, 0, token_ids=ids["token_ids"])
+    # 12 blocks: sinks group 0..5, full 6..11; the prefill releases sinks blocks 1, 2 (the
+    # window from (48 - 23) // 8 = 3), tail first
+    assert o.block_state().cached == [2, 1]
+    o.free(0)
+    o.prefill(1, 48, "t", 48, 2, token_ids=ids["token_ids"])
+    assert o.hit_blocks == 10  # 6 full + sinks blocks 0, 3, 4, 5
+    assert o.seqs[1].tables[0][:3] == [0, None, None]
+    passes(trace(("p", 0, 48, ids), ("x", 0), ("p", 1, 48, ids)), cfg, runs(SINKS))
+
+
+def test_kinds_a_pool_does_not_run_are_not_applicable():
+    v = check(trace(("p", 0, 10)), registry.create("contiguous-oracle", kinds_config(SINKS)))
+    assert v.valid is None
+    assert v.not_applicable == ("contiguous does not run sinks groups (SPEC §12), and model "
+                                "tiny-sinks has sinks(8,24), full")
+
+
+def test_a_sink_block_released_early_is_caught():
+    t = trace(("p", 0, 100))
+    v = check(t, SinkReleasedEarly(kinds_config(SINKS)))
+    # 5 + 13 blocks (above) expected; with the sinks' block released, 4 + 13
+    assert (v.valid, v.divergence.quantity, v.divergence.expected, v.divergence.actual) == \
+        (False, "blocks_used", 18, 17)
+
+
+# --- mla(d): one latent per token per layer ----------------------------------------------
+
+MLA = F.get_model("tiny-mla")
+
+
+def test_an_mla_model_stores_one_latent_per_token_per_layer():
+    assert MLA.bytes_per_token == 48  # 48 = 2 layers * 12 * 2 bytes: no factor 2, no H_kv
+    assert F.block_bytes(8, MLA) == 384  # 384 = 8 * 48
+    assert MLA.kv_shape == (1, 2, 1, 12)  # [1, layers, 1, d]: the K/V checks run unchanged
+    assert F.get_model("deepseek-v3").kv_shape == (1, 61, 1, 576)
+    assert F.get_model("llama-3-8b").kv_shape == (2, 32, 8, 128)
+    mixed = F.ModelSpec("m", 4, 1, 8, groups=(F.KVGroup((0, 2), latent=8), F.KVGroup((1, 3))))
+    with pytest.raises(ValueError, match="a model mixing them has formulas only"):
+        mixed.kv_shape
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "contiguous-oracle"])
+def test_pools_hold_the_latents(name):
+    cfg = kinds_config(MLA, num_blocks=16)
+    backend = registry.create(name, cfg)
+    backend.prefill(0, 20, kv_tokens([0] * 20, range(20), MLA, np.float16), final_tokens=20)
+    got = np.asarray(backend.gather(0))
+    assert got.shape == (20, 1, 2, 1, 12)
+    assert np.array_equal(got, kv_tokens([0] * 20, range(20), MLA, np.float16))
+    if name != "contiguous-oracle":  # ceil(20/8) = 3 blocks of 384 bytes
+        assert backend.ledger().bytes_in_use == 3 * 384
+    passes(trace(("p", 0, 20), ("k", 1, 0), ("a", {1: 5, 0: 12}), ("x", 0), ("x", 1)), cfg, [name])

@@ -72,7 +72,8 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "prefix-reuse", "prefix-tenants",
              "hybrid-windows",
              "edge-refusals", "edge-eviction", "fork-wide", "long-history",
-             "prefix-salts", "edge-decode", "hybrid-decode"]
+             "prefix-salts", "edge-decode", "hybrid-decode",
+             "variant-chunked", "variant-sinks", "variant-mla"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
                 "edge-eviction", "edge-decode"]

@@ -63,6 +63,10 @@ def applicable(trace: Trace, backend: Backend) -> str:
     if model.hybrid and not caps.groups:
         return (f"{backend.name} does not run KV cache groups or sliding windows, and model "
                 f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
+    missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
+    if missing:
+        return (f"{backend.name} does not run {' or '.join(missing)} groups (SPEC §12), and "
+                f"model {model.name} has {', '.join(g.kind for g in model.kv_groups)}")
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
@@ -248,8 +252,7 @@ class _Replay:
             return None
         if fits:
             return build()
-        row = np.zeros((1, 2, self.model.layers, self.model.kv_heads, self.model.head_dim),
-                       self.dtype)  # writable, so that torch takes it without a warning
+        row = np.zeros((1,) + self.model.kv_shape, self.dtype)  # writable, so that torch takes it without a warning
         return np.lib.stride_tricks.as_strided(row, (tokens,) + row.shape[1:],
                                                (0,) + row.strides[1:], writeable=True)
 

@@ -196,6 +196,30 @@ class ModelSpec:
         return max(self.group_slot_bytes(g) for g in self.kv_groups)
 
     @property
+    def kv_pair(self) -> int:
+        """Vectors per token per layer in the K/V arrays: 2 (K and V), 1 for a model of mla(d)
+        groups (one latent, stored as 1 "head" of width d: kv_heads 1, head_dim d)."""
+        latents = {g.latent for g in self.kv_groups if g.per_token}
+        if latents == {None}:
+            return 2
+        if None in latents or latents != {self.head_dim} or self.kv_heads != 1:
+            raise ValueError(f"ModelSpec {self.name!r}: K/V arrays of an MLA model take every token "
+                             f"group mla(d) with kv_heads 1 and head_dim d (got "
+                             f"{', '.join(g.kind for g in self.kv_groups)}, kv_heads {self.kv_heads}, "
+                             f"head_dim {self.head_dim}); a model mixing them has formulas only")
+        return 1
+
+    @property
+    def kv_shape(self) -> tuple:
+        """One token's K/V over every layer: (2, L, H_kv, d_head), or (1, L, 1, d) for MLA."""
+        return (self.kv_pair, self.layers, self.kv_heads, self.head_dim)
+
+    @property
+    def slot_shape(self) -> tuple:
+        """One token slot of one group's block: (2, L_group, H_kv, d_head), (1, L_group, 1, d)."""
+        return (self.kv_pair, self.group_layers, self.kv_heads, self.head_dim)
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of the fixed states one live sequence holds over every state group."""
         return sum(len(g.layers) * g.state_bytes for g in self.kv_groups if g.state_bytes is not None)
@@ -355,12 +379,15 @@ PRESETS: dict[str, ModelSpec] = {
         # Two groups of two layers, sliding(32) on the even layers: windows of 2-3 blocks of 16.
         ModelSpec("tiny-hybrid", layers=4, kv_heads=2, head_dim=8,
                   groups=hybrid_groups(4, (32, None))),
-        # Test models of SPEC §12's kinds, two groups of two layers: chunked(32) beside full,
-        # sinks(8, 24) beside full.
+        # Test models of SPEC §12's kinds: Llama-4's pattern in 4 layers (chunked(32) on 3 of
+        # 4, groups of one layer); sinks(8, 24) beside full, two groups of two layers.
         ModelSpec("tiny-chunked", layers=4, kv_heads=2, head_dim=8,
-                  groups=hybrid_groups(4, ("chunked(32)", None))),
+                  groups=hybrid_groups(4, ("chunked(32)",) * 3 + (None,))),
         ModelSpec("tiny-sinks", layers=4, kv_heads=2, head_dim=8,
                   groups=hybrid_groups(4, ("sinks(8,24)", None))),
+        # MLA in 2 layers, one group: a latent of 12 per token per layer, 2 * 12 * 2 = 48 bytes.
+        ModelSpec("tiny-mla", layers=2, kv_heads=1, head_dim=12,
+                  groups=(KVGroup((0, 1), latent=12),)),
         *MODELS_2026,
     )
 }
@@ -504,20 +531,38 @@ def group_blocks(tokens: int, window: int | None, block_size: int) -> int:
     return min(full, blocks_needed(window - 1, block_size) + 1)
 
 
+def _at_least_0(x):
+    """max(0, x) for a Python int, a NumPy array or a torch tensor."""
+    if isinstance(x, int):
+        return max(0, x)
+    return x.clamp(min=0) if hasattr(x, "clamp") else np.maximum(x, 0)
+
+
+def trailing_first_block(tokens, group: KVGroup, block_size: int):
+    """First block of the trailing run a group holds at ``tokens`` tokens: ``max(0, T - W + 1)
+    // B`` for sliding(W) and the window of sinks(S, W), ``floor(T/C) * C // B`` for chunked(C),
+    0 for the rest. Python ints, NumPy arrays or torch tensors of lengths alike (a sinks group
+    also holds its first ``sink_blocks``)."""
+    if group.chunk is not None:
+        return tokens // group.chunk * group.chunk // block_size
+    window = group.window if group.window is not None else group.sinks[1] if group.sinks else None
+    if window is None:
+        return 0 * tokens
+    return _at_least_0(tokens - window + 1) // block_size
+
+
+def sink_blocks(group: KVGroup, block_size: int) -> int:
+    """ceil(S/B): the blocks holding a sinks(S, W) group's first S tokens (0 for other kinds)."""
+    return blocks_needed(group.sinks[0], block_size) if group.sinks is not None else 0
+
+
 def released_blocks(tokens: int, group: KVGroup, block_size: int) -> range:
     """Block indices a group no longer holds once an operation leaves ``tokens`` tokens (SPEC §8,
     §12): below ``T - W + 1`` (sliding), below the current chunk ``floor(T/C)*C`` (chunked),
     between the sinks' blocks and the window's (sinks: blocks holding any of the first S tokens
     are kept); none for full, mla and state groups."""
-    B = block_size
-    if group.window is not None:
-        return range(first_held_block(tokens, group.window, B))
-    if group.chunk is not None:
-        return range(tokens // group.chunk * group.chunk // B)
-    if group.sinks is not None:
-        kept = blocks_needed(group.sinks[0], B)
-        return range(kept, max(kept, first_held_block(tokens, group.sinks[1], B)))
-    return range(0)
+    kept = sink_blocks(group, block_size)
+    return range(kept, max(kept, trailing_first_block(tokens, group, block_size)))
 
 
 def held_blocks(tokens: int, group: KVGroup, block_size: int) -> list:
@@ -659,7 +704,7 @@ def next_pow2(n: int) -> int:
 __all__ = [
     "KVGroup", "hybrid_groups", "parse_kind", "with_group_kinds", "window_start",
     "first_held_block", "group_blocks", "request_blocks", "released_blocks", "held_blocks",
-    "state_blocks", "kind_blocks", "request_bytes", "budget_concurrency", "padding_bytes",
+    "state_blocks", "kind_blocks", "trailing_first_block", "sink_blocks", "request_bytes", "budget_concurrency", "padding_bytes",
     "head_token_bytes", "kinds_summary", "model_capacity", "KV_ENCODINGS", "PAGES", "MODELS_2026", "max_concurrency", "capacity",
     "capacity_lengths", "full_attention_twin",
     "ModelSpec", "PRESETS", "get_model", "bytes_per_token", "kv_bytes", "block_bytes",

@@ -97,6 +97,8 @@ class Capabilities:
     # (vLLM: when the request next allocates, judged on its length before that operation).
     groups: bool = False
     window_release: str = "end_of_operation"
+    # SPEC §12: the group kinds (KVGroup.family) it runs besides what ``groups`` covers.
+    kinds: tuple = ("full", "sliding")
     # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
     # A backend with prefix caching that does not declare it replays salted traces without.
     cache_salt: bool = False
@@ -288,7 +290,7 @@ def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndar
     Element ``e`` (row-major over ``[2, layers, kv_heads, head_dim]``) of writer ``w`` at
     position ``p`` is ``(w * 7919 + p * 131 + e * 17 + 3) mod 2003 - 1001``.
     """
-    shape = (2, model.layers, model.kv_heads, model.head_dim)
+    shape = model.kv_shape
     w = np.asarray(writers, dtype=np.int64).reshape(-1)
     p = np.asarray(positions, dtype=np.int64).reshape(-1)
     shift = (w * 7919 + p * 131 + 3) % _KV_MOD * _INV17 % _KV_MOD
