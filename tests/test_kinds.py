@@ -350,3 +350,18 @@ def test_pools_hold_the_latents(name):
     if name != "contiguous-oracle":  # ceil(20/8) = 3 blocks of 384 bytes
         assert backend.ledger().bytes_in_use == 3 * 384
     passes(trace(("p", 0, 20), ("k", 1, 0), ("a", {1: 5, 0: 12}), ("x", 0), ("x", 1)), cfg, [name])
+
+
+def test_the_2026_breakdown_leaves_out_what_a_pool_does_not_run():
+    from kvbench.analyses.kinds_breakdown import model_breakdowns
+    t = model_breakdowns(models=("tiny-chunked", "tiny-mla"), budget="64KiB", num_requests=12,
+                         max_steps=50)
+    rows = {(r["model"], r["backend"]): r for r in t.to_dict("records")}
+    assert rows[("tiny-chunked", "contiguous-max")]["left_out"] == "contiguous-max does not run chunked groups"
+    # tiny-chunked: 4 groups of one layer, 2 * 1 layer * 2 heads * 8 * 2 bytes = 64 B per slot;
+    # blocks of 16 * 64 = 1,024 B: 65,536 / 1,024 = 64 blocks
+    assert rows[("tiny-chunked", "numpy")]["num_blocks"] == 64
+    shares = [rows[("tiny-mla", b)] for b in ("contiguous-max", "numpy")]
+    for r in shares:  # the categories split the whole budget
+        assert abs(sum(r[c] for c in ("token_states", "reservation", "internal_fragmentation",
+                                      "external_fragmentation", "free")) - 1) < 1e-9

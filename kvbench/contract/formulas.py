@@ -8,6 +8,10 @@ the same number of layers, so one pool of equal-size blocks serves them all. A g
 holds ``B`` tokens of its layers; where groups' blocks differ in size, the pool pads every page to
 the largest, or keeps one pool per page size, as the model declares (``ModelSpec.pages``).
 A model without ``groups`` is one full-attention group of all its layers.
+
+Over 500 lines: the formulas of SPEC §1-2, §8 and §12 and the presets with their cited configs
+are checked together (each backend, the oracle and `kvbench list-models` state a formula once,
+here); a kind's release, hit and capacity rules sit side by side so that they cannot drift.
 """
 from __future__ import annotations
 
