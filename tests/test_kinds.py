@@ -4,12 +4,16 @@ Every expected figure is hand arithmetic from the presets' public configs (cited
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import backends
 from test_hybrid import passes, trace
 
+from impls.contiguous import Contiguous
 from impls.faults import SinkReleasedEarly
+from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.cli import main
@@ -309,10 +313,11 @@ def test_a_sinks_hit_needs_the_sinks_block():
 
 
 def test_kinds_a_pool_does_not_run_are_not_applicable():
-    v = check(trace(("p", 0, 10)), registry.create("contiguous-oracle", kinds_config(SINKS)))
-    assert v.valid is None
-    assert v.not_applicable == ("contiguous does not run sinks groups (SPEC §12), and model "
-                                "tiny-sinks has sinks(8,24), full")
+    why = "contiguous does not run sinks groups (SPEC §12), and model tiny-sinks has sinks(8,24), full"
+    row = suite.run_one(trace(("p", 0, 10)), "contiguous-oracle", kinds_config(SINKS))
+    assert row["status"] == "n/a" and why in row["not_applicable"]
+    with pytest.raises(NotImplementedError, match=re.escape(why)):  # refused for direct use too
+        Contiguous(kinds_config(SINKS))
 
 
 def test_a_sink_block_released_early_is_caught():

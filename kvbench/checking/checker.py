@@ -43,7 +43,7 @@ from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of
+from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of, refuse_kinds
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, op_to_dict
 
@@ -63,10 +63,9 @@ def applicable(trace: Trace, backend: Backend) -> str:
     if model.hybrid and not caps.groups:
         return (f"{backend.name} does not run KV cache groups or sliding windows, and model "
                 f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
-    missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
-    if missing:
-        return (f"{backend.name} does not run {' or '.join(missing)} groups (SPEC §12), and "
-                f"model {model.name} has {', '.join(g.kind for g in model.kv_groups)}")
+    refused = refuse_kinds(backend.name, caps, model)
+    if refused:
+        return refused
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy

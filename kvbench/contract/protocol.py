@@ -118,6 +118,15 @@ class Capabilities:
                              f"got {self.window_release!r}")
 
 
+def refuse_kinds(backend_name: str, caps: Capabilities, model: ModelSpec) -> str:
+    """'' when the backend declares every group kind of the model (SPEC §12), else why not."""
+    missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
+    if not missing:
+        return ""
+    return (f"{backend_name} does not run {' or '.join(missing)} groups (SPEC §12), and model "
+            f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
+
+
 @dataclass
 class BlockState:
     """A paged backend's own block structures, for SPEC §10's checks (``Backend.block_state``).
@@ -172,6 +181,11 @@ class Backend(ABC):
 
     def __init__(self, config: CacheConfig):
         self.config = config
+        # A pool of KV cache groups refuses a kind it does not declare (the checker says n/a to
+        # it) for direct use too: a replay or a sweep would read it as full attention.
+        refused = self.capabilities.groups and refuse_kinds(self.name, self.capabilities, config.model)
+        if refused:
+            raise NotImplementedError(refused)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
