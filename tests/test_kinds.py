@@ -370,3 +370,47 @@ def test_the_2026_breakdown_leaves_out_what_a_pool_does_not_run():
     for r in shares:  # the categories split the whole budget
         assert abs(sum(r[c] for c in ("token_states", "reservation", "internal_fragmentation",
                                       "external_fragmentation", "free")) - 1) < 1e-9
+
+
+# --- vLLM's page sizes ------------------------------------------------------------------------
+# vLLM (vllm/v1/kv_cache_interface.py, commit 001cabc1) sizes one layer's page of B tokens:
+# AttentionSpec 2 * B * H_kv * head_size * dtype bytes, plus 2 * B * H_kv * 4 for per-token-head
+# scales; FullAttentionSpec with nvfp4 B * H_kv * 2 * (head_size/2 + head_size/16) (one byte per
+# packed pair and per fp8 block scale); MLAAttentionSpec B * 1 * head_size * dtype bytes, or
+# B * 656 for "fp8_ds_mla"; MambaSpec the sum of its state tensors' bytes. A kvbench block holds
+# one group's L_group layers: L_group vLLM pages.
+
+def vllm_page_bytes(kind, B, heads=0, head_size=0, dtype_bytes=2):
+    if kind == "attention":
+        return 2 * B * heads * head_size * dtype_bytes
+    if kind == "fp8_per_token_head":
+        return 2 * B * heads * head_size * 1 + 2 * B * heads * 4
+    if kind == "nvfp4":
+        return B * heads * 2 * (head_size // 2 + head_size // 16)
+    if kind == "mla":
+        return B * head_size * dtype_bytes
+    return B * 656  # fp8_ds_mla
+
+
+@pytest.mark.parametrize("name,kind,heads,head_size,dtype_bytes", [
+    ("deepseek-v3", "mla", 1, 576, 2),
+    ("deepseek-v3-fp8", "fp8_ds_mla", 1, 576, 1),
+    ("kimi-k2", "mla", 1, 576, 2),
+    ("llama-4-scout", "attention", 8, 128, 2),  # ChunkedLocalAttentionSpec: AttentionSpec's page
+    ("gpt-oss-20b", "attention", 8, 64, 2),  # SlidingWindowSpec and FullAttentionSpec alike
+    ("qwen3-next-80b-a3b", "attention", 2, 256, 2),
+    ("llama-3-8b-fp8", "attention", 8, 128, 1),
+    ("llama-3-8b-fp8-token-head", "fp8_per_token_head", 8, 128, 1),
+    ("llama-3-8b-nvfp4", "nvfp4", 8, 128, 1),
+])
+def test_block_bytes_are_vllms_pages_over_a_groups_layers(name, kind, heads, head_size, dtype_bytes):
+    m = F.get_model(name)
+    attention = [g for g in m.kv_groups if g.per_token]
+    assert F.block_bytes(16, m) == len(attention[0].layers) * vllm_page_bytes(kind, 16, heads, head_size,
+                                                                           dtype_bytes)
+
+
+def test_state_bytes_are_vllms_mamba_page():
+    # Qwen3-Next's Gated DeltaNet state in vLLM's MambaSpec: shapes (conv) (3, 2 * 16 * 128 + 32 *
+    # 128) and (ssm) (32, 128, 128), bf16: (3 * 8,192 + 524,288) * 2 = 1,097,728 bytes per layer.
+    assert F.get_model("qwen3-next-80b-a3b").kv_groups[0].state_bytes == (3 * 8192 + 32 * 128 * 128) * 2
