@@ -526,6 +526,17 @@ class SinkReleasedEarly(NumpyPaged):
         self.kept = [0] * self.G
 
 
+class ChunkSlidesAsWindow(NumpyPaged):
+    """A chunked(C) group held to sliding(C)'s rule: it keeps the C - 1 positions before each
+    token instead of only the current chunk's, so it holds (and hits on) blocks of the chunk
+    before (SPEC §12)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.groups = tuple(dataclasses.replace(g, chunk=None, window=g.chunk) if g.chunk else g
+                            for g in self.groups)
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -567,6 +578,8 @@ CATALOGUE = [
     Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
         False),
     Bug("a sink block released with the window", "kvbench #25", SinkReleasedEarly, True),
+    Bug("a chunked group held to a sliding window of its chunk", "kvbench #25", ChunkSlidesAsWindow,
+        False),
     Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,
         False),
     Bug("a hybrid decode step counts new blocks in group 0", "kvbench #30", DecodeCountsGroupZero,

@@ -12,7 +12,7 @@ from conftest import backends
 from test_hybrid import passes, trace
 
 from impls.contiguous import Contiguous
-from impls.faults import SinkReleasedEarly
+from impls.faults import ChunkSlidesAsWindow, SinkReleasedEarly
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
@@ -320,12 +320,19 @@ def test_kinds_a_pool_does_not_run_are_not_applicable():
         Contiguous(kinds_config(SINKS))
 
 
-def test_a_sink_block_released_early_is_caught():
+@pytest.mark.parametrize("fault,model,expected,actual", [
+    # 100 tokens over blocks of 8: 5 + 13 blocks (above); with the sinks' block released, 4 + 13
+    (SinkReleasedEarly, SINKS, 18, 17),
+    # 100 tokens: full ceil(100/8) = 13; each chunked group the chunk from 96: block 12, so
+    # 3 + 13 = 16. Held to sliding(32): [69, 100), blocks 8..12, so 3 * 5 + 13 = 28.
+    (ChunkSlidesAsWindow, CHUNKED, 16, 28),
+])
+def test_a_planted_release_fault_is_caught_and_its_control_passes(fault, model, expected, actual):
     t = trace(("p", 0, 100))
-    v = check(t, SinkReleasedEarly(kinds_config(SINKS)))
-    # 5 + 13 blocks (above) expected; with the sinks' block released, 4 + 13
+    v = check(t, fault(kinds_config(model)))
     assert (v.valid, v.divergence.quantity, v.divergence.expected, v.divergence.actual) == \
-        (False, "blocks_used", 18, 17)
+        (False, "blocks_used", expected, actual)
+    passes(t, kinds_config(model), ["numpy"])
 
 
 # --- mla(d): one latent per token per layer ----------------------------------------------
