@@ -31,7 +31,8 @@ POLICIES = ("lru", "lfu", "fair")
 class Contiguous(Backend):
     name = "contiguous"
     capabilities = Capabilities(layout="contiguous", holds_kv=True, fork=True, copy_on_write=False,
-                                eviction=POLICIES, groups=True)
+                                eviction=POLICIES, groups=True,
+                                kinds=("full", "sliding", "mla"))  # chunks and sinks: no ring yet
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -42,8 +43,8 @@ class Contiguous(Backend):
         m = config.model
         self.groups = m.kv_groups
         self.windows = [g.window for g in self.groups]
-        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)
-        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # a slot of one group
+        self.kv_shape = m.kv_shape
+        self.token_shape = m.slot_shape  # a slot of one group
         self.capacity = config.arena_slots
         self.arena = (np.zeros((self.capacity,) + self.token_shape, dtype=config.kv_dtype)
                       if config.store_kv else None)

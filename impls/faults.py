@@ -589,6 +589,26 @@ class ResumeIntoOldBlocks(NumpyPaged):
         return victims
 
 
+class SinkReleasedEarly(NumpyPaged):
+    """A sinks(S, W) group slides like sliding(W): the blocks holding the first S tokens go
+    back with the window's, though the sequence still attends to them (SPEC §12)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.kept = [0] * self.G
+
+
+class ChunkSlidesAsWindow(NumpyPaged):
+    """A chunked(C) group held to sliding(C)'s rule: it keeps the C - 1 positions before each
+    token instead of only the current chunk's, so it holds (and hits on) blocks of the chunk
+    before (SPEC §12)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.groups = tuple(dataclasses.replace(g, chunk=None, window=g.chunk) if g.chunk else g
+                            for g in self.groups)
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -628,6 +648,9 @@ CATALOGUE = [
     Bug("a fork's child inherits its source's access and use", "kvbench #30", ForkInheritsAccess,
         False),
     Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
+        False),
+    Bug("a sink block released with the window", "kvbench #25", SinkReleasedEarly, True),
+    Bug("a chunked group held to a sliding window of its chunk", "kvbench #25", ChunkSlidesAsWindow,
         False),
     Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,
         False),

@@ -51,7 +51,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
-                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",))
+                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",),
+                                kinds=("full", "sliding", "chunked", "sinks", "mla"))
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -63,8 +64,12 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.groups = m.kv_groups
         self.G = len(self.groups)
         self.windows = [g.window for g in self.groups]
-        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)  # one token, every layer
-        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # one slot of one group
+        # SPEC §12: groups that give blocks back (sliding, chunked, sinks), and per group the
+        # sinks' blocks kept below its released run (table -1 exactly at kept <= i < first).
+        self.releasing = any(g.releases for g in self.groups)
+        self.kept = [F.sink_blocks(g, B) for g in self.groups]
+        self.kv_shape = m.kv_shape  # one token, every layer ([1, L, 1, d] for MLA)
+        self.token_shape = m.slot_shape  # one slot of one group
         self.pool = self._make_pool(n, B) if config.store_kv else None
         self.ready = 0  # blocks below this have their storage's memory written (committed)
         self.refcount = np.zeros(n, dtype=np.int32)
@@ -270,7 +275,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         """The blocks a row holds, in release order: group by group, each from the tail."""
         nb = self.nblocks[r]
         parts = [t[r, f[r]:nb][::-1] for t, f in zip(self.tables, self.first)]
-        return parts[0] if self.G == 1 else np.concatenate(parts)
+        if any(self.kept):  # then the sinks' blocks below the released run
+            parts = [x for p, t, f, k in zip(parts, self.tables, self.first, self.kept)
+                     for x in (p, t[r, :min(k, f[r])][::-1])]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
@@ -304,20 +312,21 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     def _held(self, rows: np.ndarray) -> np.ndarray:
         """Blocks each row holds over every group."""
         held = np.zeros(len(rows), dtype=np.int64)
-        for f in self.first:
-            held += self.nblocks[rows] - f[rows]
+        for f, k in zip(self.first, self.kept):
+            held += self.nblocks[rows] - f[rows] + np.minimum(k, f[rows])
         return held
 
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
     def _slide(self, rows: np.ndarray, lengths: np.ndarray) -> None:
-        """Release the blocks of ``rows`` whose positions all lie below ``T - W + 1`` (T from
-        ``lengths``): group by group, rows in order, each row's highest position first."""
-        for g, w in enumerate(self.windows):
-            if w is None:
+        """Release the blocks of ``rows`` a group no longer holds at T tokens (T from
+        ``lengths``; F.released_blocks: below ``T - W + 1``, below the current chunk, or between
+        the sinks and the window): group by group, rows in order, each row's highest first."""
+        for g, group in enumerate(self.groups):
+            if not group.releases:
                 continue
-            first = self.first[g]
-            new_first = np.minimum(np.maximum(0, lengths - w + 1) // self.B, self.nblocks[rows])
+            first, kept = self.first[g], self.kept[g]
+            new_first = np.minimum(F.trailing_first_block(lengths, group, self.B), self.nblocks[rows])
             moving = np.flatnonzero(new_first > first[rows])
             if not len(moving):
                 continue
@@ -325,8 +334,9 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             order = []
             for i in moving.tolist():
                 r = rows[i]
-                order.append(table[r, first[r]:new_first[i]][::-1].copy())
-                table[r, first[r]:new_first[i]] = -1
+                lo = max(first[r], kept)  # the sinks' blocks stay
+                order.append(table[r, lo:new_first[i]][::-1].copy())
+                table[r, lo:new_first[i]] = -1
                 first[r] = new_first[i]
             blocks = np.concatenate(order)
             self._release_window(blocks[blocks >= 0])
@@ -424,7 +434,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         return tagged_extra(salt, adapter)
 
     def _hit_plan(self, keys) -> tuple[int, list]:
-        L, hits = hit_plan(keys, self.by_hash, self.windows, self.B)
+        L, hits = hit_plan(keys, self.by_hash, self.groups, self.B)
         return L, [np.array(h, dtype=np.intp) for h in hits]
 
     # --- the protocol ----------------------------------------------------------------------
@@ -477,13 +487,18 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             self.hit_blocks += len(h)
         fresh = self._take(self.G * (n - L)).reshape(self.G, n - L)
         ids = [np.concatenate([np.full(L - len(h), -1, np.intp), h, f]) for h, f in zip(hits, fresh)]
+        first = [L - len(h) for h in hits]
+        for g, k in enumerate(self.kept):
+            if k and len(hits[g]):  # the sinks' blocks, then the window's
+                ids[g][:L] = -1
+                ids[g][F.held_blocks(L * self.B, self.groups[g], self.B)] = hits[g]
+                first[g] = min(L, int(F.trailing_first_block(L * self.B, self.groups[g], self.B)))
         for g in range(self.G):
             for i in range(L, len(keys)):
                 if (g, keys[i]) not in self.by_hash:
                     self.by_hash[(g, keys[i])] = int(ids[g][i])
                     self.hash_of[int(ids[g][i])] = (g, keys[i])
-        return self._fill_row(r, ids, [L - len(h) for h in hits], tokens, kv, tenant, final_tokens,
-                              step, L, victims)
+        return self._fill_row(r, ids, first, tokens, kv, tenant, final_tokens, step, L, victims)
 
     def _fill_row(self, r, ids, first, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
         """A new row: per group its blocks by position (-1 below ``first``), filled in order."""
@@ -510,7 +525,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             for g in range(self.G):
                 slots = (ids[g][n_hit:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens - skip]
                 self._write_group(g, slots, kv[skip:])
-        if any(w is not None for w in self.windows):
+        if self.releasing:
             self._slide(np.array([r]), self.tokens[[r]])
         return tuple(victims)
 
@@ -636,7 +651,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.last_access[rows] = step
         self.use_count[rows] += 1
         self.dirty.update(rows.tolist())
-        if any(w is not None for w in self.windows):
+        if self.releasing:
             self._slide(rows, end)
         return tuple(victims)
 
@@ -644,7 +659,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         """A decode step of a few sequences, one token each into a private tail with room:
         scalar reads and writes (a vectorized step costs ~20 NumPy calls whatever the batch).
         False, having changed nothing, where the vectorized path is needed."""
-        if self.G != 1 or self.windows[0] is not None:
+        if self.G != 1 or self.releasing:
             return False
         B, table, fill, refcount = self.B, self.tables[0], self.fill, self.refcount
         plan = []
@@ -715,7 +730,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.last_access[rows] = step
         self.use_count[rows] += 1
         self.dirty.update(rows.tolist())
-        if any(w is not None for w in self.windows):
+        if self.releasing:
             self._slide(rows, self.tokens[rows])
         return True
 
@@ -828,6 +843,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         for g, group in enumerate(self.groups):
             lo = max(start, int(self.first[g][r]) * self.B)  # below: released by the window
             data = self._read_range(self.tables[g][r], lo, stop, None) if lo < stop else None
+            sinks = min(self.kept[g] * self.B, lo, stop)  # a sinks group's kept head
+            head = self._read_range(self.tables[g][r], start, sinks, None) if start < sinks else None
             if result is None:  # the pool's read dtype (a quantized pool dequantizes to float32)
                 dtype = data.dtype if data is not None else self._read_range(self.tables[g][r], 0, 0, None).dtype
                 result = np.zeros((stop - start,) + self.kv_shape, dtype=dtype)
@@ -838,6 +855,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                 result[lo - start:, :, layers] = data
             if self.G > 1 and lo > start:
                 result[:lo - start, :, layers] = 0
+            if head is not None:
+                result[:sinks - start, :, layers] = head
         return result
 
     def gather_ranges(self, seqs, starts, stops) -> np.ndarray:

@@ -24,7 +24,7 @@ class NumpyQuantPaged(NumpyPaged):
     def __init__(self, config):
         self.scheme = scheme_of(config.kv_format or "int8")
         m = config.model
-        self.rows_per_slot = 2 * m.group_layers * m.kv_heads  # one slot holds one group's layers
+        self.rows_per_slot = m.kv_pair * m.group_layers * m.kv_heads  # one slot: one group's layers
         per_byte = 8 // self.scheme.slot_bits
         if m.head_dim % per_byte:
             raise ValueError(f"{self.name}: head_dim {m.head_dim} does not pack into whole bytes "

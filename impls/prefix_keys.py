@@ -41,20 +41,22 @@ def block_keys(tokens: int, block_size: int, block_hashes=None, token_ids=None,
     return [hashlib.sha256(extra + b"|" + repr(h).encode()).digest() for h in hashes]
 
 
-def hit_plan(keys, by_hash: dict, windows, block_size: int) -> tuple[int, list]:
+def hit_plan(keys, by_hash: dict, groups, block_size: int) -> tuple[int, list]:
     """The longest prefix of L blocks whose full groups have every block below L cached and
-    whose sliding groups have the blocks covering [max(0, LB - W + 1), LB) (SPEC §8); per group
-    the cached blocks of that hit, by position. ``by_hash`` maps (group, key) to a block."""
+    whose releasing groups have the blocks they would hold at LB tokens cached (SPEC §8, §12:
+    sliding, the blocks covering [max(0, LB - W + 1), LB); chunked, the current chunk's; sinks,
+    the sinks' and the window's); per group the cached blocks of that hit, by position.
+    ``by_hash`` maps (group, key) to a block."""
     top = len(keys)
-    for g, w in enumerate(windows):
-        if w is None:
+    for g, group in enumerate(groups):
+        if not group.releases:
             run = 0
             while run < top and (g, keys[run]) in by_hash:
                 run += 1
             top = run
     for L in range(top, 0, -1):
-        lows = [0 if w is None else F.first_held_block(L * block_size, w, block_size) for w in windows]
-        if all((g, keys[i]) in by_hash for g, w in enumerate(windows) if w is not None
-               for i in range(lows[g], L)):
-            return L, [[by_hash[(g, keys[i])] for i in range(lows[g], L)] for g in range(len(windows))]
-    return 0, [[] for _ in windows]
+        need = [F.held_blocks(L * block_size, group, block_size) for group in groups]
+        if all((g, keys[i]) in by_hash for g, group in enumerate(groups) if group.releases
+               for i in need[g]):
+            return L, [[by_hash[(g, keys[i])] for i in need[g]] for g in range(len(groups))]
+    return 0, [[] for _ in groups]

@@ -82,7 +82,8 @@ class TorchPaged(StackChanges, Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
-                                groups=True, cache_salt=True, block_ids=True)
+                                groups=True, cache_salt=True, block_ids=True,
+                                kinds=("full", "sliding", "chunked", "sinks", "mla"))
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -103,9 +104,11 @@ class TorchPaged(StackChanges, Backend):
         self.groups = m.kv_groups
         self.G = len(self.groups)
         self.windows = [g.window for g in self.groups]
-        self.sliding = any(w is not None for w in self.windows)
-        self.kv_shape = (2, m.layers, m.kv_heads, m.head_dim)  # one token, every layer
-        self.token_shape = (2, m.group_layers, m.kv_heads, m.head_dim)  # one slot of one group
+        self.sliding = any(g.releases for g in self.groups)  # sliding, chunked, sinks (SPEC §12)
+        # Per group the sinks' blocks kept below its released run (-1 exactly at kept <= i < first).
+        self.kept = [F.sink_blocks(g, B) for g in self.groups]
+        self.kv_shape = m.kv_shape  # one token, every layer ([1, L, 1, d] for MLA)
+        self.token_shape = m.slot_shape  # one slot of one group
         self.kv_dtype = getattr(torch, np.dtype(config.kv_dtype).name)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.layer_index = [torch.tensor(g.layers, **i64) for g in self.groups]
@@ -242,7 +245,7 @@ class TorchPaged(StackChanges, Backend):
     def _held(self, rows_h: np.ndarray) -> np.ndarray:
         """Blocks each row holds over every group (from host-side counts)."""
         nb = self._blocks_needed(self.tokens_host[rows_h])
-        return sum(nb - f[rows_h] for f in self.first)
+        return sum(nb - f[rows_h] + np.minimum(k, f[rows_h]) for f, k in zip(self.first, self.kept))
 
     def _take(self, n: int):
         k = min(n, self.free_top)
@@ -301,7 +304,10 @@ class TorchPaged(StackChanges, Backend):
         """The blocks a row holds, in release order: group by group, each from the tail."""
         nb = int(self._blocks_needed(self.tokens_host[r]))
         parts = [t[r, int(f[r]):nb].flip(0) for t, f in zip(self.tables, self.first)]
-        return parts[0] if self.G == 1 else self.torch.cat(parts)
+        if any(self.kept):  # then the sinks' blocks below the released run
+            parts = [x for p, t, f, k in zip(parts, self.tables, self.first, self.kept)
+                     for x in (p, t[r, :min(k, int(f[r]))].flip(0))]
+        return parts[0] if len(parts) == 1 else self.torch.cat(parts)
 
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
@@ -324,20 +330,22 @@ class TorchPaged(StackChanges, Backend):
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
     def _slide(self, rows_h: np.ndarray, lengths: np.ndarray) -> None:
-        """Release the blocks of ``rows_h`` whose positions all lie below ``T - W + 1`` (T from
-        ``lengths``): group by group, rows in order, each row's highest position first."""
-        for g, w in enumerate(self.windows):
-            if w is None:
+        """Release the blocks of ``rows_h`` a group no longer holds at T tokens (T from
+        ``lengths``: below ``T - W + 1``, or below the current chunk): group by group, rows in
+        order, each row's highest position first."""
+        for g, group in enumerate(self.groups):
+            if not group.releases:
                 continue
             first = self.first[g]
-            new_first = np.minimum(np.maximum(0, lengths - w + 1) // self.B,
+            new_first = np.minimum(F.trailing_first_block(lengths, group, self.B),
                                    self._blocks_needed(self.tokens_host[rows_h]))
             moving = np.flatnonzero(new_first > first[rows_h])
             if not len(moving):
                 continue
             table, parts = self.tables[g], []
             for i in moving.tolist():
-                r, lo, hi = int(rows_h[i]), int(first[rows_h[i]]), int(new_first[i])
+                r, hi = int(rows_h[i]), int(new_first[i])
+                lo = max(int(first[r]), self.kept[g])  # the sinks' blocks stay
                 parts.append(table[r, lo:hi].flip(0).clone())
                 table[r, lo:hi] = -1
                 first[r] = hi
@@ -478,7 +486,7 @@ class TorchPaged(StackChanges, Backend):
             later = block_keys(prompt_tokens or tokens, self.B, block_hashes, token_ids,
                                tagged_extra(salt, adapter))
             keys = later[:tokens // self.B]  # a chunked prompt's later blocks: once written
-        L, hits = hit_plan(keys, self.by_hash, self.windows, self.B) if keys else (0, [[]] * self.G)
+        L, hits = hit_plan(keys, self.by_hash, self.groups, self.B) if keys else (0, [[]] * self.G)
         hit_all = [b for h in hits for b in h]
         hit_t = self._dev(hit_all)
         # New blocks, plus cached blocks taken back from the free pool. Evicting a victim keeps
@@ -509,9 +517,13 @@ class TorchPaged(StackChanges, Backend):
         fills = (tokens - torch.arange(L, n, device=self.device) * self.B).clamp(max=self.B)
         for g, h in enumerate(hits):
             f = fresh[g]
-            self.tables[g][r, L - len(h):L] = self._dev(h)
+            if self.kept[g] and h:  # the sinks' blocks, then the window's
+                self.tables[g][r, self._dev(F.held_blocks(L * self.B, self.groups[g], self.B))] = self._dev(h)
+                self.first[g][r] = min(L, int(F.trailing_first_block(L * self.B, self.groups[g], self.B)))
+            else:
+                self.tables[g][r, L - len(h):L] = self._dev(h)
+                self.first[g][r] = L - len(h)
             self.tables[g][r, L:n] = f
-            self.first[g][r] = L - len(h)
             self.block_group[f] = g
             self.fill[f] = fills
             if kv_t is not None and n > L:
@@ -717,9 +729,12 @@ class TorchPaged(StackChanges, Backend):
             return self.pool.index_select(0, self.tables[0][r, :nb]).view((-1,) + self.token_shape)[:T]
         out = self.torch.zeros((T,) + self.kv_shape, dtype=self.kv_dtype, device=self.device)
         for g in range(self.G):
-            f = int(self.first[g][r])
+            f, k = int(self.first[g][r]), min(self.kept[g], int(self.first[g][r]))
             data = self.pool.index_select(0, self.tables[g][r, f:nb]).view((-1,) + self.token_shape)
             out[f * self.B:].index_copy_(2, self.layer_index[g], data[:T - f * self.B])
+            if k:  # a sinks group's kept head
+                head = self.pool.index_select(0, self.tables[g][r, :k]).view((-1,) + self.token_shape)
+                out[:k * self.B].index_copy_(2, self.layer_index[g], head[:min(T, k * self.B)])
         return out
 
     def gather(self, seq) -> np.ndarray:

@@ -118,13 +118,17 @@ def test_exact_gates():
 
 
 def test_expected_values_agree_with_the_formulas():
-    """Peak bytes of a paged backend = peak blocks * B * bytes per token of the tiny model (128),
-    B read off the workload's header (16 unless it says otherwise)."""
+    """Peak bytes of a paged backend = peak blocks * B * a slot's bytes, B read off the
+    workload's header (16 unless it says otherwise). A slot holds one group's layers:
+    2 (K, V) * 2 layers * 2 heads * 8 * 2 bytes = 128 for tiny, tiny-hybrid and tiny-sinks;
+    2 * 1 layer * 2 * 8 * 2 = 64 for tiny-chunked; 2 layers * a latent of 12 * 2 = 48 for tiny-mla."""
     expected = G.read_expected()
+    slot = {"tiny": 128, "tiny-hybrid": 128, "tiny-sinks": 128, "tiny-chunked": 64, "tiny-mla": 48}
     for name in ("numpy", "python-objects", "torch"):
         for case, figs in expected["replay"][name].items():
-            B = common.load_workload(case.split("@")[0]).header.settings.get("block_size", 16)
-            assert figs["peak_bytes"] == figs["peak_blocks"] * B * 128, (name, case)
+            settings = common.load_workload(case.split("@")[0]).header.settings
+            B, model = settings.get("block_size", 16), settings.get("model", "tiny")
+            assert figs["peak_bytes"] == figs["peak_blocks"] * B * slot[model], (name, case)
 
 
 def test_pool_bytes_per_token_agree_with_the_formulas():

@@ -112,7 +112,7 @@ def test_long_prompt_over_a_small_window():
     # [100 - 32 + 1, 100) = [69, 100): 69 // 16 = 4, so blocks 4, 5, 6.
     assert led.group_blocks == (3, 7) and led.blocks_used == 10
     assert led.seq_blocks == {0: 10}
-    assert o.held_from(0) == (4 * 16, 0)
+    assert o.released_spans(0) == ((0, 4 * 16), (0, 0))
     assert led.bytes_in_use == 10 * 2048
     # Both tails (fill 100 - 96 = 4) are private: 2 * min(12, 120 - 100) reserved.
     assert led.reservation == 2 * 12

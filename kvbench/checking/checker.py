@@ -44,7 +44,8 @@ from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import Backend, OutOfMemory, kv_tokens, ledger_of, takes_lifecycle
+from kvbench.contract.protocol import (Backend, OutOfMemory, kv_tokens, ledger_of, refuse_kinds,
+                                       takes_lifecycle)
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
 from kvbench.traces.tier_ops import TIER_OPS
@@ -65,6 +66,9 @@ def applicable(trace: Trace, backend: Backend) -> str:
     if model.hybrid and not caps.groups:
         return (f"{backend.name} does not run KV cache groups or sliding windows, and model "
                 f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
+    refused = refuse_kinds(backend.name, caps, model)
+    if refused:
+        return refused
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
@@ -299,8 +303,7 @@ class _Replay:
             return None
         if fits:
             return build()
-        row = np.zeros((1, 2, self.model.layers, self.model.kv_heads, self.model.head_dim),
-                       self.dtype)  # writable, so that torch takes it without a warning
+        row = np.zeros((1,) + self.model.kv_shape, self.dtype)  # writable, so that torch takes it without a warning
         return np.lib.stride_tricks.as_strided(row, (tokens,) + row.shape[1:],
                                                (0,) + row.strides[1:], writeable=True)
 

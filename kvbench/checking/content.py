@@ -71,7 +71,7 @@ class Content:
         self.model, self.dtype = oracle.config.model, oracle.config.kv_dtype
         self.kv_format = backend.config.kv_format if backend is not None else None
         self.runs: dict = {}  # sequence -> Runs
-        self.hybrid = any(g.sliding for g in self.model.kv_groups)  # positions a window released
+        self.hybrid = any(g.releases for g in self.model.kv_groups)  # positions a window released
         # A caller's buffer is a path of its own (a backend may read into it differently).
         self.takes_out = backend is not None and _takes(type(backend), "gather", "out")
 
@@ -157,9 +157,10 @@ class Content:
         """Zeros where a sliding group no longer holds a position, in that group's layers."""
         offset = 0
         for (seq, start, stop), n in zip(todo, lengths.tolist()):
-            for group, held in zip(self.model.kv_groups, self.oracle.held_from(seq)):
-                if held > start:
-                    want[offset:offset + min(held, stop) - start, :, list(group.layers)] = 0
+            for group, (lo, hi) in zip(self.model.kv_groups, self.oracle.released_spans(seq)):
+                lo, hi = max(lo, start), min(hi, stop)
+                if hi > lo:
+                    want[offset + lo - start:offset + hi - start, :, list(group.layers)] = 0
             offset += n
 
     def _wrong(self, seq, start, want, got):
@@ -171,7 +172,8 @@ class Content:
         bad = np.flatnonzero(~np.all((want == got).reshape(len(want), -1), axis=1))
         p = start + int(bad[0])
         writer = int(writers_over(self.oracle.seqs[seq].segments, p, p + 1)[0])
-        released = [g for g, held in enumerate(self.oracle.held_from(seq)) if p < held] if self.hybrid else []
+        released = [g for g, (lo, hi) in enumerate(self.oracle.released_spans(seq)) if lo <= p < hi] \
+            if self.hybrid else []
         if released:
             return ("what it wrote or inherited", "different values",
                     f"first wrong position {p} (should hold what sequence {writer} wrote there, "

@@ -106,6 +106,7 @@ class Oracle:
         self.B = config.block_size
         self.groups = config.model.kv_groups
         self.windows = [g.window for g in self.groups]
+        self.releasing = [g.releases for g in self.groups]  # sliding, chunked, sinks (SPEC §12)
         self.seqs: dict[int, SeqState] = {}
         self.preempted: dict[int, SeqState] = {}  # evicted, content kept for the recompute
         # paged model: block id -> [refcount, fill]; the group each block in use serves
@@ -234,23 +235,24 @@ class Oracle:
         return tuple((extra, h) for h in hashes) if extra else hashes
 
     def _hit_plan(self, keys) -> tuple[int, list]:
-        """The hit (SPEC §8): the longest prefix of L blocks such that every full group has its
-        blocks below L cached and every sliding group those covering [max(0, LB - W + 1), LB).
-        Returns L and, per group, {position: cached block}."""
+        """The hit (SPEC §8, §12): the longest prefix of L blocks such that every full group has
+        its blocks below L cached and every releasing group those it would hold at LB tokens
+        (sliding: covering [max(0, LB - W + 1), LB); chunked: the current chunk's; sinks: the
+        sinks' and the window's). Returns L and, per group, {position: cached block}."""
         if not keys:
             return 0, [{} for _ in self.groups]
         top = len(keys)
-        for g, w in enumerate(self.windows):
-            if w is None:
+        for g, rel in enumerate(self.releasing):
+            if not rel:
                 run = 0
                 while run < top and (g, keys[run]) in self.by_hash:
                     run += 1
                 top = run
         for L in range(top, 0, -1):
-            lows = [0 if w is None else F.first_held_block(L * self.B, w, self.B) for w in self.windows]
-            if all((g, keys[i]) in self.by_hash for g, w in enumerate(self.windows) if w is not None
-                   for i in range(lows[g], L)):
-                return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(lows[g], L)}
+            need = [F.held_blocks(L * self.B, group, self.B) for group in self.groups]
+            if all((g, keys[i]) in self.by_hash for g, rel in enumerate(self.releasing) if rel
+                   for i in need[g]):
+                return L, [{i: self.by_hash[(g, keys[i])][0] for i in need[g]}
                            for g in range(len(self.groups))]
         return 0, [{} for _ in self.groups]
 
@@ -466,16 +468,19 @@ class Oracle:
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
     def _release_windows(self, seqs, lengths) -> None:
-        """Release every block of ``seqs`` whose positions all lie below ``T - W + 1``, with T
-        from ``lengths``: group by group, writers in batch order, highest position first."""
-        for g, w in enumerate(self.windows):
-            if w is None:
+        """Release every block of ``seqs`` a group no longer holds at T tokens (T from
+        ``lengths``; F.released_blocks: below ``T - W + 1`` for a sliding group, below the
+        current chunk for a chunked one, between the sinks and the window for sinks): group by
+        group, writers in batch order, highest position first."""
+        for g, group in enumerate(self.groups):
+            if not group.releases:
                 continue
             for s in seqs:
                 self._dirty.add(s)
                 st = self.seqs[s]
                 table = st.tables[g]
-                for i in range(min(F.first_held_block(lengths[s], w, self.B), len(table)) - 1, -1, -1):
+                gone = F.released_blocks(lengths[s], group, self.B)
+                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
                     if table[i] is not None:
                         if table[i] in self.hash_of:  # a fork through the prefix cache names it
                             st.released_keys[i] = self.hash_of[table[i]][1]
@@ -573,7 +578,7 @@ class Oracle:
                                  f"{st.slab[1]}-slot reservation")
         call = ("append", lambda drop: self._append_need(seqs, tokens, drop), [])
         lazy = self.layout == "paged" and self.window_release == "next_allocation"
-        snap = self._snapshot() if lazy and any(w is not None for w in self.windows) else None
+        snap = self._snapshot() if lazy and any(self.releasing) else None
         if snap is not None:  # vLLM: the request's next allocation first drops what slid out
             self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
         try:
@@ -774,8 +779,8 @@ class Oracle:
         every position's block."""
         if self.layout != "paged":
             return sum(size for _, size in st.slabs)
-        return sum(len(t) if w is None else sum(1 for b in t if b is not None)
-                   for t, w in zip(st.tables, self.windows))
+        return sum(sum(1 for b in t if b is not None) if rel else len(t)
+                   for t, rel in zip(st.tables, self.releasing))
 
     def _reservation_of(self, st: SeqState) -> int:
         B, res = self.B, 0
@@ -849,17 +854,20 @@ class Oracle:
         """[(writer, start, count)] segments whose K/V the sequence must read back."""
         return list(self.seqs[seq].segments)
 
-    def held_from(self, seq) -> tuple:
-        """Per group, the first position whose K/V the sequence still holds (a sliding group
-        holds only the blocks, or the ring, of its window; every position below reads 0)."""
+    def released_spans(self, seq) -> tuple:
+        """Per group, the positions ``(lo, hi)`` whose K/V the sequence no longer holds, which
+        read 0 (a sliding or chunked group holds only the blocks, or the ring, of its window or
+        chunk: lo = 0; a sinks group keeps its sinks' blocks below lo)."""
         st = self.seqs[seq]
         if self.layout == "contiguous":
-            return tuple(0 if w is None else st.tokens - min(st.tokens, size)
+            return tuple((0, 0 if w is None else st.tokens - min(st.tokens, size))
                          for (_, size), w in zip(st.slabs, self.windows))
         out = []
         for table in st.tables:
-            first = next((i for i, b in enumerate(table) if b is not None), len(table))
-            out.append(min(first * self.B, st.tokens))
+            lo = next((i for i, b in enumerate(table) if b is None), len(table))
+            hi = next((i for i in range(lo, len(table)) if table[i] is not None), len(table))
+            lo, hi = min(lo * self.B, st.tokens), min(hi * self.B, st.tokens)
+            out.append((lo, hi) if hi > lo else (0, 0))
         return tuple(out)
 
     def _log_cached(self, block: int, entered: bool) -> None:

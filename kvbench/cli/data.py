@@ -1,4 +1,5 @@
-"""`kvbench gen`, `kvbench prefix` and `kvbench list`: workloads, prefix-cache curves, backends."""
+"""`kvbench gen`, `kvbench prefix`, `kvbench list` and `kvbench list-models`: workloads,
+prefix-cache curves, backends, model presets."""
 from __future__ import annotations
 
 import argparse
@@ -93,6 +94,27 @@ def cmd_list(args) -> int:
     return 0
 
 
+LIST_LENGTHS = (8192, 32768, 131072)
+
+
+def cmd_list_models(args) -> int:
+    """Every preset's bytes per token, block bytes and largest concurrency (SPEC §1, §8, §12)."""
+    from kvbench.contract import formulas as F
+    budget = F.parse_bytes(args.budget)
+    names = args.models.split(",") if args.models else list(F.PRESETS)
+    models = [F.get_model(n.strip()) for n in names]
+    rows = [F.model_capacity(m, budget, args.block_size, args.lengths) for m in models]
+    print(f"budget {args.budget} ({budget} bytes), block size {args.block_size}; max_at_X: "
+          f"requests of X tokens that fit, floor((budget - per-tensor scales) / bytes a request holds)")
+    print_table(pd.DataFrame(rows), list(rows[0]))
+    return 0
+
+
+def lengths_list(text: str) -> list:
+    """``--lengths 8192,32768``: request lengths in tokens, each positive."""
+    return [options.positive_int(t.strip()) for t in text.split(",")]
+
+
 def register_gen_prefix(sub) -> None:
     from kvbench.traces.generators import FAMILIES
     families = ", ".join(FAMILIES)
@@ -123,3 +145,12 @@ def register_gen_prefix(sub) -> None:
 def register_list(sub) -> None:
     p = sub.add_parser("list", help="backends (with where they come from and whether they run here)")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("list-models", help="each model preset's bytes per token, block bytes and "
+                                           "largest concurrency at 8k / 32k / 128k for a budget")
+    p.add_argument("--budget", default="80GiB", help="KV cache bytes (default 80GiB)")
+    p.add_argument("--block-size", type=options.block_size, default=16, help="tokens per block (default 16)")
+    p.add_argument("--models", help="comma-separated presets (default: every one)")
+    p.add_argument("--lengths", type=lengths_list, default=list(LIST_LENGTHS),
+                   help="request lengths in tokens, comma-separated (default 8192,32768,131072)")
+    p.set_defaults(func=cmd_list_models)

@@ -178,7 +178,9 @@ def run_workloads(args, stdout) -> int:
         raise
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
-    print_capacity(traces[0], args)
+    kv_traces = [t for t in traces if kv_formats_apply(suite.config_for(t, **settings(args)).model)]
+    if kv_traces:
+        print_capacity(kv_traces[0], args)
     print_group_capacity(traces, args)
     for line in verdict_lines(df):
         print(line)
@@ -192,6 +194,12 @@ def run_workloads(args, stdout) -> int:
     print(f"{len(df)} runs: {counts.get('pass', 0)} pass, {counts.get('FAIL', 0)} fail, "
           f"{counts.get('ERROR', 0)} error, {counts.get('n/a', 0)} n/a; results in {path}")
     return exit_code(df, len(beyond_optimum))
+
+
+def kv_formats_apply(model) -> bool:
+    """The KV formats table's K and V schemes fit a model of K/V groups only (full, sliding);
+    SPEC §12's kinds have theirs in `kvbench list-models`."""
+    return all(g.family in ("full", "sliding") for g in model.kv_groups)
 
 
 def print_capacity(trace, args) -> None:

@@ -97,6 +97,8 @@ class Capabilities:
     # (vLLM: when the request next allocates, judged on its length before that operation).
     groups: bool = False
     window_release: str = "end_of_operation"
+    # SPEC §12: the group kinds (KVGroup.family) it runs besides what ``groups`` covers.
+    kinds: tuple = ("full", "sliding")
     # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
     # A backend with prefix caching that does not declare it replays salted traces without.
     cache_salt: bool = False
@@ -121,6 +123,15 @@ class Capabilities:
         if self.window_release not in WINDOW_RELEASE_RULES:
             raise ValueError(f"window_release must be one of {WINDOW_RELEASE_RULES}, "
                              f"got {self.window_release!r}")
+
+
+def refuse_kinds(backend_name: str, caps: Capabilities, model: ModelSpec) -> str:
+    """'' when the backend declares every group kind of the model (SPEC §12), else why not."""
+    missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
+    if not missing:
+        return ""
+    return (f"{backend_name} does not run {' or '.join(missing)} groups (SPEC §12), and model "
+            f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
 
 
 @dataclass
@@ -177,6 +188,11 @@ class Backend(ABC):
 
     def __init__(self, config: CacheConfig):
         self.config = config
+        # A pool of KV cache groups refuses a kind it does not declare (the checker says n/a to
+        # it) for direct use too: a replay or a sweep would read it as full attention.
+        refused = self.capabilities.groups and refuse_kinds(self.name, self.capabilities, config.model)
+        if refused:
+            raise NotImplementedError(refused)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -319,7 +335,7 @@ def kv_tokens(writers, positions, model: ModelSpec, dtype=np.float16) -> np.ndar
     Element ``e`` (row-major over ``[2, layers, kv_heads, head_dim]``) of writer ``w`` at
     position ``p`` is ``(w * 7919 + p * 131 + e * 17 + 3) mod 2003 - 1001``.
     """
-    shape = (2, model.layers, model.kv_heads, model.head_dim)
+    shape = model.kv_shape
     w = np.asarray(writers, dtype=np.int64).reshape(-1)
     p = np.asarray(positions, dtype=np.int64).reshape(-1)
     shift = (w * 7919 + p * 131 + 3) % _KV_MOD * _INV17 % _KV_MOD

@@ -31,9 +31,9 @@ def scheme_of(name: str) -> Q.QuantScheme:
 
 def block_bytes(name: str, model: ModelSpec, block_size: int) -> int:
     """Code bytes + metadata bytes of one block (one KV cache group's layers):
-    B * 2 * L_group * H * (ceil(d_head * slot_bits / 8) + scale [+ zero point])."""
+    B * 2 * L_group * H * (ceil(d_head * slot_bits / 8) + scale [+ zero point]) (1 for MLA's latent)."""
     scheme = scheme_of(name)
-    rows = block_size * 2 * model.group_layers * model.kv_heads
+    rows = block_size * model.kv_pair * model.group_layers * model.kv_heads
     code = -(-model.head_dim * scheme.slot_bits // 8)
     meta = META_BYTES * (1 if scheme.symmetric else 2)
     return rows * (code + meta)

@@ -117,6 +117,28 @@ CANONICAL = [
     # loaded back, leased blocks freed before their store completes, a failing store, an
     # aborted load, two salts over the same hashes, a device hit beside a load.
     ("tier-turns.jsonl", "tiered_turns", {"conversations": 5, "turns": 4, "block_size": 8}, 0),
+    # SPEC §12: Llama-4-style chunked attention (chunked(32) on 3 of 4 layers): prompts across
+    # chunk edges, decode into the next chunk (every block of the last released), forks and
+    # prefix hits that need only the current chunk's blocks, under a tight budget.
+    ("variant-chunked.jsonl", "hybrid_windows",
+     {"model": "tiny-chunked", "num_requests": 24, "prompts": 1, "prompt_tokens": [20, 100],
+      "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
+      "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
+      "budget_fraction": 0.6}, 0),
+    # Attention sinks (sinks(8, 24) beside full): the sinks' block kept while the window slides
+    # past it, through forks, prefix hits and eviction.
+    # MLA (mla(12) on both layers of tiny-mla: one latent per token per layer, no K/V pair):
+    # prefix reuse, forks and eviction with K/V arrays of [tokens, 1, layers, 1, 12].
+    ("variant-mla.jsonl", "hybrid_windows",
+     {"model": "tiny-mla", "num_requests": 24, "prompts": 1, "prompt_tokens": [8, 100],
+      "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
+      "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
+      "budget_fraction": 0.6}, 0),
+    ("variant-sinks.jsonl", "hybrid_windows",
+     {"model": "tiny-sinks", "num_requests": 24, "prompts": 1, "prompt_tokens": [8, 100],
+      "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
+      "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
+      "budget_fraction": 0.6}, 0),
 ]
 
 
