@@ -128,3 +128,16 @@ def counting_calls(cls):
             return self._counted(super().free(*a, **kw))
 
     return Counting
+
+
+ENGINE_LIFECYCLE_REASONS = ("does not take a prompt in chunks", "does not roll back draft tokens")
+
+
+def engine_lifecycle_na(trace, v) -> bool:
+    """True, having asserted it n/a with the reason, when ``trace`` writes prompts in chunks or
+    speculates (SPEC §13), which no engine adapter drives yet; False for any other trace."""
+    from kvbench.checking.checker import lifecycle
+    if not lifecycle(trace) & {"chunked", "speculative"}:
+        return False
+    assert v.valid is None and any(r in v.not_applicable for r in ENGINE_LIFECYCLE_REASONS), v.not_applicable
+    return True
