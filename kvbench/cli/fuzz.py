@@ -13,7 +13,6 @@ from pathlib import Path
 
 from kvbench.checking.fuzz import DEFAULT_SHRINK_ATTEMPTS, DEFAULT_SHRINK_SECONDS, Campaign
 from kvbench.cli import options
-from kvbench.contract import registry
 from kvbench.outputs import check_writable
 from kvbench.progress import Progress
 
@@ -21,13 +20,7 @@ DEFAULT_MINUTES = 5.0
 
 
 def cmd_fuzz(args) -> int:
-    try:
-        entry = registry.resolve(args.backend)
-    except ValueError as e:
-        raise options.UsageError(f"--backend {args.backend}: {e}") from None
-    ok, why = entry.available()
-    if not ok:
-        raise options.UsageError(f"--backend {args.backend}: cannot run here: {why}")
+    entry = options.runnable_backend(args.backend)
     out = check_writable(args.out, option="--out", folder=True)
     minutes = args.minutes if args.minutes is not None or args.max_histories else DEFAULT_MINUTES
     bar = None if args.quiet else Progress(args.max_histories, "fuzz", "histories")

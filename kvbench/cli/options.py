@@ -25,6 +25,7 @@ import traceback
 import warnings
 
 from kvbench.contract.formulas import MAX_BLOCK_SIZE
+from kvbench.contract import registry
 from kvbench.contract.registry import BackendUnavailable
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -104,6 +105,19 @@ def describe(error: BaseException) -> str:
     if isinstance(error, USER_ERRORS):
         return text
     return f"{type(error).__name__}: {text}"
+
+
+def runnable_backend(spec: str, option: str = "--backend"):
+    """The registry entry of ``spec`` (a name or package.module:Class) that can run here; a
+    UsageError naming ``option`` when it is unknown or cannot."""
+    try:
+        entry = registry.resolve(spec)
+    except ValueError as e:
+        raise UsageError(f"{option} {spec}: {e}") from None
+    ok, why = entry.available()
+    if not ok:
+        raise UsageError(f"{option} {spec}: cannot run here: {why}")
+    return entry
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -15,7 +15,6 @@ from kvbench.analyses import suite
 from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, Progress, shrink
 from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings
-from kvbench.contract import registry
 from kvbench.outputs import check_writable, write_text
 from kvbench.traces.format import load
 
@@ -52,13 +51,7 @@ def default_output(trace_path: str) -> Path:
 
 def cmd_shrink(args) -> int:
     trace = load(args.trace)
-    try:
-        entry = registry.resolve(args.backend)
-    except ValueError as e:
-        raise options.UsageError(f"--backend {args.backend}: {e}") from None
-    ok, why = entry.available()
-    if not ok:
-        raise options.UsageError(f"--backend {args.backend}: cannot run here: {why}")
+    entry = options.runnable_backend(args.backend)
     out = Path(args.out) if args.out else default_output(args.trace)
     check_writable(out, option="--out")
     for policy in suite.policies_for(trace, args.policy):
