@@ -60,3 +60,22 @@ def hit_plan(keys, by_hash: dict, groups, block_size: int) -> tuple[int, list]:
                for i in need[g]):
             return L, [[by_hash[(g, keys[i])] for i in need[g]] for g in range(len(groups))]
     return 0, [[] for _ in groups]
+
+
+def cache_completed_chunk(chunking: dict, seq, full_blocks: int, rows, by_hash: dict,
+                          hash_of: dict) -> None:
+    """Cache the blocks of ``seq``'s chunked prompt (``chunking[seq]``: its keys, and how many
+    are cached) that are complete now that it holds ``full_blocks`` full blocks (SPEC §13); a key
+    already cached keeps its block. ``rows(lo, hi)``: per group, the block ids at positions
+    lo .. hi-1 (-1 where none)."""
+    keys, done = chunking[seq]
+    upto = min(len(keys), full_blocks)
+    for g, row in enumerate(rows(done, upto)):
+        for key, b in zip(keys[done:upto], row):
+            if (g, key) not in by_hash and b >= 0:
+                by_hash[(g, key)] = b
+                hash_of[b] = (g, key)
+    if upto == len(keys):
+        del chunking[seq]
+    else:
+        chunking[seq] = (keys, upto)

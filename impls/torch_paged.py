@@ -23,7 +23,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
-from impls.prefix_keys import block_keys, hit_plan, tagged_extra
+from impls.prefix_keys import block_keys, cache_completed_chunk, hit_plan, tagged_extra
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -543,24 +543,13 @@ class TorchPaged(StackChanges, Backend):
         return tuple(victims)
 
     def _cache_chunks(self, seqs) -> None:
-        """Cache the blocks of chunked prompts that the last append completed (SPEC §13); a key
-        already cached keeps its block."""
+        """Cache the blocks of chunked prompts that the last append completed (SPEC §13)."""
         for s in seqs:
-            if s not in self.chunking:
-                continue
-            keys, done = self.chunking[s]
-            r = self.row_of[s]
-            upto = min(len(keys), int(self.tokens_host[r]) // self.B)
-            for g in range(self.G):
-                row = self.tables[g][r, done:upto].tolist()
-                for i, b in zip(range(done, upto), row):
-                    if (g, keys[i]) not in self.by_hash and b >= 0:
-                        self.by_hash[(g, keys[i])] = b
-                        self.hash_of[b] = (g, keys[i])
-            if upto == len(keys):
-                del self.chunking[s]
-            else:
-                self.chunking[s] = (keys, upto)
+            if s in self.chunking:
+                r = self.row_of[s]
+                cache_completed_chunk(self.chunking, s, int(self.tokens_host[r]) // self.B,
+                                      lambda lo, hi: [t[r, lo:hi].tolist() for t in self.tables],
+                                      self.by_hash, self.hash_of)
 
     def accept(self, seq, n, *, drafted, step=0):
         """Roll back the drafted - n rejected draft tokens: blocks wholly past the new length
