@@ -120,19 +120,17 @@ class Store:
         return sorted(i.path for i in infos if i.type == pafs.FileType.File
                       and i.base_name.endswith(".parquet") and not i.base_name.startswith((".", "_")))
 
-    def _readable(self, sweep: str) -> list[str]:
-        """The cell files of ``sweep`` whose Parquet footer reads; each other one is named in a
-        warning (its cell counts as not done)."""
-        good = []
+    def _readable(self, sweep: str) -> dict:
+        """The cell files of ``sweep`` whose Parquet footer reads, each with its schema (read
+        from that footer); each other one is named in a warning (its cell counts as not done)."""
+        good = {}
         for path in self._files(sweep):
             try:
-                pq.read_metadata(path, filesystem=self.fs)
+                good[path] = pq.read_schema(path, filesystem=self.fs)
             except (OSError, pa.ArrowException) as e:
                 warnings.warn(f"{path}: not a readable Parquet cell ({type(e).__name__}: {e}); "
                               f"skipped, and run again by the next `kvbench sweep` of {sweep!r}",
                               CorruptCell, stacklevel=3)
-                continue
-            good.append(path)
         return good
 
     def _cell_path(self, sweep: str, backend: str, cell_id: str, prefix: str = "", suffix: str = ".parquet") -> str:
@@ -240,12 +238,12 @@ class Store:
         unified (a column missing from a cell reads as null), the columns of CELL_TYPES read as
         those types (cells written before they were typed included).
         """
-        files = self._readable(sweep)
-        if not files:
+        schemas = self._readable(sweep)
+        if not schemas:
             return pd.DataFrame()
-        schema = pa.unify_schemas([pa.schema([pa.field(f.name, CELL_TYPES.get(f.name, f.type)) for f in
-                                              pq.read_schema(path, filesystem=self.fs)]) for path in files],
-                                  promote_options="permissive")
+        files = list(schemas)
+        schema = pa.unify_schemas([pa.schema([pa.field(f.name, CELL_TYPES.get(f.name, f.type)) for f in one])
+                                   for one in schemas.values()], promote_options="permissive")
         for name in PARTITIONS:
             schema = schema.append(pa.field(name, pa.string()))
         dataset = ds.dataset(files, schema=schema, format="parquet", filesystem=self.fs,
