@@ -5,7 +5,7 @@ refusal that keeps a block, a batch applied writer by writer, a counter one byte
 only at an edge the first committed workloads never reached (a refusal, an exact fit, 128
 sharers, 65 live sequences, a block of 256 tokens, a prompt over 16 blocks, the int4 pool); the
 rest are controls every workload catches. `impls.faults.CATALOGUE` lists them with the others;
-the README's table says which the default run caught before the edge workloads and after.
+docs/workloads.md's table says which the default run caught before the edge workloads and after.
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class TorchPaged(StackChanges, Backend):
     def available(cls) -> tuple[bool, str]:
         # Found, not imported: importing torch takes seconds, and `kvbench list` asks every backend.
         if importlib.util.find_spec("torch") is None:
-            return False, "torch is not installed (pip install torch; see README for the CPU wheel)"
+            return False, "torch is not installed (pip install torch; see the README's Quick start for the CPU wheel)"
         return True, ""
 
     def __init__(self, config: CacheConfig):

@@ -76,7 +76,7 @@ def test_the_command_prints_the_table_and_says_what_it_missed(capsys):
 def test_each_single_line_bug_of_a_pool_is_caught_by_the_default_suite(table, name, fault, base):
     # Issue 12: the default run catches what the tests catch. Each of these slips shows only at
     # an edge (a refusal, an exact fit, 128 sharers, 65 live sequences, blocks of 256, 17+ block
-    # prompts, the int4 pool) or is a control; the README's table says which the suite missed
+    # prompts, the int4 pool) or is a control; docs/workloads.md's table says which the suite missed
     # before the edge workloads (scripts/default_reach.py).
     row = table[name]
     assert row["caught"] == "yes", f"{name}: passes every committed workload"

@@ -387,7 +387,7 @@ def test_step_is_pure():
 
 def test_fair_tie_on_excess_goes_to_the_larger_tenant_id():
     # The reference page picks max(over, key=(excess, tenant)): an exact tie on excess goes to
-    # the larger tenant id (README, "Fair ties"); sequence ties go to the smaller id.
+    # the larger tenant id (docs/architecture.md, "Fair ties"); sequence ties go to the smaller id.
     # Weights a 1, b 1, c 2 over 8 blocks: quotas 2, 2 and 4.
     o = paged(num_blocks=8, policy="fair", tenant_weights={"a": 1, "b": 1, "c": 2})
     o.prefill(1, 48, "b", 48, step=0)   # b: 3 blocks, over by 1

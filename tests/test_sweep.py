@@ -491,11 +491,11 @@ def test_a_real_trace_through_its_loader_replays_as_a_prefix_cache(tmp_path):
 
 
 def test_the_committed_sweeps_are_documented_with_the_cells_their_grids_expand_to():
-    """results/sweeps/README.md and the README name each committed grid's cell count: they must be
+    """results/sweeps/README.md and docs/sweeps.md name each committed grid's cell count: they must be
     what the grid expands to now (a workload added under a glob changes it)."""
     sweeps = ROOT / "results" / "sweeps"
     documented = dict(re.findall(r"^## ([\w-]+): (\d+) cells$", (sweeps / "README.md").read_text(), re.M))
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "sweeps.md").read_text()
     grids_here = sorted(p.parent.name for p in sweeps.glob("*/grid.toml"))
     assert sorted(documented) == grids_here
     for name in grids_here:

@@ -16,8 +16,7 @@ keys SPEC §9. A real engine's documented rules that differ from SPEC's (its ``C
 through the prefix cache, the last prompt token computed again, every full block cached,
 duplicates kept, window blocks released at the next allocation) are followed when it declares them.
 
-The paged model also fixes which physical block each operation takes (README, "Writing a
-backend"), so a backend that declares ``block_ids`` is compared with it block by block:
+The paged model also fixes which physical block each operation takes (docs/writing-a-backend.md), so a backend that declares ``block_ids`` is compared with it block by block:
 
 - Uncached free blocks form a stack (initially 0 on top, then 1, 2, ...); cached free blocks
   (hashed, no reference) a queue. A block is taken from the stack; when it is empty, the oldest

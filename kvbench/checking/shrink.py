@@ -10,7 +10,7 @@ itself) is refused with the reason.
 The moves (edits in kvbench/traces/edits.py), cheapest first and repeated until none helps:
 cut after the failure; keep only the sequences touched in the last 1, 2, 4, ... operations before
 it; ddmin over sequences, then over append members and frees; merge appends; shorten token
-counts; lower the budget and the block size; renumber (the README's "Shrinking" section says more).
+counts; lower the budget and the block size; renumber (docs/shrinking.md says more).
 
 Every candidate is validated by the trace loader's rules (:func:`kvbench.traces.format.validate`)
 before it runs, so a shrunk trace is always a legal one. The checker is used only through

@@ -102,8 +102,7 @@ class Capabilities:
     # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
     # A backend with prefix caching that does not declare it replays salted traces without.
     cache_salt: bool = False
-    # block_state() hands out and releases blocks in kvbench's order (README, "Writing a
-    # backend"), so the checker compares its block ids with the oracle's, one by one.
+    # block_state() hands out and releases blocks in kvbench's order (docs/writing-a-backend.md), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
     # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
     # (vLLM's lookahead slots) instead of releasing those wholly past the new length.
