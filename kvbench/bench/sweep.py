@@ -34,6 +34,7 @@ from kvbench.bench import records
 from kvbench.bench.grid import Cell, Grid, check_cells, code_version, expand, known_settings
 from kvbench.bench.store import Store
 from kvbench import provenance
+from kvbench.progress import Progress as Reporter
 from kvbench.quant.pool import pool_block_bytes
 from kvbench.analyses import suite
 from kvbench.traces.format import Trace
@@ -108,62 +109,27 @@ def _run_claimed(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
 # --- progress ------------------------------------------------------------------------------------
 
 
-class Progress:
-    """Cells done / total, failures, ETA: a tqdm bar on a terminal, else a plain line every
-    ``interval`` seconds (no carriage returns in a log)."""
+class Progress(Reporter):
+    """Cells done / total with the FAIL, ERROR and lost counts beside them; a last line at close."""
 
     def __init__(self, name: str, total: int, done: int, *, stream=None, interval: float = 5.0,
                  tty: bool | None = None, enabled: bool = True):
-        self.name, self.total, self.done, self.interval = name, total, done, interval
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.enabled = enabled
+        super().__init__(total, name, "cells", stream=stream, every=interval, done=done, tty=tty,
+                         enabled=enabled)
+        self.interval = interval
         self.counts: Counter = Counter()
-        self.start = self.last = time.monotonic()
-        self.bar = None
-        if enabled and self.tty:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=done, desc=name, unit="cell", file=self.stream,
-                            dynamic_ncols=True)
-
-    @property
-    def ran(self) -> int:
-        return sum(self.counts.values())
 
     def failures(self) -> str:
         return ", ".join(f"{self.counts[k]} {k}" for k in ("FAIL", "ERROR", "lost") if self.counts[k]) or "no failures"
 
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.start
-        rate = self.ran / elapsed if elapsed > 0 else 0.0
-        left = self.total - self.done
-        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
-        return (f"{self.name}: {self.done}/{self.total} cells ({self.done / max(self.total, 1):.0%}), "
-                f"{self.failures()}, {rate:.2f} cells/s, ETA {eta}")
-
     def update(self, status: str) -> None:
         self.counts[status] += 1
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix_str(self.failures(), refresh=False)
-        self.tick()
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self.enabled and self.bar is None and now - self.last >= self.interval:
-            self.last = now
-            print(self.line(), file=self.stream, flush=True)
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            print(text, file=self.stream, flush=True)
+        self.note(self.failures())
+        super().update(1)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.enabled:
-            print(self.line(), file=self.stream, flush=True)
+        super().close()
+        self.say(self.line())
 
 
 def _stored_or_lost(store: Store, cell: Cell, why: str, lost: list, wait: float = 2.0) -> str:

@@ -12,6 +12,7 @@ from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli.tables import print_table
 from kvbench.outputs import write_text
+from kvbench.progress import Progress
 
 COLUMNS = ["bug", "upstream", "caught", "workload", "step", "first divergence"]
 
@@ -22,9 +23,7 @@ def catalogue(bugs=None, paths=None, progress: bool = False) -> list[dict]:
     traces = suite.load_traces(paths or suite.committed_workloads())
     runs = [(t, suite.config_for(t, policy=p)) for t in traces for p in suite.policies_for(t, "auto")]
     bugs = list(bugs or CATALOGUE)
-    if progress:
-        from tqdm import tqdm
-        bugs = tqdm(bugs, desc="faults", unit="fault", leave=False)
+    bar = Progress(len(bugs), "faults", "faults", enabled=progress)
     rows = []
     for bug in bugs:
         row = {"bug": bug.name, "upstream": bug.upstream, "why": bug.why, "caught": "no",
@@ -43,6 +42,8 @@ def catalogue(bugs=None, paths=None, progress: bool = False) -> list[dict]:
                                                   f"got {d.actual!r}"})
                 break
         rows.append(row)
+        bar.update()
+    bar.close()
     return rows
 
 

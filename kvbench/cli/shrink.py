@@ -8,40 +8,29 @@ is bad.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from kvbench.analyses import suite
-from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, Progress, shrink
+from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, shrink
 from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings
 from kvbench.outputs import check_writable, write_text
+from kvbench.progress import Progress
 from kvbench.traces.format import load
-
-PLAIN_EVERY_S = 5.0  # a progress line this often when stderr is not a terminal
 
 
 class _Report:
-    """Progress on stderr: a tqdm line on a terminal, else a plain line every few seconds."""
+    """The shrink's progress callback, shown by the one reporter (kvbench.progress)."""
 
     def __init__(self, quiet: bool):
-        self.quiet, self.bar, self.last = quiet, None, time.monotonic()
-        if not quiet and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(desc="shrinking", unit=" replays", file=sys.stderr, leave=False)
+        self.progress = Progress(None, "shrink", "replays", enabled=not quiet)
 
-    def __call__(self, p: Progress) -> None:
-        text = f"{p.ops} ops left of {p.original_ops}, {p.attempts} attempts, {p.phase}"
-        if self.bar is not None:
-            self.bar.n = p.attempts
-            self.bar.set_postfix_str(text, refresh=True)
-        elif not self.quiet and time.monotonic() - self.last >= PLAIN_EVERY_S:
-            self.last = time.monotonic()
-            print(f"shrink: {text}, {p.seconds:.0f} s", file=sys.stderr, flush=True)
+    def __call__(self, p) -> None:
+        self.progress.note(f"{p.ops} ops left of {p.original_ops}, {p.phase}")
+        self.progress.set(p.attempts)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
 
 
 def default_output(trace_path: str) -> Path:
