@@ -118,7 +118,7 @@ def test_budget_blocks_in_blocks_and_bytes():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("4096", 4096), ("4096B", 4096), ("512MiB", 512 * 2**20), ("12GiB", 12 * 2**30),
+    ("4096B", 4096), ("512MiB", 512 * 2**20), ("12GiB", 12 * 2**30),
     ("1.5 GB", 1_500_000_000), ("2tib", 2 * 2**40), ("3 kB", 3000),
 ])
 def test_parse_bytes(text, expected):
@@ -128,6 +128,13 @@ def test_parse_bytes(text, expected):
 @pytest.mark.parametrize("text", ["", "abc", "12G", "12 XB", "-1GiB", "1e9", "GiB", "12 GiB extra"])
 def test_parse_bytes_errors_name_the_input(text):
     with pytest.raises(ValueError, match=f"not a byte size: {text!r}"):
+        F.parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["4096", " 12 ", "1.5"])
+def test_a_plain_number_is_no_byte_size_it_counts_blocks(text):
+    # One size grammar: bytes need a unit, a plain number is blocks (budget_blocks("4096") == 4096).
+    with pytest.raises(ValueError, match="bytes need a unit"):
         F.parse_bytes(text)
 
 

@@ -26,6 +26,8 @@ def natural_order(values) -> list:
     def key(v):
         if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
             return (0, float(v), "")
+        if str(v).strip().isdigit():  # a count (of blocks), as text in the store
+            return (0, float(v), str(v))
         try:
             return (0, float(parse_bytes(str(v))), str(v))
         except (ValueError, TypeError):

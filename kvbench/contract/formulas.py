@@ -489,11 +489,16 @@ _UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str) -> int:
-    """'12GiB' -> 12 * 2**30; '1.5 GB' -> 1.5e9; a plain number is bytes."""
+    """'12GiB' -> 12 * 2**30; '1.5 GB' -> 1.5e9; '4096B' -> 4096. Bytes always name their unit:
+    a plain number is a count of blocks wherever a budget is asked (budget_blocks), so it is no
+    byte size here."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"not a byte size: {text!r} (try 512MiB, 12GiB, 4096)")
-    unit = (m.group(2) or "B").lower()
+        raise ValueError(f"not a byte size: {text!r} (try 512MiB, 12GiB, 4096B)")
+    if m.group(2) is None:
+        raise ValueError(f"not a byte size: {text!r}: bytes need a unit ({text.strip()}B, or KiB, "
+                         f"MiB, GiB); a plain number is a count of blocks")
+    unit = m.group(2).lower()
     return int(Fraction(m.group(1)) * _UNIT[unit])
 
 
