@@ -65,7 +65,7 @@ def row_million(args):
 
 
 def row_mooncake(args):
-    cmd = [str(ROOT / ".venv" / "bin" / "kvbench"), "run", "--trace", str(MOONCAKE), "--format",
+    cmd = [str(ROOT / ".venv" / "bin" / "kvbench"), "serve", "--trace", str(MOONCAKE), "--format",
            "mooncake", "--backend", "numpy", "--check", "--store-kv", "--model", "tiny",
            "--budget", "65536", "--quiet", "--output", "/tmp/kvbench-goals-mooncake.json"]
     t0 = time.perf_counter()

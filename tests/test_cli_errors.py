@@ -55,8 +55,8 @@ HEADER = {"kvbench_trace": 1, "family": "t"}
     (["prefix", TRACE, "--max-requests", "-5"], "--max-requests: must be a positive integer, got -5"),
     (["prefix", TRACE, "--sizes", "64,0"], "--sizes: '0' is not a positive size"),
     (["gates", "--repeats", "0"], "--repeats: must be a positive integer, got 0"),
-    (["run", "--trace", TRACE, "--format", "mooncake", "--max-batch", "0"], "--max-batch: must be a positive"),
-    (["run", "--trace", TRACE, "--format", "lengths", "--rate", "nan"], "--rate: must be a positive finite"),
+    (["serve", "--trace", TRACE, "--format", "mooncake", "--max-batch", "0"], "--max-batch: must be a positive"),
+    (["serve", "--trace", TRACE, "--format", "lengths", "--rate", "nan"], "--rate: must be a positive finite"),
     (["run", TRACE, "--policy", "lru2"], "--policy: invalid choice: 'lru2'"),
     (["gen", "--family", "nosuch"], "--family: invalid choice: 'nosuch'"),
     (["run", TRACE, "--no-such-option"], "unrecognized arguments: --no-such-option"),
@@ -258,8 +258,8 @@ def blocker(tmp_path) -> Path:
 
 @pytest.mark.parametrize("argv, option", [
     (["run", TRACE, "--backend", "numpy", "--output", "{b}/run.json"], "--output"),
-    (["run", "--scenario", "opt13b", "--paper-out", "{b}/paper"], "--paper-out"),
-    (["run", "--scenario", "opt13b", "--plot", "{b}/x.png"], "--plot"),
+    (["serve", "--scenario", "opt13b", "--paper-out", "{b}/paper"], "--paper-out"),
+    (["serve", "--scenario", "opt13b", "--plot", "{b}/x.png"], "--plot"),
     (["eviction", MIX, "--out", "{b}/ev"], "--out"),
     (["gen", "--family", "fork_trees", "--out", "{b}/t.jsonl"], "--out"),
     (["compare", "{r}", "{r}", "--out", "{b}/charts"], "--out"),

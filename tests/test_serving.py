@@ -203,7 +203,7 @@ def test_breakdown_table_plot_and_cli(tmp_path):
     csv = tmp_path / "lengths.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{p},{o}\n" for p, o in
                                                                    [(30, 10), (50, 0), (12, 40)] * 4))
-    code = cli_main(["run", "--trace", str(csv), "--format", "lengths", "--rate", "50", "--model", "tiny",
+    code = cli_main(["serve", "--trace", str(csv), "--format", "lengths", "--rate", "50", "--model", "tiny",
                    "--budget", "16", "--block-size", "8", "--backend", "numpy", "--backend",
                    "contiguous-oracle", "--check", "--quiet", "--output", str(tmp_path / "r.json"),
                    "--save-traces", str(tmp_path / "traces")])
@@ -214,8 +214,22 @@ def test_breakdown_table_plot_and_cli(tmp_path):
         "serving-contiguous-oracle.jsonl", "serving-numpy.jsonl"]
 
 
+def test_run_with_serving_options_serves_and_says_the_command_moved(tmp_path, capsys):
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n30,10\n12,40\n")
+    args = ["--trace", str(csv), "--format", "lengths", "--model", "tiny", "--budget", "16",
+            "--block-size", "8", "--backend", "numpy", "--quiet"]
+    with pytest.warns(FutureWarning, match="`kvbench run --trace` is `kvbench serve --trace` now"):
+        assert cli_main(["run", *args, "--output", str(tmp_path / "old.json")]) == 0
+    assert cli_main(["serve", *args, "--output", str(tmp_path / "new.json")]) == 0
+    rows = [json.loads((tmp_path / f"{n}.json").read_text())["rows"] for n in ("old", "new")]
+    assert [r["backend"] for r in rows[0]] == [r["backend"] for r in rows[1]] == ["numpy"]
+    assert cli_main(["serve"]) == 2  # nothing to serve
+    assert "give --trace PATH --format F, or --scenario opt13b" in capsys.readouterr().err
+
+
 def test_cli_scenario_writes_the_paper_files(tmp_path, capsys):
-    code = cli_main(["run", "--scenario", "opt13b", "--max-requests", "20", "--max-steps", "100", "--backend",
+    code = cli_main(["serve", "--scenario", "opt13b", "--max-requests", "20", "--max-steps", "100", "--backend",
                    "contiguous-max", "--quiet", "--paper-out", str(tmp_path / "paper"),
                    "--output", str(tmp_path / "r.json")])
     assert code == 0

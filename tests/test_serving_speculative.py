@@ -71,7 +71,7 @@ def test_the_command_reports_blocks_for_drafts_and_rollbacks(tmp_path, capsys):
     # The same request as above, from a lengths file: the record's row has the hand counts.
     csv = tmp_path / "lengths.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\n14,10\n")
-    code = cli_main(["run", "--trace", str(csv), "--format", "lengths", "--model", "tiny",
+    code = cli_main(["serve", "--trace", str(csv), "--format", "lengths", "--model", "tiny",
                      "--budget", "8", "--block-size", "16", "--backend", "numpy",
                      "--speculative-k", "4", "--acceptance", "0", "--check", "--quiet",
                      "--output", str(tmp_path / "r.json")])

@@ -1,5 +1,5 @@
-"""The `kvbench` command: run, check, gen, prefix, compare, gates, list, eviction, faults, shrink,
-fuzz, sweep, results.
+"""The `kvbench` command: run, check, serve, gen, prefix, compare, gates, list, eviction, faults,
+shrink, fuzz, sweep, results.
 
 Each command group lives in a module of its own with a ``register(subparsers)`` function;
 this module only puts them together. Errors take the one path of kvbench.cli.options: one line,
@@ -18,7 +18,8 @@ REGISTER = ("kvbench.cli.run:register", "kvbench.cli.data:register_gen_prefix",
             "kvbench.bench.compare:add_compare_parser", "kvbench.cli.gates:register",
             "kvbench.cli.data:register_list", "kvbench.cli.eviction:register",
             "kvbench.cli.faults:register", "kvbench.cli.sweep:register",
-            "kvbench.cli.shrink:register", "kvbench.cli.fuzz:register")
+            "kvbench.cli.shrink:register", "kvbench.cli.fuzz:register",
+            "kvbench.cli.serve:register")
 
 EPILOG = ("exit status: 0 every check passed, 1 a check FAILed, 2 an error (bad input, a backend "
           "that cannot run, nothing checked or passed), 130 interrupted. --debug (anywhere on the "

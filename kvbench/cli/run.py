@@ -145,6 +145,7 @@ def print_eviction(trace, rows, cache_settings) -> list[str]:
 def cmd_run(args) -> int:
     with stdout_for(args.output) as stdout:  # `--output -`: the record alone on stdout
         if serve.wants_serving(args):
+            serve.warn_moved(args)
             return serve.run_serving(args, stdout)
         return run_workloads(args, stdout)
 

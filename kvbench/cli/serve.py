@@ -1,8 +1,10 @@
-"""The serving simulation from the command line: `kvbench run --trace PATH --format F` and
-`kvbench run --scenario opt13b` (kvbench.analyses.serving, kvbench.analyses.breakdown)."""
+"""`kvbench serve`: the serving simulation from the command line, `kvbench serve --trace PATH
+--format F` and `kvbench serve --scenario opt13b` (kvbench.analyses.serving,
+kvbench.analyses.breakdown), with its own defaults (OPT-13B, 12 GiB, blocks of 16)."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 from kvbench.analyses.breakdown import (
@@ -18,7 +20,7 @@ from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
 from kvbench.bench import records
 from kvbench.analyses.suite import blocks_of_budget, machine_memory
 from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
-from kvbench.outputs import check_writable
+from kvbench.outputs import check_writable, stdout_for
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
@@ -74,6 +76,31 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--output", help="results file, - for stdout (default "
                          "results/runs/serve-<time>-<pid>-<commit>.json)")
     add("--quiet", action="store_true", help="no progress")
+
+
+class MovedToServe(FutureWarning):
+    """`kvbench run --trace/--scenario`, which `kvbench serve` took over (shown to users, once)."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="the serving simulation: a request trace (or the paper's "
+                                     "OPT-13B scenario) served by continuous batching per backend")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    if not (args.trace or args.scenario):
+        raise UsageError("kvbench serve: give --trace PATH --format F, or --scenario opt13b")
+    with stdout_for(args.output) as stdout:  # `--output -`: the record alone on stdout
+        return run_serving(args, stdout)
+
+
+def warn_moved(args) -> None:
+    """`kvbench run` given serving options: serve, saying where the command went."""
+    option = "--trace" if getattr(args, "trace", None) else "--scenario"
+    warnings.warn(f"`kvbench run {option}` is `kvbench serve {option}` now; `run` will refuse "
+                  f"it in the next release", MovedToServe, stacklevel=2)
 
 
 def wants_serving(args) -> bool:
