@@ -205,3 +205,28 @@ def test_plugins_keep_their_import_path():
     new = importlib.import_module("kvbench.contract.protocol")
     for name in new.__all__:
         assert getattr(old, name) is getattr(new, name)
+
+
+def test_every_registered_backend_is_exercised_by_the_checker_tests_and_the_asv_suite():
+    # The checker tests take their list from the registry (conftest.backends); the asv suite's
+    # lists are written out (asv keys its history by them), so a new backend must be added there.
+    from conftest import backends
+
+    from kvbench.bench.gates import bench_common
+    from kvbench.contract import registry
+
+    common = bench_common()
+    in_asv = set(common.BACKENDS) | set(common.POOLS)
+    checked = set(backends())
+    tests = " ".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    missing = []
+    for entry in registry.BUILTIN:
+        if "engine" in entry.tags:  # their own opt-in environments and test files
+            if f'"{entry.name}"' not in tests:
+                missing.append(f"{entry.name}: no test names it")
+            continue
+        if entry.name not in checked:
+            missing.append(f"{entry.name}: not in the checker tests' backends")
+        if (entry.asv_name or entry.name) not in in_asv:
+            missing.append(f"{entry.name}: not in the asv suite (common.BACKENDS or POOLS)")
+    assert not missing, missing
