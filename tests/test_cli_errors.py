@@ -174,7 +174,7 @@ PREFILL = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40}
     ({"settings": {"budget": "1GiB"}}, "unknown setting 'budget' (the settings: model, block_size"),
     ({"settings": "abc"}, "header field 'settings' must be an object, got 'abc'"),
     ({"settings": {"model": "nope"}}, "setting 'model': unknown model 'nope'; known: "),
-    ({"settings": {"policy": "mru"}}, "setting 'policy': 'mru' is not a policy (lru, lfu, fair)"),
+    ({"settings": {"policy": "mru"}}, "setting 'policy': 'mru' is not a policy (lru, lfu, fair, none)"),
     ({"groups": ["sliding(0)"]}, "'groups': 'sliding(0)': a sliding window is at least 1 token"),
     ({"groups": ["full", "full", "full"]},  # the tiny model's 2 layers
      "'groups': model 'tiny': 2 layers do not split into 3 groups"),

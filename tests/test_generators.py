@@ -318,3 +318,20 @@ def test_tenant_mix_budget_that_would_not_evict_is_rejected():
     p = dict(small_params("tenant_mixes"), num_blocks=10_000)
     with pytest.raises(ValueError, match="num_blocks=10000 must be .* and < .*no eviction"):
         g.generate("tenant_mixes", 0, **p)
+
+
+@pytest.mark.parametrize("block_size, why", [(2, "block_size must be an integer >= 3"),
+                                             (32, "block_size must be below the window \\(32")])
+def test_window_decode_refuses_block_sizes_its_steps_cannot_take(block_size, why):
+    # tiny-hybrid's window is 32: a prompt of W - B .. W - 1 tokens needs B < 32, a step of
+    # 2 .. B - 1 tokens needs B >= 3.
+    from kvbench.traces.hybrid import window_decode
+    with pytest.raises(ValueError, match=why):
+        window_decode(0, block_size=block_size)
+
+
+@pytest.mark.parametrize("block_size", [3, 16, 31])
+def test_window_decode_builds_a_valid_trace_at_every_block_size_it_takes(block_size):
+    from kvbench.traces.hybrid import window_decode
+    trace = window_decode(0, block_size=block_size)  # validated on build: lengths >= 1
+    assert trace.header.settings["block_size"] == block_size

@@ -324,3 +324,22 @@ def test_no_numpy_scalar_leaks_into_the_header():
     r = S.shrink(trace, FAULTS["c-pool-fragmentation"], config)
     assert isinstance(loads(r.trace.to_jsonl()).header.params["divergence"]["actual"], float)
     assert not isinstance(r.as_record()["shrunk_divergence"]["actual"], np.floating)
+
+
+def test_a_failure_found_under_no_policy_replays_under_no_policy():
+    # A tenant mix (its header names tenant weights) is replayed under all three policies by
+    # default; a failure written from a run under none must say so, or `kvbench check` would
+    # replay it under settings it never failed under.
+    from impls.faults import FloorBlocks
+    from kvbench.checking.reproduce import failure_trace
+    trace = load(str(WORKLOADS / "tenant-flood.jsonl"))
+    assert suite.policies_for(trace, "auto") == ["lru", "lfu", "fair"]
+    config = suite.config_for(trace, policy=None)
+    v = check(trace, FloorBlocks(config))
+    assert v.valid is False
+    back = loads(failure_trace(trace, config, v.divergence, backend="floor").to_jsonl())
+    assert suite.policies_for(back, "auto") == [None]
+    under = suite.config_for(trace, policy="lru")
+    v = check(trace, FloorBlocks(under))
+    back = loads(failure_trace(trace, under, v.divergence, backend="floor").to_jsonl())
+    assert suite.policies_for(back, "auto") == ["lru"]

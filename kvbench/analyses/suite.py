@@ -109,11 +109,11 @@ def policies_for(trace: Trace, policy: str | None) -> list:
     three for a tenant mix (a trace that names tenant weights), else none."""
     if policy in (None, "auto"):
         named = trace.header.settings.get("policy")
-        if named and named not in POLICIES:
-            raise TraceError(f"setting 'policy': {named!r} is not a policy ({', '.join(POLICIES)})",
-                             trace.path or trace.name, 1)
+        if named and named not in (*POLICIES, "none"):
+            raise TraceError(f"setting 'policy': {named!r} is not a policy ({', '.join(POLICIES)}, "
+                             f"none)", trace.path or trace.name, 1)
         if named:
-            return [named]
+            return [None if named == "none" else named]
         return list(POLICIES) if trace.header.tenants else [None]
     if policy == "none":
         return [None]

@@ -49,9 +49,8 @@ def settings_of(config: CacheConfig) -> dict:
     """The settings a trace header carries so that `kvbench check` replays with them."""
     s = {"model": config.model.name, "block_size": config.block_size,
          "num_blocks": config.num_blocks, "max_context": config.max_context,
-         "prefix_caching": bool(config.prefix_caching)}
-    if config.policy:
-        s["policy"] = config.policy
+         "prefix_caching": bool(config.prefix_caching),
+         "policy": config.policy or "none"}  # "none" said: a tenant mix is otherwise run under all three
     return s
 
 

@@ -115,7 +115,11 @@ def window_decode(seed: int = 0, *, model: str = "tiny-hybrid", rounds: int = 2,
     if not windows:
         raise ValueError(f"window_decode: model {model!r} has no sliding window")
     W = min(windows)
-    B = _positive_int("block_size", block_size, 2)
+    # a step of 2 .. B - 1 tokens needs B >= 3; a prompt of W - B .. W - 1 tokens, B < W
+    B = _positive_int("block_size", block_size, 3)
+    if B >= W:
+        raise ValueError(f"window_decode: block_size must be below the window ({W} on {model!r}), "
+                         f"got {B}: prompts of W - B .. W - 1 tokens start inside the window")
     _positive_int("rounds", rounds)
     rng = np.random.default_rng(seed)
     b = _Builder()
