@@ -2,6 +2,7 @@
 objects, and a few dozen bytes per operation."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ from conftest import A, K, P, X, make_trace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.traces import columns as C
 from kvbench.traces import format as T
 from kvbench.traces import generators as G
 from kvbench.traces.columns import OpTable
@@ -58,6 +60,25 @@ def test_columns_validate_like_the_op_by_op_validator(drawn):
     assert verdict(as_columns) == verdict(as_ops)
 
 
+@contextlib.contextmanager
+def members_at_a_time(n):
+    """Validation and lengths a few batch members at a time: every chunk edge reached."""
+    saved, C.VALIDATE_CHUNK_MEMBERS = C.VALIDATE_CHUNK_MEMBERS, n
+    try:
+        yield
+    finally:
+        C.VALIDATE_CHUNK_MEMBERS = saved
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ops, max_size=12), st.integers(1, 3))
+def test_columns_validate_alike_a_few_batch_members_at_a_time(drawn, members):
+    hist = history(drawn)
+    expected = verdict(T.Trace(HEADER, hist, name="h"))
+    with members_at_a_time(members):
+        assert verdict(T.Trace(HEADER, OpTable.from_ops(hist), name="h")) == expected
+
+
 def test_a_history_error_before_a_bad_field_is_the_one_named():
     lines = [json.dumps(HEADER.to_dict() | {"kvbench_trace": 1}),
              json.dumps({"step": 0, "op": "append", "seqs": [7], "tokens": [1]}),  # unknown 7
@@ -81,6 +102,8 @@ def test_columns_know_what_the_ops_know(trace):
     table = trace.columnar()
     assert list(table.ops) == list(trace.ops) and table.ops == trace.ops
     assert table.final_lengths() == trace.final_lengths()
+    with members_at_a_time(3):
+        assert table.ops.final_lengths() == trace.final_lengths()
     assert table.tenant_of() == trace.tenant_of()
     assert T.loads(table.to_jsonl()).ops == trace.ops
     assert table.ops[3] == trace.ops[3] and table.ops[-1] == trace.ops[-1]

@@ -94,15 +94,24 @@ class TableBuilder:
         if not self.kind:
             return
         i64 = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
-        self.chunks.append((np.array(self.kind, np.int8), i64(self.step), i64(self.seq), i64(self.src),
+        self.chunks.append([np.array(self.kind, np.int8), i64(self.step), i64(self.seq), i64(self.src),
                             i64(self.tokens), np.array(self.tenant, np.int32), i64(self.nbatch),
-                            i64(self.flat_seq), i64(self.flat_tok)))
+                            i64(self.flat_seq), i64(self.flat_tok)])
         self._reset()
 
     def table(self) -> OpTable:
         self._flush()
-        cols = [np.concatenate([c[k] for c in self.chunks]) if self.chunks else
-                np.zeros(0, np.int8 if k == 0 else np.int32 if k == 5 else np.int64) for k in range(9)]
+        cols = []
+        for k in range(9):  # each chunk's piece copied into place and dropped: the peak is the
+            # columns and one piece, not the columns twice
+            dtype = np.int8 if k == 0 else np.int32 if k == 5 else np.int64
+            col = np.empty(sum(len(c[k]) for c in self.chunks), dtype)
+            at = 0
+            for c in self.chunks:
+                col[at:at + len(c[k])] = c[k]
+                at += len(c[k])
+                c[k] = None
+            cols.append(col)
         self.chunks = []
         kind, step, seq, src, tokens, tenant, nbatch, flat_seq, flat_tok = cols
         batch = np.zeros(len(kind) + 1, np.int64)
@@ -199,10 +208,13 @@ class OpTable:
         order = np.argsort(ids, kind="stable")
         sid = ids[order]
         base = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order]
-        owner = np.searchsorted(sid, self.flat_seq)  # each appended run's sequence, as an index
-        appended = np.bincount(owner, weights=self.flat_tok, minlength=len(sid)).astype(np.int64)
+        appended = np.zeros(len(sid), np.int64)
+        for lo in range(0, len(self.flat_seq), VALIDATE_CHUNK_MEMBERS):  # a chunk at a time
+            hi = lo + VALIDATE_CHUNK_MEMBERS
+            np.add.at(appended, np.searchsorted(sid, self.flat_seq[lo:hi]), self.flat_tok[lo:hi])
         forks = np.flatnonzero(self.kind == FORK)
         if len(forks):  # a child starts at its source's length at the fork
+            owner = np.searchsorted(sid, self.flat_seq)  # each appended run's sequence, as an index
             op_of = np.repeat(np.arange(len(self)), np.diff(self.batch))
             by_seq = np.lexsort((op_of, owner))  # each sequence's appends, in op order
             own, when = owner[by_seq], op_of[by_seq]
@@ -229,7 +241,11 @@ def first_invalid(t: OpTable) -> int | None:
     """The first operation that breaks the history rules (format's parse_op field ranges and
     _Validator's), or None: steps strictly increase; ids >= 0, lengths >= 1, a non-empty
     tenant; an append batch naming a sequence twice; a sequence created twice; append, fork
-    (from) or free of a sequence that is not live (unknown, or freed)."""
+    (from) or free of a sequence that is not live (unknown, or freed).
+
+    Arrays of one entry per operation or per sequence are made whole; those of one entry per
+    batch member (most of a decode trace) a chunk of operations at a time, so that validating
+    costs a fraction of the columns, not several times them."""
     n = len(t)
     if n == 0:
         return None
@@ -240,16 +256,16 @@ def first_invalid(t: OpTable) -> int | None:
     if len(out_of_order):
         bad.append(int(out_of_order[0]) + 1)
     nb = np.diff(t.batch)
-    op_of = np.repeat(np.arange(n), nb)  # the operation of each (sequence, tokens) of a batch
     fields = ((t.step < 0) | ((t.kind != APPEND) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
               | ((t.kind == FORK) & (t.src < 0)) | ((t.kind == APPEND) & (nb == 0)))
     empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
     if empty:
         fields |= (t.kind == PREFILL) & np.isin(t.tenant, empty)
-    fields[op_of[(t.flat_seq < 0) | (t.flat_tok < 1)]] = True
-    order = np.lexsort((t.flat_seq, op_of))
-    twice = (op_of[order][1:] == op_of[order][:-1]) & (t.flat_seq[order][1:] == t.flat_seq[order][:-1])
-    fields[op_of[order][1:][twice]] = True
+    for a, b, op_of, seqs, toks in _member_chunks(t, nb):
+        fields[op_of[(seqs < 0) | (toks < 1)]] = True
+        order = np.lexsort((seqs, op_of))
+        twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
+        fields[op_of[order][1:][twice]] = True
     if fields.any():
         bad.append(int(np.argmax(fields)))
     ids, made = t.creators()
@@ -267,18 +283,39 @@ def first_invalid(t: OpTable) -> int | None:
     ok = fi < len(uniq)
     ok[ok] = uniq[fi[ok]] == t.seq[frees][ok]
     np.minimum.at(freed_at, fi[ok], frees[ok])
+
+    def first_dead(use_op, use_seq, is_free) -> int | None:
+        """The first (operation, sequence) whose sequence is not live there."""
+        k = np.searchsorted(uniq, use_seq)
+        known = k < len(uniq)
+        known[known] = uniq[k[known]] == use_seq[known]
+        k = np.where(known, k, 0)
+        live = known
+        if len(uniq):
+            live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
+        return int(use_op[~live].min()) if not live.all() else None
+
     # every (operation, sequence) that needs a live sequence: append members, fork sources, frees
     forks = np.flatnonzero(t.kind == FORK)
-    use_op = np.concatenate([op_of, forks, frees])
-    use_seq = np.concatenate([t.flat_seq, t.src[forks], t.seq[frees]])
-    is_free = np.concatenate([np.zeros(len(op_of) + len(forks), bool), np.ones(len(frees), bool)])
-    k = np.searchsorted(uniq, use_seq)
-    known = k < len(uniq)
-    known[known] = uniq[k[known]] == use_seq[known]
-    k = np.where(known, k, 0)
-    live = known.copy()
-    if len(uniq):
-        live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
-    if not live.all():
-        bad.append(int(use_op[~live].min()))
+    dead = [first_dead(np.concatenate([forks, frees]), np.concatenate([t.src[forks], t.seq[frees]]),
+                       np.concatenate([np.zeros(len(forks), bool), np.ones(len(frees), bool)]))]
+    for a, b, op_of, seqs, _ in _member_chunks(t, nb):
+        dead.append(first_dead(op_of, seqs, np.zeros(len(seqs), bool)))
+    bad += [d for d in dead if d is not None]
     return min(bad) if bad else None
+
+
+VALIDATE_CHUNK_MEMBERS = 1 << 20  # batch members validated at a time (about 40 MB of temporaries)
+
+
+def _member_chunks(t: OpTable, nb):
+    """(first op, end op, each member's operation, members' sequences, members' tokens) over
+    chunks of whole operations of about VALIDATE_CHUNK_MEMBERS batch members each."""
+    n = len(t)
+    a = 0
+    while a < n:
+        b = int(np.searchsorted(t.batch, t.batch[a] + VALIDATE_CHUNK_MEMBERS, side="right")) - 1
+        b = min(max(b, a + 1), n)  # at least one operation, however wide its batch
+        lo, hi = int(t.batch[a]), int(t.batch[b])
+        yield a, b, np.repeat(np.arange(a, b), nb[a:b]), t.flat_seq[lo:hi], t.flat_tok[lo:hi]
+        a = b
