@@ -857,13 +857,17 @@ class Oracle:
     def released_spans(self, seq) -> tuple:
         """Per group, the positions ``(lo, hi)`` whose K/V the sequence no longer holds, which
         read 0 (a sliding or chunked group holds only the blocks, or the ring, of its window or
-        chunk: lo = 0; a sinks group keeps its sinks' blocks below lo)."""
+        chunk: lo = 0; a sinks group keeps its sinks' blocks below lo; a state group holds no
+        K/V: every position)."""
         st = self.seqs[seq]
         if self.layout == "contiguous":
             return tuple((0, 0 if w is None else st.tokens - min(st.tokens, size))
                          for (_, size), w in zip(st.slabs, self.windows))
         out = []
-        for table in st.tables:
+        for table, group in zip(st.tables, self.groups):
+            if group.state_bytes is not None:
+                out.append((0, st.tokens))
+                continue
             lo = next((i for i, b in enumerate(table) if b is None), len(table))
             hi = next((i for i in range(lo, len(table)) if table[i] is not None), len(table))
             lo, hi = min(lo * self.B, st.tokens), min(hi * self.B, st.tokens)
