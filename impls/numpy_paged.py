@@ -758,20 +758,32 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         rs = self._row(src)
+        nb = int(self.nblocks[rs])
+        states = self.state_groups if nb else []
+        victims = self._make_room(lambda rc: len(states), np.array([rs])) if states else []
         r = self._new_row(seq)
-        nb = self.nblocks[rs]
         for t, f in zip(self.tables, self.first):
             t[r, :nb] = t[rs, :nb]
             f[r] = f[rs]
         self.nblocks[r] = nb
-        self._add_refs(self._row_blocks(r), 1)
+        copies = self._take(len(states))  # SPEC §12: the states copied, the rest shared
+        for g, b in zip(states, copies.tolist()):
+            src_b = self.tables[g][r, nb - 1]
+            self.block_group[b] = g
+            self.group_used[g] += 1
+            self._set_fill(np.array([b]), self.fill[src_b])
+            if self.pool is not None:
+                self._copy_blocks(np.array([src_b]), np.array([b]))
+            self.tables[g][r, nb - 1] = b
+        shared = self._row_blocks(r)
+        self._add_refs(shared[~np.isin(shared, copies)], 1)
         self.sharing_rows.update((r, rs))
         self.dirty.update((r, rs))
         self.tokens[r] = self.tokens[rs]
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self.tenant_idx[rs]
-        return ()
+        return tuple(victims)
 
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))

@@ -652,6 +652,9 @@ class TorchPaged(StackChanges, Backend):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         rs = self._row(src)
+        nb = int(self._blocks_needed(int(self.tokens_host[rs])))
+        states = self.state_groups if nb else []
+        victims = self._make_room(lambda rc: len(states), np.array([rs])) if states else []
         r = self._new_row(seq)
         for t, f in zip(self.tables, self.first):
             t[r] = t[rs]
@@ -661,10 +664,19 @@ class TorchPaged(StackChanges, Backend):
         self.tokens_host[r] = self.tokens_host[rs]
         blocks = self._row_blocks(r)
         self.refcount.index_add_(0, blocks, self.torch.ones_like(blocks))
+        copies = self._take(len(states))  # SPEC §12: the states copied, the rest shared
+        for g, b in zip(states, copies.tolist()):
+            src_b = int(self.tables[g][r, nb - 1])
+            self.refcount[src_b] -= 1
+            self.block_group[b] = g
+            self.fill[b] = self.fill[src_b]
+            if self.pool is not None:
+                self.pool[b] = self.pool[src_b]
+            self.tables[g][r, nb - 1] = b
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self.tenant_idx[rs]
-        return ()
+        return tuple(victims)
 
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))

@@ -49,12 +49,15 @@ def test_each_state_is_the_recurrence_from_zeros_through_prefill_fork_and_decode
         assert check(t, registry.create(name, kinds_config(MAMBA)), gather="all").valid is True, name
 
 
-def test_an_operation_holds_one_state_block_per_state_group_at_its_end():
+def test_an_operation_holds_one_state_block_per_state_group_and_a_fork_copies_it():
     o = Oracle(kinds_config(MAMBA))
     o.prefill(0, 20, "t", 20, 0)
     # ceil(20 / 8) = 3 full blocks + 3 state groups * 1 block
     assert o.expected_ledger().blocks_used == 6
     assert o.expected_ledger().group_blocks == (1, 1, 1, 3)
+    o.fork(1, 0, 20, 1)  # SPEC §12: the fork copies each state, shares the full blocks
+    assert o.expected_ledger().blocks_used == 9  # 9 = 6 + 3 copies
+    assert o.expected_ledger().shared_blocks == 3  # the full group's 3 blocks
 
 
 HASHED = {"block_hashes": [11, 12]}

@@ -715,6 +715,9 @@ class Oracle:
                 return G * (n - L) + self._taken_back(hits, drop)
 
             victims = self._make_room(("fork", need, []), {seq, src})
+        states = [g for g, group in enumerate(self.groups) if group.state_bytes is not None and n]
+        if via == "share" and states and self.layout == "paged":  # SPEC §12: a copy of each state
+            victims = self._make_room(("fork", lambda drop: len(states), []), {seq, src})
         child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
                          segments=list(parent.segments), last_access=step, use_count=1)
         self.seqs[seq] = child
@@ -725,6 +728,10 @@ class Oracle:
             child.tables = [list(t) for t in parent.tables]
             for b in child.held():
                 self._add_ref(b)
+            for g in states:  # the state's block copied: the branches diverge at the next token
+                b = child.tables[g][n - 1]
+                self._drop_ref(b)
+                child.tables[g][n - 1] = self._new_block(self.blocks[b][1], g)
             self.edits += 1
             self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
