@@ -602,9 +602,10 @@ def one_block_states(pool: str, model: ModelSpec, block_size: int) -> list:
             continue
         if state_blocks(group, bb) > 1:
             need = -(-len(group.layers) * group.state_bytes // model.slot_bytes)
-            raise ValueError(f"{pool}: a {group.kind} state of {len(group.layers)} layer(s) takes "
-                             f"{state_blocks(group, bb)} blocks of {bb} bytes; it keeps a state in "
-                             f"one block (block_size >= {need} for model {model.name})")
+            raise ValueError(f"{pool}: the state of a {group.kind} group of {len(group.layers)} "
+                             f"layer(s) takes {state_blocks(group, bb)} blocks of {bb} bytes; it "
+                             f"keeps a state in one block (block_size >= {need} for model "
+                             f"{model.name})")
         out.append(g)
     return out
 
