@@ -119,3 +119,18 @@ def test_a_planted_state_fault_is_caught_and_its_control_passes(fault, ops, inde
     if fault is StateOneBoundaryEarly:
         v = check(t, fault(cfg), gather="all", keep_going=True)
         assert [(c["kind"], c["stopped"]) for c in v.divergences][-1] == ("state of sequence N", True)
+
+
+def test_a_fork_with_no_room_for_its_state_copies_evicts():
+    # 12 blocks: 20 tokens hold 3 + 3 states = 6, 4 tokens 1 + 3 = 4; 2 left, and the fork's 3
+    # state copies evict the least recently used sequence (0).
+    t = trace(("p", 0, 20), ("p", 1, 4), ("k", 2, 1), ("a", {2: 1, 1: 1}), ("x", 1), ("x", 2))
+    cfg = kinds_config(MAMBA, num_blocks=12, policy="lru")
+    o = Oracle(cfg)
+    o.prefill(0, 20, "t", 20, 0)
+    o.prefill(1, 4, "t", 4, 1)
+    assert o.expected_ledger().blocks_free == 2
+    assert o.fork(2, 1, 5, 2) == [0]
+    for name in runs(MAMBA):
+        v = check(t, registry.create(name, cfg), gather="all")
+        assert (v.valid, v.evictions) == (True, 1), f"{name}: {v.divergence}"
