@@ -38,6 +38,9 @@ def advance_states(pool, rows, starts, dts, kv) -> None:
 
 
 def read_states(pool, r: int, tokens: int) -> np.ndarray:
-    """``Backend.read_state``: each state group's state, in the block of the last token."""
+    """``Backend.read_state``: each state group's state, in the block of the last token (a
+    sequence of no token holds no block: a fresh state, zeros)."""
+    if tokens == 0:
+        return np.zeros((len(pool.state_groups),) + tuple(pool.token_shape), np.int64)
     last = (tokens - 1) // pool.B
     return np.stack([pool._state_in(pool._block_at(g, r, last)) for g in pool.state_groups])

@@ -134,3 +134,11 @@ def test_a_fork_with_no_room_for_its_state_copies_evicts():
     for name in runs(MAMBA):
         v = check(t, registry.create(name, cfg), gather="all")
         assert (v.valid, v.evictions) == (True, 1), f"{name}: {v.divergence}"
+
+
+def test_a_sequence_of_no_token_reads_a_fresh_state():
+    # A trace has no empty prefill; a direct one holds no block, and its state is zeros.
+    for name in runs(MAMBA):
+        b = registry.create(name, kinds_config(MAMBA))
+        b.prefill(0, 0, kv_tokens([], [], MAMBA))
+        assert not b.read_state(0).any() and b.read_state(0).shape == (3, 2, 1, 2, 8)
