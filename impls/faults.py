@@ -609,6 +609,40 @@ class ChunkSlidesAsWindow(NumpyPaged):
                             for g in self.groups)
 
 
+class StateNotZeroed(NumpyPaged):
+    """A new sequence's state starts from what its block last held, not from zeros: a reused
+    block carries its previous owner's state into the recurrence (SPEC §12)."""
+
+    def _initial_state(self, g, r, start):
+        if start == 0:
+            return self._state_in(int(self.tables[g][r, 0]))
+        return super()._initial_state(g, r, start)
+
+
+class StateHitsNever(NumpyPaged):
+    """A model with a state group never finds a prefix hit: the lookup gives up on it, and the
+    prompt is computed again from zeros (hybrid hits silently 0%)."""
+
+    def _hit_plan(self, keys):
+        if self.state_groups:
+            return 0, [np.zeros(0, dtype=np.intp) for _ in self.groups]
+        return super()._hit_plan(keys)
+
+
+class StateOneBoundaryEarly(NumpyPaged):
+    """A prefix hit of L blocks restores its state groups from the state cached at the boundary
+    one block before (L - 1 blocks: the state's block index counted in the wrong units), so the
+    recurrence goes on from the wrong length."""
+
+    def _hit_plan(self, keys):
+        L, hits = super()._hit_plan(keys)
+        for g in self.state_groups:
+            earlier = self.by_hash.get((g, keys[L - 2])) if L >= 2 else None
+            if earlier is not None:
+                hits[g] = np.array([earlier], dtype=np.intp)
+        return L, hits
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -650,6 +684,12 @@ CATALOGUE = [
     Bug("a decode step's room: any block free, not enough", "kvbench #30", DecodeRoomAsAnyFree,
         False),
     Bug("a sink block released with the window", "kvbench #25", SinkReleasedEarly, True),
+    Bug("a new sequence's state not zeroed: a reused block's state carried over", "vLLM PR #56524",
+        StateNotZeroed, True),
+    Bug("a model with a state group never hits the prefix cache", "vLLM #45238", StateHitsNever,
+        True),
+    Bug("a hit's state read at the block boundary before (index in the wrong block units)",
+        "vLLM #55600", StateOneBoundaryEarly, True),
     Bug("a chunked group held to a sliding window of its chunk", "kvbench #25", ChunkSlidesAsWindow,
         False),
     Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,

@@ -20,6 +20,7 @@ import numpy as np
 from impls.changes import CachedQueue, StackChanges
 from impls.numpy_tiers import NumpyTiers
 from impls.prefix_keys import block_keys, cache_completed_chunk, hit_plan, tagged_extra
+from impls.states import advance_states, initial_state, read_states
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -52,7 +53,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
                                 groups=True, cache_salt=True, block_ids=True, tiers=("lru",),
-                                kinds=("full", "sliding", "chunked", "sinks", "mla"))
+                                kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -70,6 +71,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.kept = [F.sink_blocks(g, B) for g in self.groups]
         self.kv_shape = m.kv_shape  # one token, every layer ([1, L, 1, d] for MLA)
         self.token_shape = m.slot_shape  # one slot of one group
+        self.state_groups = F.one_block_states(self.name, m, B)
         self.pool = self._make_pool(n, B) if config.store_kv else None
         self.ready = 0  # blocks below this have their storage's memory written (committed)
         self.refcount = np.zeros(n, dtype=np.int32)
@@ -157,8 +159,34 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.pool[dst] = self.pool[src]
 
     def _write_group(self, g: int, slots: np.ndarray, kv) -> None:
-        """Write the layers of group ``g`` of ``kv`` (every layer) into ``slots``."""
-        self._write_slots(slots, group_view(kv, self.groups[g].layers, self.config.model))
+        """Write the layers of group ``g`` of ``kv`` (every layer) into ``slots`` (a state
+        group keeps no K/V: _advance_states writes its state)."""
+        if g not in self.state_groups:
+            self._write_slots(slots, group_view(kv, self.groups[g].layers, self.config.model))
+
+    # --- states (SPEC §12, impls.states): slot 0 of a state group's block holds its state
+
+    def _block_at(self, g: int, r: int, i: int) -> int:
+        return int(self.tables[g][r, i])
+
+    def _state_in(self, block: int) -> np.ndarray:
+        return self.pool[block, 0]
+
+    def _put_state(self, block: int, state) -> None:
+        self.pool[block, 0] = state
+
+    def _initial_state(self, g: int, r: int, start: int):
+        return initial_state(self, g, r, start)
+
+    def _advance_states(self, rows, starts, dts, kv) -> None:
+        if self.state_groups and self.pool is not None:
+            advance_states(self, rows, starts, dts, kv)
+
+    def read_state(self, seq) -> np.ndarray:
+        if self.pool is None:
+            raise NotImplementedError(f"{self.name} was built with store_kv=False")
+        r = self._row(seq)
+        return read_states(self, r, int(self.tokens[r]))
 
     # --- bookkeeping -----------------------------------------------------------------------
 
@@ -525,6 +553,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             for g in range(self.G):
                 slots = (ids[g][n_hit:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens - skip]
                 self._write_group(g, slots, kv[skip:])
+            self._advance_states(np.array([r]), np.array([skip]), np.array([tokens - skip]), kv[skip:])
         if self.releasing:
             self._slide(np.array([r]), self.tokens[[r]])
         return tuple(victims)
@@ -636,6 +665,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                 self._write_group(g, phys * self.B + off, kv)
             if g == self.G - 1:
                 self.nblocks[rows] = nb_old + new
+        self._advance_states(rows, end - dts, dts, kv)
         self.tokens[rows] = end
         self.last_access[rows] = step
         self.use_count[rows] += 1
@@ -715,6 +745,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             self.filled += len(tails)
         if grew.any():
             self.nblocks[rows[grew]] += 1
+        self._advance_states(rows, self.tokens[rows], dts, kv)
         self.tokens[rows] += 1
         self.last_access[rows] = step
         self.use_count[rows] += 1
@@ -727,20 +758,32 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         rs = self._row(src)
+        nb = int(self.nblocks[rs])
+        states = self.state_groups if nb else []
+        victims = self._make_room(lambda rc: len(states), np.array([rs])) if states else []
         r = self._new_row(seq)
-        nb = self.nblocks[rs]
         for t, f in zip(self.tables, self.first):
             t[r, :nb] = t[rs, :nb]
             f[r] = f[rs]
         self.nblocks[r] = nb
-        self._add_refs(self._row_blocks(r), 1)
+        copies = self._take(len(states))  # SPEC §12: the states copied, the rest shared
+        for g, b in zip(states, copies.tolist()):
+            src_b = self.tables[g][r, nb - 1]
+            self.block_group[b] = g
+            self.group_used[g] += 1
+            self._set_fill(np.array([b]), self.fill[src_b])
+            if self.pool is not None:
+                self._copy_blocks(np.array([src_b]), np.array([b]))
+            self.tables[g][r, nb - 1] = b
+        shared = self._row_blocks(r)
+        self._add_refs(shared[~np.isin(shared, copies)], 1)
         self.sharing_rows.update((r, rs))
         self.dirty.update((r, rs))
         self.tokens[r] = self.tokens[rs]
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self.tenant_idx[rs]
-        return ()
+        return tuple(victims)
 
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))
@@ -831,6 +874,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         result = out if out is not None else None
         for g, group in enumerate(self.groups):
             lo = max(start, int(self.first[g][r]) * self.B)  # below: released by the window
+            if g in self.state_groups:  # no K/V: zeros in its layers
+                lo = stop
             data = self._read_range(self.tables[g][r], lo, stop, None) if lo < stop else None
             sinks = min(self.kept[g] * self.B, lo, stop)  # a sinks group's kept head
             head = self._read_range(self.tables[g][r], start, sinks, None) if start < sinks else None

@@ -24,6 +24,7 @@ import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
 from impls.prefix_keys import block_keys, cache_completed_chunk, hit_plan, tagged_extra
+from impls.states import advance_states, initial_state, read_states
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -83,7 +84,7 @@ class TorchPaged(StackChanges, Backend):
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
                                 groups=True, cache_salt=True, block_ids=True,
-                                kinds=("full", "sliding", "chunked", "sinks", "mla"))
+                                kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -109,6 +110,7 @@ class TorchPaged(StackChanges, Backend):
         self.kept = [F.sink_blocks(g, B) for g in self.groups]
         self.kv_shape = m.kv_shape  # one token, every layer ([1, L, 1, d] for MLA)
         self.token_shape = m.slot_shape  # one slot of one group
+        self.state_groups = F.one_block_states(self.name, m, B)
         self.kv_dtype = getattr(torch, np.dtype(config.kv_dtype).name)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.layer_index = [torch.tensor(g.layers, **i64) for g in self.groups]
@@ -526,11 +528,13 @@ class TorchPaged(StackChanges, Backend):
             self.tables[g][r, L:n] = f
             self.block_group[f] = g
             self.fill[f] = fills
-            if kv_t is not None and n > L:
+            if kv_t is not None and n > L and g not in self.state_groups:
                 slots = (f[:, None] * self.B + torch.arange(self.B, device=self.device)).reshape(-1)
                 self._flat_pool().index_copy_(0, slots[:tokens - L * self.B],
                                               self._group_kv(kv_t, g)[L * self.B:])
         self.nblocks[r] = n
+        if kv_t is not None and tokens > L * self.B:
+            self._advance_states([r], [L * self.B], [tokens - L * self.B], kv_t[L * self.B:])
         self.tokens[r] = tokens
         self.tokens_host[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
@@ -630,10 +634,12 @@ class TorchPaged(StackChanges, Backend):
             # A block's fill is its highest written offset + 1.
             phys = table[owner_rows, pos // self.B]
             self.fill.scatter_reduce_(0, phys, off + 1, reduce="amax")
-            if kv_t is not None:
+            if kv_t is not None and g not in self.state_groups:
                 self._flat_pool().index_copy_(0, phys * self.B + off, self._group_kv(kv_t, g))
         if counts[1]:
             self.nblocks[rows] = nb_old + plans[0][2]
+        if kv_t is not None:
+            self._advance_states(rows_h, self.tokens_host[rows_h], dts_h, kv_t)
         self.tokens[rows] = tok_old + dts
         self.tokens_host[rows_h] += dts_h
         self.last_access[rows_h] = step
@@ -646,6 +652,9 @@ class TorchPaged(StackChanges, Backend):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         rs = self._row(src)
+        nb = int(self._blocks_needed(int(self.tokens_host[rs])))
+        states = self.state_groups if nb else []
+        victims = self._make_room(lambda rc: len(states), np.array([rs])) if states else []
         r = self._new_row(seq)
         for t, f in zip(self.tables, self.first):
             t[r] = t[rs]
@@ -655,10 +664,19 @@ class TorchPaged(StackChanges, Backend):
         self.tokens_host[r] = self.tokens_host[rs]
         blocks = self._row_blocks(r)
         self.refcount.index_add_(0, blocks, self.torch.ones_like(blocks))
+        copies = self._take(len(states))  # SPEC §12: the states copied, the rest shared
+        for g, b in zip(states, copies.tolist()):
+            src_b = int(self.tables[g][r, nb - 1])
+            self.refcount[src_b] -= 1
+            self.block_group[b] = g
+            self.fill[b] = self.fill[src_b]
+            if self.pool is not None:
+                self.pool[b] = self.pool[src_b]
+            self.tables[g][r, nb - 1] = b
         self.final[r] = final_tokens if final_tokens is not None else self.tokens[rs]
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self.tenant_idx[rs]
-        return ()
+        return tuple(victims)
 
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))
@@ -718,6 +736,8 @@ class TorchPaged(StackChanges, Backend):
             return self.pool.index_select(0, self.tables[0][r, :nb]).view((-1,) + self.token_shape)[:T]
         out = self.torch.zeros((T,) + self.kv_shape, dtype=self.kv_dtype, device=self.device)
         for g in range(self.G):
+            if g in self.state_groups:  # no K/V: zeros in its layers
+                continue
             f, k = int(self.first[g][r]), min(self.kept[g], int(self.first[g][r]))
             data = self.pool.index_select(0, self.tables[g][r, f:nb]).view((-1,) + self.token_shape)
             out[f * self.B:].index_copy_(2, self.layer_index[g], data[:T - f * self.B])
@@ -728,6 +748,30 @@ class TorchPaged(StackChanges, Backend):
 
     def gather(self, seq) -> np.ndarray:
         return self.gather_tensor(seq).cpu().numpy()
+
+    # --- states (SPEC §12, impls.states): slot 0 of a state group's block holds its state
+
+    def _block_at(self, g: int, r: int, i: int) -> int:
+        return int(self.tables[g][r, i])
+
+    def _state_in(self, block: int) -> np.ndarray:
+        return self.pool[block, 0].cpu().numpy()
+
+    def _put_state(self, block: int, state) -> None:
+        self.pool[block, 0] = self.torch.as_tensor(state).to(device=self.device, dtype=self.kv_dtype)
+
+    def _initial_state(self, g: int, r: int, start: int):
+        return initial_state(self, g, r, start)
+
+    def _advance_states(self, rows, starts, dts, kv_t) -> None:
+        if self.state_groups:
+            advance_states(self, rows, starts, dts, kv_t.cpu().numpy())
+
+    def read_state(self, seq) -> np.ndarray:
+        if self.pool is None:
+            raise NotImplementedError(f"{self.name} was built with store_kv=False")
+        r = self._row(seq)
+        return read_states(self, r, int(self.tokens_host[r]))
 
     def memory_report(self) -> dict:
         """Pool bytes by the formula beside what the pool tensor holds and, on CUDA, what the

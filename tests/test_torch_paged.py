@@ -96,6 +96,11 @@ class Tandem(Backend):
         assert np.array_equal(got, want), f"after call #{self.calls}: K/V of sequence {seq} differ"
         return got
 
+    def read_state(self, seq):
+        got, want = self.t.read_state(seq), self.n.read_state(seq)
+        assert np.array_equal(got, want), f"after call #{self.calls}: states of sequence {seq} differ"
+        return got
+
 
 def tandem_check(trace, config, gather="touched"):
     v = check(trace, Tandem(config), gather=gather)

@@ -96,6 +96,10 @@ def test_checks_clean_on_every_committed_workload(vllm, path, caching):
         with pytest.raises(NotImplementedError, match="does not run"):  # SPEC §12: not mapped yet
             VllmKVManager(config)
         return
+    if config.prefix_caching and any(g.state_bytes is not None for g in config.model.kv_groups):
+        with pytest.raises(NotImplementedError, match="Mamba 'align' mode"):  # docs/cache-kinds.md
+            VllmKVManager(config)
+        return
     v = check(trace, VllmKVManager(config))
     if trace.header.tiers:  # the adapter runs no lower tiers (SPEC §11)
         assert v.valid is None and "declares no tiers" in v.not_applicable
@@ -333,3 +337,139 @@ def test_bug_candidate_a_one_token_window_turns_off_every_prefix_hit(vllm):
     led = be.ledger()
     assert led.prefix_hit_blocks == 0  # SPEC: 2 = 8 // 4 (the full group's), sliding(1): none
     assert led.group_blocks == (3, 3)  # SPEC: (12 // 4 - 2, 12 // 4) = (1, 3)
+
+
+# --- SPEC §12's kinds: vLLM's specs through its hybrid coordinator ---------------------------
+
+def variant(name):
+    return load_traces([p for p in committed_workloads() if p.stem == name])[0]
+
+
+@pytest.mark.parametrize("name,caching", [("variant-chunked", True), ("variant-chunked", False),
+                                          ("variant-mla", True), ("variant-mla", False),
+                                          ("variant-mamba", False)])
+def test_chunked_mla_and_mamba_groups_check_clean_through_the_hybrid_coordinator(vllm, name, caching):
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = variant(name)
+    be = VllmKVManager(config_for(trace, policy=None, prefix_caching=caching))
+    managers = [type(m).__name__ for m in be.manager.coordinator.single_type_managers]
+    kinds = {"variant-chunked": ["ChunkedLocalAttentionManager"] * 3 + ["FullAttentionManager"],
+             "variant-mla": ["FullAttentionManager"],  # MLAAttentionSpec: full attention
+             "variant-mamba": ["MambaManager"] * 3 + ["FullAttentionManager"]}[name]
+    assert managers == kinds
+    v = check(trace, be)
+    assert v.valid is True, str(v.divergence)
+    assert v.ops == len(trace.ops)
+
+
+def _manager_of(specs, num_blocks=64, caching=True):
+    """vLLM's KVCacheManager over groups of these specs, one layer each, block size 8."""
+    from impls.engines import vllm_kvmanager as VK
+    v = VK._vllm()
+    groups = [v.KVCacheGroupSpec([f"model.layers.{i}.self_attn"], spec) for i, spec in enumerate(specs)]
+    config = v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=groups)
+    return v.KVCacheManager(config, max_model_len=VK.MAX_MODEL_LEN, scheduler_block_size=8,
+                            hash_block_size=8, enable_caching=caching)
+
+
+def _admit(mgr, rid, ids):
+    from impls.engines import vllm_kvmanager as VK
+    v = VK._vllm()
+    req = v.Request(request_id=rid, prompt_token_ids=ids, sampling_params=v.SamplingParams(max_tokens=8),
+                    pooling_params=None, block_hasher=v.utils.get_request_block_hasher(8, v.sha256))
+    computed, hit, _ = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, len(ids) - hit, hit, computed) is not None
+    return req, hit
+
+
+def test_mamba_align_mode_caches_no_state_from_a_prefill_in_one_allocation(vllm):
+    """Why the adapter refuses state groups with prefix caching (MAMBA_ALIGN): vLLM's "align"
+    mode allocates only the block of the last token, so a prompt computed in one allocate_slots
+    leaves no state at a block boundary, and the same prompt again hits nothing. SPEC §12: the
+    states at 8 .. 56 cached, a hit of (61 - 1) // 8 = 7 blocks."""
+    import dataclasses
+    from impls.engines.vllm_kvmanager import group_spec
+    cfg = CacheConfig(model=get_model("tiny-mamba"), block_size=8, num_blocks=64, store_kv=False)
+    state, full = (group_spec(cfg, g) for g in cfg.model.kv_groups[2:])
+    mgr = _manager_of([dataclasses.replace(state, mamba_cache_mode="align"), full])
+    ids = list(range(1000, 1061))
+    req, _ = _admit(mgr, "0", ids)
+    table = mgr.coordinator.single_type_managers[0].req_to_blocks["0"]
+    assert [b.is_null for b in table] == [True] * 7 + [False]  # ceil(61 / 8) = 8: the last alone
+    mgr.free(req)
+    _, hit = _admit(mgr, "1", ids)
+    assert hit == 0
+
+
+def test_bug_candidate_vllms_sink_attention_manager_cannot_be_built(vllm):
+    """Why sinks(S, W) is not mapped. vLLM's SinkFullAttentionSpec (static sinks, K/V outside the
+    request's blocks: static_sink_attention.py) runs SinkFullAttentionManager, a
+    FullAttentionManager that releases nothing, where sinks(8, 24) at 100 tokens holds 5 blocks;
+    and at the pinned version vLLM's own get_manager_for_kv_cache_spec cannot build it (its
+    __init__ takes no needs_kv_cache_zeroing)."""
+    import torch
+    from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,
+                                                           SinkFullAttentionManager)
+    from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
+    from kvbench.contract import formulas as F
+    assert issubclass(SinkFullAttentionManager, FullAttentionManager)
+    assert "remove_skipped_blocks" not in vars(SinkFullAttentionManager)
+    # 5: the sinks' block 0 and the window's from (100 - 24 + 1) // 8 = 9 to 12; full: 13
+    assert F.held_blocks(100, F.KVGroup((0,), sinks=(8, 24)), 8) == [0, 9, 10, 11, 12]
+    spec = SinkFullAttentionSpec(block_size=8, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                                 sink_len=8)
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
+        _manager_of([spec], caching=False)
+
+
+def _page(spec_name, **kw):
+    import torch
+    from vllm.v1 import kv_cache_interface as K
+    kw.setdefault("dtype", torch.bfloat16)
+    return getattr(K, spec_name)(block_size=16, **kw).page_size_bytes
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "deepseek-v3-fp8", "llama-4-scout",
+                                  "gpt-oss-20b", "gpt-oss-120b", "qwen3-next-80b-a3b", "jamba-v0.1",
+                                  "gemma-3-12b", "llama-3-8b-fp8", "llama-3-8b-fp8-token-head",
+                                  "tiny-mamba", "tiny-chunked", "tiny-mla"])
+def test_vllms_page_size_bytes_of_each_preset_are_kvbenchs_block_over_a_groups_layers(vllm, name):
+    """vLLM's own page_size_bytes of each group's spec (as its attention layers build them) times
+    L_group is kvbench's block bytes at B = 16; a state group's page is its state's bytes."""
+    import torch
+    from impls.engines.vllm_kvmanager import group_spec
+    from kvbench.contract import formulas as F
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+    m = get_model(name)
+    cfg = CacheConfig(model=m, block_size=16, num_blocks=8, store_kv=False)
+    for g in m.kv_groups:
+        if g.state_bytes is not None:
+            spec = group_spec(cfg, g)
+            if name == "qwen3-next-80b-a3b":  # Gated DeltaNet: conv (3, 8192), ssm (32, 128, 128)
+                spec = dataclasses_replace(spec, shapes=((3, 8192), (32, 128, 128)),
+                                           dtypes=(torch.bfloat16,) * 2)
+            elif name == "jamba-v0.1":  # Mamba: conv (8192, 3), ssm (8192, 16)
+                spec = dataclasses_replace(spec, shapes=((8192, 3), (8192, 16)),
+                                           dtypes=(torch.bfloat16,) * 2)
+            assert spec.page_size_bytes == g.state_bytes, g.kind
+            continue
+        if m.kv_encoding == "fp8-per-token-head":  # Triton's inline fp32 scale per head
+            spec = TritonAttentionBackend.customize_spec(FullAttentionSpec(
+                block_size=16, num_kv_heads=m.kv_heads, head_size=m.head_dim,
+                dtype=torch.float8_e4m3fn, kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD))
+        elif g.latent_bytes is not None:  # as MLAAttention builds fp8_ds_mla's spec
+            spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=g.latent,
+                                    dtype=torch.uint8, cache_dtype_str="fp8_ds_mla",
+                                    state_content_bytes=656)
+        elif m.kv_encoding == "fp8":
+            spec = FullAttentionSpec(block_size=16, num_kv_heads=m.kv_heads, head_size=m.head_dim,
+                                     dtype=torch.float8_e4m3fn)
+        else:
+            spec = group_spec(cfg, g)
+        assert len(g.layers) * spec.page_size_bytes == F.block_bytes(16, m), (g.kind, type(spec).__name__)
+
+
+def dataclasses_replace(spec, **kw):
+    import dataclasses
+    return dataclasses.replace(spec, **kw)

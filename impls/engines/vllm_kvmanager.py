@@ -24,6 +24,10 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   ``SlidingWindowManager.remove_skipped_blocks``, which ``allocate_slots`` runs before it
   allocates, on the tokens computed before that call: the adapter declares
   ``window_release="next_allocation"`` and the checker holds vLLM to it.
+- SPEC §12's kinds: ``ChunkedLocalAttentionSpec`` (its manager releases the chunks before the
+  current one at the next allocation, as a window), ``MLAAttentionSpec`` (full attention over one
+  latent), ``MambaSpec`` without prefix caching (``MAMBA_ALIGN``: why not with it). Not sinks(S, W):
+  vLLM's ``SinkFullAttentionSpec`` is full attention (``CAPABILITIES``).
 - salts, LoRA adapters, token ids (SPEC §9): the trace's ``salt`` is the request's
   ``cache_salt``, its ``adapter`` a ``LoRARequest`` of that name, its ``token_ids`` the prompt.
 
@@ -48,6 +52,15 @@ from impls.engines.vllm_blockpool import importable
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
+# vLLM's prefix caching of Mamba states (mamba_cache_mode "align", its serving default with
+# prefix caching on) keeps a state only where a computed chunk ends on a block boundary, which
+# its scheduler arranges (Scheduler._mamba_block_aligned_split); the manager allocates the block
+# of the last token alone, so a prefill in one allocate_slots caches no state and never hits.
+# Without prefix caching ("none") it takes a block per position and releases all but the last at
+# the next allocation: kvbench's state rule, which the checker holds it to.
+MAMBA_ALIGN = ("vllm-kvmanager does not run state groups with prefix caching: vLLM's Mamba "
+               "'align' mode caches a state only where its scheduler ends a prefill chunk on a "
+               "block boundary, and the adapter drives no scheduler (SPEC §12; docs/cache-kinds.md)")
 MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
 FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
@@ -55,7 +68,12 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             prefix_caching=True, eviction=(),
                             hit_leaves_last_token=True, caches_every_full_block=True,
                             keeps_duplicate_blocks=True, groups=True,
-                            window_release="next_allocation", cache_salt=True)
+                            window_release="next_allocation", cache_salt=True,
+                            # SPEC §12. Not sinks(S, W): vLLM's SinkFullAttentionSpec is full
+                            # attention whose sinks are static K/V outside the request's blocks
+                            # (static_sink_attention.py); no manager of vLLM's releases a window
+                            # beside kept sinks.
+                            kinds=("full", "sliding", "chunked", "mla", "state"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,8 +88,9 @@ def _vllm():
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                            KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                            MLAAttentionSpec, SlidingWindowSpec)
     from vllm.v1.request import Request, RequestStatus
 
     # vLLM's default prefix-caching hash (CacheConfig.prefix_caching_hash_algo = "sha256").
@@ -79,7 +98,8 @@ def _vllm():
     return types.SimpleNamespace(
         torch=torch, SamplingParams=SamplingParams, sha256=sha256, utils=kv_cache_utils,
         LoRARequest=LoRARequest, KVCacheManager=KVCacheManager, FullAttentionSpec=FullAttentionSpec,
-        SlidingWindowSpec=SlidingWindowSpec,
+        SlidingWindowSpec=SlidingWindowSpec, ChunkedLocalAttentionSpec=ChunkedLocalAttentionSpec,
+        MLAAttentionSpec=MLAAttentionSpec, MambaSpec=MambaSpec,
         KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec, Request=Request,
         RequestStatus=RequestStatus)
 
@@ -90,19 +110,38 @@ def available() -> tuple[bool, str]:
 
 def kv_cache_config(config: CacheConfig):
     """vLLM's ``KVCacheConfig`` for kvbench's model and budget: one ``KVCacheGroupSpec`` per
-    kvbench group, in kvbench's order, full attention or a sliding window (vLLM's tests'
-    ``make_kv_cache_config`` / ``make_kv_cache_config_hybrid_model``), plus vLLM's null block."""
+    kvbench group, in kvbench's order (vLLM's tests' ``make_kv_cache_config`` /
+    ``make_kv_cache_config_hybrid_model``), plus vLLM's null block."""
+    v = _vllm()
+    groups = [v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in g.layers],
+                                 group_spec(config, g))
+              for g in config.model.kv_groups]
+    return v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
+                           kv_cache_groups=groups)
+
+
+def group_spec(config: CacheConfig, group: F.KVGroup):
+    """vLLM's spec of one kvbench group (SPEC §8, §12): FullAttentionSpec, SlidingWindowSpec(W),
+    ChunkedLocalAttentionSpec(C), MLAAttentionSpec (one latent of d: one head of d, no V), or
+    MambaSpec (one state of the group's bytes per layer as a float16 tensor, cache mode "none":
+    vLLM's MambaModelConfig sets it without prefix caching; MAMBA_ALIGN says why not "align")."""
     v = _vllm()
     m = config.model
     dtype = {1: v.torch.int8, 2: v.torch.float16, 4: v.torch.float32}[m.dtype_bytes]
     shape = dict(block_size=config.block_size, num_kv_heads=m.kv_heads, head_size=m.head_dim,
                  dtype=dtype)
-    groups = [v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in g.layers],
-                                 v.FullAttentionSpec(**shape) if g.window is None
-                                 else v.SlidingWindowSpec(sliding_window=g.window, **shape))
-              for g in m.kv_groups]
-    return v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
-                           kv_cache_groups=groups)
+    if group.window is not None:
+        return v.SlidingWindowSpec(sliding_window=group.window, **shape)
+    if group.chunk is not None:
+        return v.ChunkedLocalAttentionSpec(attention_chunk_size=group.chunk, **shape)
+    if group.latent is not None:
+        return v.MLAAttentionSpec(block_size=config.block_size, num_kv_heads=1,
+                                  head_size=group.latent, dtype=dtype)
+    if group.state_bytes is not None:
+        return v.MambaSpec(block_size=config.block_size, shapes=((group.state_bytes // 2,),),
+                           dtypes=(v.torch.float16,),
+                           mamba_cache_mode="none")
+    return v.FullAttentionSpec(**shape)
 
 
 class VllmKVManager(Backend):
@@ -123,6 +162,8 @@ class VllmKVManager(Backend):
         v = self._v = _vllm()
         self.block_size = B = config.block_size
         self.caching = bool(config.prefix_caching)
+        if self.caching and any(g.state_bytes is not None for g in config.model.kv_groups):
+            raise NotImplementedError(MAMBA_ALIGN)
         # Fork: a new request through the prefix cache, or, without one, computed again whole.
         self.capabilities = dataclasses.replace(CAPABILITIES,
                                                 fork_via="prefix" if self.caching else "copy")
@@ -131,8 +172,8 @@ class VllmKVManager(Backend):
                                         enable_caching=self.caching)
         self.pool = self.manager.block_pool
         self._groups = self.manager.coordinator.single_type_managers  # kvbench's group order
-        self._sliding = [g for g, w in zip(self._groups, (g.window for g in config.model.kv_groups))
-                         if w is not None]
+        # The managers whose remove_skipped_blocks gives blocks back (sliding, chunked, Mamba).
+        self._sliding = [m for m, g in zip(self._groups, config.model.kv_groups) if g.releases]
         self._hasher = v.utils.get_request_block_hasher(B, v.sha256)
         self._sampling = v.SamplingParams(max_tokens=1 << 20)
         self.requests: dict[int, object] = {}

@@ -4,7 +4,7 @@ sliding windows, fp8 / NVFP4 KV) at one byte budget, contiguous beside paged.
 Each preset serves the same ShareGPT-like requests as the PagedAttention paper's setting
 (kvbench.analyses.breakdown), ledger only, in its own closed-loop simulation; shares of the
 budget averaged over saturated steps. A pool that does not run a preset's group kinds (the
-contiguous baseline has no chunked or sinks ring, no pool yet holds a state group) is left out
+contiguous baseline has no chunked or sinks ring, a paged pool no state larger than a block) is left out
 and named in the table's ``left_out``.
 """
 from __future__ import annotations
@@ -28,11 +28,18 @@ SETTING = {"budget": "1GiB", "block_size": 16, "max_context": 2048, "num_request
            "max_steps": 3000, "seed": 0}
 
 
-def runs_kinds(backend: str, model: F.ModelSpec) -> str:
-    """'' when the backend declares every group kind of the model, else why not."""
+def runs_kinds(backend: str, model: F.ModelSpec, block_size: int) -> str:
+    """'' when the backend declares every group kind of the model, else why not (a paged pool
+    keeps a state in one block: a larger one is refused)."""
     caps = registry.resolve(backend).load().capabilities
     missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
-    return f"{backend} does not run {' or '.join(missing)} groups" if missing else ""
+    if missing:
+        return f"{backend} does not run {' or '.join(missing)} groups"
+    try:
+        F.one_block_states(backend, model, block_size)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def model_breakdowns(models=MODELS, layouts=LAYOUTS, **setting) -> pd.DataFrame:
@@ -46,7 +53,7 @@ def model_breakdowns(models=MODELS, layouts=LAYOUTS, **setting) -> pd.DataFrame:
         blocks = F.budget_blocks(s["budget"], s["block_size"], model)
         cfg = CacheConfig(model=model, block_size=s["block_size"], num_blocks=blocks, store_kv=False,
                           max_context=s["max_context"])
-        why = {b: runs_kinds(b, model) for b in layouts}
+        why = {b: runs_kinds(b, model, s["block_size"]) for b in layouts}
         run = [b for b in layouts if not why[b]]
         if run:
             table, _ = memory_breakdown(reqs, cfg, run, max_steps=s["max_steps"], seed=s["seed"])

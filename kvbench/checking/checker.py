@@ -110,6 +110,9 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
         if any(w is not None for w in (g.window for g in model.kv_groups)):
             return (f"a rollback under the sliding window of model {model.name} would need blocks "
                     f"the window already released: not modelled")
+        if any(g.state_bytes is not None for g in model.kv_groups):
+            return (f"a rollback of model {model.name}'s state groups would need the state before "
+                    f"the drafts (SPEC §12): not modelled")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):
         return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
     return ""
@@ -641,6 +644,13 @@ class _Replay:
         if bad:
             seq, *what = bad
             self.diverge(f"kv of sequence {seq}", *what)
+        try:
+            bad = self.kv.state_mismatch(sorted({r[0] for r in ranges if r[0] in self.oracle.seqs}))
+        except BackendRaised as e:
+            self.raised(e)
+        if bad:
+            seq, *what = bad
+            self.diverge(f"state of sequence {seq}", *what)
 
     def verify_kv(self, changed: dict, last: bool) -> None:
         """Gather and compare the K/V that the ``gather`` mode names."""

@@ -11,7 +11,7 @@ import bisect
 import numpy as np
 
 from kvbench.checking.raised import guarded
-from kvbench.contract.protocol import _takes, kv_tokens, read_kv
+from kvbench.contract.protocol import _takes, advance_state, group_view, kv_tokens, read_kv
 from kvbench.quant import pool as quant_pool
 
 
@@ -74,6 +74,7 @@ class Content:
         self.hybrid = any(g.releases for g in self.model.kv_groups)  # positions a window released
         # A caller's buffer is a path of its own (a backend may read into it differently).
         self.takes_out = backend is not None and _takes(type(backend), "gather", "out")
+        self.state_groups = [g for g in self.model.kv_groups if g.state_bytes is not None]
 
     def _runs(self, seq) -> Runs:
         runs = self.runs.get(seq)
@@ -138,6 +139,31 @@ class Content:
             if bad:
                 return (seq, *bad), len(todo)
         return None, len(todo)
+
+    def state_mismatch(self, seqs):
+        """SPEC §12: each state group's state of each sequence (``read_state``) against the state
+        after every token it wrote or inherited, from a fresh (zero) state. None when all are
+        right, else (seq, expected, actual, detail) of the first wrong one."""
+        if not self.state_groups:
+            return None
+        for seq in seqs:
+            n = self.oracle.seqs[seq].tokens
+            ws, counts = [], []
+            self._runs(seq).over(0, n, ws, counts)
+            kv = kv_tokens(np.repeat(np.asarray(ws, dtype=np.int64), counts), np.arange(n),
+                           self.model, self.dtype)
+            want = [advance_state(None, group_view(kv, g.layers, self.model)) for g in self.state_groups]
+            got = np.asarray(guarded("read_state", self.backend.read_state, seq))
+            for i, (g, w) in enumerate(zip(self.state_groups, want)):
+                if got.shape[1:] != w.shape or len(got) != len(want):
+                    return (seq, f"{len(want)} states of shape {w.shape}", f"shape {got.shape}",
+                            "read_state gives one state per state group")
+                if not np.array_equal(got[i].astype(np.int64), w):
+                    what = "a fresh state (zeros)" if not got[i].any() else "other values"
+                    return (seq, f"the state after its {n} tokens", what,
+                            f"state group {g.kind} of layers {g.layers}: the sum of the K/V of "
+                            f"positions 0..{n - 1} mod 2003 from a fresh (zero) state")
+        return None
 
     def _span(self, r):
         """``(seq, start, stop)`` with stop within the sequence, None when that is empty."""

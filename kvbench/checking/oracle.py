@@ -714,6 +714,9 @@ class Oracle:
                 return G * (n - L) + self._taken_back(hits, drop)
 
             victims = self._make_room(("fork", need, []), {seq, src})
+        states = [g for g, group in enumerate(self.groups) if group.state_bytes is not None and n]
+        if via == "share" and states and self.layout == "paged":  # SPEC §12: a copy of each state
+            victims = self._make_room(("fork", lambda drop: len(states), []), {seq, src})
         child = SeqState(tenant=parent.tenant, tokens=parent.tokens, final=final,
                          segments=list(parent.segments), last_access=step, use_count=1)
         self.seqs[seq] = child
@@ -724,6 +727,10 @@ class Oracle:
             child.tables = [list(t) for t in parent.tables]
             for b in child.held():
                 self._add_ref(b)
+            for g in states:  # the state's block copied: the branches diverge at the next token
+                b = child.tables[g][n - 1]
+                self._drop_ref(b)
+                child.tables[g][n - 1] = self._new_block(self.blocks[b][1], g)
             self.edits += 1
             self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
@@ -856,13 +863,17 @@ class Oracle:
     def released_spans(self, seq) -> tuple:
         """Per group, the positions ``(lo, hi)`` whose K/V the sequence no longer holds, which
         read 0 (a sliding or chunked group holds only the blocks, or the ring, of its window or
-        chunk: lo = 0; a sinks group keeps its sinks' blocks below lo)."""
+        chunk: lo = 0; a sinks group keeps its sinks' blocks below lo; a state group holds no
+        K/V: every position)."""
         st = self.seqs[seq]
         if self.layout == "contiguous":
             return tuple((0, 0 if w is None else st.tokens - min(st.tokens, size))
                          for (_, size), w in zip(st.slabs, self.windows))
         out = []
-        for table in st.tables:
+        for table, group in zip(st.tables, self.groups):
+            if group.state_bytes is not None:
+                out.append((0, st.tokens))
+                continue
             lo = next((i for i, b in enumerate(table) if b is None), len(table))
             hi = next((i for i in range(lo, len(table)) if table[i] is not None), len(table))
             lo, hi = min(lo * self.B, st.tokens), min(hi * self.B, st.tokens)

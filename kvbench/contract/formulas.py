@@ -87,8 +87,9 @@ class KVGroup:
 
     @property
     def releases(self) -> bool:
-        """Whether the group gives blocks back while its sequence lives (SPEC §8, §12)."""
-        return self.family in ("sliding", "chunked", "sinks")
+        """Whether the group gives blocks back while its sequence lives (SPEC §8, §12; a state
+        group keeps only the block of its last token, the state there)."""
+        return self.family in ("sliding", "chunked", "sinks", "state")
 
     @property
     def per_token(self) -> bool:
@@ -392,6 +393,11 @@ PRESETS: dict[str, ModelSpec] = {
         # MLA in 2 layers, one group: a latent of 12 per token per layer, 2 * 12 * 2 = 48 bytes.
         ModelSpec("tiny-mla", layers=2, kv_heads=1, head_dim=12,
                   groups=(KVGroup((0, 1), latent=12),)),
+        # A Mamba hybrid in 4 layers (Qwen3-Next's 3:1, groups of one layer): state(512) on 3
+        # of 4, one full layer; at block size 8 a state fills one block of 8 * 2 * 2 * 8 * 2
+        # = 512 bytes.
+        ModelSpec("tiny-mamba", layers=4, kv_heads=2, head_dim=8,
+                  groups=hybrid_groups(4, ("state(512)",) * 3 + (None,))),
         *MODELS_2026,
     )
 }
@@ -550,8 +556,11 @@ def _at_least_0(x):
 def trailing_first_block(tokens, group: KVGroup, block_size: int):
     """First block of the trailing run a group holds at ``tokens`` tokens: ``max(0, T - W + 1)
     // B`` for sliding(W) and the window of sinks(S, W), ``floor(T/C) * C // B`` for chunked(C),
-    0 for the rest. Python ints, NumPy arrays or torch tensors of lengths alike (a sinks group
-    also holds its first ``sink_blocks``)."""
+    ``(T - 1) // B`` for state (the block holding the state after the last token), 0 for the
+    rest. Python ints, NumPy arrays or torch tensors of lengths alike (a sinks group also holds
+    its first ``sink_blocks``)."""
+    if group.state_bytes is not None:
+        return _at_least_0(tokens - 1) // block_size
     if group.chunk is not None:
         return tokens // group.chunk * group.chunk // block_size
     window = group.window if group.window is not None else group.sinks[1] if group.sinks else None
@@ -569,7 +578,8 @@ def released_blocks(tokens: int, group: KVGroup, block_size: int) -> range:
     """Block indices a group no longer holds once an operation leaves ``tokens`` tokens (SPEC §8,
     §12): below ``T - W + 1`` (sliding), below the current chunk ``floor(T/C)*C`` (chunked),
     between the sinks' blocks and the window's (sinks: blocks holding any of the first S tokens
-    are kept); none for full, mla and state groups."""
+    are kept), below the last token's block (state: the states at earlier block boundaries,
+    cached where their blocks are hashed); none for full and mla groups."""
     kept = sink_blocks(group, block_size)
     return range(kept, max(kept, trailing_first_block(tokens, group, block_size)))
 
@@ -584,6 +594,25 @@ def held_blocks(tokens: int, group: KVGroup, block_size: int) -> list:
 def state_blocks(group: KVGroup, block_bytes: int) -> int:
     """ceil(L_group * state bytes / block_bytes): the blocks one sequence's state takes."""
     return blocks_needed(len(group.layers) * group.state_bytes, block_bytes)
+
+
+def one_block_states(pool: str, model: ModelSpec, block_size: int) -> list:
+    """Indices of the model's state groups, for a pool that keeps each state in the block of its
+    sequence's last token (as vLLM pads its pages so that one state fits one block); a state
+    larger than a block is refused, naming the block size that would hold it."""
+    bb = block_bytes(block_size, model)
+    out = []
+    for g, group in enumerate(model.kv_groups):
+        if group.state_bytes is None:
+            continue
+        if state_blocks(group, bb) > 1:
+            need = -(-len(group.layers) * group.state_bytes // model.slot_bytes)
+            raise ValueError(f"{pool}: the state of a {group.kind} group of {len(group.layers)} "
+                             f"layer(s) takes {state_blocks(group, bb)} blocks of {bb} bytes; it "
+                             f"keeps a state in one block (block_size >= {need} for model "
+                             f"{model.name})")
+        out.append(g)
+    return out
 
 
 def kind_blocks(tokens: int, group: KVGroup, block_size: int, block_bytes: int) -> int:
@@ -713,7 +742,7 @@ def next_pow2(n: int) -> int:
 __all__ = [
     "KVGroup", "hybrid_groups", "parse_kind", "with_group_kinds", "window_start",
     "first_held_block", "group_blocks", "request_blocks", "released_blocks", "held_blocks",
-    "state_blocks", "kind_blocks", "trailing_first_block", "sink_blocks", "request_bytes", "budget_concurrency", "padding_bytes",
+    "state_blocks", "one_block_states", "kind_blocks", "trailing_first_block", "sink_blocks", "request_bytes", "budget_concurrency", "padding_bytes",
     "head_token_bytes", "kinds_summary", "model_capacity", "KV_ENCODINGS", "PAGES", "MODELS_2026", "max_concurrency", "capacity",
     "capacity_lengths", "full_attention_twin",
     "ModelSpec", "PRESETS", "get_model", "bytes_per_token", "kv_bytes", "block_bytes",

@@ -267,6 +267,12 @@ class Backend(ABC):
         pool at sweeps (a backend without it is checked whole at the sweeps only)."""
         raise NotImplementedError(f"{self.name} does not expose its block structures")
 
+    def read_state(self, seq: int) -> np.ndarray:
+        """SPEC §12: the state each state group of the model holds for the sequence now,
+        ``[state groups, *ModelSpec.slot_shape]`` in group order (:func:`advance_state` says
+        what it must be). A backend that declares the ``state`` kind implements it."""
+        raise NotImplementedError(f"{self.name} holds no state groups")
+
     def close(self) -> None:
         """Release device memory (optional)."""
 
@@ -358,6 +364,16 @@ def group_view(kv, layers: tuple, model: ModelSpec):
     return kv[:, :, list(layers)]
 
 
+def advance_state(state, kv) -> np.ndarray:
+    """A state group's state after the tokens ``kv`` (``[tokens, *slot shape]``, the group's
+    layers), from ``state`` (None: a fresh state, zeros): the sum of every token's K/V mod 2003,
+    as a NumPy int64 array. kvbench's stand-in for a Mamba or linear-attention recurrence: a state
+    that started from another's values, or sits at another length, holds other numbers; in
+    0 .. 2002 it is exact in float16."""
+    x = np.asarray(kv).astype(np.int64).sum(axis=0)
+    return (x if state is None else np.asarray(state).astype(np.int64) + x) % _KV_MOD
+
+
 def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.float16) -> np.ndarray:
     """The K/V that sequence ``writer`` writes at positions ``start .. start+count-1``."""
     return kv_tokens(np.full(count, writer), np.arange(start, start + count), model, dtype)
@@ -366,4 +382,4 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 __all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend",
            "kv_tokens",
-           "kv_values", "hash_writer", "group_view", "read_kv", "ledger_of", "takes_lifecycle"]
+           "kv_values", "advance_state", "hash_writer", "group_view", "read_kv", "ledger_of", "takes_lifecycle"]

@@ -139,6 +139,14 @@ CANONICAL = [
       "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
       "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
       "budget_fraction": 0.6}, 0),
+    # A Mamba hybrid (tiny-mamba: state(512) on 3 of 4 layers, one full): prompts sharing a
+    # prefix, so that hits need the state cached at the hit's block boundary; forks that copy
+    # the state at their first token, eviction under a tight budget.
+    ("variant-mamba.jsonl", "hybrid_windows",
+     {"model": "tiny-mamba", "num_requests": 24, "prompts": 1, "prompt_tokens": [8, 100],
+      "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
+      "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
+      "budget_fraction": 0.6}, 0),
 ]
 
 
