@@ -29,12 +29,12 @@ from kvbench.checking.checker import check, oracle_for
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.reproduce import divergence_kind, failure_trace, jsonable, settings_of
 from kvbench.checking.shrink import shrink
-from kvbench.contract.protocol import CacheConfig, Capabilities
+from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.outputs import write_text
 from kvbench.traces.builder import peak_blocks
 from kvbench.traces.format import Append, Fork, Prefill, Trace
-from kvbench.traces.random_histories import GENERATOR, OP_KINDS, random_history
+from kvbench.traces.random_histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
 
 DEFAULT_SHRINK_SECONDS = 120.0
 DEFAULT_SHRINK_ATTEMPTS = 3000
@@ -209,6 +209,7 @@ class Campaign:
     shrink_attempts: int = DEFAULT_SHRINK_ATTEMPTS
     gather: str = "touched"
     first: bool = False  # stop at the first finding (measuring how soon a fault shows)
+    model_shapes: bool = False  # models from the presets and random mixes of kinds too
     progress: object = None  # kvbench.progress.Progress, or anything with update() and note()
     findings: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=lambda: {k: Counter() for k in
@@ -217,6 +218,7 @@ class Campaign:
     ops: int = 0
     not_applicable: Counter = field(default_factory=Counter)
     errors: list = field(default_factory=list)
+    lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
     stopped: str = ""
     elapsed: float = 0.0
     _caps: dict = field(default_factory=dict, repr=False)
@@ -227,6 +229,10 @@ class Campaign:
             backend = self.entry.create(dataclasses.replace(_BASE, prefix_caching=prefix_caching))
             try:
                 self._caps[prefix_caching] = backend.capabilities
+                if prefix_caching:
+                    # preempt by recompute is a free and a prefill: every backend takes it
+                    self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
+                                            or takes_lifecycle(backend, name))
             finally:
                 getattr(backend, "close", lambda: None)()
         return self._caps[prefix_caching]
@@ -256,7 +262,7 @@ class Campaign:
         return self
 
     def one(self, index: int, caps: Capabilities) -> None:
-        trace, settings, drawn = random_history(self.seed, index, caps)
+        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes)
         cov = self.coverage
         cov["op kinds"].update(drawn)
         cov["ops"].update(op.kind for op in trace.ops)
@@ -264,7 +270,10 @@ class Campaign:
         cov["settings"].update([f"block size {settings.block_size}", f"model {settings.model}",
                                 f"policy {settings.policy or 'none'}", f"budget {settings.budget}"]
                                + ["prefix caching"] * settings.prefix_caching
-                               + ["salts and adapters"] * settings.keyed)
+                               + ["salts and adapters"] * settings.keyed
+                               + [f"tiers {'+'.join(t.name for t in settings.tiers)}"] * bool(settings.tiers)
+                               + [f"lifecycle {name}" for name in settings.lifecycles]
+                               + [f"shape {settings.shape}"] * bool(settings.shape))
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
         config = settings.config(budget_for(settings.budget, peak, settings.tight, settings.own_blocks))
@@ -340,7 +349,8 @@ class Campaign:
         minutes = self.elapsed / 60
         edges = self.coverage["edges"]
         return {
-            "backend": self.entry.name, "seed": self.seed, "stopped": self.stopped,
+            "backend": self.entry.name, "seed": self.seed, "model_shapes": self.model_shapes,
+            "stopped": self.stopped,
             "histories": self.histories, "operations": self.ops, "seconds": round(self.elapsed, 2),
             "histories_per_minute": round(self.histories / minutes, 1) if minutes else None,
             "ops_per_second": round(self.ops / self.elapsed, 1) if self.elapsed else None,
