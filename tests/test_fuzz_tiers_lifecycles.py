@@ -52,8 +52,8 @@ def test_transfers_and_lifecycles_only_where_declared():
     for trace, settings, _ in histories(NUMPY, 200):
         if trace.header.tiers:  # what a tier replay runs: one full group, caching, no policy
             assert settings.kinds() == ("full",) and settings.prefix_caching and settings.policy is None
-        if any(op.kind == "accept" for op in trace.ops):  # a rollback under a window: n/a
-            assert not any("sliding" in k for k in settings.kinds()), settings
+        if any(op.kind == "accept" for op in trace.ops):  # a rollback where a group releases: n/a
+            assert not any(g.releases for g in settings.spec().kv_groups), settings
 
 
 def test_a_campaign_reads_the_lifecycles_the_backend_takes(tmp_path):
@@ -131,3 +131,13 @@ def test_shrinking_drops_a_transfer_with_its_sequence_and_its_completion():
 def test_shrinking_drops_a_draft_with_its_accept():
     ops = [Prefill(0, 0, "a", 4), Append(1, (0,), (3,), (2,)), Accept(2, 0, 1), Append(3, (0,), (1,))]
     assert [op.step for op in edits.drop_members(ops, [(1, 0)])] == [0, 3]
+
+
+def test_a_campaign_reaches_the_edges_of_transfers_and_lifecycles(tmp_path):
+    s = Campaign(registry.resolve("numpy"), tmp_path, seed=0, max_histories=120).run().summary()
+    assert s["findings"] == [] and s["errors"] == []
+    edges = s["coverage"]["edges"]
+    for edge in ("load served from a tier", "store into a full tier", "failed transfer",
+                 "abort of a load in flight", "free while its store is in flight",
+                 "rollback releasing a block", "resume with a prefix hit"):
+        assert edges[edge] > 0, (edge, edges)

@@ -47,7 +47,11 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
          "fork at a partial tail", "wide decode (9+ sequences)", "128+ sharers of a block",
-         "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens")
+         "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens",
+         # SPEC §11 and §13, for a backend that declares them
+         "load served from a tier", "store into a full tier", "failed transfer",
+         "abort of a load in flight", "free while its store is in flight",
+         "rollback releasing a block", "resume with a prefix hit")
 
 
 class Watch:
@@ -64,6 +68,10 @@ class Watch:
         self.shared_tails: set = set()
         self.released: dict = {}
         self.stats = (0, 0, 0, 0)  # evictions, recomputed tokens, hit blocks, cached blocks
+        self.tiers = getattr(oracle, "tiers", None)  # a TieredOracle's (SPEC §11)
+        self.tier_hits = 0
+        self.loading: set = set()  # sequences with a load in flight, and with a store in flight
+        self.storing: set = set()
 
     def update(self, _n: int = 1) -> None:
         o, op, B = self.o, self.ops[self.i], self.B
@@ -93,7 +101,32 @@ class Watch:
             self.reached.add("65+ live sequences")
         if B >= 256 and any(st.tokens >= B for st in o.seqs.values()):
             self.reached.add("full block of 256+ tokens")
+        self._lifecycle(op, hit)
         self._remember()
+
+    def _lifecycle(self, op, hit: bool) -> None:
+        """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
+        kind, B = op.kind, self.B
+        if kind == "accept" and op.seq in self.o.seqs and op.seq in self.tokens \
+                and -(-self.o.seqs[op.seq].tokens // B) < -(-self.tokens[op.seq] // B):
+            self.reached.add("rollback releasing a block")
+        if kind == "resume" and hit:
+            self.reached.add("resume with a prefix hit")
+        if self.tiers is None:
+            return
+        hits = sum(t.hits for t in self.tiers.tiers)
+        if hits > self.tier_hits:
+            self.reached.add("load served from a tier")
+        self.tier_hits = hits
+        if kind == "store" and any(len(t.entries) >= t.spec.capacity for t in self.tiers.tiers
+                                   if t.spec.name == op.tier):
+            self.reached.add("store into a full tier")
+        if kind == "done" and not op.ok:
+            self.reached.add("failed transfer")
+        if kind == "abort" and op.seq in self.loading:
+            self.reached.add("abort of a load in flight")
+        if kind in ("free", "abort") and op.seq in self.storing:
+            self.reached.add("free while its store is in flight")
 
     def _counts(self, op) -> bool:
         """Evictions, recomputes, hits and cache reuse since the last operation; whether it hit."""
@@ -121,6 +154,10 @@ class Watch:
         """What the next operation is judged against: lengths, shared partial tails, windows."""
         o, B = self.o, self.B
         self.tokens = {s: st.tokens for s, st in o.seqs.items()}
+        if self.tiers is not None:
+            flying = self.tiers.transfers.values()
+            self.loading = {tr.seq for tr in flying if tr.kind == "load"}
+            self.storing = {tr.seq for tr in flying if tr.kind == "store"}
         if not self.paged:
             return
         self.shared_tails = {s for s, st in o.seqs.items() if st.tokens % B and any(

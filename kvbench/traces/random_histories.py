@@ -32,8 +32,8 @@ import numpy as np
 
 from kvbench.contract.formulas import PRESETS, get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
-from kvbench.traces.builder import DEFAULT_TENANT, _Builder
-from kvbench.traces.format import Header, Trace, validate
+from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
 from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
@@ -164,10 +164,11 @@ def draw_shape(rng, caps: Capabilities, B: int) -> tuple[str, tuple, str]:
 
 
 def _draw_tiers(rng, caps: Capabilities) -> tuple:
-    """A host tier (now and then of no room or one block) and, half the time, a disk below it,
+    """A host tier (now and then of no room or of one block) and, half the time, a disk below it,
     each under a policy the backend runs."""
     def tier(name, top):
-        capacity = int(rng.choice([0, 1, 2, int(rng.integers(1, top + 1))]))
+        some = int(rng.integers(2, top + 1))
+        capacity = int(rng.choice([0, 1, some, some, some, some]))
         return TierSpec(name, capacity, str(rng.choice(list(caps.tiers))))
     host = tier("host", 16)
     return (host, tier("disk", 32)) if rng.random() < 0.5 else (host,)
@@ -209,9 +210,9 @@ def draw_settings(rng, caps: Capabilities, lifecycles: tuple = (), model_shapes:
         model, groups, shape, caching, policy = "tiny", (), "", True, None
         keyed = bool(caps.cache_salt and rng.random() < 0.6)
     spec = get_model(model)
-    windowed = any(g.window is not None for g in (with_group_kinds(spec, groups) if groups else spec).kv_groups)
+    releasing = any(g.releases for g in (with_group_kinds(spec, groups) if groups else spec).kv_groups)
     drawn = tuple(name for name in LIFECYCLES if name in lifecycles and rng.random() < LIFECYCLE_RATE
-                  and not (name == "speculative" and windowed))  # a rollback under a window: n/a
+                  and not (name == "speculative" and releasing))  # a rollback there: n/a
     return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight,
                     max_len=max_len, ops=ops, tiers=tiers, lifecycles=drawn, shape=shape)
 
@@ -234,6 +235,8 @@ class History(_Builder):
         self.loading: dict = {}  # sequence -> its load in flight
         self.in_flight: dict = {}  # transfer id -> (kind, sequence)
         self.next_id = 0
+        self.hashed: set = set()  # sequences whose prompt names block hashes or token ids
+        self.flush_at: list = []  # where flushes go, once the budget is known
 
     def tenant(self) -> str:
         return str(self.rng.choice(sorted(self.s.tenants)))
@@ -274,6 +277,8 @@ class History(_Builder):
 
     def prefill(self, tokens, tenant=DEFAULT_TENANT, block_hashes=None, **kw) -> int:
         seq = super().prefill(tokens, tenant, block_hashes, **kw)
+        if block_hashes or kw.get("token_ids"):
+            self.hashed.add(seq)
         if (kw.get("prompt_tokens") or 0) > tokens:
             self.chunk_left[seq] = kw["prompt_tokens"] - tokens
         return seq
@@ -317,6 +322,7 @@ class History(_Builder):
                              tuple(block_hashes) if block_hashes else None, salt, adapter,
                              None if token_ids is None else tuple(token_ids), id=tid))
         self.length[seq], self.loading[seq] = int(tokens), tid
+        self.hashed.add(seq)
         return seq
 
     def done(self, tid, ok=True) -> None:
@@ -507,8 +513,9 @@ def _resume(h: History) -> None:
 # --- the transfers of SPEC §11 -----------------------------------------------------------------
 
 def _store(h: History) -> None:
-    """A store of a sequence's full blocks (every one, or some positions) to a tier."""
-    cands = h.ready()
+    """A store of a sequence's full blocks (every one, or some positions) to a tier: of a
+    prompt with hashed blocks where there is one (a tier holds nothing else)."""
+    cands = [s for s in h.ready() if s in h.hashed] or h.ready()
     if not cands:
         return _prefill(h)
     s, rng = h.pick(cands), h.rng
@@ -542,9 +549,49 @@ def _abort(h: History) -> None:
 
 
 def _flush(h: History) -> None:
-    """A long unhashed prompt and its free: the device's cached blocks make way, so the prompts
-    after load from the tiers."""
-    h.free(h.prefill(h.s.max_len, h.tenant()))
+    """A place for long unhashed prompts at once, then their frees (:func:`_with_flushes`)."""
+    h.flush_at.append(len(h.ops))
+
+
+def _with_flushes(h: History) -> tuple[list, int | None]:
+    """The history with its flushes, and the budget it then runs at (None: no flush). The budget
+    is the most blocks the history holds without them (sharing ignored) and one more; each flush
+    is prompts of the longest length for every block of it, so the device's cached blocks make
+    way (the last prompts are refused) and the prompts after load from the tiers."""
+    if not h.flush_at:
+        return h.ops, None
+    B, n = h.s.block_size, h.s.max_len
+    budget = peak_blocks(h.ops, B) + 1
+    ops, seq, at = [], h.next_seq, set(h.flush_at)
+    for i, op in enumerate(h.ops + [None]):
+        if i in at:
+            seqs = list(range(seq, seq + -(-budget * B // n)))
+            seq += len(seqs)
+            ops += [Prefill(0, s, h.tenant(), n) for s in seqs] + [Free(0, s) for s in seqs]
+        if op is not None:
+            ops.append(op)
+    return [replace(op, step=i) for i, op in enumerate(ops)], budget
+
+
+def _round_trip(h: History) -> None:
+    """A prompt with a shared prefix stored down, freed (half the time before its store
+    completes), the device's cache pushed out, and the same prompt loaded back: SPEC §11's
+    offload and reload, as a multi-turn conversation makes it. Half the time the prompt's
+    blocks are its own (no live sharer keeps them on the device)."""
+    tokens, kw = _shared_prompt(h, h.s.keyed)
+    if h.rng.random() < 0.5:
+        kw = {**kw, "token_ids": None,
+              "block_hashes": [f"c{h.next_seq}.{j}" for j in range(tokens // h.s.block_size)]}
+    seq = h.prefill(tokens, h.tenant(), **kw)
+    h.store(seq, h.s.tiers[int(h.rng.integers(len(h.s.tiers)))].name)
+    tid, early = h.next_id - 1, h.rng.random() < 0.5
+    if early:
+        h.done(tid, h.rng.random() >= FAIL_RATE)
+    h.free(seq)
+    if not early:  # the lease outlives the free
+        h.done(tid, h.rng.random() >= FAIL_RATE)
+    _flush(h)
+    h.load(tokens, h.tenant(), **kw)
 
 
 @dataclass(frozen=True)
@@ -589,6 +636,7 @@ OP_KINDS: list[OpKind] = [
     OpKind("complete a transfer", 3, _complete, _tiered),
     OpKind("abort", 0.8, _abort, _tiered),
     OpKind("flush the device", 0.7, _flush, _tiered),
+    OpKind("offload and reload", 4, _round_trip, _tiered),
 ]
 
 
@@ -596,8 +644,9 @@ def usable_kinds(caps: Capabilities, settings: Settings) -> list[OpKind]:
     return [k for k in OP_KINDS if k.needs(caps, settings)]
 
 
-def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]:
-    """The operations of one history and the op kind each choice drew, in order."""
+def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list, Settings]:
+    """The operations of one history, the op kind each choice drew, in order, and its settings
+    (a history with flushes runs at the budget they were made for)."""
     kinds = usable_kinds(caps, settings)
     p = np.array([k.weight for k in kinds], dtype=float)
     h = History(settings, rng, caps)
@@ -611,7 +660,10 @@ def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]
         _drain(h)
     for tid in sorted(h.in_flight):  # every transfer completes, some after their sequence's free
         h.done(tid, rng.random() >= FAIL_RATE)
-    return h.ops, drawn
+    ops, budget = _with_flushes(h)
+    if budget is not None:
+        settings = replace(settings, budget="as generated", own_blocks=budget)
+    return ops, drawn, settings
 
 
 # --- histories from kvbench's own families, with random parameters ----------------------------
@@ -722,7 +774,7 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
     if family is not None:
         ops, drawn, settings, source = family
     else:
-        ops, drawn = random_ops(rng, settings, caps)
+        ops, drawn, settings = random_ops(rng, settings, caps)
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},
