@@ -14,10 +14,16 @@ capability: plain, shared-prefix and keyed prefills (lengths at, one under and o
 multiples), batched appends up to and across block edges, a one-token decode over every live
 sequence (the wide decode path), forks, a fork and a write into the tail it shares, wide forks
 (now and then 128+ sharers), bursts of prompts, frees, and draining every sequence (its cached
-blocks left for later prompts). A new operation (a tier move, a lifecycle step) is one more
-:class:`OpKind` in the list, with its ``needs`` predicate. One history in five comes instead
+blocks left for later prompts); for a backend that declares them, SPEC §13's lifecycles
+(chunked prompts and their next chunks, appends with drafts and accepts, preempt and resume)
+and SPEC §11's transfers (stores, loads, completions that may fail, aborts, offload-and-reload
+round trips, flushes of the device's cache). A new operation is one more :class:`OpKind` in the
+list, with its ``needs`` predicate. With ``model_shapes`` the model may also be a preset's
+pattern of group kinds or a random mix of the kinds declared (:func:`draw_shape`), scaled down to
+tiny-hybrid's and tiny-mla's layers. One history in five comes instead
 from one of kvbench's own families (:data:`FAMILY_SOURCES`: beam search and parallel sampling,
-continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges)
+continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges,
+chunked prefill, speculative forks, preemption, tiered turns)
 with random parameters, under the drawn policy and budget, or the budget it was built for.
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
