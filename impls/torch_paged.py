@@ -335,6 +335,9 @@ class TorchPaged(StackChanges, Backend):
         """Release the blocks of ``rows_h`` a group no longer holds at T tokens (T from
         ``lengths``: below ``T - W + 1``, or below the current chunk): group by group, rows in
         order, each row's highest position first."""
+        if self.chunking:  # blocks a chunk completed are cached before the window passes them
+            moved = set(rows_h.tolist())
+            self._cache_chunks([s for s in list(self.chunking) if self.row_of[s] in moved])
         for g, group in enumerate(self.groups):
             if not group.releases:
                 continue

@@ -26,10 +26,11 @@ from kvbench.contract import registry  # noqa: E402
 SPEED_BACKENDS = ("numpy", "python-objects")
 
 
-def one(target: str, histories: int, seed: int, attempts: int, first: bool) -> dict:
+def one(target: str, histories: int, seed: int, attempts: int, first: bool, shapes: bool) -> dict:
     with tempfile.TemporaryDirectory() as out:
         c = Campaign(registry.resolve(target), Path(out), seed=seed, max_histories=histories,
-                     shrink_attempts=attempts, shrink_seconds=3600, first=first).run()
+                     shrink_attempts=attempts, shrink_seconds=3600, first=first,
+                     model_shapes=shapes).run()
     return c.summary()
 
 
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attempts", type=int, default=2000, help="shrink attempts per finding")
     p.add_argument("--only", help="faults whose class name contains this")
+    p.add_argument("--model-shapes", action="store_true",
+                   help="models from the presets and random mixes of kinds too (kvbench fuzz --model-shapes)")
     p.add_argument("--out", default=str(ROOT / "results" / "fuzz"))
     args = p.parse_args(argv)
     rows = []
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
         target = f"{bug.fault.__module__}:{bug.fault.__qualname__}"
         if args.only and args.only not in target:
             continue
-        s = one(target, args.histories, args.seed, args.attempts, first=True)
+        s = one(target, args.histories, args.seed, args.attempts, first=True, shapes=args.model_shapes)
         f = s["findings"][0] if s["findings"] else None
         row = {"fault": bug.fault.__qualname__, "bug": bug.name, "upstream": bug.upstream,
                "found": f is not None, "history": f["history"] if f else None,
@@ -82,7 +85,8 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     speed = []
     for name in SPEED_BACKENDS if not args.only else ():
-        s = one(name, args.speed_histories, args.seed, args.attempts, first=False)
+        s = one(name, args.speed_histories, args.seed, args.attempts, first=False,
+                shapes=args.model_shapes)
         speed.append({"backend": name, "histories": s["histories"], "seconds": s["seconds"],
                       "histories_per_minute": s["histories_per_minute"],
                       "ops_per_second": s["ops_per_second"], "findings": len(s["findings"]),
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = "catalogue" + (f"-{args.only}" if args.only else "")
     record = {"command": "python scripts/fuzz_catalogue.py " + " ".join(argv or sys.argv[1:]),
-              "seed": args.seed, "histories": args.histories, "attempts": args.attempts,
+              "seed": args.seed, "model_shapes": args.model_shapes, "histories": args.histories, "attempts": args.attempts,
               "faults": rows, "speed": speed}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(record))

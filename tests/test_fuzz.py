@@ -28,7 +28,7 @@ def campaign(target: str, out: Path, **kw) -> Campaign:
     return Campaign(registry.resolve(target), out, **kw).run()
 
 
-@pytest.mark.parametrize("fault", [faults.FloorBlocks, faults.NoCopyOnWrite, faults.LruTiesWrongWay,
+@pytest.mark.parametrize("fault", [faults.FloorBlocks, faults.NoCopyOnWrite, faults.LfuWithoutRecency,
                                    faults.SaltDroppedWithHashes, faults_edges.ExactFitRefused],
                          ids=lambda f: f.__name__)
 def test_a_planted_fault_is_found_and_shrunk(fault, tmp_path):
@@ -178,7 +178,7 @@ def test_kvbench_families_come_in_with_random_parameters():
     drawn = {}
     families = {name for name, _ in R.FAMILY_SOURCES}
     for i in range(1000):  # salted prompts come from keyed histories only: rarely
-        trace, settings, kinds = R.random_history(0, i, caps)
+        trace, settings, kinds = R.random_history(0, i, caps, R.LIFECYCLES)
         if kinds and kinds[0].startswith("family "):
             drawn.setdefault(trace.header.params["family"], trace)
             assert settings.max_len == max(trace.final_lengths().values())
@@ -186,7 +186,7 @@ def test_kvbench_families_come_in_with_random_parameters():
             break
     assert set(drawn) == families
     edges = drawn["eviction_edges"]  # run at the budget it was built for
-    assert R.random_history(0, int(edges.name.rsplit("-", 1)[1]), caps)[1].budget == "as generated"
+    assert R.random_history(0, int(edges.name.rsplit("-", 1)[1]), caps, R.LIFECYCLES)[1].budget == "as generated"
     beams = drawn["fork_trees"]
     assert any(isinstance(op, Fork) for op in beams.ops) and beams.header.params["family_params"]
     # Without fork, no family that forks: a continuous-batching stream only.

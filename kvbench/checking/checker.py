@@ -107,12 +107,13 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
         if caps.lookahead_slots:
             return (f"{backend.name} keeps rejected drafts' blocks as lookahead slots, which the "
                     f"oracle does not model yet")
-        if any(w is not None for w in (g.window for g in model.kv_groups)):
-            return (f"a rollback under the sliding window of model {model.name} would need blocks "
-                    f"the window already released: not modelled")
         if any(g.state_bytes is not None for g in model.kv_groups):
             return (f"a rollback of model {model.name}'s state groups would need the state before "
                     f"the drafts (SPEC §12): not modelled")
+        if any(g.releases for g in model.kv_groups):  # sliding, chunked and sinks groups
+            return (f"a rollback under the {', '.join(g.kind for g in model.kv_groups if g.releases)} "
+                    f"group(s) of model {model.name} would need blocks the group already released: "
+                    f"not modelled")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):
         return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
     return ""

@@ -29,12 +29,12 @@ from kvbench.checking.checker import check, oracle_for
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.reproduce import divergence_kind, failure_trace, jsonable, settings_of
 from kvbench.checking.shrink import shrink
-from kvbench.contract.protocol import CacheConfig, Capabilities
+from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.outputs import write_text
 from kvbench.traces.builder import peak_blocks
 from kvbench.traces.format import Append, Fork, Prefill, Trace
-from kvbench.traces.random_histories import GENERATOR, OP_KINDS, random_history
+from kvbench.traces.random_histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
 
 DEFAULT_SHRINK_SECONDS = 120.0
 DEFAULT_SHRINK_ATTEMPTS = 3000
@@ -47,7 +47,11 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
          "fork at a partial tail", "wide decode (9+ sequences)", "128+ sharers of a block",
-         "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens")
+         "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens",
+         # SPEC §11 and §13, for a backend that declares them
+         "load served from a tier", "store into a full tier", "failed transfer",
+         "abort of a load in flight", "free while its store is in flight",
+         "rollback releasing a block", "resume with a prefix hit")
 
 
 class Watch:
@@ -64,6 +68,10 @@ class Watch:
         self.shared_tails: set = set()
         self.released: dict = {}
         self.stats = (0, 0, 0, 0)  # evictions, recomputed tokens, hit blocks, cached blocks
+        self.tiers = getattr(oracle, "tiers", None)  # a TieredOracle's (SPEC §11)
+        self.tier_hits = 0
+        self.loading: set = set()  # sequences with a load in flight, and with a store in flight
+        self.storing: set = set()
 
     def update(self, _n: int = 1) -> None:
         o, op, B = self.o, self.ops[self.i], self.B
@@ -93,7 +101,32 @@ class Watch:
             self.reached.add("65+ live sequences")
         if B >= 256 and any(st.tokens >= B for st in o.seqs.values()):
             self.reached.add("full block of 256+ tokens")
+        self._lifecycle(op, hit)
         self._remember()
+
+    def _lifecycle(self, op, hit: bool) -> None:
+        """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
+        kind, B = op.kind, self.B
+        if kind == "accept" and op.seq in self.o.seqs and op.seq in self.tokens \
+                and -(-self.o.seqs[op.seq].tokens // B) < -(-self.tokens[op.seq] // B):
+            self.reached.add("rollback releasing a block")
+        if kind == "resume" and hit:
+            self.reached.add("resume with a prefix hit")
+        if self.tiers is None:
+            return
+        hits = sum(t.hits for t in self.tiers.tiers)
+        if hits > self.tier_hits:
+            self.reached.add("load served from a tier")
+        self.tier_hits = hits
+        if kind == "store" and any(len(t.entries) >= t.spec.capacity for t in self.tiers.tiers
+                                   if t.spec.name == op.tier):
+            self.reached.add("store into a full tier")
+        if kind == "done" and not op.ok:
+            self.reached.add("failed transfer")
+        if kind == "abort" and op.seq in self.loading:
+            self.reached.add("abort of a load in flight")
+        if kind in ("free", "abort") and op.seq in self.storing:
+            self.reached.add("free while its store is in flight")
 
     def _counts(self, op) -> bool:
         """Evictions, recomputes, hits and cache reuse since the last operation; whether it hit."""
@@ -121,6 +154,10 @@ class Watch:
         """What the next operation is judged against: lengths, shared partial tails, windows."""
         o, B = self.o, self.B
         self.tokens = {s: st.tokens for s, st in o.seqs.items()}
+        if self.tiers is not None:
+            flying = self.tiers.transfers.values()
+            self.loading = {tr.seq for tr in flying if tr.kind == "load"}
+            self.storing = {tr.seq for tr in flying if tr.kind == "store"}
         if not self.paged:
             return
         self.shared_tails = {s for s, st in o.seqs.items() if st.tokens % B and any(
@@ -209,6 +246,7 @@ class Campaign:
     shrink_attempts: int = DEFAULT_SHRINK_ATTEMPTS
     gather: str = "touched"
     first: bool = False  # stop at the first finding (measuring how soon a fault shows)
+    model_shapes: bool = False  # models from the presets and random mixes of kinds too
     progress: object = None  # kvbench.progress.Progress, or anything with update() and note()
     findings: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=lambda: {k: Counter() for k in
@@ -217,6 +255,7 @@ class Campaign:
     ops: int = 0
     not_applicable: Counter = field(default_factory=Counter)
     errors: list = field(default_factory=list)
+    lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
     stopped: str = ""
     elapsed: float = 0.0
     _caps: dict = field(default_factory=dict, repr=False)
@@ -227,6 +266,10 @@ class Campaign:
             backend = self.entry.create(dataclasses.replace(_BASE, prefix_caching=prefix_caching))
             try:
                 self._caps[prefix_caching] = backend.capabilities
+                if prefix_caching:
+                    # preempt by recompute is a free and a prefill: every backend takes it
+                    self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
+                                            or takes_lifecycle(backend, name))
             finally:
                 getattr(backend, "close", lambda: None)()
         return self._caps[prefix_caching]
@@ -256,7 +299,7 @@ class Campaign:
         return self
 
     def one(self, index: int, caps: Capabilities) -> None:
-        trace, settings, drawn = random_history(self.seed, index, caps)
+        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes)
         cov = self.coverage
         cov["op kinds"].update(drawn)
         cov["ops"].update(op.kind for op in trace.ops)
@@ -264,7 +307,10 @@ class Campaign:
         cov["settings"].update([f"block size {settings.block_size}", f"model {settings.model}",
                                 f"policy {settings.policy or 'none'}", f"budget {settings.budget}"]
                                + ["prefix caching"] * settings.prefix_caching
-                               + ["salts and adapters"] * settings.keyed)
+                               + ["salts and adapters"] * settings.keyed
+                               + [f"tiers {'+'.join(t.name for t in settings.tiers)}"] * bool(settings.tiers)
+                               + [f"lifecycle {name}" for name in settings.lifecycles]
+                               + [f"shape {settings.shape}"] * bool(settings.shape))
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
         config = settings.config(budget_for(settings.budget, peak, settings.tight, settings.own_blocks))
@@ -340,7 +386,8 @@ class Campaign:
         minutes = self.elapsed / 60
         edges = self.coverage["edges"]
         return {
-            "backend": self.entry.name, "seed": self.seed, "stopped": self.stopped,
+            "backend": self.entry.name, "seed": self.seed, "model_shapes": self.model_shapes,
+            "stopped": self.stopped,
             "histories": self.histories, "operations": self.ops, "seconds": round(self.elapsed, 2),
             "histories_per_minute": round(self.histories / minutes, 1) if minutes else None,
             "ops_per_second": round(self.ops / self.elapsed, 1) if self.elapsed else None,

@@ -257,7 +257,7 @@ class _Shrinker:
         end), so that dropping a sequence or tokens does not also take the pressure away."""
         if self.fails(cand):
             return True
-        if not self.best_outcome.pressure:
+        if not self.best_outcome.pressure or not cand.ops or self.outcome(cand).status == "invalid":
             return False
         B = cand.config.block_size
         freed = (sum(F.blocks_needed(n, B) for n in edits.live_lengths(self.best.ops).values())

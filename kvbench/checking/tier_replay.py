@@ -175,6 +175,8 @@ class TierReplay:
         r, oracle = self.r, self.r.oracle
         if op.seq in r.refused:
             return
+        if op.seq in oracle.preempted:  # off the backend already, and no load in flight: a free
+            return r.free(op)
         if op.seq not in self.unreadable() and r.gather == "touched" and op.seq in oracle.seqs:
             r.verify([(op.seq, 0, None)])
         for tid, _ in oracle.abort(op.seq):

@@ -28,7 +28,8 @@ def cmd_fuzz(args) -> int:
         c = Campaign(entry, out, seed=args.seed, max_histories=args.max_histories,
                      seconds=None if minutes is None else minutes * 60,
                      shrink_seconds=args.shrink_seconds, shrink_attempts=args.shrink_attempts,
-                     gather=args.gather, first=args.first, progress=bar).run()
+                     gather=args.gather, first=args.first, model_shapes=args.model_shapes,
+                     progress=bar).run()
     finally:
         if bar is not None:
             bar.close()
@@ -71,5 +72,9 @@ def register(sub) -> None:
     p.add_argument("--gather", choices=["touched", "all", "end", "none"], default="touched",
                    help="which K/V the checker reads back (check()'s gather; default touched)")
     p.add_argument("--first", action="store_true", help="stop at the first finding")
+    p.add_argument("--model-shapes", action="store_true",
+                   help="draw models from the presets' patterns of group kinds (kvbench "
+                        "list-models) and from random mixes of the kinds the backend declares, "
+                        "scaled down to tiny-hybrid's and tiny-mla's layers")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_fuzz)

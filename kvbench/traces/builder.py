@@ -80,7 +80,9 @@ def _walk(ops):
     length, drafted, off = {}, {}, {}
     for op in ops:
         touched = ()
-        if op.kind == "accept":
+        if op.kind in ("store", "done"):  # transfers (SPEC §11) change no sequence's length
+            pass
+        elif op.kind == "accept":
             length[op.seq] -= drafted.pop(op.seq) - op.n
             touched = (op.seq,)
         elif op.kind == "preempt":
@@ -112,7 +114,7 @@ def peak_blocks(ops, block_size: int) -> int:
     """max over time of sum over live sequences of ceil(T / B): an upper bound (sharing ignored)."""
     blocks, total, peak = {}, 0, 0
     for op, length, touched in _walk(ops):
-        if op.kind in ("free", "preempt"):
+        if op.kind in ("free", "abort", "preempt"):
             total -= blocks.pop(op.seq, 0)
         for s in touched:
             new = blocks_needed(length[s], block_size)

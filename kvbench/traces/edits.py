@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvbench.traces.format import Append, Fork, Free, Prefill, final_lengths
+from kvbench.traces.ops import Accept, Done, Load, Store
 
 SEQ_FIELDS = ("seq", "src", "seqs")
 PER_BLOCK_FIELDS = ("block_hashes",)
@@ -81,10 +82,13 @@ def _keep_members(op, keep: list):
 def drop_sequences(ops, drop) -> list:
     """Without the sequences ``drop``, their forks, and every operation on any of them."""
     gone = with_forks(ops, drop)
+    owner = _transfer_owners(ops)
     out = []
     for op in ops:
         if isinstance(op, Append):
             op = _keep_members(op, [i for i, s in enumerate(op.seqs) if s not in gone])
+        elif isinstance(op, Done):
+            op = None if owner.get(op.id) in gone else op
         elif op.seq in gone:
             op = None
         if op is not None:
@@ -92,27 +96,47 @@ def drop_sequences(ops, drop) -> list:
     return out
 
 
+def _transfer_owners(ops) -> dict:
+    """Transfer id -> the sequence its store or load names (SPEC §11)."""
+    return {op.id: op.seq for op in ops if isinstance(op, (Store, Load))}
+
+
 def members(ops) -> list:
-    """The droppable units below whole sequences: each append member and each free, named
-    ``(step, seq)`` (steps are unique, so a name survives other units being dropped)."""
+    """The droppable units below whole sequences: each append member, each free, each store
+    (with its completion) and each completion, named ``(step, seq)`` (a completion's seq is
+    None; steps are unique, so a name survives other units being dropped)."""
     out = []
     for op in ops:
         if isinstance(op, Append):
             out.extend((op.step, s) for s in op.seqs)
-        elif isinstance(op, Free):
+        elif isinstance(op, (Free, Store)):
             out.append((op.step, op.seq))
+        elif isinstance(op, Done):
+            out.append((op.step, None))
     return out
 
 
 def drop_members(ops, units) -> list:
-    """Without the append members and frees ``units`` (``(step, seq)``); an append left with no
-    member goes. A sequence whose free is dropped lives to the end of the trace."""
+    """Without the append members, frees, stores and completions ``units`` (``(step, seq)``);
+    an append left with no member goes, a store takes its completion along and a member that
+    wrote drafts its accept. A sequence whose
+    free is dropped lives to the end of the trace; a transfer whose completion is dropped stays
+    in flight."""
     units = set(units)
+    stores = {op.id for op in ops if isinstance(op, Store) and (op.step, op.seq) in units}
+    undrafted = set()  # sequences whose dropped member wrote drafts: their accept goes too
     out = []
     for op in ops:
         if isinstance(op, Append):
+            undrafted.update(s for i, s in enumerate(op.seqs)
+                             if (op.step, s) in units and op.draft and op.draft[i])
             op = _keep_members(op, [i for i, s in enumerate(op.seqs) if (op.step, s) not in units])
-        elif isinstance(op, Free) and (op.step, op.seq) in units:
+        elif isinstance(op, Accept) and op.seq in undrafted:
+            undrafted.discard(op.seq)
+            op = None
+        elif isinstance(op, Done) and ((op.step, None) in units or op.id in stores):
+            op = None
+        elif isinstance(op, (Free, Store)) and (op.step, op.seq) in units:
             op = None
         if op is not None:
             out.append(op)

@@ -14,10 +14,16 @@ capability: plain, shared-prefix and keyed prefills (lengths at, one under and o
 multiples), batched appends up to and across block edges, a one-token decode over every live
 sequence (the wide decode path), forks, a fork and a write into the tail it shares, wide forks
 (now and then 128+ sharers), bursts of prompts, frees, and draining every sequence (its cached
-blocks left for later prompts). A new operation (a tier move, a lifecycle step) is one more
-:class:`OpKind` in the list, with its ``needs`` predicate. One history in five comes instead
+blocks left for later prompts); for a backend that declares them, SPEC §13's lifecycles
+(chunked prompts and their next chunks, appends with drafts and accepts, preempt and resume)
+and SPEC §11's transfers (stores, loads, completions that may fail, aborts, offload-and-reload
+round trips, flushes of the device's cache). A new operation is one more :class:`OpKind` in the
+list, with its ``needs`` predicate. With ``model_shapes`` the model may also be a preset's
+pattern of group kinds or a random mix of the kinds declared (:func:`draw_shape`), scaled down to
+tiny-hybrid's and tiny-mla's layers. One history in five comes instead
 from one of kvbench's own families (:data:`FAMILY_SOURCES`: beam search and parallel sampling,
-continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges)
+continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges,
+chunked prefill, speculative forks, preemption, tiered turns)
 with random parameters, under the drawn policy and budget, or the budget it was built for.
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
@@ -30,10 +36,11 @@ from typing import Callable
 
 import numpy as np
 
-from kvbench.contract.formulas import get_model, next_pow2, with_group_kinds
+from kvbench.contract.formulas import PRESETS, get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
-from kvbench.traces.builder import _Builder
-from kvbench.traces.format import Header, Trace, validate
+from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
 from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
 
@@ -50,6 +57,13 @@ BURST = (2, 12)  # prompts arriving at once: enough live sequences for the wide 
 WIDE_FORK = 130  # the wide fork now and then: 128+ sharers of one block, 65+ live sequences
 WIDE_FORK_RATE = 0.1
 HYBRID_LAYERS = 4  # tiny-hybrid's layers: 1, 2 or 4 groups
+TIER_RATE = 0.2  # histories with lower tiers, for a backend that runs them
+LIFECYCLES = ("chunked", "speculative", "preempt")
+LIFECYCLE_RATE = 0.35  # each lifecycle the backend takes, drawn into a history
+MAX_DRAFT = 5  # draft tokens of one speculative append
+FAIL_RATE = 0.2  # transfers that complete with ok false
+SHAPE_RATE = 0.6  # with --model-shapes: histories whose model is a drawn shape
+MLA_BASE = "tiny-mla"  # the base of MLA shapes (kv_heads 1, head_dim = the latent)
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,9 @@ class Settings:
     own_blocks: int | None = None  # the budget a family's trace was built for ("as generated")
     max_len: int = 64  # longest a sequence grows
     ops: int = 32
+    tiers: tuple = ()  # TierSpecs of the lower tiers (SPEC §11); empty: none
+    lifecycles: tuple = ()  # of "chunked", "speculative", "preempt" (SPEC §13)
+    shape: str = ""  # --model-shapes: the preset whose kinds the model has, or "random mix"
 
     def kinds(self) -> tuple:
         """The group kinds of the model these settings run."""
@@ -89,12 +106,91 @@ def _window(rng, B: int) -> int:
     return max(1, int(rng.choice([1, k * B - 1, k * B, k * B + 1, int(rng.integers(1, 4 * B + 1))])))
 
 
-def draw_settings(rng, caps: Capabilities) -> Settings:
+def _scaled_kind(rng, family: str, B: int) -> str:
+    """A group kind of ``family`` at this campaign's scale: windows, chunks and sinks at and
+    around block edges; an MLA latent as wide as tiny-mla's head (its K/V arrays need that)."""
+    if family in ("sliding", "chunked"):
+        return f"{family}({_window(rng, B)})"
+    if family == "sinks":
+        sinks = max(1, int(rng.choice([1, B, B + 1, int(rng.integers(1, 2 * B + 1))])))
+        return f"sinks({sinks},{_window(rng, B)})"
+    if family == "mla":
+        return f"mla({get_model(MLA_BASE).head_dim})"
+    return "full"
+
+
+def _pattern(families: list, G: int) -> list:
+    """``families`` (a preset's group kinds, in order) cut down to ``G`` groups: every kind at
+    least once while there is room, the rest the commonest kind, in the preset's order."""
+    distinct = list(dict.fromkeys(families))[:G]
+    common = max(distinct, key=families.count)
+    return sorted(distinct + [common] * (G - len(distinct)), key=families.index)
+
+
+def shape_presets(caps: Capabilities) -> list:
+    """The presets whose group kinds the backend runs (without ``groups``, those of one full
+    group), in name order."""
+    out = []
+    for name, m in sorted(PRESETS.items()):
+        families = {g.family for g in m.kv_groups}
+        if families <= set(caps.kinds) and (caps.groups or not m.hybrid) \
+                and not ("mla" in families and len(families) > 1):
+            out.append(name)
+    return out
+
+
+def draw_shape(rng, caps: Capabilities, B: int) -> tuple[str, tuple, str]:
+    """A model for --model-shapes: (base preset, group kinds, where the shape comes from).
+    Half the time a preset's pattern of kinds scaled down to at most 4 groups of tiny-hybrid's
+    layers (MLA presets: tiny-mla's); otherwise a random mix of the kinds the backend declares
+    (full, sliding, SPEC §12's chunked and sinks; MLA alone, its K/V arrays hold no other kind)."""
+    mixable = [f for f in ("full", "sliding", "chunked", "sinks") if f in caps.kinds]
+    if rng.random() < 0.5:
+        patterns: dict = {}  # a pattern of kinds drawn as often as any other, then a preset of it
+        for name in shape_presets(caps):
+            patterns.setdefault(tuple(g.family for g in get_model(name).kv_groups), []).append(name)
+        families, names = list(patterns.items())[int(rng.integers(len(patterns)))]
+        source, families = names[int(rng.integers(len(names)))], list(families)
+    elif "mla" in caps.kinds and caps.groups and rng.random() < 0.2:
+        source, families = "random mix", ["mla"] * int(rng.choice([1, 2]))
+    else:
+        source = "random mix"
+        G = int(rng.choice([1, 2, 4])) if caps.groups else 1
+        families = [str(rng.choice(mixable)) if caps.groups else "full" for _ in range(G)]
+    if families[0] == "mla":
+        base = MLA_BASE
+    elif len(families) == 1 and families[0] == "full":
+        return "tiny", (), source
+    else:
+        base = "tiny-hybrid"
+    layers = get_model(base).layers
+    G = max(g for g in (1, 2, 4) if g <= min(len(families), layers))
+    groups = tuple(_scaled_kind(rng, f, B) for f in _pattern(families, G))
+    return base, groups, source
+
+
+def _draw_tiers(rng, caps: Capabilities) -> tuple:
+    """A host tier (now and then of no room or of one block) and, half the time, a disk below it,
+    each under a policy the backend runs."""
+    def tier(name, top):
+        some = int(rng.integers(2, top + 1))
+        capacity = int(rng.choice([0, 1, some, some, some, some]))
+        return TierSpec(name, capacity, str(rng.choice(list(caps.tiers))))
+    host = tier("host", 16)
+    return (host, tier("disk", 32)) if rng.random() < 0.5 else (host,)
+
+
+def draw_settings(rng, caps: Capabilities, lifecycles: tuple = (), model_shapes: bool = False) -> Settings:
+    """``lifecycles``: those of SPEC §13 the backend takes (kvbench.contract.protocol.takes_lifecycle;
+    "preempt" is a free and a prefill, which every backend takes); ``model_shapes``: models
+    drawn from the presets and random mixes of kinds too (:func:`draw_shape`)."""
     B = int(rng.choice(BLOCK_SIZES))
     if rng.random() < LARGE_BLOCK_RATE:
         B = LARGE_BLOCK
-    model, groups = "tiny", ()
-    if caps.groups and rng.random() < 0.5:
+    model, groups, shape = "tiny", (), ""
+    if model_shapes and rng.random() < SHAPE_RATE:
+        model, groups, shape = draw_shape(rng, caps, B)
+    elif caps.groups and rng.random() < 0.5:
         model = "tiny-hybrid"
         if rng.random() < 0.7:  # a random mix; otherwise the preset's own groups
             G = int(rng.choice([1, 2, 4]))
@@ -113,19 +209,40 @@ def draw_settings(rng, caps: Capabilities) -> Settings:
     max_blocks = int(rng.integers(2, 21 if B <= 4 else 9))
     max_len = B * max_blocks if B < LARGE_BLOCK else 3 * B
     ops = int(rng.integers(8, 61))
+    tiers = ()
+    if caps.tiers and caps.prefix_caching and caps.layout == "paged" and rng.random() < TIER_RATE:
+        tiers = _draw_tiers(rng, caps)
+        # A tier replay runs one full group, prefix caching on, no eviction policy (SPEC §11).
+        model, groups, shape, caching, policy = "tiny", (), "", True, None
+        keyed = bool(caps.cache_salt and rng.random() < 0.6)
+    spec = get_model(model)
+    releasing = any(g.releases for g in (with_group_kinds(spec, groups) if groups else spec).kv_groups)
+    drawn = tuple(name for name in LIFECYCLES if name in lifecycles and rng.random() < LIFECYCLE_RATE
+                  and not (name == "speculative" and releasing))  # a rollback there: n/a
     return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight,
-                    max_len=max_len, ops=ops)
+                    max_len=max_len, ops=ops, tiers=tiers, lifecycles=drawn, shape=shape)
 
 
 # --- the operations ----------------------------------------------------------------------------
 
 class History(_Builder):
-    """The builder of one history: its settings, its random source and the ids it hands out."""
+    """The builder of one history: its settings, its random source and the ids it hands out;
+    what each live sequence may take next (SPEC §11, §13: a chunked prompt takes only its next
+    chunks, drafts wait for an accept, a preempted sequence for its resume, a loading one for
+    its completion or abort)."""
 
     def __init__(self, settings: Settings, rng, caps: Capabilities):
         super().__init__()
         self.s, self.rng, self.caps = settings, rng, caps
         self.own_ids = VOCAB  # token ids no shared prefix uses
+        self.chunk_left: dict = {}  # sequence -> tokens of its chunked prompt not yet written
+        self.drafted: dict = {}  # sequence -> draft tokens waiting for an accept
+        self.preempted: set = set()
+        self.loading: dict = {}  # sequence -> its load in flight
+        self.in_flight: dict = {}  # transfer id -> (kind, sequence)
+        self.next_id = 0
+        self.hashed: set = set()  # sequences whose prompt names block hashes or token ids
+        self.flush_at: list = []  # where flushes go, once the budget is known
 
     def tenant(self) -> str:
         return str(self.rng.choice(sorted(self.s.tenants)))
@@ -139,16 +256,22 @@ class History(_Builder):
         return min(max(1, n), hi)
 
     def room(self, seq) -> int:
-        return self.s.max_len - self.length_of(seq)
+        return self.s.max_len - self.length[seq]
 
-    def length_of(self, seq) -> int:
-        return self.length[seq]
+    def ready(self) -> list:
+        """The sequences an append may write."""
+        return [s for s in sorted(self.length)
+                if s not in self.preempted and s not in self.drafted and s not in self.loading]
 
-    def live(self) -> list:
-        return sorted(self.length)
+    def forkable(self) -> list:
+        return [s for s in self.ready() if s not in self.chunk_left]
 
-    def pick(self) -> int:
-        return int(self.rng.choice(self.live()))
+    def freeable(self) -> list:
+        return [s for s in sorted(self.length) if s not in self.loading]
+
+    def pick(self, among=None) -> int:
+        """One of ``among`` (default: the sequences an append may write)."""
+        return int(self.rng.choice(self.ready() if among is None else among))
 
     def prompt_blocks(self):
         """A shared prefix's first m blocks and some tokens of the prompt's own: (tokens, prefix
@@ -157,6 +280,71 @@ class History(_Builder):
         m = int(rng.integers(1, max(1, self.s.max_len // B // 2) + 1))
         own = 0 if rng.random() < 0.4 else int(rng.integers(1, min(2 * B, self.s.max_len - m * B) + 1))
         return m * B + max(0, own), int(rng.integers(PREFIXES)), m
+
+    def prefill(self, tokens, tenant=DEFAULT_TENANT, block_hashes=None, **kw) -> int:
+        seq = super().prefill(tokens, tenant, block_hashes, **kw)
+        if block_hashes or kw.get("token_ids"):
+            self.hashed.add(seq)
+        if (kw.get("prompt_tokens") or 0) > tokens:
+            self.chunk_left[seq] = kw["prompt_tokens"] - tokens
+        return seq
+
+    def append(self, seqs, tokens, draft=None) -> None:
+        super().append(seqs, tokens, draft)
+        for i, (s, t) in enumerate(zip(seqs, tokens)):
+            if s in self.chunk_left:
+                self.chunk_left[s] -= t
+                if not self.chunk_left[s]:
+                    del self.chunk_left[s]
+            if draft is not None and draft[i]:
+                self.drafted[s] = draft[i]
+
+    def accept(self, seq, drafted, n) -> None:
+        super().accept(seq, drafted, n)
+        del self.drafted[seq]
+
+    def free(self, seq) -> None:
+        super().free(seq)
+        self._forget(seq)
+
+    def _forget(self, seq) -> None:
+        self.chunk_left.pop(seq, None)
+        self.drafted.pop(seq, None)
+        self.preempted.discard(seq)
+
+    # transfers (SPEC §11)
+    def transfer_id(self, kind: str, seq: int) -> int:
+        self.next_id += 1
+        self.in_flight[self.next_id - 1] = (kind, seq)
+        return self.next_id - 1
+
+    def store(self, seq, tier, blocks=None) -> None:
+        self.ops.append(Store(len(self.ops), self.transfer_id("store", seq), seq, tier, blocks))
+
+    def load(self, tokens, tenant, block_hashes=None, *, salt=None, adapter=None, token_ids=None) -> int:
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        tid = self.transfer_id("load", seq)
+        self.ops.append(Load(len(self.ops), seq, tenant, int(tokens),
+                             tuple(block_hashes) if block_hashes else None, salt, adapter,
+                             None if token_ids is None else tuple(token_ids), id=tid))
+        self.length[seq], self.loading[seq] = int(tokens), tid
+        self.hashed.add(seq)
+        return seq
+
+    def done(self, tid, ok=True) -> None:
+        self.ops.append(Done(len(self.ops), tid, bool(ok)))
+        kind, seq = self.in_flight.pop(tid)
+        if kind == "load":
+            del self.loading[seq]
+
+    def abort(self, seq) -> None:
+        """Free ``seq``, cancelling its load in flight (its stores still complete)."""
+        self.ops.append(Abort(len(self.ops), seq))
+        del self.length[seq]
+        self._forget(seq)
+        tid = self.loading.pop(seq, None)
+        if tid is not None:
+            del self.in_flight[tid]
 
 
 def _prefill(h: History) -> None:
@@ -169,63 +357,70 @@ def _burst(h: History) -> None:
         h.prefill(h.draw_length(2 * h.s.block_size), h.tenant())
 
 
-def _prefill_shared(h: History) -> None:
+def _shared_prompt(h: History, keyed: bool) -> tuple[int, dict]:
+    """A prompt opening with a shared prefix: its tokens, and its block hashes (or token ids),
+    salt and adapter as prefill keywords; ``keyed``: under one of :data:`KEYS`, half the time
+    named by token ids."""
     tokens, k, m = h.prompt_blocks()
-    B, seq = h.s.block_size, h.next_seq
+    B, rng, seq = h.s.block_size, h.rng, h.next_seq
+    keys = {}
+    if keyed:
+        salt, adapter = KEYS[int(rng.integers(len(KEYS)))]
+        keys = dict(salt=salt, adapter=adapter)
+        if rng.random() >= 0.5:
+            ids = [k * VOCAB // PREFIXES + j for j in range(m * B)]
+            ids += list(range(h.own_ids, h.own_ids + tokens - m * B))
+            h.own_ids += tokens - m * B
+            return tokens, dict(token_ids=ids, **keys)
     hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{seq}.{j}" for j in range(m, tokens // B)]
-    h.prefill(tokens, h.tenant(), hashes)
+    return tokens, dict(block_hashes=hashes, **keys)
+
+
+def _prefill_shared(h: History) -> None:
+    tokens, kw = _shared_prompt(h, False)
+    h.prefill(tokens, h.tenant(), **kw)
 
 
 def _prefill_keyed(h: History) -> None:
-    tokens, k, m = h.prompt_blocks()
-    B, rng, seq = h.s.block_size, h.rng, h.next_seq
-    salt, adapter = KEYS[int(rng.integers(len(KEYS)))]
-    keys = dict(salt=salt, adapter=adapter)
-    if rng.random() < 0.5:
-        hashes = [f"p{k}.{j}" for j in range(m)] + [f"r{seq}.{j}" for j in range(m, tokens // B)]
-        h.prefill(tokens, h.tenant(), hashes, **keys)
-        return
-    ids = [k * VOCAB // PREFIXES + j for j in range(m * B)]
-    ids += list(range(h.own_ids, h.own_ids + tokens - m * B))
-    h.own_ids += tokens - m * B
-    h.prefill(tokens, h.tenant(), token_ids=ids, **keys)
+    tokens, kw = _shared_prompt(h, True)
+    h.prefill(tokens, h.tenant(), **kw)
 
 
 def _append(h: History) -> None:
     rng, B = h.rng, h.s.block_size
-    room = [s for s in h.live() if h.room(s) > 0]
+    room = [s for s in h.ready() if h.room(s) > 0]
     if not room:
         return _prefill(h)
     k = int(rng.integers(1, len(room) + 1))
     seqs = sorted(int(s) for s in rng.choice(room, size=k, replace=False))
     tokens = []
     for s in seqs:
-        edge = B - h.length_of(s) % B  # up to the tail block's end
+        edge = B - h.length[s] % B  # up to the tail block's end
         t = int(rng.choice([1, edge, edge + 1, int(rng.integers(1, 2 * B + 1))]))
-        tokens.append(min(max(1, t), h.room(s)))
+        tokens.append(min(max(1, t), h.room(s), h.chunk_left.get(s, t)))
     h.append(seqs, tokens)
 
 
 def _decode_all(h: History) -> None:
     """One token for every live sequence that has room: 9+ of them take the wide decode path."""
-    seqs = [s for s in h.live() if h.room(s) > 0]
+    seqs = [s for s in h.ready() if h.room(s) > 0]
     if not seqs:
         return _prefill(h)
     h.append(seqs, [1] * len(seqs))
 
 
 def _fork(h: History) -> None:
-    if not h.length:
+    if not h.forkable():
         return _prefill(h)
-    h.fork(h.pick())
+    h.fork(h.pick(h.forkable()))
 
 
 def _fork_write(h: History) -> None:
     """A fork and at once a write into the tail the two share (a beam step): a copy on write,
     the fresh child the one LFU evicts first."""
-    if not h.length:
+    if not h.forkable():
         return _prefill(h)
-    src = h.pick()
+    src = h.pick(h.forkable())
     child = h.fork(src)
     writer = src if h.rng.random() < 0.5 else child
     if h.room(writer) > 0:
@@ -233,25 +428,176 @@ def _fork_write(h: History) -> None:
 
 
 def _fork_wide(h: History) -> None:
-    if not h.length:
+    if not h.forkable():
         return _prefill(h)
     width = WIDE_FORK if h.rng.random() < WIDE_FORK_RATE else int(h.rng.integers(2, 9))
-    src = h.pick()
+    src = h.pick(h.forkable())
     for _ in range(width):
         h.fork(src)
 
 
 def _free(h: History) -> None:
-    if not h.length:
+    if not h.freeable():
         return _prefill(h)
-    h.free(h.pick())
+    h.free(h.pick(h.freeable()))
 
 
 def _drain(h: History) -> None:
-    """Every sequence freed, in a random order: cached blocks stay for the prompts after."""
-    live = h.live()
+    """Every sequence freed, in a random order: cached blocks stay for the prompts after (a
+    sequence whose load is in flight stays)."""
+    live = h.freeable()
     for i in h.rng.permutation(len(live)).tolist():
         h.free(live[i])
+
+
+# --- the lifecycles of SPEC §13 ----------------------------------------------------------------
+
+def _chunk(h: History, hi: int) -> int:
+    """A chunk at, one under or one over a block edge, or anywhere up to ``hi``."""
+    B = h.s.block_size
+    return min(hi, max(1, int(h.rng.choice([B - 1, B, B + 1, int(h.rng.integers(1, 3 * B + 1))]))))
+
+
+def _prefill_chunked(h: History) -> None:
+    """A prompt written in chunks: its first one now (block hashes or token ids covering the
+    whole prompt when caching is on, so a sharer arriving between chunks may hit)."""
+    tokens, kw = _shared_prompt(h, h.s.keyed) if h.s.prefix_caching else (h.draw_length(), {})
+    if tokens < 2:
+        return h.prefill(tokens, h.tenant(), **kw)
+    h.prefill(_chunk(h, tokens - 1), h.tenant(), prompt_tokens=tokens, **kw)
+
+
+def _next_chunks(h: History) -> None:
+    """The next chunk of every prompt in progress, in one batch."""
+    seqs = sorted(s for s in h.chunk_left if s in h.ready())
+    if not seqs:
+        return _prefill_chunked(h)
+    chunk = _chunk(h, 3 * h.s.block_size)
+    h.append(seqs, [min(chunk, h.chunk_left[s]) for s in seqs])
+
+
+def _append_drafts(h: History) -> None:
+    """A speculative step: per sequence one verified token and k draft tokens (now and then
+    drafts alone)."""
+    room = [s for s in h.forkable() if h.room(s) >= 2]
+    if not room:
+        return _append(h)
+    rng = h.rng
+    seqs = sorted(int(s) for s in rng.choice(room, size=int(rng.integers(1, len(room) + 1)), replace=False))
+    drafts = [int(rng.integers(1, min(MAX_DRAFT, h.room(s) - 1) + 1)) for s in seqs]
+    lead = 0 if rng.random() < 0.2 else 1
+    h.append(seqs, [d + lead for d in drafts], drafts)
+
+
+def _accept(h: History) -> None:
+    """Some sequences' drafts verified: each keeps none, all or some of them."""
+    if not h.drafted:
+        return _append_drafts(h)
+    rng, waiting = h.rng, sorted(h.drafted)
+    for s in sorted(int(x) for x in rng.choice(waiting, size=int(rng.integers(1, len(waiting) + 1)),
+                                                 replace=False)):
+        k = h.drafted[s]
+        h.accept(s, k, int(rng.choice([0, k, int(rng.integers(0, k + 1))])))
+
+
+def _preempt(h: History) -> None:
+    if not h.forkable():
+        return _prefill(h)
+    s = h.pick(h.forkable())
+    h.preempt(s)
+    h.preempted.add(s)
+
+
+def _resume(h: History) -> None:
+    if not h.preempted:
+        return _preempt(h)
+    s = h.pick(sorted(h.preempted))
+    h.resume(s)
+    h.preempted.discard(s)
+
+
+# --- the transfers of SPEC §11 -----------------------------------------------------------------
+
+def _store(h: History) -> None:
+    """A store of a sequence's full blocks (every one, or some positions) to a tier: of a
+    prompt with hashed blocks where there is one (a tier holds nothing else)."""
+    cands = [s for s in h.ready() if s in h.hashed] or h.ready()
+    if not cands:
+        return _prefill(h)
+    s, rng = h.pick(cands), h.rng
+    full = h.length[s] // h.s.block_size
+    blocks = None
+    if full and rng.random() < 0.4:
+        blocks = tuple(sorted(int(p) for p in rng.choice(full, size=int(rng.integers(1, full + 1)),
+                                                         replace=False)))
+    h.store(s, h.s.tiers[int(rng.integers(len(h.s.tiers)))].name, blocks)
+
+
+def _load(h: History) -> None:
+    """A prompt opening with a shared prefix, served from the tiers after the device's hit."""
+    tokens, kw = _shared_prompt(h, h.s.keyed)
+    h.load(tokens, h.tenant(), **kw)
+
+
+def _complete(h: History) -> None:
+    """A transfer in flight completes (now and then failing)."""
+    if not h.in_flight:
+        return _store(h)
+    h.done(h.pick(sorted(h.in_flight)), h.rng.random() >= FAIL_RATE)
+
+
+def _abort(h: History) -> None:
+    """An abort: of a sequence whose load is in flight when there is one."""
+    cands = sorted(h.loading) or h.freeable()
+    if not cands:
+        return _prefill(h)
+    h.abort(h.pick(cands))
+
+
+def _flush(h: History) -> None:
+    """A place for long unhashed prompts at once, then their frees (:func:`_with_flushes`)."""
+    h.flush_at.append(len(h.ops))
+
+
+def _with_flushes(h: History) -> tuple[list, int | None]:
+    """The history with its flushes, and the budget it then runs at (None: no flush). The budget
+    is the most blocks the history holds without them (sharing ignored) and one more; each flush
+    is prompts of the longest length for every block of it, so the device's cached blocks make
+    way (the last prompts are refused) and the prompts after load from the tiers."""
+    if not h.flush_at:
+        return h.ops, None
+    B, n = h.s.block_size, h.s.max_len
+    budget = peak_blocks(h.ops, B) + 1
+    ops, seq, at = [], h.next_seq, set(h.flush_at)
+    for i, op in enumerate(h.ops + [None]):
+        if i in at:
+            seqs = list(range(seq, seq + -(-budget * B // n)))
+            seq += len(seqs)
+            ops += [Prefill(0, s, h.tenant(), n) for s in seqs] + [Free(0, s) for s in seqs]
+        if op is not None:
+            ops.append(op)
+    return [replace(op, step=i) for i, op in enumerate(ops)], budget
+
+
+def _round_trip(h: History) -> None:
+    """A prompt with a shared prefix stored down, freed (half the time before its store
+    completes), the device's cache pushed out, and the same prompt loaded back: SPEC §11's
+    offload and reload, as a multi-turn conversation makes it. Half the time the prompt's
+    blocks are its own (no live sharer keeps them on the device)."""
+    tokens, kw = _shared_prompt(h, h.s.keyed)
+    if h.rng.random() < 0.5:
+        kw = {**kw, "token_ids": None,
+              "block_hashes": [f"c{h.next_seq}.{j}" for j in range(tokens // h.s.block_size)]}
+    seq = h.prefill(tokens, h.tenant(), **kw)
+    h.store(seq, h.s.tiers[int(h.rng.integers(len(h.s.tiers)))].name)
+    tid, early = h.next_id - 1, h.rng.random() < 0.5
+    if early:
+        h.done(tid, h.rng.random() >= FAIL_RATE)
+    h.free(seq)
+    if not early:  # the lease outlives the free
+        h.done(tid, h.rng.random() >= FAIL_RATE)
+    _flush(h)
+    h.load(tokens, h.tenant(), **kw)
 
 
 @dataclass(frozen=True)
@@ -263,6 +609,14 @@ class OpKind:
     weight: float
     make: Callable[[History], None]
     needs: Callable[[Capabilities, Settings], bool] = lambda caps, s: True
+
+
+def _lifecycle(name: str):
+    return lambda c, s: name in s.lifecycles
+
+
+def _tiered(c, s) -> bool:
+    return bool(s.tiers)
 
 
 OP_KINDS: list[OpKind] = [
@@ -277,6 +631,18 @@ OP_KINDS: list[OpKind] = [
     OpKind("fork wide", 0.5, _fork_wide, lambda c, s: c.fork),
     OpKind("free", 2.5, _free),
     OpKind("drain", 0.3, _drain),
+    OpKind("prefill chunked", 2, _prefill_chunked, _lifecycle("chunked")),
+    OpKind("next chunks", 2.5, _next_chunks, _lifecycle("chunked")),
+    OpKind("append with drafts", 3, _append_drafts, _lifecycle("speculative")),
+    OpKind("accept", 3, _accept, _lifecycle("speculative")),
+    OpKind("preempt", 1.5, _preempt, _lifecycle("preempt")),
+    OpKind("resume", 1.5, _resume, _lifecycle("preempt")),
+    OpKind("store", 3, _store, _tiered),
+    OpKind("load", 3, _load, _tiered),
+    OpKind("complete a transfer", 3, _complete, _tiered),
+    OpKind("abort", 0.8, _abort, _tiered),
+    OpKind("flush the device", 0.7, _flush, _tiered),
+    OpKind("offload and reload", 4, _round_trip, _tiered),
 ]
 
 
@@ -284,8 +650,9 @@ def usable_kinds(caps: Capabilities, settings: Settings) -> list[OpKind]:
     return [k for k in OP_KINDS if k.needs(caps, settings)]
 
 
-def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]:
-    """The operations of one history and the op kind each choice drew, in order."""
+def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list, Settings]:
+    """The operations of one history, the op kind each choice drew, in order, and its settings
+    (a history with flushes runs at the budget they were made for)."""
     kinds = usable_kinds(caps, settings)
     p = np.array([k.weight for k in kinds], dtype=float)
     h = History(settings, rng, caps)
@@ -297,7 +664,12 @@ def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list]
         kind.make(h)
     if rng.random() < 0.5:
         _drain(h)
-    return h.ops, drawn
+    for tid in sorted(h.in_flight):  # every transfer completes, some after their sequence's free
+        h.done(tid, rng.random() >= FAIL_RATE)
+    ops, budget = _with_flushes(h)
+    if budget is not None:
+        settings = replace(settings, budget="as generated", own_blocks=budget)
+    return ops, drawn, settings
 
 
 # --- histories from kvbench's own families, with random parameters ----------------------------
@@ -325,7 +697,21 @@ def _family_params(name: str, rng, s: Settings) -> dict:
     if name == "salted_prefixes":
         return dict(rounds=n(1, 2), prompt_blocks=(1, max(1, hi // B // 2)), own_tokens=(1, B),
                     output=(1, B), block_size=max(2, B))
-    if name in OWN_BUDGET:
+    if name == "chunked_prefill":
+        return dict(num_requests=n(4, 12), prefixes=n(1, 3), prefix_blocks=(1, max(1, hi // B // 2)),
+                    own_tokens=(1, 2 * B), chunk=n(1, 3 * B), whole_rate=float(rng.random()),
+                    concurrency=n(2, 6), output=(1, output), decode_chunk=n(1, 4), block_size=B)
+    if name == "speculative_forks":
+        return dict(num_trees=n(1, 3), width=n(2, 4), prompt=(1, prompt), rounds=(1, 6), k=n(1, MAX_DRAFT),
+                    acceptance=float(rng.random()), prune_rate=float(rng.random()), block_size=B)
+    if name == "preemption":
+        p_hi, o_hi = n(1, 4 * B), n(1, 4 * B)
+        return dict(num_requests=n(4, 10), prompt=(1, p_hi), output=(1, o_hi), decode_chunk=n(1, B),
+                    num_blocks=-(-(p_hi + o_hi) // B) + n(0, 8), block_size=B)
+    if name == "tiered_turns":
+        return dict(conversations=n(4, 6), turns=n(2, 3), output=(1, max(1, B)),
+                    block_size=int(rng.choice([2, 4, 8, 16])), host=n(0, 8), disk=n(0, 32))
+    if name in ("eviction_edges", "decode_edges"):
         return dict(block_size=int(rng.choice([4, 8, 16])), num_blocks=n(16, 24), rounds=n(1, 2),
                     tenants={"t0": 1, "t1": 2})
     if name == "window_decode":
@@ -342,8 +728,13 @@ FAMILY_SOURCES = (
     ("window_decode", lambda c, s: c.fork and c.groups and c.layout == "paged"),
     ("eviction_edges", lambda c, s: c.fork),
     ("decode_edges", lambda c, s: c.fork),
+    ("chunked_prefill", lambda c, s: "chunked" in s.lifecycles),
+    ("speculative_forks", lambda c, s: c.fork and "speculative" in s.lifecycles),
+    ("preemption", lambda c, s: "preempt" in s.lifecycles),
+    ("tiered_turns", lambda c, s: bool(s.tiers)),
 )
-OWN_BUDGET = ("eviction_edges", "decode_edges")  # built for their own budget: always run at it
+# Built for their own budget: always run at it (tiered_turns's flush takes every block).
+OWN_BUDGET = ("eviction_edges", "decode_edges", "tiered_turns")
 FAMILY_RATE = 0.2  # histories drawn from a family instead of from OP_KINDS
 
 
@@ -369,33 +760,38 @@ def _family_history(rng, settings: Settings, caps: Capabilities):
         settings = replace(settings, model=s.get("model", "tiny"), groups=tuple(t.header.groups),
                            budget="as generated" if own else settings.budget,
                            own_blocks=int(s["num_blocks"]))
+    settings = replace(settings, tiers=tuple(t.header.tiers))  # a family's own tiers, if any
     return t.ops, [f"family {name}"], settings, {"family": name, "family_params": t.header.params,
                                                  "family_seed": t.header.seed}
 
 
-def random_history(seed: int, index: int, caps: Capabilities) -> tuple[Trace, Settings, list]:
-    """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn).
-    The header's settings leave ``num_blocks`` to the caller (it is set against the peak); it
-    names tenant weights only under a policy (a header with weights and no policy is replayed
-    under every policy by `kvbench check`)."""
+def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple = (),
+                   model_shapes: bool = False) -> tuple[Trace, Settings, list]:
+    """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn);
+    ``lifecycles``: those of SPEC §13 the backend takes; ``model_shapes``: see
+    :func:`draw_settings`. The header's settings leave
+    ``num_blocks`` to the caller (it is set against the peak); it names tenant weights only
+    under a policy (a header with weights and no policy is replayed under every policy by
+    `kvbench check`)."""
     rng = np.random.default_rng([seed, index])
-    settings = draw_settings(rng, caps)
+    settings = draw_settings(rng, caps, lifecycles, model_shapes)
     family = _family_history(rng, settings, caps) if rng.random() < FAMILY_RATE else None
     source = {}
     if family is not None:
         ops, drawn, settings, source = family
     else:
-        ops, drawn = random_ops(rng, settings, caps)
-    params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups")}
+        ops, drawn, settings = random_ops(rng, settings, caps)
+    params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},
                     settings={"model": settings.model, "block_size": settings.block_size,
                               "prefix_caching": settings.prefix_caching,
                               "max_context": next_pow2(settings.max_len),
                               **({"policy": settings.policy} if settings.policy else {})},
-                    groups=tuple(settings.groups))
+                    groups=tuple(settings.groups), tiers=tuple(settings.tiers))
     return validate(Trace(header, ops, name=f"fuzz-{seed}-{index}")), settings, drawn
 
 
 __all__ = ["Settings", "OpKind", "OP_KINDS", "History", "draw_settings", "random_ops",
-           "random_history", "usable_kinds", "BUDGETS", "GENERATOR"]
+           "random_history", "usable_kinds", "BUDGETS", "GENERATOR", "LIFECYCLES", "draw_shape",
+           "shape_presets"]

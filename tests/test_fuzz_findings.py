@@ -1,0 +1,148 @@
+"""What `kvbench fuzz` found (results/fuzz/campaigns.md), each minimal trace as a test: these
+pass on the fixed backends."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from impls.numpy_paged import NumpyPaged
+from kvbench.checking.checker import check
+from kvbench.contract.formulas import get_model, with_group_kinds
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Append, Header, Prefill, Trace, load, validate
+
+
+def _chunk_past_the_window():
+    """One-token blocks, sliding(3) beside full: a chunked prompt of 4 tokens written 1 + 3.
+    The append completes the block of position 1 and the window slides past it in the same
+    operation (4 - 3 + 1 = 2: positions 0 and 1 released)."""
+    groups = ("sliding(3)", "full")
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=1,
+                         num_blocks=16, prefix_caching=True, max_context=8)
+    hashes = ("h0", "h1", "h2", "h3")
+    ops = [Prefill(0, 0, "a", 1, hashes, prompt_tokens=4), Append(1, (0,), (3,))]
+    trace = validate(Trace(Header("fuzz-finding", groups=groups), ops, name="chunk_past_the_window"))
+    return trace, config
+
+
+@pytest.mark.parametrize("pool", ["numpy", "torch"])
+def test_a_chunk_block_the_window_passes_in_the_same_append_stays_cached(pool):
+    # Found by `kvbench fuzz --backend numpy` (seed 0, history 4): the pool cached a chunk's
+    # completed blocks after the window released them, so the block of position 1 went back
+    # uncached (cached_blocks 1, the oracle 2).
+    trace, config = _chunk_past_the_window()
+    if pool == "torch":
+        pytest.importorskip("torch")
+        from impls.torch_paged import TorchPaged as Pool
+    else:
+        Pool = NumpyPaged
+    backend = Pool(config)
+    v = check(trace, backend)
+    assert v.valid, v.divergence
+    # 2 = the sliding group's blocks of positions 0 and 1, both complete, both released
+    assert backend.ledger().cached_blocks == 2
+
+
+def test_an_abort_of_a_preempted_sequence_is_its_free():
+    # Found by `kvbench fuzz --backend numpy` (campaign 01): the tier replay called the
+    # backend's abort of a sequence its preemption had already freed (KeyError).
+    from kvbench.traces.ops import Abort, Preempt
+    from kvbench.traces.tier_ops import TierSpec
+    ops = [Prefill(0, 0, "a", 1), Preempt(1, 0), Abort(2, 0)]
+    trace = validate(Trace(Header("fuzz-finding", tiers=(TierSpec("host", 16),)), ops, name="abort"))
+    config = CacheConfig(model=get_model("tiny"), block_size=1, num_blocks=1, prefix_caching=True,
+                         max_context=2)
+    v = check(trace, NumpyPaged(config))
+    assert v.valid, v.divergence
+
+
+def test_a_rollback_under_a_chunked_group_is_not_applicable():
+    # Found by `kvbench fuzz --backend numpy` (campaign 02): accept under chunked(1) rolled
+    # back into blocks the group had released (seq_blocks -2); the checker said n/a for
+    # sliding windows only.
+    from kvbench.traces.ops import Accept
+    groups = ("chunked(1)",)
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=1,
+                         num_blocks=4, prefix_caching=True, max_context=16)
+    ops = [Prefill(0, 0, "a", 1), Append(1, (0,), (4,), (4,)), Accept(2, 0, 0)]
+    v = check(validate(Trace(Header("fuzz-finding", groups=groups), ops, name="rollback")),
+              NumpyPaged(config))
+    assert v.valid is None and "chunked(1)" in v.not_applicable
+
+
+# --- engine findings: pinned where the engine's rule is not kvbench's (they skip without it) ---
+
+CAMPAIGNS = Path(__file__).resolve().parents[1] / "results" / "fuzz" / "campaigns"
+
+
+def _engine_check(name: str, trace):
+    from kvbench.analyses import suite
+    from kvbench.contract import registry
+    config = suite.config_for(trace, policy=suite.policies_for(trace, None)[0])
+    backend = registry.create(name, dataclasses.replace(config, store_kv=False))
+    try:
+        return check(trace, backend)
+    finally:
+        getattr(backend, "close", lambda: None)()
+
+
+def _with_window(trace, old: str, new: str):
+    groups = tuple(new if g == old else g for g in trace.header.groups)
+    return dataclasses.replace(trace, header=dataclasses.replace(trace.header, groups=groups))
+
+
+@pytest.mark.parametrize("finding", ["01-cached-blocks-append", "02-blocks-used-fork",
+                                     "03-cached-blocks-free", "04-blocks-used-prefill"])
+def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
+    """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again four ways
+    by the campaign: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
+    it holds more blocks or caches fewer than SPEC; the same trace with sliding(2) passes."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see the README's recipe")
+    trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
+    assert "sliding(1)" in trace.header.groups
+    d = _engine_check("vllm-kvmanager", trace).divergence
+    assert d is not None and d.quantity in ("cached_blocks", "blocks_used")
+    fewer_cached = d.quantity == "cached_blocks" and d.actual < d.expected
+    assert fewer_cached or (d.quantity == "blocks_used" and d.actual > d.expected), d
+    assert _engine_check("vllm-kvmanager", _with_window(trace, "sliding(1)", "sliding(2)")).valid
+
+
+def _sglang():
+    from impls.engines.sglang_radix import NOT_INSTALLED, available
+    ok, why = available()
+    if why == NOT_INSTALLED:
+        pytest.skip("SGLang is not installed (opt-in): see the README's recipe")
+    assert ok, why
+
+
+@pytest.mark.parametrize("finding, site", [
+    ("01-cached-blocks-append", "append"),  # (a): a page per request over-evicted, B = 32
+    ("02-cached-blocks-prefill", "append"),  # (a) or (b), not separated (shrinking stopped at 60 s)
+    ("03-cached-blocks-fork", "prefill"),  # (b): a whole radix leaf evicted, B = 1
+    ("04-cached-blocks-free", "resume"),  # kvbench: a resume hits none of its own filled blocks
+    ("06-cached-blocks-resume", "resume")])
+def test_sglang_caches_fewer_blocks_than_the_oracle(finding, site):
+    """SGLang's two ways of evicting more than a call needs (results/engines/sglang-radix, (a)
+    and (b)), found again; and a gap of kvbench's oracle (results/fuzz/campaigns.md): the
+    recompute of a preempted sequence looks up no key for its unhashed blocks, which SGLang
+    (caching every full page) finds in its tree, so SGLang holds its own old pages where the
+    oracle expects them cached."""
+    _sglang()
+    trace = load(str(CAMPAIGNS / "sglang-radix" / f"{finding}.min.jsonl"))
+    d = _engine_check("sglang-radix", trace).divergence
+    assert d is not None and d.op["op"] == site and d.quantity == "cached_blocks", d
+    assert d.actual < d.expected, d
+
+
+def test_sglang_refuses_a_fork_whose_last_token_has_no_free_page():
+    """A declared-rule gap: a fork is a new request of the parent's tokens that hits all but
+    the last (hit_leaves_last_token); SGLang needs a free page to compute that token again
+    before its checkpoint drops the duplicate, while kvbench's oracle counts the memory as if
+    it had hit. 6 tokens fill the 6 one-token pages: the fork is refused."""
+    _sglang()
+    trace = load(str(CAMPAIGNS / "sglang-radix" / "05-outcome-success-expected-out-of-memory-a-fork.min.jsonl"))
+    assert [op.kind for op in trace.ops] == ["prefill", "fork"] and trace.ops[0].tokens == 6
+    d = _engine_check("sglang-radix", trace).divergence
+    assert (d.index, d.quantity, d.expected, d.actual) == (1, "outcome of fork", "success", "out-of-memory")
