@@ -54,7 +54,8 @@ def test_without_the_engines_both_adapters_are_listed_unavailable_with_the_recip
                          cwd=tmp_path, timeout=300)
     assert got.returncode == 0, got.stderr
     lines = {ln.split()[0]: ln for ln in got.stdout.splitlines() if ln.strip()}
-    for name, engine in (("vllm-kvmanager", "vllm"), ("sglang-radix", "sglang"),
+    for name, engine in (("vllm-kvmanager", "vllm"), ("vllm-kvmanager-dense", "vllm"),
+                         ("sglang", "sglang"), ("sglang-radix", "sglang"),
                          ("sglang-radix-lfu", "sglang")):
         assert lines[name].split()[1:3] == ["built-in", "no"], lines[name]
         assert f"{engine} is not installed: see README's opt-in recipe" in lines[name]
