@@ -46,8 +46,8 @@ def sglang():
 
 
 def radix(block_size=16, num_blocks=8, caching=True, policy="lru"):
-    from impls.engines.sglang_radix import SglangRadix, SglangRadixLFU
-    cls = {"lru": SglangRadix, "lfu": SglangRadixLFU}[policy]
+    from impls.engines.sglang_radix import Sglang, SglangRadix, SglangRadixLFU
+    cls = {"lru": SglangRadix, "lfu": SglangRadixLFU, "serving": Sglang}[policy]
     return cls(make_config(block_size=block_size, num_blocks=num_blocks, store_kv=False,
                            prefix_caching=caching))
 
@@ -153,9 +153,10 @@ def test_mooncake_prefix_cache_unbounded_checks_clean(sglang):
 # --- SGLang's rules, hand-worked --------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_the_tree_identity_holds_after_every_operation(sglang, block_size):
+@pytest.mark.parametrize("tree", ["lru", "serving"])
+def test_the_tree_identity_holds_after_every_operation(sglang, block_size, tree):
     trace = load_traces([p for p in committed_workloads() if p.stem == "fork-parallel"])[0]
-    be = radix(block_size=block_size, num_blocks=4096)
+    be = radix(block_size=block_size, num_blocks=4096, policy=tree)
     for op in trace.ops:
         if isinstance(op, Prefill):
             be.prefill(op.seq, op.tokens)
