@@ -5,13 +5,14 @@
 
 Skipped where no engine is installed (the engines are opt-in: see the README's recipes); each run
 times the engines its environment has (``vllm-kvmanager``: vLLM's whole ``KVCacheManager``;
-``sglang-radix``: SGLang's ``RadixCache`` and allocator) beside ``numpy``. Every backend keeps the
-ledger only (``store_kv=False``), no eviction policy, each trace under the settings ``kvbench run``
-gives it; one call replays the whole trace on a fresh backend built in the untimed setup, through
-the asv suite's replay driver, with no checker. Traces: every committed workload, and the Mooncake
-prefix-cache trace (first 500 requests, 512-token blocks, prefix caching on, 1000 blocks) when
-the shared traces are present. ``extra_info``: ``us_per_op`` (median / operations), and in the
-numpy row ``<engine>_vs_numpy`` = the engine's median / numpy's (above 1: NumPy is faster).
+``sglang``: SGLang's serving default, ``UnifiedRadixCache``, and its allocator) beside ``numpy``.
+Every backend keeps the ledger only (``store_kv=False``), no eviction policy, each trace under the
+settings ``kvbench run`` gives it; one call replays the whole trace on a fresh backend built in the
+untimed setup, through the asv suite's replay driver, with no checker. Traces: every committed
+workload, and the Mooncake prefix-cache trace (first 500 requests, 512-token blocks, prefix caching
+on, 1000 blocks) when the shared traces are present. ``extra_info``: ``us_per_op`` (median /
+operations), and in the numpy row ``<engine>_vs_numpy`` = the engine's median / numpy's (above 1:
+NumPy is faster).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 
 from kvbench.contract import registry
 
-ENGINES = [n for n in ("vllm-kvmanager", "sglang-radix") if registry.resolve(n).available()[0]]
+ENGINES = [n for n in ("vllm-kvmanager", "sglang") if registry.resolve(n).available()[0]]
 if not ENGINES:
     pytest.skip("neither vLLM nor SGLang is installed (opt-in): see the README's recipes",
                 allow_module_level=True)

@@ -43,7 +43,8 @@ case "$engine" in
           transformers==5.19.0 tokenizers==0.23.2 safetensors==0.8.0 regex==2026.11.19
           huggingface-hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 pyyaml==6.0.4
           truststore==0.10.5 dill==0.4.1 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1
-          compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0)
+          compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0
+          openai==3.57.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7)  # UnifiedRadixCache's imports
     probe="import impls.engines.sglang_radix as s; ok, why = s.SglangRadix.available(); assert ok, why" ;;
   *) echo "engine_env.sh: unknown engine '$engine' (vllm or sglang)" >&2; exit 2 ;;
 esac

@@ -46,8 +46,8 @@ def sglang():
 
 
 def radix(block_size=16, num_blocks=8, caching=True, policy="lru"):
-    from impls.engines.sglang_radix import SglangRadix, SglangRadixLFU
-    cls = {"lru": SglangRadix, "lfu": SglangRadixLFU}[policy]
+    from impls.engines.sglang_radix import Sglang, SglangRadix, SglangRadixLFU
+    cls = {"lru": SglangRadix, "lfu": SglangRadixLFU, "serving": Sglang}[policy]
     return cls(make_config(block_size=block_size, num_blocks=num_blocks, store_kv=False,
                            prefix_caching=caching))
 
@@ -75,6 +75,28 @@ def tree_identity(be) -> None:
     assert f["evictable"] + f["protected"] + f["available"] + private == f["pool"], (f, private)
 
 
+# --- which tree: SGLang's serving default -----------------------------------------------------
+
+def test_the_serving_default_is_the_unified_tree_under_lru_and_the_others_say_how_they_differ(sglang):
+    """create_tree_cache builds UnifiedRadixCache for a full-attention model; its policy flag
+    defaults to lru. Every other SGLang backend names each setting it changes."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from kvbench.contract import registry
+    cfg = make_config(16, 8, store_kv=False, prefix_caching=True)
+    serving = registry.create("sglang", cfg)
+    assert type(serving.tree) is UnifiedRadixCache and serving.radix_policy == "lru"
+    assert registry.serving_departures("sglang") == ()
+    assert type(registry.create("sglang-radix", cfg).tree) is RadixCache
+    assert registry.serving_departures("sglang-radix") == (
+        "tree RadixCache (SGLang serves with UnifiedRadixCache)",)
+    assert registry.serving_departures("sglang-lfu") == (
+        "--radix-eviction-policy lfu (default lru)",)
+    assert len(registry.serving_departures("sglang-radix-lfu")) == 2  # the tree and the policy
+    assert registry.serving_departures("numpy") is None  # no engine's
+
+
 # --- the adapter under the checker ------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -90,11 +112,12 @@ def test_without_prefix_caching_every_unhashed_workload_checks_clean(sglang, pat
     assert v.ops == len(trace.ops)
 
 
+@pytest.mark.parametrize("tree", ["Sglang", "SglangRadix"])
 @pytest.mark.parametrize("path", ONE_GROUP, ids=lambda p: p.stem)
-def test_with_prefix_caching_a_workload_passes_or_over_evicts(sglang, path):
-    from impls.engines.sglang_radix import SglangRadix
+def test_with_prefix_caching_a_workload_passes_or_over_evicts(sglang, path, tree):
+    import impls.engines.sglang_radix as adapters
     trace = load_traces([path])[0]
-    v = check(trace, SglangRadix(config_for(trace, policy=None, prefix_caching=True)))
+    v = check(trace, getattr(adapters, tree)(config_for(trace, policy=None, prefix_caching=True)))
     if engine_lifecycle_na(trace, v):  # no chunked prompts or drafts (SPEC §13)
         return
     assert_pass_or_over_eviction(v)
@@ -130,9 +153,10 @@ def test_mooncake_prefix_cache_unbounded_checks_clean(sglang):
 # --- SGLang's rules, hand-worked --------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_the_tree_identity_holds_after_every_operation(sglang, block_size):
+@pytest.mark.parametrize("tree", ["lru", "serving"])
+def test_the_tree_identity_holds_after_every_operation(sglang, block_size, tree):
     trace = load_traces([p for p in committed_workloads() if p.stem == "fork-parallel"])[0]
-    be = radix(block_size=block_size, num_blocks=4096)
+    be = radix(block_size=block_size, num_blocks=4096, policy=tree)
     for op in trace.ops:
         if isinstance(op, Prefill):
             be.prefill(op.seq, op.tokens)

@@ -1,4 +1,15 @@
-"""SGLang's ``RadixCache`` and token allocator behind the kvbench protocol: ledger only.
+"""SGLang's radix trees and token allocator behind the kvbench protocol: ledger only.
+
+Which tree: SGLang's server builds its tree cache in ``mem_cache/registry.py``
+(``create_tree_cache``: with ``--radix-cache-backend`` unset, ``default_radix_cache_factory``, which
+for a full-attention model without LMCache, FlexKV or an external linker ends in
+``create_unified_radix_cache``: ``UnifiedRadixCache`` with the one component ``FULL``, its tree core
+the Rust one, ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``'s default) under
+``--radix-eviction-policy``, default ``lru`` (``arg_groups/fields/memory.py``). That is ``sglang``,
+the serving default. ``RadixCache``, which the server builds only for its simulated waiting queue
+(``RadixCache.create_simulated``), and the other policies are separate backends, each naming how
+it departs from the serving default (``serving_departures``, shown by ``kvbench list`` and
+written in every record).
 
 Opt-in: SGLang is not a dependency of kvbench (see the README's recipe). The module imports without
 SGLang; :meth:`SglangRadix.available` says why it cannot run.
@@ -96,9 +107,12 @@ def _sglang():
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     logging.getLogger("sglang").setLevel(logging.ERROR)
     return types.SimpleNamespace(
         torch=torch, array=array, allocation=allocation, RadixCache=RadixCache, RadixKey=RadixKey,
+        UnifiedRadixCache=UnifiedRadixCache, ComponentType=ComponentType,
         CacheInitParams=CacheInitParams, InsertParams=InsertParams,
         MatchPrefixParams=MatchPrefixParams, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
@@ -137,10 +151,17 @@ class _Req:
         return _sglang().RadixKey(self.ids[:n], extra_key=self.adapter, cache_salt=self.salt, **kw)
 
 
+SERVING_POLICY = "lru"  # --radix-eviction-policy's default
+SERVER_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # its choices (arg_groups/choices.py)
+
+
 class SglangRadix(Backend):
+    """SGLang's ``RadixCache``: not what its server serves with (see the module's docstring)."""
+
     name = "sglang-radix"
     capabilities = CAPABILITIES
     radix_policy = "lru"  # SGLang's --radix-eviction-policy (which cached leaf goes first)
+    unified = False  # True: UnifiedRadixCache, the class SGLang's server picks
     # No kvbench eviction policy: SGLang's tree evicts cached, unlocked prefixes only; running
     # requests are retracted by its scheduler, so a config with a policy is reported n/a.
 
@@ -165,13 +186,35 @@ class SglangRadix(Backend):
         else:
             self.alloc = s.PagedTokenToKVPoolAllocator(size=size, page_size=P, dtype=s.torch.float16,
                                                        device="cpu", kvcache=None, need_sort=False)
-        self.tree = s.RadixCache(s.CacheInitParams(
+        self.tree = self._make_tree(s.CacheInitParams(
             disable=not self.caching, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
             page_size=P, eviction_policy=self.radix_policy))
         self.reqs: dict[int, _Req] = {}
         self._ids = itertools.count(1 << 48)  # token ids made up here: above any a trace gives
         self._hash_ids: dict = {}
         self.hit_blocks = 0
+
+    @classmethod
+    def serving_departures(cls) -> tuple:
+        """How this backend departs from SGLang's serving default, one setting each."""
+        out = []
+        if not cls.unified:
+            out.append("tree RadixCache (SGLang serves with UnifiedRadixCache)")
+        if cls.radix_policy not in SERVER_POLICIES:
+            out.append(f"eviction policy {cls.radix_policy} (not a --radix-eviction-policy choice: "
+                       f"built in Python only; the server's default is {SERVING_POLICY})")
+        elif cls.radix_policy != SERVING_POLICY:
+            out.append(f"--radix-eviction-policy {cls.radix_policy} (default {SERVING_POLICY})")
+        return tuple(out)
+
+    def _make_tree(self, params):
+        """The tree cache, as ``create_unified_radix_cache`` builds it (``unified``) or the
+        plain ``RadixCache``."""
+        s = self._s
+        if self.unified:
+            params.tree_components = (s.ComponentType.FULL,)
+            return s.UnifiedRadixCache(params)
+        return s.RadixCache(params)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -368,7 +411,62 @@ class SglangRadix(Backend):
 
 
 class SglangRadixLFU(SglangRadix):
-    """SGLang's tree under its ``lfu`` radix policy: hit count, then last access."""
+    """SGLang's ``RadixCache`` under its ``lfu`` radix policy: hit count, then last access."""
 
     name = "sglang-radix-lfu"
     radix_policy = "lfu"
+
+
+class Sglang(SglangRadix):
+    """SGLang's serving default: ``UnifiedRadixCache`` (Rust tree core), policy ``lru``."""
+
+    name = "sglang"
+    unified = True
+
+    def _checkpoint(self, r: _Req) -> None:
+        """``UnifiedRadixCache.checkpoint_into_tree`` for a full-attention request: its insert
+        frees the duplicates itself (``prev_prefix_len``: what the request's lock already
+        protects), then the prompt split, the repoint and the lock moved."""
+        s = self._s
+        key = r.key(len(r.kv)).page_aligned(self.page)
+        n = len(key)
+        values = r.kv[:n].clone()
+        params = s.InsertParams(key=key, value=values, prev_prefix_len=r.protected,
+                                inserted_len=r.inserted, priority=0)
+        result = self.tree.insert(params)
+        r.inserted = max(r.inserted, n)
+        prompt_key = r.key(r.prompt).page_aligned(self.page)
+        if 0 < len(prompt_key) < n:
+            m = len(prompt_key)
+            self.tree.insert(dataclasses.replace(params, key=prompt_key, value=values[:m],
+                                                 prev_prefix_len=m, inserted_len=m, priority=1))
+        tree_kv = self.tree.path_device_indices(result.last_device_node)
+        assert len(tree_kv) == n, (len(tree_kv), n)
+        r.kv[r.protected:n] = tree_kv[r.protected:]
+        r.protected = n
+        self.tree.unlock(r.lock)
+        r.lock = self.tree.lock(result.last_device_node)
+
+
+# The other policies get_eviction_strategy builds (mem_cache/utils.py). The server's
+# --radix-eviction-policy takes lru, lfu, slru, priority and tlru; fifo and mru are reachable only
+# by building the cache in Python. tlru is left out: the server refuses it without its
+# threshold and next_prompt_estimate (arg_groups/kv_cache_hook.py), which have no default.
+class SglangLFU(Sglang):
+    name, radix_policy = "sglang-lfu", "lfu"
+
+
+class SglangSLRU(Sglang):
+    name, radix_policy = "sglang-slru", "slru"
+
+
+class SglangPriority(Sglang):
+    name, radix_policy = "sglang-priority", "priority"
+
+
+class SglangFIFO(Sglang):
+    name, radix_policy = "sglang-fifo", "fifo"
+
+
+class SglangMRU(Sglang):
+    name, radix_policy = "sglang-mru", "mru"

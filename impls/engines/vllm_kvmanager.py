@@ -85,6 +85,7 @@ def _vllm():
     import torch
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
+    from vllm.config import CacheConfig as VllmCacheConfig
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -101,23 +102,32 @@ def _vllm():
         SlidingWindowSpec=SlidingWindowSpec, ChunkedLocalAttentionSpec=ChunkedLocalAttentionSpec,
         MLAAttentionSpec=MLAAttentionSpec, MambaSpec=MambaSpec,
         KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec, Request=Request,
-        RequestStatus=RequestStatus)
+        RequestStatus=RequestStatus, VllmCacheConfig=VllmCacheConfig)
 
 
 def available() -> tuple[bool, str]:
     return importable(_vllm)
 
 
-def kv_cache_config(config: CacheConfig):
+def serving_retention_interval() -> int | None:
+    """``prefix_cache_retention_interval`` as vLLM's server sets it: its ``CacheConfig``'s default,
+    which ``kv_cache_planning.get_kv_cache_config_from_groups`` copies into the KVCacheConfig."""
+    return _vllm().VllmCacheConfig().prefix_cache_retention_interval
+
+
+def kv_cache_config(config: CacheConfig, retention_interval="serving"):
     """vLLM's ``KVCacheConfig`` for kvbench's model and budget: one ``KVCacheGroupSpec`` per
     kvbench group, in kvbench's order (vLLM's tests' ``make_kv_cache_config`` /
-    ``make_kv_cache_config_hybrid_model``), plus vLLM's null block."""
+    ``make_kv_cache_config_hybrid_model``), plus vLLM's null block.
+    ``retention_interval``: "serving" (the server's default), or the value to pass."""
     v = _vllm()
     groups = [v.KVCacheGroupSpec([f"model.layers.{i}.self_attn" for i in g.layers],
                                  group_spec(config, g))
               for g in config.model.kv_groups]
+    if retention_interval == "serving":
+        retention_interval = serving_retention_interval()
     return v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
-                           kv_cache_groups=groups)
+                           kv_cache_groups=groups, prefix_cache_retention_interval=retention_interval)
 
 
 def group_spec(config: CacheConfig, group: F.KVGroup):
@@ -149,6 +159,15 @@ class VllmKVManager(Backend):
     capabilities = CAPABILITIES
     # No eviction policy: vLLM preempts requests in its scheduler (the last admitted first), not
     # in the manager, so a config with a policy is reported not applicable by the checker.
+    retention_interval = "serving"  # KVCacheConfig.prefix_cache_retention_interval
+
+    @classmethod
+    def serving_departures(cls) -> tuple:
+        """How this backend departs from vLLM's serving default, one setting each."""
+        if cls.retention_interval == "serving":
+            return ()
+        return (f"prefix_cache_retention_interval {cls.retention_interval} (the server's default "
+                f"is CacheConfig's, 0: only semantic checkpoints)",)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -167,7 +186,8 @@ class VllmKVManager(Backend):
         # Fork: a new request through the prefix cache, or, without one, computed again whole.
         self.capabilities = dataclasses.replace(CAPABILITIES,
                                                 fork_via="prefix" if self.caching else "copy")
-        self.manager = v.KVCacheManager(kv_cache_config(config), max_model_len=MAX_MODEL_LEN,
+        self.manager = v.KVCacheManager(kv_cache_config(config, self.retention_interval),
+                                        max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=B, hash_block_size=B,
                                         enable_caching=self.caching)
         self.pool = self.manager.block_pool
@@ -367,3 +387,11 @@ class VllmKVManager(Backend):
         get = self._v.utils.get_block_hash
         return [self._trace_hash.get(get(b.block_hash))
                 for b in self.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+
+
+class VllmKVManagerDense(VllmKVManager):
+    """The manager with dense retention of sliding-window checkpoints (``None``): what this
+    adapter ran before it took vLLM's serving default; not what vLLM serves with."""
+
+    name = "vllm-kvmanager-dense"
+    retention_interval = None

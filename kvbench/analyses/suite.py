@@ -157,6 +157,8 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "prefix_hit_blocks": v.final_ledger.get("prefix_hit_blocks", 0),
         "prefix_hit_rate": (v.final_ledger.get("prefix_hit_blocks", 0) / hashed) if hashed else float("nan"),
         "layout": eviction.layout_of(v),
+        # An engine backend's settings that its engine does not serve with (empty: its default).
+        "serving_departures": "; ".join(registry.serving_departures(backend_name) or ()),
     }
     if trace.header.tenants and series:  # a tenant mix: fairness and per-tenant figures
         row["jain"] = eviction.run_metrics(trace, v)["jain"]

@@ -82,12 +82,22 @@ def cmd_prefix(args) -> int:
 
 
 def cmd_list(args) -> int:
-    rows = []
+    rows, departing = [], {}
     for name, e in registry.entries().items():
         ok, why = e.available()
+        departures = registry.serving_departures(name)
+        if departures:
+            departing[name] = departures
         rows.append({"backend": name, "from": e.origin, "tags": " ".join(sorted(e.tags)) or "-",
-                     "target": e.target, "available": "yes" if ok else "no", "why not": why})
-    print_table(pd.DataFrame(rows), ["backend", "from", "available", "why not", "target", "tags"])
+                     "target": e.target, "available": "yes" if ok else "no", "why not": why,
+                     "engine setting": "-" if departures is None
+                     else "non-default" if departures else "serving default"})
+    print_table(pd.DataFrame(rows), ["backend", "from", "available", "why not", "engine setting",
+                                     "target", "tags"])
+    if departing:  # an engine backend named for a setting its engine does not serve with
+        print("\nnot the engine's serving default:")
+        for name, departures in departing.items():
+            print(f"  {name}: " + "; ".join(departures))
     from kvbench.contract.formulas import PRESETS
     print("\nmodels: " + ", ".join(f"{m.name} ({m.bytes_per_token} B/token)" for m in PRESETS.values()))
     print("workloads: " + ", ".join(p.stem for p in suite.committed_workloads()))

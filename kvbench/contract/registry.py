@@ -130,12 +130,36 @@ BUILTIN = [
                reservation=r) for r in ("max", "pow2", "oracle")),
     _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
     _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
+    _builtin("vllm-kvmanager-dense", "impls.engines.vllm_kvmanager:VllmKVManagerDense", "engine",
+             "paged"),
+    # SGLang's serving default (UnifiedRadixCache, lru), then its other policies and RadixCache.
+    *(_builtin(name, f"impls.engines.sglang_radix:{cls}", "engine", "paged")
+      for name, cls in (("sglang", "Sglang"), ("sglang-lfu", "SglangLFU"),
+                        ("sglang-slru", "SglangSLRU"), ("sglang-priority", "SglangPriority"),
+                        ("sglang-fifo", "SglangFIFO"), ("sglang-mru", "SglangMRU"))),
     _builtin("sglang-radix", "impls.engines.sglang_radix:SglangRadix", "engine", "paged"),
     _builtin("sglang-radix-lfu", "impls.engines.sglang_radix:SglangRadixLFU", "engine", "paged"),
     # The straightforward per-object model: a reference for speed ratios, ledger only.
     _builtin("python-objects", "impls.object_model:ObjectModel", "paged", "speed-reference", "gated",
              asv_name="object"),
 ]
+
+
+def serving_departures(name: str) -> tuple | None:
+    """How an engine backend departs from its engine's serving default (its factory's
+    ``serving_departures()``, empty: the serving default); None for a backend that is no engine's."""
+    try:
+        entry = resolve(name)
+    except ValueError:
+        return None
+    if "engine" not in entry.tags:
+        return None
+    try:
+        factory = entry.load()
+    except Exception:  # an engine adapter that cannot be imported says nothing
+        return None
+    departures = getattr(factory, "serving_departures", None)
+    return tuple(departures()) if callable(departures) else ()
 
 
 def tagged(*tags: str) -> tuple:

@@ -1,0 +1,95 @@
+"""Planted regressions over the real engine classes: each a subclass of an engine adapter whose
+engine object (SGLang's allocator, vLLM's manager) does one thing its code must not.
+
+Opt-in like the adapters (each needs its engine's environment); never registered as backends:
+tests/test_engine_faults.py builds them and says at which workload and step each FAILs.
+
+- ``SglangWholeRequirement``: the eviction SGLang PR #32016 removed. Before it an allocation
+  evicted its whole requirement from the tree whenever the pool was short; since, only the
+  shortfall (``BaseTokenToKVPoolAllocator.evict_to_free_tokens``: ``num_tokens -
+  available_size()``).
+- ``SglangEvictsLocked``: an eviction that takes nodes running requests hold locked (the lock is
+  dropped for the eviction and taken again on whatever is left of the request's path).
+- ``VllmFreedTwice``: a finished request's blocks handed to ``BlockPool.free_blocks`` a second
+  time, so a block another request still holds goes back to the free queue.
+- ``VllmWindowEarly``: ``SlidingWindowManager.remove_skipped_blocks`` run one block past the
+  tokens computed, so a block still inside the window is released.
+"""
+from __future__ import annotations
+
+from impls.engines.sglang_radix import Sglang
+from impls.engines.vllm_kvmanager import VllmKVManager, VllmKVManagerDense
+
+
+def _evict_params():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    return EvictParams
+
+
+class _SglangAllocatorFault(Sglang):
+    """The adapter with its allocator's ``evict_to_free_tokens`` replaced by ``_evict``."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        base = type(self.alloc)
+        backend = self
+
+        def evict_to_free_tokens(alloc, tree_cache, num_tokens):
+            if tree_cache is None or not tree_cache.supports_prefix_sharing():
+                return None
+            return backend._evict(alloc, tree_cache, num_tokens)
+
+        self.alloc.__class__ = type(f"Faulty{base.__name__}", (base,),
+                                    {"evict_to_free_tokens": evict_to_free_tokens})
+
+    def _evict(self, alloc, tree, num_tokens):
+        raise NotImplementedError
+
+
+class SglangWholeRequirement(_SglangAllocatorFault):
+    name = "sglang-fault-whole-requirement"
+
+    def _evict(self, alloc, tree, num_tokens):
+        if num_tokens > alloc.available_size():  # the whole requirement, not the shortfall
+            tree.evict(_evict_params()(num_tokens=num_tokens))
+
+
+class SglangEvictsLocked(_SglangAllocatorFault):
+    name = "sglang-fault-evicts-locked"
+
+    def _evict(self, alloc, tree, num_tokens):
+        shortfall = num_tokens - alloc.available_size()
+        if shortfall <= 0:
+            return
+        for r in self.reqs.values():
+            tree.unlock(r.lock)
+        tree.evict_for_alloc(_evict_params()(num_tokens=shortfall))
+        s = self._s
+        for r in self.reqs.values():  # locked again on what is left of its path
+            match = tree.match_prefix(s.MatchPrefixParams(key=r.key(r.protected)))
+            r.lock = tree.lock(match.last_device_node)
+
+
+class VllmFreedTwice(VllmKVManager):
+    name = "vllm-fault-freed-twice"
+
+    def free(self, seq, *, step=0):
+        req = self._request(seq)
+        blocks = [b for g in self._groups for b in g.req_to_blocks.get(req.request_id, ())
+                  if not b.is_null]
+        super().free(seq, step=step)
+        self.pool.free_blocks(b for b in blocks if b.ref_cnt > 0)  # the second free
+
+
+class VllmWindowEarly(VllmKVManagerDense):
+    """Over dense retention, the setting under which the manager passes the window workloads."""
+
+    name = "vllm-fault-window-early"
+
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        for manager in self._sliding:
+            for s in seqs:
+                req = self._request(s)
+                manager.remove_skipped_blocks(req.request_id,
+                                              req.num_computed_tokens + self.block_size)
+        return super().append(seqs, tokens, kv, step=step)
