@@ -172,18 +172,16 @@ def test_arc_as_vllm():
     assert "e" not in arc.b1 and "e" not in arc.t1
 
 
-def test_arc_takes_t1_alone_never_when_below_target():
-    """As vLLM ships it: below the T1 target only T2 is searched, so a store is refused while T1
-    holds an evictable block and T2 none."""
+def test_arc_falls_back_to_t1_below_target():
+    """As vLLM 0.33 ships it (vllm/v1/kv_offload/cpu/policies/arc.py, evict: T1 while it holds
+    the target, else T2, else T1 after all): below the T1 target with no T2 block, T1's goes."""
     t = host(1, "arc")
     arc = t.tiers[0].policy
-    arc.target = 1.0
     t.store_begin(1, 0, 0, [("a", 1)])
     t.complete(1, True)
-    assert len(arc.t1) == 1  # 1 >= int(1): a can still go
-    arc.target = 2.0  # beyond |T1| = 1
+    arc.target = 2.0  # beyond |T1| = 1, and T2 is empty
     plan = t.store_begin(2, 0, 0, [("b", 2)])
-    assert plan.refused == ["b"]
+    assert plan.evicted == ["a"] and plan.refused == [] and list(arc.b1) == ["a"]
 
 
 def reference_two_level(prompts, c0, c1):

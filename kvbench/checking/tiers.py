@@ -11,17 +11,27 @@ A block in a tier is ``storing`` (a store began: not loadable, not evictable) or
 A store that fails leaves no trace. Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
 the most recent end, a load touches its blocks so that the first is the most recent, the least
 recent evictable block goes first) and ``arc`` (vLLM's ARCCachePolicy, T1/T2 with ghost lists
-B1/B2 and an adaptive T1 target; as vLLM ships it, a victim is taken from T1 only while T1 holds
-at least the target, else from T2 alone).
+B1/B2 and an adaptive T1 target; as vLLM 0.33 ships it, victims come from T1 while T1 holds at
+least the target, else from T2, else from T1 after all; a store that inserts a ghost adapts the
+target first).
+
+A backend may declare rules of its own (``Capabilities.tier_rules``, TIER_RULES), and the model
+runs them: ``whole_store_refused`` (vLLM's ``prepare_store``: the victims for every new block are
+found first, together, or the store is refused whole) and ``request_recency`` (vLLM's connector:
+recency per request, LRU ranks ``(request, -position)`` and ARC promotions applied when the
+request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py).
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
+TIER_RULES = ("whole_store_refused", "request_recency")
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,7 @@ class LRUPolicy:
     def __init__(self, capacity: int):
         self.order: OrderedDict = OrderedDict()
 
-    def insert(self, key) -> None:
+    def insert(self, key, seq=None, position=None) -> None:
         self.order[key] = None
 
     def remove(self, key) -> None:
@@ -64,14 +74,77 @@ class LRUPolicy:
             if key in self.order:
                 self.order.move_to_end(key)
 
-    def victim(self, evictable):
-        return next((k for k in self.order if evictable(k)), None)
+    def victims(self, n: int, evictable) -> list | None:
+        """The ``n`` next victims, least recent first, or None when fewer are evictable."""
+        found = list(itertools.islice((k for k in self.order if evictable(k)), n))
+        return found if len(found) == n else None
 
     def evict(self, key) -> None:
         del self.order[key]
 
     def order_of(self) -> list:
         return list(self.order)
+
+    def on_store_miss(self, keys) -> None:
+        """A store offers ``keys``, absent here (ARC adapts to its ghosts)."""
+
+    def on_request_access(self, items, seq) -> None:
+        """Request ``seq`` first accesses [(key, position)] (request_recency)."""
+
+    def on_request_finished(self, ordered, insertion_only, reused, seq) -> None:
+        """Request ``seq`` finished: the keys it accessed, first position first (request_recency)."""
+
+
+class RequestLRUPolicy(LRUPolicy):
+    """vLLM's LRUCachePolicy as its connector drives it (request_recency): each key has a rank,
+    the least evicted first. A store inserts a key with its request's rank, earlier positions
+    more recent: ``(rank, -position)``, the request's rank drawn at its first access; a request's
+    first access of a key held here raises the key to that rank; when the request finishes, each
+    key it accessed gets a new rank, its last position first (so its first ends the most recent)."""
+
+    def __init__(self, capacity: int):
+        self.rank: dict = {}  # key -> (rank, -position)
+        self.request_rank: dict = {}  # seq -> its rank
+        self.next = 0
+
+    def _bump(self) -> int:
+        self.next += 1
+        return self.next
+
+    def _request(self, seq) -> int:
+        if seq not in self.request_rank:
+            self.request_rank[seq] = self._bump()
+        return self.request_rank[seq]
+
+    def insert(self, key, seq=None, position=None) -> None:
+        self.rank[key] = (self._bump(), 0) if position is None else (self._request(seq), -position)
+
+    def remove(self, key) -> None:
+        del self.rank[key]
+
+    evict = remove
+
+    def touch(self, keys) -> None:
+        for key in reversed(list(keys)):
+            if key in self.rank:
+                self.rank[key] = (self._bump(), 0)
+
+    def victims(self, n: int, evictable) -> list | None:
+        found = sorted((k for k in self.rank if evictable(k)), key=self.rank.__getitem__)[:n]
+        return found if len(found) == n else None
+
+    def order_of(self) -> list:
+        return sorted(self.rank, key=self.rank.__getitem__)
+
+    def on_request_access(self, items, seq) -> None:
+        rank = self._request(seq)
+        for key, position in items:
+            if position is not None and key in self.rank and self.rank[key] < (rank, -position):
+                self.rank[key] = (rank, -position)
+
+    def on_request_finished(self, ordered, insertion_only, reused, seq) -> None:
+        self.touch(ordered)
+        self.request_rank.pop(seq, None)
 
 
 class ARCPolicy:
@@ -89,7 +162,7 @@ class ARCPolicy:
         self.b1: OrderedDict = OrderedDict()
         self.b2: OrderedDict = OrderedDict()
 
-    def insert(self, key) -> None:
+    def insert(self, key, seq=None, position=None) -> None:
         self.t1[key] = False
         self.b1.pop(key, None)
         self.b2.pop(key, None)
@@ -111,19 +184,53 @@ class ARCPolicy:
                 (self.t2 if stored else self.t1)[key] = stored
             elif key in self.t2:
                 self.t2.move_to_end(key)
-            elif key in self.b1:
-                self.target = min(self.target + max(1, len(self.b2) / len(self.b1)), self.capacity)
-                self.b1.move_to_end(key)
-            elif key in self.b2:
-                self.target = max(self.target - max(1, len(self.b1) / len(self.b2)), 0)
-                self.b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
 
-    def victim(self, evictable):
-        if len(self.t1) >= int(self.target):
-            key = next((k for k in self.t1 if evictable(k)), None)
-            if key is not None:
-                return key
-        return next((k for k in self.t2 if evictable(k)), None)
+    def _ghost_hit(self, key) -> None:
+        if key in self.b1:
+            self.target = min(self.target + max(1, len(self.b2) / len(self.b1)), self.capacity)
+            self.b1.move_to_end(key)
+        elif key in self.b2:
+            self.target = max(self.target - max(1, len(self.b1) / len(self.b2)), 0)
+            self.b2.move_to_end(key)
+
+    def on_store_miss(self, keys) -> None:
+        for key in reversed(list(keys)):
+            self._ghost_hit(key)
+
+    def on_request_access(self, items, seq) -> None:
+        """ARC learns nothing from an access until the request finishes."""
+
+    def on_request_finished(self, ordered, insertion_only, reused, seq) -> None:
+        for key in reversed(list(ordered)):
+            if key in insertion_only:  # a store is no reuse: recency only
+                for part in (self.t1, self.t2):
+                    if key in part:
+                        part.move_to_end(key)
+                        break
+            elif key in reused and key in self.t1:
+                self.t2[key] = self.t1.pop(key)
+            elif key in reused and key in self.t2:
+                self.t2.move_to_end(key)
+
+    def victims(self, n: int, evictable) -> list | None:
+        """vLLM's batch eviction: while the T1 left (less those chosen) holds at least the
+        target, T1's least recent evictable; else T2's; else T1's after all."""
+        t1 = (k for k in self.t1 if evictable(k))
+        t2 = (k for k in self.t2 if evictable(k))
+        size, found = len(self.t1), []
+        for _ in range(n):
+            key = next(t1, None) if size >= int(self.target) else None
+            if key is None:
+                key = next(t2, None)
+            if key is None:
+                key = next(t1, None)
+            if key is None:
+                return None
+            size -= key in self.t1
+            found.append(key)
+        return found
 
     def evict(self, key) -> None:
         if key in self.t1:
@@ -141,6 +248,30 @@ class ARCPolicy:
 
 
 POLICY_CLASSES = {"lru": LRUPolicy, "arc": ARCPolicy}
+REQUEST_POLICY_CLASSES = {"lru": RequestLRUPolicy, "arc": ARCPolicy}  # request_recency
+
+
+@dataclass
+class Access:
+    """A request's accesses of one tier, as vLLM's manager records them (request_recency)."""
+
+    positions: dict = field(default_factory=dict)  # key -> position, in the order first seen
+    inserted: set = field(default_factory=set)  # keys its stores put here
+    reused: set = field(default_factory=set)  # stored keys it loaded or offered, not its own
+    store_misses: set = field(default_factory=set)  # keys its stores offered absent
+
+    def record(self, items, reused=()) -> list:
+        """Note [(key, position)] accessed; returns those first seen now."""
+        new = [(k, p) for k, p in items if k not in self.positions]
+        self.positions.update(new)
+        self.reused.update(k for k in reused if k not in self.inserted)
+        return new
+
+    def ordered(self) -> list:
+        keys = list(self.positions)
+        if all(p is not None for p in self.positions.values()):
+            keys.sort(key=self.positions.__getitem__)
+        return keys
 
 
 @dataclass
@@ -157,9 +288,19 @@ class Tier:
     bytes_down: int = 0
     bytes_up: int = 0
     hits: int = 0
+    by_request: bool = False  # request_recency
+    requests: dict = field(default_factory=dict)  # seq -> Access
 
     def __post_init__(self):
-        self.policy = POLICY_CLASSES[self.spec.policy](self.spec.capacity)
+        classes = REQUEST_POLICY_CLASSES if self.by_request else POLICY_CLASSES
+        self.policy = classes[self.spec.policy](self.spec.capacity)
+
+    def access(self, seq) -> Access:
+        return self.requests.setdefault(seq, Access())
+
+    def evictable(self, key, mine) -> bool:
+        e = self.entries[key]
+        return key not in mine and e.state == STORED and not e.loads
 
     def ledger(self) -> TierLedger:
         storing = sum(1 for e in self.entries.values() if e.state == STORING)
@@ -197,11 +338,16 @@ class Tiers:
     """Tiers 1..n and the transfers in flight; ``leases`` counts, per device block, the stores
     in flight that copy from it, and ``load_targets`` the device blocks loads are writing."""
 
-    def __init__(self, specs, block_bytes: int = 0):
+    def __init__(self, specs, block_bytes: int = 0, rules=()):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
-        self.tiers = [Tier(s) for s in specs]
+        unknown = sorted(set(rules) - set(TIER_RULES))
+        if unknown:
+            raise ValueError(f"unknown tier rule {unknown[0]!r} (known: {', '.join(TIER_RULES)})")
+        self.whole_store = "whole_store_refused" in rules
+        self.by_request = "request_recency" in rules
+        self.tiers = [Tier(s, by_request=self.by_request) for s in specs]
         self.block_bytes = block_bytes
         self.transfers: dict = {}  # id -> Transfer, in flight
         self.finished: set = set()
@@ -240,42 +386,71 @@ class Tiers:
 
     # --- store ---------------------------------------------------------------------------
 
-    def store_begin(self, tid, seq: int, tier: int, blocks) -> StorePlan:
-        """Begin copying ``blocks`` = [(key, device block)] down to tier ``tier``, block by block:
-        a key held there (stored or storing) is skipped; without room the policy evicts a stored
-        block that no load reads and that is not one of this store's; if none, the block is
-        refused. Each begun block's device block is leased until completion."""
+    def store_begin(self, tid, seq: int, tier: int, blocks, positions=None) -> StorePlan:
+        """Begin copying ``blocks`` = [(key, device block)] (at ``positions`` of ``seq``) down to
+        tier ``tier``, block by block: a key held there (stored or storing) is skipped; without
+        room the policy evicts a stored block that no load reads and that is not one of this
+        store's; if none, the block is refused (whole_store_refused: every victim the new blocks
+        need is found first, or all of them are refused). Each begun block's device block is
+        leased until completion."""
         self._new_id(tid)
         t = self.tiers[tier]
         plan = StorePlan()
         mine = {k for k, _ in blocks}
-        for key, block in blocks:
-            if key in t.entries:
-                plan.skipped.append(key)
-                continue
+        where = dict(zip([k for k, _ in blocks], positions or [None] * len(blocks)))
+        new = [(k, b) for k, b in blocks if k not in t.entries]
+        plan.skipped = [k for k, _ in blocks if k in t.entries]
+        misses = [k for k, _ in new]
+        if self.by_request:  # a request's misses adapt ARC once; its offers are accesses
+            acc = t.access(seq)
+            misses = [k for k in misses if k not in acc.store_misses]
+            acc.store_misses.update(misses)
+            ready = [k for k in plan.skipped if t.entries[k].state == STORED]
+            offered = {k for k, _ in new} | set(ready)
+            t.policy.on_store_miss(misses)
+            t.policy.on_request_access(acc.record([(k, where[k]) for k, _ in blocks if k in offered],
+                                                  reused=ready), seq)
+        else:
+            t.policy.on_store_miss(misses)
+        evictable = functools.partial(t.evictable, mine=mine)
+        if self.whole_store:
+            short = len(new) - (t.spec.capacity - len(t.entries))
+            victims = t.policy.victims(short, evictable) if short > 0 else []
+            if victims is None:
+                plan.refused, new, victims = [k for k, _ in new], [], []
+            for victim in victims:
+                self._evict(t, victim, plan)
+        for key, block in new:
             if len(t.entries) >= t.spec.capacity:
-                victim = t.policy.victim(lambda k: k not in mine and t.entries[k].state == STORED
-                                         and not t.entries[k].loads)
+                victim = t.policy.victims(1, evictable)
                 if victim is None:
                     plan.refused.append(key)
                     continue
-                t.policy.evict(victim)
-                del t.entries[victim]
-                plan.evicted.append(victim)
+                self._evict(t, victim[0], plan)
             t.entries[key] = Entry(STORING)
-            t.policy.insert(key)
+            t.policy.insert(key, seq, where[key])
+            if self.by_request:
+                t.access(seq).inserted.add(key)
             plan.begun.append((key, block))
             if block is not None:  # None: a model without device blocks
                 self.leases[block] = self.leases.get(block, 0) + 1
         self.transfers[tid] = Transfer("store", seq, tier, plan.begun)
         return plan
 
+    @staticmethod
+    def _evict(t: Tier, key, plan: StorePlan) -> None:
+        t.policy.evict(key)
+        del t.entries[key]
+        plan.evicted.append(key)
+
     # --- load ----------------------------------------------------------------------------
 
-    def load_begin(self, tid, seq: int, blocks) -> None:
-        """Begin loading ``blocks`` = [(key, tier, device target)] (from :meth:`load_run`):
-        each tier entry is read until completion, and touched by its policy."""
+    def load_begin(self, tid, seq: int, blocks, positions=None) -> None:
+        """Begin loading ``blocks`` = [(key, tier, device target)] (from :meth:`load_run`, at
+        ``positions`` of ``seq``): each tier entry is read until completion, and touched by its
+        policy (request_recency: an access of the request)."""
         self._new_id(tid)
+        positions = positions or [None] * len(blocks)
         for key, tier, target in blocks:
             entry = self.tiers[tier].entries[key]
             if entry.state != STORED:
@@ -286,8 +461,20 @@ class Tiers:
                 self.load_targets[target] = tid
             self.tiers[tier].hits += 1
         for i, t in enumerate(self.tiers):
-            t.policy.touch([k for k, tier, _ in blocks if tier == i])
+            mine = [(k, p) for (k, tier, _), p in zip(blocks, positions) if tier == i]
+            if self.by_request:
+                if mine:
+                    t.policy.on_request_access(t.access(seq).record(mine, [k for k, _ in mine]), seq)
+            else:
+                t.policy.touch([k for k, _ in mine])
         self.transfers[tid] = Transfer("load", seq, blocks=list(blocks))
+
+    def finish(self, seq) -> None:
+        """``seq`` is freed: each tier's policy takes its accesses (request_recency)."""
+        for t in self.tiers:
+            acc = t.requests.pop(seq, None)
+            if acc is not None:
+                t.policy.on_request_finished(acc.ordered(), acc.inserted - acc.reused, acc.reused, seq)
 
     # --- completion and abort --------------------------------------------------------------
 

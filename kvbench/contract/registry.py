@@ -130,6 +130,7 @@ BUILTIN = [
                reservation=r) for r in ("max", "pow2", "oracle")),
     _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
     _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
+    _builtin("vllm-offload", "impls.engines.vllm_offload:VllmOffload", "engine", "paged"),
     _builtin("sglang-radix", "impls.engines.sglang_radix:SglangRadix", "engine", "paged"),
     _builtin("sglang-radix-lfu", "impls.engines.sglang_radix:SglangRadixLFU", "engine", "paged"),
     # The straightforward per-object model: a reference for speed ratios, ledger only.
