@@ -14,12 +14,17 @@ vLLM to it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import make_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tier_properties import histories
+from test_vllm_kvmanager import NO_ENGINES
 
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
@@ -29,6 +34,7 @@ from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
 
 SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
 B = 4
+ROOT = Path(__file__).resolve().parents[1]
 TIER_WORKLOADS = [p for p in committed_workloads() if load_traces([p])[0].header.tiers]
 
 
@@ -62,6 +68,16 @@ def checked(trace, backend, **kw):
 def test_registered_as_an_engine():
     entry = entries()["vllm-offload"]
     assert "engine" in entry.tags and entry.target == "impls.engines.vllm_offload:VllmOffload"
+
+
+def test_without_vllm_it_is_listed_unavailable_with_the_recipe(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's kvbench, not an installed one
+    got = subprocess.run([sys.executable, "-c", NO_ENGINES], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr
+    line = next(ln for ln in got.stdout.splitlines() if ln.split()[:1] == ["vllm-offload"])
+    assert line.split()[1:3] == ["built-in", "no"], line
+    assert "vllm is not installed: see README's opt-in recipe" in line
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
