@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_tiers import _TierSlots
 from impls.prefix_keys import block_keys
 
 
@@ -93,7 +94,21 @@ class TierKeyIgnoresSalt(NumpyPaged):
         return getattr(self, "_raw", {}).get(key, key)
 
 
-# (name, upstream, fault): each caught by the default run on tier-turns
+class _FlagPins(_TierSlots):
+    def end_load(self, keys, seq) -> None:
+        for key in keys:
+            self.readers[key] = 0
+
+
+class PinIsAFlag(NumpyPaged):
+    """A tier block's readers kept as a flag, not a count: when the first of two loads reading a
+    shared prefix completes, its blocks are evictable again while the second still reads them."""
+
+    def _make_tier(self, spec, storage):
+        return _FlagPins(spec, storage, self._tier_folder)
+
+
+# (name, upstream, fault): each caught by the default run (tier-turns, or tier-agentic)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -101,4 +116,6 @@ TIER_BUGS = [
     ("aborted loads leak their device blocks", "vLLM #46283", AbortLeaksLoadBlocks),
     ("a failed store stays visible to lookups", "LMCache #4991", FailedStoreVisible),
     ("the tiers key blocks on raw tokens: salted requests match", "vLLM #53495", TierKeyIgnoresSalt),
+    ("a tier block's readers kept as a flag: the first of two loads to complete unpins it",
+     "kvbench #24", PinIsAFlag),
 ]
