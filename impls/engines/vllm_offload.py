@@ -90,6 +90,7 @@ class _VllmTier:
         self.slot: dict = {}  # kvbench key -> the chunk vLLM last gave it
         self.offload_key: dict = {}  # kvbench key -> its OffloadKey
         self.contexts: dict = {}  # seq -> its ReqContext for this tier
+        self.finished: dict = {}  # seq -> its ReqContext once finished (its stores may be in flight)
         self.bytes_down = self.bytes_up = self.hits = 0
 
     def _key(self, key):
@@ -106,14 +107,13 @@ class _VllmTier:
             self.manager.on_new_request(ctx)
         return ctx
 
-    def _keys(self, keys, seq, positions=None) -> list:
+    def _keys(self, keys, seq, positions) -> list:
+        """The OffloadKeys of ``keys``, each block's end token recorded on the request's context
+        as the connector records it."""
         ctx = self._context(seq)
-        out = []
-        for i, key in enumerate(keys):
-            k = self._key(key)
-            if positions is not None:  # the end token of the block, as the connector records it
-                ctx.set_offload_key_position(k, (positions[i] + 1) * self.B)
-            out.append(k)
+        out = [self._key(key) for key in keys]
+        for k, p in zip(out, positions):
+            ctx.set_offload_key_position(k, (p + 1) * self.B)
         return out
 
     # --- what NumpyTiers asks of a tier ------------------------------------------------------
@@ -135,8 +135,13 @@ class _VllmTier:
             moved.append((p, b, key, chunk))
         return moved
 
+    def _transfer_context(self, seq):
+        """The context a completion is reported with: the request's own, finished or not."""
+        return self.contexts.get(seq) or self.finished.get(seq) or self._context(seq)
+
     def end_store(self, keys, ok, seq) -> None:
-        self.manager.complete_store(self._keys(keys, seq), self._context(seq), success=ok)
+        self.manager.complete_store([self._key(k) for k in keys], self._transfer_context(seq),
+                                    success=ok)
 
     def begin_load(self, keys, seq, positions) -> None:
         spec = self.manager.prepare_load(self._keys(keys, seq, positions), self._context(seq))
@@ -145,12 +150,13 @@ class _VllmTier:
         self.hits += len(keys)
 
     def end_load(self, keys, seq) -> None:
-        self.manager.complete_load(self._keys(keys, seq), self._context(seq))
+        self.manager.complete_load([self._key(k) for k in keys], self._transfer_context(seq))
 
     def finish(self, seq) -> None:
         ctx = self.contexts.pop(seq, None)
         if ctx is not None:
             self.manager.on_request_finished(ctx)
+            self.finished[seq] = ctx
 
     def figures(self) -> dict:
         refs = [c.ref_cnt for c in _chunks(self.manager._policy)]
