@@ -1,6 +1,7 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
-catalogue (impls/faults.py) lists them; the default run catches each on tier-turns."""
+catalogue (impls/faults.py) lists them; the default run catches each on tier-turns or
+tier-agentic."""
 from __future__ import annotations
 
 import numpy as np
