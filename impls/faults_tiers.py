@@ -1,11 +1,13 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
-catalogue (impls/faults.py) lists them; the default run catches each on tier-turns."""
+catalogue (impls/faults.py) lists them; the default run catches each on tier-turns or
+tier-agentic."""
 from __future__ import annotations
 
 import numpy as np
 
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_tiers import _TierSlots
 from impls.prefix_keys import block_keys
 
 
@@ -93,7 +95,21 @@ class TierKeyIgnoresSalt(NumpyPaged):
         return getattr(self, "_raw", {}).get(key, key)
 
 
-# (name, upstream, fault): each caught by the default run on tier-turns
+class _FlagPins(_TierSlots):
+    def end_load(self, keys, seq) -> None:
+        for key in keys:
+            self.readers[key] = 0
+
+
+class PinIsAFlag(NumpyPaged):
+    """A tier block's readers kept as a flag, not a count: when the first of two loads reading a
+    shared prefix completes, its blocks are evictable again while the second still reads them."""
+
+    def _make_tier(self, spec, storage):
+        return _FlagPins(spec, storage, self._tier_folder)
+
+
+# (name, upstream, fault): each caught by the default run (tier-turns, or tier-agentic)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -101,4 +117,6 @@ TIER_BUGS = [
     ("aborted loads leak their device blocks", "vLLM #46283", AbortLeaksLoadBlocks),
     ("a failed store stays visible to lookups", "LMCache #4991", FailedStoreVisible),
     ("the tiers key blocks on raw tokens: salted requests match", "vLLM #53495", TierKeyIgnoresSalt),
+    ("a tier block's readers kept as a flag: the first of two loads to complete unpins it",
+     "kvbench #24", PinIsAFlag),
 ]

@@ -30,20 +30,26 @@ def _copy_rows(src, rows, dst, into) -> None:
         dst[j] = src[i]
 
 
+def tier_arrays(spec, storage, folder) -> list:
+    """A tier's slots, one array per pool storage array: a file memory-mapped in ``folder`` for
+    a tier whose name starts with "disk", NumPy arrays otherwise."""
+    arrays = []
+    for i, a in enumerate(storage):
+        shape = (spec.capacity,) + a.shape[1:]
+        if spec.name.startswith("disk") and spec.capacity:
+            path = os.path.join(folder, f"{spec.name}-{i}.bin")
+            arrays.append(np.memmap(path, dtype=a.dtype, mode="w+", shape=shape))
+        else:
+            arrays.append(np.zeros(shape, dtype=a.dtype))
+    return arrays
+
+
 class _TierSlots:
     """One tier: its arrays (one per pool storage array), slots, states and LRU order."""
 
     def __init__(self, spec, storage, folder):
         self.name, self.capacity = spec.name, spec.capacity
-        self.disk = spec.name.startswith("disk")
-        self.arrays = []
-        for i, a in enumerate(storage):
-            shape = (spec.capacity,) + a.shape[1:]
-            if self.disk and spec.capacity:
-                path = os.path.join(folder, f"{spec.name}-{i}.bin")
-                self.arrays.append(np.memmap(path, dtype=a.dtype, mode="w+", shape=shape))
-            else:
-                self.arrays.append(np.zeros(shape, dtype=a.dtype))
+        self.arrays = tier_arrays(spec, storage, folder)
         self.free = list(range(spec.capacity - 1, -1, -1))  # pop() gives slot 0 first
         self.slot: dict = {}  # key -> slot
         self.ready: dict = {}  # key -> True once stored, False while storing
@@ -75,6 +81,44 @@ class _TierSlots:
         for k in reversed(keys):
             self.recency.move_to_end(k)
 
+    # --- what NumpyTiers asks of a tier (an engine's tier implements the same) -------------
+
+    def loadable(self, key, seq) -> bool:
+        return bool(self.ready.get(key))
+
+    def begin_store(self, items, seq) -> list:
+        """Slots for ``items`` = [(position, device block, key)]: [(position, block, key, slot)]
+        for those begun (held keys skipped, a block without room refused)."""
+        keep = {k for _, _, k in items}
+        moved = []
+        for p, b, key in items:
+            if key in self.slot:
+                continue  # stored or storing here already
+            s = self.take(key, keep)
+            if s is not None:
+                moved.append((p, b, key, s))
+        return moved
+
+    def end_store(self, keys, ok, seq) -> None:
+        for key in keys:
+            if ok:
+                self.ready[key] = True
+            else:
+                self.drop(key)
+
+    def begin_load(self, keys, seq, positions) -> None:
+        for key in keys:
+            self.readers[key] = self.readers.get(key, 0) + 1
+        self.hits += len(keys)
+        self.touch(keys)
+
+    def end_load(self, keys, seq) -> None:
+        for key in keys:
+            self.readers[key] -= 1
+
+    def finish(self, seq) -> None:
+        """``seq`` is freed (its stores may still be in flight)."""
+
     def figures(self) -> dict:
         storing = sum(1 for r in self.ready.values() if not r)
         return {"name": self.name, "capacity": self.capacity, "stored": len(self.slot) - storing,
@@ -92,9 +136,12 @@ class NumpyTiers:
         self.close_tiers()
         self._tier_folder = tempfile.mkdtemp(prefix="kvbench-tiers-")
         storage = self._storage() if self.pool is not None else []
-        self._tiers = [_TierSlots(s, storage, self._tier_folder) for s in specs]
+        self._tiers = [self._make_tier(s, storage) for s in specs]
         self._transfers: dict = {}
         self._stored_last: tuple = (None, [])
+
+    def _make_tier(self, spec, storage):
+        return _TierSlots(spec, storage, self._tier_folder)
 
     def close_tiers(self) -> None:
         folder = getattr(self, "_tier_folder", None)
@@ -144,14 +191,7 @@ class NumpyTiers:
             if b in self.hash_of:
                 items.append((p, b, self._tier_key(self.hash_of[b])))
         t = self._tiers[self._tier(tier)]
-        keep = {k for _, _, k in items}
-        moved = []
-        for p, b, key in items:
-            if key in t.slot:
-                continue  # stored or storing there already
-            s = t.take(key, keep)
-            if s is not None:
-                moved.append((p, b, key, s))
+        moved = t.begin_store(items, seq)
         src = np.array([b for _, b, _, _ in moved], dtype=np.intp)
         if len(src):
             self._add_refs(src, 1)  # the lease
@@ -166,7 +206,7 @@ class NumpyTiers:
         L = self._hit_plan(keys)[0] if keys else 0
         run = []
         for k in keys[L:]:
-            t = next((t for t in self._tiers if t.ready.get(self._tier_key((0, k)))), None)
+            t = next((t for t in self._tiers if t.loadable(self._tier_key((0, k)), seq)), None)
             if t is None:
                 break
             run.append(t)
@@ -181,12 +221,11 @@ class NumpyTiers:
             if self.hash_of.get(b) == key:  # no hit from it until the load completes
                 del self.by_hash[key]
                 del self.hash_of[b]
-            tkey = self._tier_key(key)
-            t.readers[tkey] = t.readers.get(tkey, 0) + 1
-            t.hits += 1
-            moved.append((p, b, key, tkey, t))
+            moved.append((p, b, key, self._tier_key(key), t))
         for t in self._tiers:
-            t.touch([tkey for *_, tkey, u in moved if u is t])
+            mine = [(p, tkey) for p, _, _, tkey, u in moved if u is t]
+            if mine:
+                t.begin_load([k for _, k in mine], seq, [p for p, _ in mine])
         if self.TRANSFER_AT == "begin":
             self._load_data(seq, moved)
         self._transfers[tid] = ("load", seq, None, moved)
@@ -205,19 +244,17 @@ class NumpyTiers:
                 if self.TRANSFER_AT == "completion":
                     self._copy_down(t, np.array([b for _, b, _, _ in moved], dtype=np.intp),
                                     [s for *_, s in moved])
-                for _, _, key, _ in moved:
-                    t.ready[key] = True
+                t.end_store([key for _, _, key, _ in moved], True, seq)
                 t.bytes_down += self._block_bytes_moved(len(moved))
                 self._stored_last = (tid, [(p, t, s) for p, _, _, s in moved])
             else:
-                for _, _, key, _ in moved:
-                    t.drop(key)
+                t.end_store([key for _, _, key, _ in moved], False, seq)
             self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
             return
         if ok and self.TRANSFER_AT == "completion":
             self._load_data(seq, moved)
+        self._end_loads(seq, moved)
         for i, (p, b, key, tkey, u) in enumerate(moved):
-            u.readers[tkey] -= 1
             if ok:
                 u.bytes_up += self._block_bytes_moved(1)
             elif self.pool is not None:  # computed again, into the same block
@@ -230,9 +267,14 @@ class NumpyTiers:
         for tid, (kind, s, _, moved) in list(self._transfers.items()):
             if kind == "load" and s == seq:
                 del self._transfers[tid]
-                for *_, tkey, u in moved:
-                    u.readers[tkey] -= 1
+                self._end_loads(seq, moved)
         self.free(seq, step=step)
+
+    def _end_loads(self, seq, moved) -> None:
+        for t in self._tiers:
+            keys = [tkey for *_, tkey, u in moved if u is t]
+            if keys:
+                t.end_load(keys, seq)
 
     def tier_ledgers(self) -> list:
         return [t.figures() for t in self._tiers]

@@ -172,18 +172,84 @@ def test_arc_as_vllm():
     assert "e" not in arc.b1 and "e" not in arc.t1
 
 
-def test_arc_takes_t1_alone_never_when_below_target():
-    """As vLLM ships it: below the T1 target only T2 is searched, so a store is refused while T1
-    holds an evictable block and T2 none."""
+def test_arc_falls_back_to_t1_below_target():
+    """As vLLM 0.33 ships it (vllm/v1/kv_offload/cpu/policies/arc.py, evict: T1 while it holds
+    the target, else T2, else T1 after all): below the T1 target with no T2 block, T1's goes."""
     t = host(1, "arc")
     arc = t.tiers[0].policy
-    arc.target = 1.0
     t.store_begin(1, 0, 0, [("a", 1)])
     t.complete(1, True)
-    assert len(arc.t1) == 1  # 1 >= int(1): a can still go
-    arc.target = 2.0  # beyond |T1| = 1
+    arc.target = 2.0  # beyond |T1| = 1, and T2 is empty
     plan = t.store_begin(2, 0, 0, [("b", 2)])
-    assert plan.refused == ["b"]
+    assert plan.evicted == ["a"] and plan.refused == [] and list(arc.b1) == ["a"]
+
+
+def vllm_rules(capacity, policy="lru"):
+    """A host tier under the rules vLLM's adapter declares (impls/engines/vllm_offload.py)."""
+    return Tiers([TierSpec("host", capacity, policy)], BB, ("whole_store_refused", "request_recency"))
+
+
+def test_an_unknown_tier_rule_is_refused():
+    with pytest.raises(ValueError, match="unknown tier rule 'fifo'"):
+        Tiers([TierSpec("host", 2)], BB, ("fifo",))
+
+
+def test_whole_store_refused_begins_nothing_without_room_for_all():
+    t = vllm_rules(2)
+    plan = t.store_begin(1, 0, 0, [("a", 1), ("b", 2), ("c", 3)], [0, 1, 2])
+    assert plan.begun == [] and plan.refused == ["a", "b", "c"] and not plan.evicted
+    assert counts(t) == (0, 0, 0, 2) and t.leases == {}  # nothing changed: 2 still free
+    t.complete(1, True)
+    t.store_begin(2, 1, 0, [("a", 1)], [0])
+    t.complete(2, True)
+    plan = t.store_begin(3, 2, 0, [("b", 2), ("c", 3)], [0, 1])  # needs 2 - 1 free = 1 victim: a
+    assert plan.evicted == ["a"] and [k for k, _ in plan.begun] == ["b", "c"]
+
+
+def test_request_recency_ranks_and_finish():
+    t = vllm_rules(3)
+    lru = t.tiers[0].policy
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2)], [0, 1])
+    t.complete(1, True)
+    # ranks (request, -position): the request's rank 1, so a (1, 0) is more recent than b (1, -1)
+    assert lru.order_of() == ["b", "a"]
+    t.store_begin(2, 1, 0, [("c", 3)], [5])  # request 1 draws rank 2: c (2, -5) is the most recent
+    t.complete(2, True)
+    assert lru.order_of() == ["b", "a", "c"]
+    t.finish(0)  # each key request 0 accessed gets a new rank, last position first: b 3, a 4
+    assert lru.order_of() == ["c", "b", "a"]
+    t.load_begin(3, 2, [("c", 0, 9)], [0])  # request 2 (rank 5) reads c: c (5, 0)
+    t.complete(3, True)
+    assert lru.order_of() == ["b", "a", "c"]  # (3, 0) < (4, 0) < (5, 0)
+    # a store offering a block already stored is an access too: b rises to request 3's rank
+    t.store_begin(4, 3, 0, [("b", 2)], [0])
+    assert lru.order_of() == ["a", "c", "b"]
+
+
+def test_request_recency_arc_promotes_at_finish():
+    t = vllm_rules(3, "arc")
+    arc = t.tiers[0].policy
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2)], [0, 1])
+    t.complete(1, True)
+    t.finish(0)  # stored by it, no reuse: recency only, tail first, so a ends the most recent
+    assert list(arc.t1) == ["b", "a"] and not arc.t2
+    t.load_begin(2, 1, [("b", 0, 9)], [0])
+    t.complete(2, True)
+    assert list(arc.t1) == ["b", "a"]  # a load alone moves nothing
+    t.finish(1)  # b reused by request 1: to T2
+    assert list(arc.t1) == ["a"] and list(arc.t2) == ["b"]
+
+
+def test_arc_store_of_a_ghost_adapts_the_target():
+    t = host(1, "arc")
+    arc = t.tiers[0].policy
+    t.store_begin(1, 0, 0, [("a", 1)])
+    t.complete(1, True)
+    t.store_begin(2, 0, 0, [("b", 2)])  # a evicted to B1
+    t.complete(2, True)
+    assert list(arc.b1) == ["a"]
+    t.store_begin(3, 0, 0, [("a", 1)])  # a ghost hit in B1: target += max(1, 0 / 1) = 1
+    assert arc.target == 1 and "a" not in arc.b1
 
 
 def reference_two_level(prompts, c0, c1):

@@ -75,6 +75,8 @@ class TierReplay:
             replay.verdict.skipped["block structures"] = (
                 "tier replay: a lease is a reference that no table holds, so SPEC §10's one "
                 "reference per table does not hold")
+            # what an engine's tiers cannot show here (its worker side needs CUDA, say)
+            replay.verdict.skipped.update(getattr(replay.backend, "tier_skips", {}))
 
     def unreadable(self) -> set:
         """Sequences whose loads are in flight: their blocks are not readable yet."""

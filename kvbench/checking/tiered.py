@@ -23,7 +23,7 @@ from kvbench.checking.tiers import Tiers
 class TieredOracle(Oracle):
     def __init__(self, config, layout="paged", capabilities=None, tiers=()):
         super().__init__(config, layout, capabilities)
-        self.tiers = Tiers(tiers, self.block_bytes)
+        self.tiers = Tiers(tiers, self.block_bytes, getattr(capabilities, "tier_rules", ()))
         self.pending: dict = {}  # load id -> [(position, block, key)] not yet in the prefix cache
         self.store_plans: dict = {}  # store id -> (positions begun, the sequence's segments then)
 
@@ -42,7 +42,8 @@ class TieredOracle(Oracle):
             if b is not None and b in self.hash_of:
                 items.append((self.hash_of[b], b))
                 where[self.hash_of[b]] = p
-        plan = self.tiers.store_begin(tid, seq, self.tiers.index(tier), items)
+        plan = self.tiers.store_begin(tid, seq, self.tiers.index(tier), items,
+                                      [where[k] for k, _ in items])
         for _, b in plan.begun:
             self._add_ref(b)  # the lease
             self.edits += 1
@@ -74,7 +75,7 @@ class TieredOracle(Oracle):
                 del self.hash_of[b]
             blocks.append((key, tier, b))
             pending.append((p, b, key))
-        self.tiers.load_begin(tid, seq, blocks)
+        self.tiers.load_begin(tid, seq, blocks, [p for p, _, _ in pending])
         self.pending[tid] = pending
         return victims
 
@@ -90,6 +91,10 @@ class TieredOracle(Oracle):
             for p, b, key in self.pending.pop(tid):
                 self._register(b, *key)  # key: (group, block key)
         return tr
+
+    def free(self, seq) -> None:
+        super().free(seq)
+        self.tiers.finish(seq)
 
     def abort(self, seq) -> list:
         """Cancel ``seq``'s loads and free it; returns the cancelled loads."""

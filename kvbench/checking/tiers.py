@@ -11,17 +11,27 @@ A block in a tier is ``storing`` (a store began: not loadable, not evictable) or
 A store that fails leaves no trace. Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
 the most recent end, a load touches its blocks so that the first is the most recent, the least
 recent evictable block goes first) and ``arc`` (vLLM's ARCCachePolicy, T1/T2 with ghost lists
-B1/B2 and an adaptive T1 target; as vLLM ships it, a victim is taken from T1 only while T1 holds
-at least the target, else from T2 alone).
+B1/B2 and an adaptive T1 target; as vLLM 0.33 ships it, victims come from T1 while T1 holds at
+least the target, else from T2, else from T1 after all; a store that inserts a ghost adapts the
+target first).
+
+A backend may declare rules of its own (``Capabilities.tier_rules``, TIER_RULES), and the model
+runs them: ``whole_store_refused`` (vLLM's ``prepare_store``: the victims for every new block are
+found first, together, or the store is refused whole) and ``request_recency`` (vLLM's connector:
+recency per request, LRU ranks ``(request, -position)`` and ARC promotions applied when the
+request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py).
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvbench.checking.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
+TIER_RULES = ("whole_store_refused", "request_recency")
 
 
 @dataclass(frozen=True)
@@ -43,104 +53,27 @@ class TierLedger:
         return dict(self.__dict__)
 
 
-class LRUPolicy:
-    """Least recently used first; the order of every block in the tier (storing ones included,
-    which are never chosen)."""
+@dataclass
+class Access:
+    """A request's accesses of one tier, as vLLM's manager records them (request_recency)."""
 
-    def __init__(self, capacity: int):
-        self.order: OrderedDict = OrderedDict()
+    positions: dict = field(default_factory=dict)  # key -> position, in the order first seen
+    inserted: set = field(default_factory=set)  # keys its stores put here
+    reused: set = field(default_factory=set)  # stored keys it loaded or offered, not its own
+    store_misses: set = field(default_factory=set)  # keys its stores offered absent
 
-    def insert(self, key) -> None:
-        self.order[key] = None
+    def record(self, items, reused=()) -> list:
+        """Note [(key, position)] accessed; returns those first seen now."""
+        new = [(k, p) for k, p in items if k not in self.positions]
+        self.positions.update(new)
+        self.reused.update(k for k in reused if k not in self.inserted)
+        return new
 
-    def remove(self, key) -> None:
-        del self.order[key]
-
-    def ready(self, key) -> None:
-        """A store of ``key`` completed."""
-
-    def touch(self, keys) -> None:
-        for key in reversed(list(keys)):  # the first block ends the most recent
-            if key in self.order:
-                self.order.move_to_end(key)
-
-    def victim(self, evictable):
-        return next((k for k in self.order if evictable(k)), None)
-
-    def evict(self, key) -> None:
-        del self.order[key]
-
-    def order_of(self) -> list:
-        return list(self.order)
-
-
-class ARCPolicy:
-    """vLLM's ARC: new blocks enter T1; a touch of a stored T1 block moves it to T2 (a storing
-    one stays in T1, at its recent end), of a T2 block to T2's recent end, of a ghost in B1 (B2)
-    raises (lowers) the T1 target by max(1, |B2|/|B1|) (max(1, |B1|/|B2|)), bounded by 0 and
-    the capacity. Eviction takes T1's least recent evictable block while |T1| >= int(target),
-    else T2's, and remembers it in B1 (B2); each ghost list keeps at most ``capacity`` keys."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.target = 0.0
-        self.t1: OrderedDict = OrderedDict()  # key -> stored (bool)
-        self.t2: OrderedDict = OrderedDict()
-        self.b1: OrderedDict = OrderedDict()
-        self.b2: OrderedDict = OrderedDict()
-
-    def insert(self, key) -> None:
-        self.t1[key] = False
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
-
-    def remove(self, key) -> None:  # a failed store: no ghost
-        if self.t1.pop(key, None) is None:
-            self.t2.pop(key, None)
-
-    def ready(self, key) -> None:
-        if key in self.t1:
-            self.t1[key] = True
-        elif key in self.t2:
-            self.t2[key] = True
-
-    def touch(self, keys) -> None:
-        for key in reversed(list(keys)):
-            if key in self.t1:
-                stored = self.t1.pop(key)
-                (self.t2 if stored else self.t1)[key] = stored
-            elif key in self.t2:
-                self.t2.move_to_end(key)
-            elif key in self.b1:
-                self.target = min(self.target + max(1, len(self.b2) / len(self.b1)), self.capacity)
-                self.b1.move_to_end(key)
-            elif key in self.b2:
-                self.target = max(self.target - max(1, len(self.b1) / len(self.b2)), 0)
-                self.b2.move_to_end(key)
-
-    def victim(self, evictable):
-        if len(self.t1) >= int(self.target):
-            key = next((k for k in self.t1 if evictable(k)), None)
-            if key is not None:
-                return key
-        return next((k for k in self.t2 if evictable(k)), None)
-
-    def evict(self, key) -> None:
-        if key in self.t1:
-            del self.t1[key]
-            self.b1[key] = None
-        else:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghost in (self.b1, self.b2):
-            while len(ghost) > self.capacity:
-                ghost.popitem(last=False)
-
-    def order_of(self) -> list:
-        return list(self.t1) + list(self.t2)
-
-
-POLICY_CLASSES = {"lru": LRUPolicy, "arc": ARCPolicy}
+    def ordered(self) -> list:
+        keys = list(self.positions)
+        if all(p is not None for p in self.positions.values()):
+            keys.sort(key=self.positions.__getitem__)
+        return keys
 
 
 @dataclass
@@ -157,9 +90,19 @@ class Tier:
     bytes_down: int = 0
     bytes_up: int = 0
     hits: int = 0
+    by_request: bool = False  # request_recency
+    requests: dict = field(default_factory=dict)  # seq -> Access
 
     def __post_init__(self):
-        self.policy = POLICY_CLASSES[self.spec.policy](self.spec.capacity)
+        classes = REQUEST_POLICY_CLASSES if self.by_request else POLICY_CLASSES
+        self.policy = classes[self.spec.policy](self.spec.capacity)
+
+    def access(self, seq) -> Access:
+        return self.requests.setdefault(seq, Access())
+
+    def evictable(self, key, mine) -> bool:
+        e = self.entries[key]
+        return key not in mine and e.state == STORED and not e.loads
 
     def ledger(self) -> TierLedger:
         storing = sum(1 for e in self.entries.values() if e.state == STORING)
@@ -197,11 +140,16 @@ class Tiers:
     """Tiers 1..n and the transfers in flight; ``leases`` counts, per device block, the stores
     in flight that copy from it, and ``load_targets`` the device blocks loads are writing."""
 
-    def __init__(self, specs, block_bytes: int = 0):
+    def __init__(self, specs, block_bytes: int = 0, rules=()):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
-        self.tiers = [Tier(s) for s in specs]
+        unknown = sorted(set(rules) - set(TIER_RULES))
+        if unknown:
+            raise ValueError(f"unknown tier rule {unknown[0]!r} (known: {', '.join(TIER_RULES)})")
+        self.whole_store = "whole_store_refused" in rules
+        self.by_request = "request_recency" in rules
+        self.tiers = [Tier(s, by_request=self.by_request) for s in specs]
         self.block_bytes = block_bytes
         self.transfers: dict = {}  # id -> Transfer, in flight
         self.finished: set = set()
@@ -240,42 +188,71 @@ class Tiers:
 
     # --- store ---------------------------------------------------------------------------
 
-    def store_begin(self, tid, seq: int, tier: int, blocks) -> StorePlan:
-        """Begin copying ``blocks`` = [(key, device block)] down to tier ``tier``, block by block:
-        a key held there (stored or storing) is skipped; without room the policy evicts a stored
-        block that no load reads and that is not one of this store's; if none, the block is
-        refused. Each begun block's device block is leased until completion."""
+    def store_begin(self, tid, seq: int, tier: int, blocks, positions=None) -> StorePlan:
+        """Begin copying ``blocks`` = [(key, device block)] (at ``positions`` of ``seq``) down to
+        tier ``tier``, block by block: a key held there (stored or storing) is skipped; without
+        room the policy evicts a stored block that no load reads and that is not one of this
+        store's; if none, the block is refused (whole_store_refused: every victim the new blocks
+        need is found first, or all of them are refused). Each begun block's device block is
+        leased until completion."""
         self._new_id(tid)
         t = self.tiers[tier]
         plan = StorePlan()
         mine = {k for k, _ in blocks}
-        for key, block in blocks:
-            if key in t.entries:
-                plan.skipped.append(key)
-                continue
+        where = dict(zip([k for k, _ in blocks], positions or [None] * len(blocks)))
+        new = [(k, b) for k, b in blocks if k not in t.entries]
+        plan.skipped = [k for k, _ in blocks if k in t.entries]
+        misses = [k for k, _ in new]
+        if self.by_request:  # a request's misses adapt ARC once; its offers are accesses
+            acc = t.access(seq)
+            misses = [k for k in misses if k not in acc.store_misses]
+            acc.store_misses.update(misses)
+            ready = [k for k in plan.skipped if t.entries[k].state == STORED]
+            offered = {k for k, _ in new} | set(ready)
+            t.policy.on_store_miss(misses)
+            t.policy.on_request_access(acc.record([(k, where[k]) for k, _ in blocks if k in offered],
+                                                  reused=ready), seq)
+        else:
+            t.policy.on_store_miss(misses)
+        evictable = functools.partial(t.evictable, mine=mine)
+        if self.whole_store:
+            short = len(new) - (t.spec.capacity - len(t.entries))
+            victims = t.policy.victims(short, evictable) if short > 0 else []
+            if victims is None:
+                plan.refused, new, victims = [k for k, _ in new], [], []
+            for victim in victims:
+                self._evict(t, victim, plan)
+        for key, block in new:
             if len(t.entries) >= t.spec.capacity:
-                victim = t.policy.victim(lambda k: k not in mine and t.entries[k].state == STORED
-                                         and not t.entries[k].loads)
+                victim = t.policy.victims(1, evictable)
                 if victim is None:
                     plan.refused.append(key)
                     continue
-                t.policy.evict(victim)
-                del t.entries[victim]
-                plan.evicted.append(victim)
+                self._evict(t, victim[0], plan)
             t.entries[key] = Entry(STORING)
-            t.policy.insert(key)
+            t.policy.insert(key, seq, where[key])
+            if self.by_request:
+                t.access(seq).inserted.add(key)
             plan.begun.append((key, block))
             if block is not None:  # None: a model without device blocks
                 self.leases[block] = self.leases.get(block, 0) + 1
         self.transfers[tid] = Transfer("store", seq, tier, plan.begun)
         return plan
 
+    @staticmethod
+    def _evict(t: Tier, key, plan: StorePlan) -> None:
+        t.policy.evict(key)
+        del t.entries[key]
+        plan.evicted.append(key)
+
     # --- load ----------------------------------------------------------------------------
 
-    def load_begin(self, tid, seq: int, blocks) -> None:
-        """Begin loading ``blocks`` = [(key, tier, device target)] (from :meth:`load_run`):
-        each tier entry is read until completion, and touched by its policy."""
+    def load_begin(self, tid, seq: int, blocks, positions=None) -> None:
+        """Begin loading ``blocks`` = [(key, tier, device target)] (from :meth:`load_run`, at
+        ``positions`` of ``seq``): each tier entry is read until completion, and touched by its
+        policy (request_recency: an access of the request)."""
         self._new_id(tid)
+        positions = positions or [None] * len(blocks)
         for key, tier, target in blocks:
             entry = self.tiers[tier].entries[key]
             if entry.state != STORED:
@@ -286,8 +263,20 @@ class Tiers:
                 self.load_targets[target] = tid
             self.tiers[tier].hits += 1
         for i, t in enumerate(self.tiers):
-            t.policy.touch([k for k, tier, _ in blocks if tier == i])
+            mine = [(k, p) for (k, tier, _), p in zip(blocks, positions) if tier == i]
+            if self.by_request:
+                if mine:
+                    t.policy.on_request_access(t.access(seq).record(mine, [k for k, _ in mine]), seq)
+            else:
+                t.policy.touch([k for k, _ in mine])
         self.transfers[tid] = Transfer("load", seq, blocks=list(blocks))
+
+    def finish(self, seq) -> None:
+        """``seq`` is freed: each tier's policy takes its accesses (request_recency)."""
+        for t in self.tiers:
+            acc = t.requests.pop(seq, None)
+            if acc is not None:
+                t.policy.on_request_finished(acc.ordered(), acc.inserted - acc.reused, acc.reused, seq)
 
     # --- completion and abort --------------------------------------------------------------
 

@@ -111,6 +111,10 @@ class Capabilities:
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
     tiers: tuple = ()
+    # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.checking.tiers.TIER_RULES):
+    # "whole_store_refused" (a store without room for all its blocks is refused whole),
+    # "request_recency" (vLLM's connector: recency per request, applied when it finishes).
+    tier_rules: tuple = ()
 
     def __post_init__(self):
         if self.devices is not None:

@@ -132,6 +132,7 @@ BUILTIN = [
     _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
     _builtin("vllm-kvmanager-dense", "impls.engines.vllm_kvmanager:VllmKVManagerDense", "engine",
              "paged"),
+    _builtin("vllm-offload", "impls.engines.vllm_offload:VllmOffload", "engine", "paged"),
     # SGLang's serving default (UnifiedRadixCache, lru), then its other policies and RadixCache.
     *(_builtin(name, f"impls.engines.sglang_radix:{cls}", "engine", "paged")
       for name, cls in (("sglang", "Sglang"), ("sglang-lfu", "SglangLFU"),

@@ -117,6 +117,9 @@ CANONICAL = [
     # loaded back, leased blocks freed before their store completes, a failing store, an
     # aborted load, two salts over the same hashes, a device hit beside a load.
     ("tier-turns.jsonl", "tiered_turns", {"conversations": 5, "turns": 4, "block_size": 8}, 0),
+    # Agents over one long shared prefix, reloaded every round from host and disk, by loads
+    # that overlap (a tier block read by two loads at once, a store between their completions).
+    ("tier-agentic.jsonl", "agentic_prefix", {"agents": 2, "rounds": 8}, 0),
     # SPEC §12: Llama-4-style chunked attention (chunked(32) on 3 of 4 layers): prompts across
     # chunk edges, decode into the next chunk (every block of the last released), forks and
     # prefix hits that need only the current chunk's blocks, under a tight budget.

@@ -52,7 +52,7 @@ from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows, window_decode
 from kvbench.traces.isolation import salted_prefixes
 from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks
-from kvbench.traces.tier_workloads import tiered_turns
+from kvbench.traces.tier_workloads import agentic_prefix, tiered_turns
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -414,6 +414,7 @@ FAMILIES = {
     "speculative_forks": speculative_forks,
     "preemption": preemption,
     "tiered_turns": tiered_turns,
+    "agentic_prefix": agentic_prefix,
 }
 
 

@@ -107,4 +107,66 @@ def tiered_turns(seed: int = 0, *, conversations: int = 4, turns: int = 3, new_b
     return validate(Trace(header, b.ops, name="tiered_turns"))
 
 
-__all__ = ["tiered_turns"]
+
+
+def agentic_prefix(seed: int = 0, *, agents: int = 2, rounds: int = 8, prefix: int = 6,
+                   new_blocks=(1, 2), output=(1, 6), block_size: int = 8, num_blocks: int = 48,
+                   host: int = 8, disk: int = 32) -> Trace:
+    """Agents sharing one long prefix (a system prompt and its tools: ``prefix`` blocks), each
+    round loading it back with their own history after the device has forgotten everything.
+
+    The prefix is computed once and stored to host and disk. Each round: a flush (an unhashed
+    prefill of every block, freed: the device keeps no cached prefix), then every agent loads the
+    prefix, its own earlier rounds and a few new blocks, all loads begun before any completes
+    (so the prefix's tier blocks are read by several loads at once, and a store begun between
+    the completions must not evict them); then each agent decodes a little, stores its new full
+    blocks to host (and, on odd rounds, to disk), and is freed. Host holds fewer blocks than the
+    prefix and the agents' stores together, so the prefix is reloaded from host and from disk.
+    """
+    if agents < 2 or rounds < 2 or prefix < 1:
+        raise ValueError("agentic_prefix: at least 2 agents (their loads overlap), 2 rounds, 1 prefix block")
+    rng = random.Random(seed)
+    B = block_size
+    tiers = (TierSpec("host", host), TierSpec("disk", disk))
+    b = _Ops()
+    shared = tuple(range(100, 100 + prefix))
+    boot = b.seq()
+    b.add(Prefill(b.step, boot, "tools", prefix * B + 1, shared))
+    for tier in ("disk", "host"):
+        tid = b.tid()
+        b.add(Store(b.step, tid, boot, tier))
+        b.add(Done(b.step, tid, True))
+    b.add(Free(b.step, boot))
+    history = [[] for _ in range(agents)]
+    for r in range(rounds):
+        s = b.seq()
+        b.add(Prefill(b.step, s, "flush", num_blocks * B))
+        b.add(Free(b.step, s))
+        calls = []
+        for a in range(agents):
+            grow = rng.randint(*new_blocks)
+            mine = history[a] + [1000 * (a + 1) + len(history[a]) + i for i in range(grow)]
+            seq, tid = b.seq(), b.tid()
+            tokens = (prefix + len(mine)) * B + rng.randint(1, B - 1)
+            b.add(Load(b.step, seq, f"agent{a}", tokens, shared + tuple(mine), id=tid))
+            calls.append((a, seq, tid, len(history[a]), mine))
+        for a, seq, tid, old, mine in calls:
+            b.add(Done(b.step, tid, True))
+            b.add(Append(b.step, (seq,), (rng.randint(*output),)))
+            new = tuple(range(prefix + old, prefix + len(mine)))  # its new blocks, by position
+            for tier in ("host", "disk") if r % 2 else ("host",):
+                sid = b.tid()
+                b.add(Store(b.step, sid, seq, tier, new))
+                b.add(Done(b.step, sid, True))
+            b.add(Free(b.step, seq))
+            history[a] = mine
+    params = {"agents": agents, "rounds": rounds, "prefix": prefix, "new_blocks": list(new_blocks),
+              "output": list(output), "block_size": B, "num_blocks": num_blocks, "host": host,
+              "disk": disk}
+    header = Header("agentic_prefix", "kvbench.generators.agentic_prefix v1", params, seed,
+                    settings={"block_size": B, "num_blocks": num_blocks, "prefix_caching": True},
+                    tiers=tiers)
+    return validate(Trace(header, b.ops, name="agentic_prefix"))
+
+
+__all__ = ["tiered_turns", "agentic_prefix"]
