@@ -28,6 +28,9 @@ with random parameters, under the drawn policy and budget, or the budget it was 
 
 Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
 (seed, index, capabilities) gives the same trace, byte for byte.
+
+Over 500 lines: the operation kinds share one history's state (live sequences, drafts, tiers'
+contents) and one generator's draw order, which is what makes a history reproducible by index.
 """
 from __future__ import annotations
 
