@@ -97,6 +97,23 @@ def test_the_serving_default_is_the_unified_tree_under_lru_and_the_others_say_ho
     assert registry.serving_departures("numpy") is None  # no engine's
 
 
+@pytest.mark.parametrize("name, policy", [("sglang-lfu", "lfu"), ("sglang-slru", "slru"),
+                                          ("sglang-priority", "priority"), ("sglang-fifo", "fifo"),
+                                          ("sglang-mru", "mru")])
+def test_each_other_policy_builds_the_unified_tree_with_it_and_checks_a_workload(sglang, name, policy):
+    """The non-default policies: the serving tree under another eviction strategy, each naming
+    its one departure, each replayed under the checker on a prefix-caching workload."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from kvbench.contract import registry
+    trace = load_traces([next(p for p in ONE_GROUP if p.stem == "prefix-reuse")])[0]
+    backend = registry.create(name, config_for(trace, policy=None, prefix_caching=True))
+    assert type(backend.tree) is UnifiedRadixCache and backend.radix_policy == policy
+    (departure,) = registry.serving_departures(name)
+    assert policy in departure
+    assert_pass_or_over_eviction(check(trace, backend))
+
+
 # --- the adapter under the checker ------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [1, 16])
