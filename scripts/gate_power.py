@@ -49,10 +49,13 @@ def one_run() -> None:
                       "load_average": os.getloadavg()}))
 
 
-def schedule(rounds: int) -> list[float]:
+def schedule(rounds: int, side_every: int) -> list[float]:
+    """Levels 1 and 1.25 in every round; one of 1.1, 1.5, 2 in turn every ``side_every`` rounds."""
     levels = []
     for i in range(rounds):
-        levels += [1.0, GOAL_LEVEL, SIDE_LEVELS[i % len(SIDE_LEVELS)]]
+        levels += [1.0, GOAL_LEVEL]
+        if i % side_every == 0:
+            levels.append(SIDE_LEVELS[i // side_every % len(SIDE_LEVELS)])
     return levels
 
 
@@ -127,7 +130,9 @@ def write(runs: list[dict], prov: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=20, help="rounds of three runs (default 20)")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
+    ap.add_argument("--side-every", type=int, default=1,
+                    help="run one of 1.1x, 1.5x, 2x every this many rounds (default: every round)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     runs = []
     raw = OUT / "power_runs.jsonl"
     raw.write_text("")
-    for i, level in enumerate(schedule(args.rounds)):
+    for i, level in enumerate(schedule(args.rounds, args.side_every)):
         env = {**os.environ, R.SLOWDOWN_ENV: f"{level:g}"}
         out = subprocess.run([sys.executable, __file__, "--one"], cwd=ROOT, env=env,
                              capture_output=True, text=True)

@@ -1,9 +1,10 @@
 """Ratio gates: speed as a ratio of two timings taken in the same run, never an absolute time
 (see :mod:`kvbench.bench.gates` for why), higher is better.
 
-Each gate times a reference and a subject (the path it guards) alternately. A *block* builds
-fresh fixtures, warms both up, and times ``trials`` interleaved pairs; the fastest of each side
-gives the block's log ratio. A gate takes ``blocks`` of them and compares their median with the
+Each gate times a reference and a subject (the path it guards) alternately. A *block* times
+``trials`` interleaved pairs, on fresh fixtures warmed up (or, for a subject that changes
+nothing, on those of the block before, ``reuse`` blocks a set); the fastest of each side gives
+the block's log ratio. A gate takes ``blocks`` of them and compares their median with the
 median of the baseline's blocks, recorded on purpose (``kvbench gates --update-ratios``) in
 results/gates/ratios.json with its commit and machine. It fails when the subject is estimated
 more than ``FACTOR`` times slower than in the baseline *and* a bootstrap of the two medians
@@ -196,7 +197,7 @@ def gather_into_vs_copyto(factory=None) -> tuple[Callable, Callable]:
     return lambda i: np.copyto(dst, src), lambda i: subj.gather(0, out=into)
 
 
-CHECK_REQUESTS = 60  # a decode trace of 381 operations: batches of up to 32, Alpaca lengths
+CHECK_REQUESTS = 16  # a decode trace of 170 operations: batches of up to 32, Alpaca lengths
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,7 +210,7 @@ def _decode_trace():  # read only: built once per process
 
 
 def check_vs_replay(factory=None, gather: str = "touched") -> tuple[Callable, Callable]:
-    """(reference, subject): the NumPy backend replaying a 381-operation decode trace alone, K/V
+    """(reference, subject): the NumPy backend replaying a 170-operation decode trace alone, K/V
     zeros; the checker replaying it beside the oracle, every K/V it could change read back).
     A checker whose cost grows with sequence length drops the ratio many times."""
     from kvbench.analyses import suite
@@ -255,7 +256,7 @@ class RatioGate:
     pair: Callable  # (factory) -> (reference(i), subject(i)) on fresh fixtures
     blocks: int  # blocks per decision, sized so that the gates fit CI's time
     trials: int = TRIALS
-    warm_each_block: bool = True  # False: fixtures are built per call, one warm-up suffices
+    reuse: int = 1  # blocks timed on one set of fixtures (a subject that changes nothing)
 
 
 RATIO_GATES = {g.name: g for g in (
@@ -266,14 +267,15 @@ RATIO_GATES = {g.name: g for g in (
     RatioGate("decode1_vs_object", "decode step of one sequence, ledger only: per-object Python "
               "model / NumPy (its small-batch path)", decode1_vs_object, 41),
     RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
-              "scattered blocks", gather_vs_copy, 25),
+              "scattered blocks", gather_vs_copy, 25, reuse=5),
     RatioGate("gather_into_vs_copyto", "np.copyto of 4 MiB into a buffer / NumPy gather of the "
-              "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto, 25),
-    RatioGate("check_vs_replay", "a 381-operation decode trace: the NumPy backend's replay "
+              "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto, 25,
+              reuse=5),
+    RatioGate("check_vs_replay", "a 170-operation decode trace: the NumPy backend's replay "
               "alone / the checker's replay of it, K/V read back", check_vs_replay, 9, trials=2,
-              warm_each_block=False),
+              reuse=9),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
-              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 21),
+              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 21, reuse=7),
 )}
 
 
@@ -285,9 +287,10 @@ def sample(name: str, *, factory=None, blocks: int | None = None, slowdown: floa
     gate = RATIO_GATES[name]
     out = []
     for b in range(gate.blocks if blocks is None else blocks):
-        reference, subject = gate.pair(factory)
-        ref, subj = _fastest(reference, slowed(subject, slowdown), gate.trials,
-                             warm=b == 0 or gate.warm_each_block)
+        if b % gate.reuse == 0:
+            reference, subject = gate.pair(factory)
+            subject = slowed(subject, slowdown)
+        ref, subj = _fastest(reference, subject, gate.trials, warm=b % gate.reuse == 0)
         out.append(math.log(ref / subj))
     return out
 
