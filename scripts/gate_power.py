@@ -11,7 +11,8 @@ runs, no false alarm in 20) and one of 1.1, 1.5, 2 in turn.
     nice -n 10 .venv/bin/python scripts/gate_power.py --rounds 5
 
 Writes results/gates/power.csv and power.md (rewritten after every run, so a stopped campaign
-leaves what it measured) and power_runs.jsonl (every gate's verdict in every run).
+leaves what it measured) and power_runs.jsonl (its provenance, then every gate's verdict in
+every run; `--report` rewrites the tables from it).
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ SIDE_LEVELS = (1.1, 1.5, 2.0)
 
 def one_run() -> None:
     """Child: every ratio gate once, under the slowdown in the environment; one JSON line."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = {}
     for r in R.ratio_gates():
         out[r.name] = {"failed": not r.ok, "skipped": r.skipped, "slowdown": r.slowdown,
                        "lower": r.lower, "median_ratio": r.median, "blocks": len(r.log_ratios)}
     print(json.dumps({"gates": out, "wall_s": time.perf_counter() - t0,
-                      "load_average": os.getloadavg()}))
+                      "cpu_s": time.process_time() - c0, "load_average": os.getloadavg()}))
 
 
 def schedule(rounds: int, side_every: int) -> list[float]:
@@ -92,6 +93,9 @@ def write(runs: list[dict], prov: dict) -> None:
     write_text(OUT / "power.csv", buf.getvalue())
     levels = sorted({r["level"] for r in runs})
     walls = sorted(r["wall_s"] for r in runs)
+    cpus = sorted(r["cpu_s"] for r in runs if "cpu_s" in r)
+    cpu = (f"; its CPU time (what it takes on an idle machine) median {cpus[len(cpus) // 2]:.1f} s"
+           if cpus else "")
     loads = [r["load_average"][0] for r in runs]
     lines = [
         "# Ratio gates: detection and false-alarm rates",
@@ -113,7 +117,7 @@ def write(runs: list[dict], prov: dict) -> None:
     lines += [
         "",
         f"{len(runs)} runs; a run's wall time (all seven gates, the process's start excluded): "
-        f"median {walls[len(walls) // 2]:.1f} s, {walls[0]:.1f}..{walls[-1]:.1f} s. "
+        f"median {walls[len(walls) // 2]:.1f} s, {walls[0]:.1f}..{walls[-1]:.1f} s{cpu}. "
         f"1-minute load average during the runs {min(loads):.1f}..{max(loads):.1f} on "
         f"{prov['machine']['cpus']} cores: other jobs were running throughout (the machine is "
         f"shared), and the runs were started with nice {prov['nice']}.",
@@ -133,19 +137,36 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
     ap.add_argument("--side-every", type=int, default=1,
                     help="run one of 1.1x, 1.5x, 2x every this many rounds (default: every round)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with the campaign in power_runs.jsonl (its schedule, its provenance)")
+    ap.add_argument("--report", action="store_true",
+                    help="only rewrite power.csv and power.md from power_runs.jsonl")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    raw = OUT / "power_runs.jsonl"
     if args.one:
         one_run()
+        return 0
+    if args.report:
+        lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+        write([r for r in lines if "level" in r], lines[0]["provenance"])
+        print((OUT / "power.md").read_text())
         return 0
     prov = {**commit_info(), "machine": machine_info(), "nice": os.nice(0),
             "command": "scripts/gate_power.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "baseline": R.read_baseline().get("recorded", {})}
     runs = []
-    raw = OUT / "power_runs.jsonl"
-    raw.write_text("")
+    if args.resume:
+        lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+        prov, runs = lines[0]["provenance"], [r for r in lines if "level" in r]
+        prov["resumed"] = prov.get("resumed", []) + [commit_info()["commit"]]
+    else:
+        raw.write_text(json.dumps({"provenance": prov}) + "\n")
     for i, level in enumerate(schedule(args.rounds, args.side_every)):
+        if i < len(runs):
+            assert runs[i]["level"] == level, f"run {i + 1}: not the schedule of --resume's campaign"
+            continue
         env = {**os.environ, R.SLOWDOWN_ENV: f"{level:g}"}
         out = subprocess.run([sys.executable, __file__, "--one"], cwd=ROOT, env=env,
                              capture_output=True, text=True)
