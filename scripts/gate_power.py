@@ -80,6 +80,9 @@ def table(runs: list[dict]) -> list[dict]:
                 est = f"{ests[len(ests) // 2]:.3f}" if ests else ""
             row[f"failed at {level:g}x"] = f"{fails}/{len(at)}"
             row[f"median estimate at {level:g}x"] = est
+        unchanged = [r["gates"][name]["slowdown"] for r in runs
+                     if r["level"] == 1 and name in r["gates"] and not r["gates"][name]["skipped"]]
+        row["estimates at 1x"] = f"{min(unchanged):.2f}..{max(unchanged):.2f}" if unchanged else ""
         rows.append(row)
     return rows
 
@@ -107,13 +110,14 @@ def write(runs: list[dict], prov: dict) -> None:
         f"results/gates/ratios.json whose bootstrap lower bound at {1 - R.ALPHA:.0%} is above 1.",
         "",
         "| gate | " + " | ".join(f"failed at {v:g}x" for v in levels) + " | "
-        + " | ".join(f"median estimate at {v:g}x" for v in levels) + " |",
-        "|---|" + "---|" * (2 * len(levels)),
+        + " | ".join(f"median estimate at {v:g}x" for v in levels) + " | estimates at 1x |",
+        "|---|" + "---|" * (2 * len(levels) + 1),
     ]
     for row in rows:
         lines.append(f"| {row['gate']} | "
                      + " | ".join(row[f"failed at {v:g}x"] for v in levels) + " | "
-                     + " | ".join(row[f"median estimate at {v:g}x"] for v in levels) + " |")
+                     + " | ".join(row[f"median estimate at {v:g}x"] for v in levels)
+                     + f" | {row['estimates at 1x']} |")
     lines += [
         "",
         f"{len(runs)} runs; a run's wall time (all seven gates, the process's start excluded): "

@@ -327,6 +327,17 @@ def test_slowed_busy_waits_in_proportion(clock):
     assert calls == [7] and 1.5 <= clock.now - t0 <= 1.5 + 5e-4
 
 
+def test_a_timing_the_clock_did_not_see_is_left_out():
+    # two readings a timing: reference 0 -> 2, subject 2 -> 2 (the clock did not move),
+    # reference 2 -> 5, subject 5 -> 6
+    readings = iter([0.0, 2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 6.0])
+    ref, subj = R._fastest(lambda i: None, lambda i: None, trials=2, warm=False,
+                           clock=lambda: next(readings))
+    assert (ref, subj) == (2.0, 1.0)  # min(2, 3); min(1), the 0 left out
+    with pytest.raises(RuntimeError, match="did not move in any of 2 trials"):
+        R._fastest(lambda i: None, lambda i: None, trials=2, warm=False, clock=lambda: 1.0)
+
+
 def test_sample_times_blocks_and_reuses_fixtures(clock, monkeypatch):
     built = []
 
