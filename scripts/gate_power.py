@@ -127,7 +127,9 @@ def write(runs: list[dict], prov: dict) -> None:
         f"shared), and the runs were started with nice {prov['nice']}.",
         "",
         f"Measured by `{prov['command']}` on commit {prov['commit']}"
-        f"{' (uncommitted changes)' if prov['dirty'] else ''}, {prov['machine']['platform']}, "
+        f"{' (uncommitted changes)' if prov['dirty'] else ''}"
+        + "".join(f", resumed with --resume on {c[:7]}" for c in prov.get("resumed", []))
+        + f", {prov['machine']['platform']}, "
         f"{prov['started']} to {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}. "
         f"Baseline: results/gates/ratios.json, recorded on commit "
         f"{prov['baseline'].get('commit', '?')} at {prov['baseline'].get('date', '?')} (load "
