@@ -1,10 +1,12 @@
 """The regression gates (kvbench/bench/gates.py): CI runs them here on every submission.
 
 Exact gates compare deterministic memory and error figures with results/gates/expected.json;
-ratio gates compare speed ratios measured in the same run with a third of their typical value.
+ratio gates compare speed ratios measured in the same run with a recorded baseline
+(results/gates/ratios.json) by a bootstrap of the medians.
 Planted regressions show that each kind fails, and say why.
 """
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -197,8 +199,8 @@ def test_update_keeps_values_of_backends_that_cannot_run_here():
 
 @pytest.mark.parametrize("name", list(R.RATIO_GATES))
 def test_ratio_gate(name):
-    result = R.ratio_gate(name, repeats=5)
-    assert result.typical is not None, f"no typical ratio for {name} in expected.json"
+    result = R.ratio_gate(name, slowdown=1.0)
+    assert result.baseline, f"no baseline for {name} in results/gates/ratios.json"
     assert result.ok, str(result)
     print(result)
 
@@ -206,7 +208,7 @@ def test_ratio_gate(name):
 @pytest.mark.parametrize("name", ["decode_vs_scatter", "decode_vs_object", "gather_vs_copy",
                                   "gather_into_vs_copyto"])
 def test_planted_slowness_fails_the_ratio_gate(name):
-    result = R.ratio_gate(name, factory=PerTokenNumpy, repeats=3)
+    result = R.ratio_gate(name, factory=PerTokenNumpy, blocks=5, slowdown=1.0)
     if result.skipped:
         pytest.skip(result.skipped)
     assert not result.ok, f"a per-token Python loop passed: {result}"
@@ -219,15 +221,139 @@ def test_the_vector_path_fails_the_batch_one_gate(monkeypatch):
     # issue measured 0.06x the object model there; the path brings it near 1x).
     import impls.numpy_paged as numpy_paged
     monkeypatch.setattr(numpy_paged, "SMALL_BATCH", 0)
-    result = R.ratio_gate("decode1_vs_object", repeats=3)
+    result = R.ratio_gate("decode1_vs_object", blocks=5, slowdown=1.0)
     assert not result.ok, f"the vector path passed at batch 1: {result}"
 
 
-def test_margin_is_documented_in_expected_json():
-    ratios = G.read_expected()["ratios"]
-    assert set(ratios) == set(R.RATIO_GATES)
-    for r in ratios.values():
-        assert r["margin"] == R.MARGIN and r["typical"] > 0
+def test_the_baseline_covers_every_gate_with_provenance():
+    baseline = R.read_baseline()
+    assert set(baseline["gates"]) == set(R.RATIO_GATES)
+    for name, g in baseline["gates"].items():
+        # a baseline of fewer blocks than a run would be noisier than the run it judges
+        assert len(g["log_ratios"]) == g["blocks"] >= R.RATIO_GATES[name].blocks, name
+    recorded = baseline["recorded"]
+    assert len(recorded["commit"]) == 40 and recorded["date"] and recorded["machine"]
+    assert len(recorded["load_average"]) == 3
+
+
+# --- the ratio gates' decision, on made-up samples ---------------------------------------------
+
+SPREAD = [-0.02, -0.01, 0.0, 0.01, 0.02]  # log ratios around 0: a ratio of 1 +- 2%
+
+
+def shifted(by: float, spread=SPREAD, times: int = 4) -> list:
+    return [by + x for x in spread] * times
+
+
+def test_compare_estimates_the_slowdown_from_the_medians():
+    slowdown, lower = R.compare(shifted(0.0), shifted(-math.log(1.25)))
+    # 1.25 = exp(median of the baseline (0) - median of the candidate (-ln 1.25))
+    assert slowdown == pytest.approx(1.25)
+    # every resampled median of either side lies within its +-0.02 spread, so the difference
+    # of two is within 0.04 of ln 1.25
+    assert 1.25 * math.exp(-0.04) <= lower <= 1.25 * math.exp(0.04)
+
+
+@pytest.mark.parametrize("factor, fails", [(1.0, False), (1.1, False), (1.25, True), (2.0, True)])
+def test_a_gate_fails_above_the_factor(factor, fails):
+    result = R.RatioResult("decode_vs_object", shifted(-math.log(factor)), shifted(0.0))
+    assert result.slowdown == pytest.approx(factor)
+    assert result.ok is not fails, str(result)
+    assert ("FAIL" in str(result)) is fails
+
+
+def test_a_slowdown_within_the_noise_passes():
+    # three blocks a side, spread over a factor e^1.4 = 4: the estimate says 1.25x slower, but
+    # a resampled baseline median is its lowest block in 7/27 of resamples (2 or 3 draws of 3),
+    # a candidate's its highest in 7/27: both at once in 5% > 1%, where the difference is
+    # ln 1.25 - 1.4 < 0, so the lower bound is below 1
+    wide = [-0.7, 0.0, 0.7]
+    result = R.RatioResult("decode_vs_object", [x - math.log(1.25) for x in wide], wide)
+    assert result.slowdown == pytest.approx(1.25)
+    assert result.lower < 1 and result.ok, str(result)
+
+
+def test_no_baseline_never_fails():
+    result = R.RatioResult("decode_vs_object", shifted(-math.log(2.0)), None)
+    assert result.ok and "no baseline" in str(result)
+
+
+def test_planted_slowdowns_from_the_environment(monkeypatch):
+    monkeypatch.setenv(R.SLOWDOWN_ENV, "1.25")
+    assert R.planted_slowdowns() == {name: 1.25 for name in R.RATIO_GATES}
+    assert R.planted_slowdowns("gather_vs_copy=2, decode_vs_object=1.5") == {
+        "gather_vs_copy": 2.0, "decode_vs_object": 1.5}
+    monkeypatch.delenv(R.SLOWDOWN_ENV)
+    assert R.planted_slowdowns() == {}
+    with pytest.raises(ValueError, match="'0.5' is not a factor >= 1"):
+        R.planted_slowdowns("0.5")
+    with pytest.raises(ValueError, match="no ratio gate 'decode'"):
+        R.planted_slowdowns("decode=2")
+
+
+class FakeClock:
+    """time.process_time and time.perf_counter both: each read advances it by ``tick``."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock(1e-4)
+    monkeypatch.setattr(R.time, "process_time", c)
+    monkeypatch.setattr(R.time, "perf_counter", c)
+    return c
+
+
+def test_slowed_busy_waits_in_proportion(clock):
+    calls = []
+
+    def subject(i):
+        calls.append(i)
+        clock.spend(1.0)
+
+    assert R.slowed(subject, 1.0) is subject
+    t0 = clock()
+    R.slowed(subject, 1.5)(7)
+    # 1.5 s = the subject's 1 s and a wait of 0.5 s; each read of the clock adds 1e-4
+    assert calls == [7] and 1.5 <= clock.now - t0 <= 1.5 + 5e-4
+
+
+def test_a_timing_the_clock_did_not_see_is_left_out():
+    # two readings a timing: reference 0 -> 2, subject 2 -> 2 (the clock did not move),
+    # reference 2 -> 5, subject 5 -> 6
+    readings = iter([0.0, 2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 6.0])
+    ref, subj = R._fastest(lambda i: None, lambda i: None, trials=2, warm=False,
+                           clock=lambda: next(readings))
+    assert (ref, subj) == (2.0, 1.0)  # min(2, 3); min(1), the 0 left out
+    with pytest.raises(RuntimeError, match="did not move in any of 2 trials"):
+        R._fastest(lambda i: None, lambda i: None, trials=2, warm=False, clock=lambda: 1.0)
+
+
+def test_sample_times_blocks_and_reuses_fixtures(clock, monkeypatch):
+    built = []
+
+    def pair(factory):
+        built.append(factory)
+        return (lambda i: clock.spend(2.0)), (lambda i: clock.spend(1.0))
+
+    monkeypatch.setitem(R.RATIO_GATES, "fake", R.RatioGate("fake", "2 s / 1 s", pair, 5, trials=3,
+                                                          reuse=2))
+    logs = R.sample("fake", factory="f")
+    assert built == ["f"] * 3  # 3 = ceil(5 blocks / 2 a set)
+    # ln(2 / 1) up to the clock's reads (2 of 1e-4 a timing)
+    assert logs == pytest.approx([math.log(2.0)] * 5, abs=1e-3)
+    planted = R.sample("fake", blocks=2, slowdown=1.25)
+    # ln(2 / 1.25): the subject's second is followed by a quarter second's wait
+    assert planted == pytest.approx([math.log(2.0 / 1.25)] * 2, abs=1e-3)
 
 
 def test_gates_command_exit_code(tmp_path, capsys):
@@ -250,5 +376,17 @@ def test_the_numpy_steps_fail_the_quantize_gate():
     if not quant_kernels.available()[0]:
         pytest.skip(quant_kernels.available()[1])
     steps = lambda x, scheme, out=None: quant_numpy.quantize(x, scheme, out=out, compiled=False)  # noqa: E731
-    result = R.ratio_gate("quantize_vs_copy", factory=steps, repeats=3)
+    result = R.ratio_gate("quantize_vs_copy", factory=steps, blocks=5, slowdown=1.0)
     assert not result.ok, f"the uncompiled steps passed: {result}"
+
+
+def test_gates_command_without_a_baseline(tmp_path, capsys, monkeypatch):
+    """No baseline recorded: the ratio gates say so and pass; --update-ratios cannot go with
+    --skip-ratios."""
+    monkeypatch.setattr(R, "RATIO_GATES", {"decode1_vs_object": R.RATIO_GATES["decode1_vs_object"]})
+    code = gates_cli.main(["--skip-exact", "--blocks", "2", "--baseline", str(tmp_path / "none.json")])
+    assert code == 0
+    assert "no baseline recorded" in capsys.readouterr().out
+    assert gates_cli.main(["--update-ratios", "--skip-ratios"]) != 0
+    assert "--update-ratios records the ratio gates' baseline: it cannot go with --skip-ratios" \
+        in capsys.readouterr().err

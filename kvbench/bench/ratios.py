@@ -1,49 +1,128 @@
-"""Ratio gates: speed as a ratio of two timings taken in the same run, interleaved, never an
-absolute time (see :mod:`kvbench.bench.gates` for why), higher is better; a gate fails below a
-third of the typical ratio committed in results/gates/expected.json."""
+"""Ratio gates: speed as a ratio of two timings taken in the same run, never an absolute time
+(see :mod:`kvbench.bench.gates` for why), higher is better.
+
+Each gate times a reference and a subject (the path it guards) alternately. A *block* times
+``trials`` interleaved pairs, on fresh fixtures warmed up (or, for a subject that changes
+nothing, on those of the block before, ``reuse`` blocks a set); the fastest of each side gives
+the block's log ratio. A gate takes ``blocks`` of them and compares their median with the
+median of the baseline's blocks, recorded on purpose (``kvbench gates --update-ratios``) in
+results/gates/ratios.json with its commit and machine. It fails when the subject is estimated
+more than ``FACTOR`` times slower than in the baseline *and* a bootstrap of the two medians
+says the slowdown is real (its one-sided lower bound at ``ALPHA`` is above 1): asv's rule for
+``asv continuous --factor``, a factor and a significance test, with a bootstrap in place of its
+Mann-Whitney test (asv and scipy are not dependencies).
+
+Times are CPU times of this process (``time.process_time``: user and system, all threads), not
+wall times: on a shared machine the wall time of a step counts the time other processes held
+the core, which moved block ratios by 10-30% here; the CPU time does not. What the gates guard
+is computation, so nothing they should catch hides from that clock.
+
+``KVBENCH_GATE_SLOWDOWN`` is a measurement hook, off unless set: a factor (``1.25``) by which
+every subject is slowed, or ``name=factor,...`` for some gates only. Each timed subject call is
+followed, inside the timed region, by a busy wait of (factor - 1) times its own duration: CPU
+work, as a real regression's would be. scripts/gate_power.py plants 1.1x to 2x with it to
+measure how often the gates catch each slowdown, and how often an unchanged tree fails.
+"""
 from __future__ import annotations
 
+import datetime as _dt
+import functools
 import gc
-import statistics
+import json
+import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from kvbench.bench.gates import bench_common, read_expected
+from kvbench.bench.gates import bench_common
+from kvbench.bench.records import RESULTS_DIR
+from kvbench.outputs import write_text
 
-MARGIN = 3.0  # a ratio gate fails below typical / MARGIN
-REPEATS = 7
+BASELINE_PATH = RESULTS_DIR / "gates" / "ratios.json"
+FACTOR = 1.15  # a gate fails on a slowdown estimated above this ...
+ALPHA = 0.01  # ... when the bootstrap's one-sided lower bound at this level is above 1
+BOOTSTRAP = 4000  # resamples of the two medians
+BASELINE_RUNS = 3  # --update-ratios records this many times a gate's blocks
+SLOWDOWN_ENV = "KVBENCH_GATE_SLOWDOWN"
 
 
-def _timed(fn) -> float:
+def _timed(fn, clock=time.perf_counter) -> float:
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        return time.perf_counter() - t0
+        return clock() - t0
     finally:
         if gc_was:
             gc.enable()
 
 
 DECODE_BATCH = 256
-TRIALS = 7  # interleaved timings per repeat, of which the fastest counts
+TRIALS = 7  # interleaved timings per block, of which the fastest counts
 GATHER_TOKENS = 4096  # 4 MiB of K/V in the suite's 1 KiB-per-token model
 
 
-def _fastest(reference, subject, trials: int = TRIALS) -> tuple[float, float]:
+def _fastest(reference, subject, trials: int = TRIALS, warm: bool = True,
+             clock=time.perf_counter) -> tuple[float, float]:
     """Time ``reference(i)`` and ``subject(i)`` alternately for i = 1..trials after an untimed
-    warm-up (i = 0); the fastest of each. Noise on a shared machine only adds time, so the
-    minimum is the estimate least moved by it (a context switch lasts milliseconds)."""
-    reference(0), subject(0)
+    warm-up (i = 0; unless not ``warm``) by ``clock`` (the gates: the CPU clock); the fastest of
+    each. Noise only adds time (a cache another process evicted, an interrupt), so the minimum
+    is the estimate least moved by it."""
+    if warm:
+        reference(0), subject(0)
     ref, subj = [], []
     for i in range(1, trials + 1):
-        ref.append(_timed(lambda: reference(i)))
-        subj.append(_timed(lambda: subject(i)))
+        ref.append(_timed(lambda: reference(i), clock))
+        subj.append(_timed(lambda: subject(i), clock))
+    # Under heavy load the CPU clock was seen not to move across a call of ~20 us: such a
+    # reading measured nothing
+    ref, subj = [t for t in ref if t > 0], [t for t in subj if t > 0]
+    if not ref or not subj:
+        raise RuntimeError(f"the clock {clock.__name__} did not move in any of {trials} trials")
     return min(ref), min(subj)
+
+
+def planted_slowdowns(spec: str | None = None) -> dict:
+    """{gate: factor} from ``KVBENCH_GATE_SLOWDOWN`` (or ``spec``): "1.25" slows every gate,
+    "decode_vs_object=1.5,gather_vs_copy=2" those named; a ValueError says what is wrong."""
+    spec = os.environ.get(SLOWDOWN_ENV, "") if spec is None else spec
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.rpartition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = float("nan")
+        if not factor >= 1:
+            raise ValueError(f"{SLOWDOWN_ENV}={spec!r}: {part!r} is not a factor >= 1 "
+                             f"(write 1.25, or gate=1.25)")
+        if name and name not in RATIO_GATES:
+            raise ValueError(f"{SLOWDOWN_ENV}={spec!r}: no ratio gate {name!r}; gates: "
+                             f"{', '.join(RATIO_GATES)}")
+        for gate in [name] if name else RATIO_GATES:
+            out[gate] = factor
+    return out
+
+
+def slowed(subject, factor: float):
+    """``subject`` followed by a busy wait of (factor - 1) times its own duration: the planted
+    slowdown of ``KVBENCH_GATE_SLOWDOWN`` (a measurement hook, never on by default)."""
+    if factor == 1:
+        return subject
+
+    def run(i):  # the cheap wall clock: the CPU clock takes microseconds to read here
+        t0 = time.perf_counter()
+        subject(i)
+        until = t0 + factor * (time.perf_counter() - t0)
+        while time.perf_counter() < until:
+            pass
+
+    return run
 
 
 def _subject(factory, num_blocks: int, store_kv: bool):
@@ -56,10 +135,11 @@ def _subject(factory, num_blocks: int, store_kv: bool):
                                num_blocks=num_blocks, store_kv=store_kv))
 
 
-def decode_vs_scatter(factory=None) -> tuple[float, float]:
-    """(seconds of the floor of a decode step over 256 sequences: their 256 new tokens of K/V
-    written into a pool of the same shape at one slot per sequence, a single fancy-indexed
-    assignment as vLLM's reshape_and_cache does; of the subject's decode step, K/V written).
+def decode_vs_scatter(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject) for trial i: the floor of a decode step over 256 sequences (their
+    256 new tokens of K/V written into a pool of the same shape at one slot per sequence, a
+    single fancy-indexed assignment as vLLM's reshape_and_cache does); the subject's decode
+    step, K/V written.
     Step i is trial i (common.decode_batch has room for 16)."""
     common = bench_common()
     seqs, kv = list(range(DECODE_BATCH)), common.zeros_kv(DECODE_BATCH)
@@ -70,50 +150,65 @@ def decode_vs_scatter(factory=None) -> tuple[float, float]:
     def floor(step):
         pool[slots + step] = kv
 
-    return _fastest(floor, lambda step: subj.append(seqs, [1] * DECODE_BATCH, kv, step=step + 1))
+    return floor, lambda step: subj.append(seqs, [1] * DECODE_BATCH, kv, step=step + 1)
 
 
-def decode_vs_object(factory=None, batch: int = DECODE_BATCH) -> tuple[float, float]:
-    """(seconds of one decode step over ``batch`` sequences in the per-object Python model
-    impls/object_model.py, in the subject), ledger only on both sides."""
+def decode_vs_object(factory=None, batch: int = DECODE_BATCH, steps: int = 1) -> tuple[Callable, Callable]:
+    """(reference, subject): ``steps`` decode steps over ``batch`` sequences in the per-object
+    Python model impls/object_model.py, in the subject; ledger only on both sides. Trial i
+    takes steps i * steps + 1 .. (i + 1) * steps (common.fill_decode_batch leaves room for 64
+    tokens a sequence; the pools get a block a sequence for each 16 steps)."""
     common = bench_common()
-    seqs = list(range(batch))
-    ref, _ = common.decode_batch("object", batch, store_kv=False)
-    subj = common.fill_decode_batch(_subject(factory, batch * 9, False), batch, store_kv=False)
-    return _fastest(lambda step: ref.append(seqs, [1] * batch, None, step=step + 1),
-                    lambda step: subj.append(seqs, [1] * batch, None, step=step + 1))
+    seqs, ones = list(range(batch)), [1] * batch
+    blocks = batch * (8 + -(-(TRIALS + 1) * steps // common.BLOCK_SIZE))
+    ref = common.fill_decode_batch(common.make_backend("object", num_blocks=blocks, store_kv=False),
+                                   batch, store_kv=False)
+    subj = common.fill_decode_batch(_subject(factory, blocks, False), batch, store_kv=False)
+
+    def stepper(backend):
+        def run(i):
+            for k in range(i * steps + 1, (i + 1) * steps + 1):
+                backend.append(seqs, ones, None, step=k)
+        return run
+
+    return stepper(ref), stepper(subj)
 
 
-def decode1_vs_object(factory=None) -> tuple[float, float]:
-    """decode_vs_object at batch 1: the fixed cost of a call, where NumPy's array steps cost
-    more than the object model's few attribute updates (the backend's small-batch path)."""
-    return decode_vs_object(factory, batch=1)
+DECODE1_STEPS = 8  # a one-sequence step takes ~4 us, the CPU clock ~3.6 us to read: time 8 in a row
 
 
-def gather_vs_copy(factory=None) -> tuple[float, float]:
-    """(seconds of np.copy of 4 MiB, of gathering the same 4 MiB from 256 scattered blocks)."""
+def decode1_vs_object(factory=None) -> tuple[Callable, Callable]:
+    """decode_vs_object at batch 1, 8 steps a trial: the fixed cost of a call, where NumPy's
+    array steps cost more than the object model's few attribute updates (the backend's
+    small-batch path)."""
+    return decode_vs_object(factory, batch=1, steps=DECODE1_STEPS)
+
+
+def gather_vs_copy(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject): np.copy of 4 MiB; gathering the same 4 MiB from 256 scattered blocks."""
     common = bench_common()
     blocks = 2 * -(-GATHER_TOKENS // common.BLOCK_SIZE)
     subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
     src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
-    return _fastest(lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0)))
+    return lambda i: np.copy(src), lambda i: np.asarray(subj.gather(0))
 
 
-def gather_into_vs_copyto(factory=None) -> tuple[float, float]:
-    """(seconds of np.copyto of 4 MiB into a buffer; of gathering the same 4 MiB from 256
+def gather_into_vs_copyto(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject): np.copyto of 4 MiB into a buffer; gathering the same 4 MiB from 256
     scattered blocks into a buffer of the same shape, reused from call to call)."""
     common = bench_common()
     blocks = 2 * -(-GATHER_TOKENS // common.BLOCK_SIZE)
     subj = common.fill_interleaved_pair(_subject(factory, blocks, True), GATHER_TOKENS)
     src = common.zeros_kv(GATHER_TOKENS) + np.float16(1)
     dst, into = np.empty_like(src), np.empty_like(src)
-    return _fastest(lambda i: np.copyto(dst, src), lambda i: subj.gather(0, out=into))
+    return lambda i: np.copyto(dst, src), lambda i: subj.gather(0, out=into)
 
 
-CHECK_REQUESTS = 200  # a decode trace of ~1,150 operations: batches of up to 32, Alpaca lengths
+CHECK_REQUESTS = 16  # a decode trace of 170 operations: batches of up to 32, Alpaca lengths
 
 
-def _decode_trace():
+@functools.lru_cache(maxsize=1)
+def _decode_trace():  # read only: built once per process
     from kvbench.traces import generators as G
     from kvbench.traces.builder import peak_blocks
     t = G.decode_streams(0, num_requests=CHECK_REQUESTS, max_batch=32, arrival_rate=2, law="alpaca")
@@ -121,9 +216,9 @@ def _decode_trace():
     return t.columnar()
 
 
-def check_vs_replay(factory=None, gather: str = "touched") -> tuple[float, float]:
-    """(seconds of the NumPy backend replaying a ~1,150-operation decode trace alone, K/V
-    zeros; of the checker replaying it beside the oracle, every K/V it could change read back).
+def check_vs_replay(factory=None, gather: str = "touched") -> tuple[Callable, Callable]:
+    """(reference, subject): the NumPy backend replaying a 170-operation decode trace alone, K/V
+    zeros; the checker replaying it beside the oracle, every K/V it could change read back).
     A checker whose cost grows with sequence length drops the ratio many times."""
     from kvbench.analyses import suite
     from kvbench.checking.checker import check
@@ -139,14 +234,14 @@ def check_vs_replay(factory=None, gather: str = "touched") -> tuple[float, float
         if not v.valid:
             raise AssertionError(f"check_vs_replay: the checker failed its own trace: {v.divergence}")
 
-    return _fastest(lambda _: common.replay(make(), trace, kv), checked, trials=2)
+    return lambda _: common.replay(make(), trace, kv), checked
 
 
 QUANT_ROWS = 8192  # 4 MiB of float32 rows of 128 channels (one KV head per row)
 
 
-def quantize_vs_copy(factory=None) -> tuple[float, float]:
-    """(seconds of np.copyto of 4 MiB of float32; of the NumPy quantizer's int8 per-token codes,
+def quantize_vs_copy(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject): np.copyto of 4 MiB of float32; the NumPy quantizer's int8 per-token codes,
     scales and zero points of the same 4 MiB, into arrays it already holds)."""
     from impls import quant_kernels, quant_numpy
     from kvbench import quant as Q
@@ -158,85 +253,181 @@ def quantize_vs_copy(factory=None) -> tuple[float, float]:
     scheme = Q.QuantScheme(8, False, "token")
     quantize = factory or quant_numpy.quantize
     qt = quantize(x, scheme)
-    return _fastest(lambda _: np.copyto(dst, x), lambda _: quantize(x, scheme, out=qt))
+    return lambda _: np.copyto(dst, x), lambda _: quantize(x, scheme, out=qt)
 
 
 @dataclass(frozen=True)
 class RatioGate:
     name: str
     about: str
-    measure: Callable  # (factory) -> (reference seconds, subject seconds)
+    pair: Callable  # (factory) -> (reference(i), subject(i)) on fresh fixtures
+    blocks: int  # blocks per decision, sized so that the gates fit CI's time
+    trials: int = TRIALS
+    reuse: int = 1  # blocks timed on one set of fixtures (a subject that changes nothing)
 
 
 RATIO_GATES = {g.name: g for g in (
     RatioGate("decode_vs_scatter", "decode step over 256 sequences, K/V written: one scatter of "
-              "the same 256 tokens into a pool / NumPy", decode_vs_scatter),
+              "the same 256 tokens into a pool / NumPy", decode_vs_scatter, 31),
     RatioGate("decode_vs_object", "decode step over 256 sequences, ledger only: per-object Python "
-              "model (impls/object_model.py) / NumPy", decode_vs_object),
+              "model (impls/object_model.py) / NumPy", decode_vs_object, 41),
     RatioGate("decode1_vs_object", "decode step of one sequence, ledger only: per-object Python "
-              "model / NumPy (its small-batch path)", decode1_vs_object),
+              "model / NumPy (its small-batch path)", decode1_vs_object, 41),
     RatioGate("gather_vs_copy", "np.copy of 4 MiB / NumPy gather of the same 4 MiB from 256 "
-              "scattered blocks", gather_vs_copy),
+              "scattered blocks", gather_vs_copy, 25, reuse=5),
     RatioGate("gather_into_vs_copyto", "np.copyto of 4 MiB into a buffer / NumPy gather of the "
-              "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto),
-    RatioGate("check_vs_replay", "a ~1,150-operation decode trace: the NumPy backend's replay "
-              "alone / the checker's replay of it, K/V read back", check_vs_replay),
+              "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto, 25,
+              reuse=5),
+    RatioGate("check_vs_replay", "a 170-operation decode trace: the NumPy backend's replay "
+              "alone / the checker's replay of it, K/V read back", check_vs_replay, 9, trials=2,
+              reuse=9),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
-              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy),
+              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 21, reuse=7),
 )}
+
+
+def sample(name: str, *, factory=None, blocks: int | None = None, slowdown: float = 1.0) -> list:
+    """The log ratios (ln reference / subject seconds) of ``blocks`` blocks of gate ``name``
+    (default: its own count); ``factory`` builds the subject (default: the NumPy backend),
+    ``slowdown`` plants a busy wait after each subject call (a measurement hook). Raises
+    NotImplementedError when the gate cannot run here."""
+    gate = RATIO_GATES[name]
+    out = []
+    for b in range(gate.blocks if blocks is None else blocks):
+        if b % gate.reuse == 0:
+            reference, subject = gate.pair(factory)
+            subject = slowed(subject, slowdown)
+        ref, subj = _fastest(reference, subject, gate.trials, warm=b % gate.reuse == 0,
+                             clock=time.process_time)
+        out.append(math.log(ref / subj))
+    return out
+
+
+def compare(baseline, candidate, *, resamples: int = BOOTSTRAP, alpha: float = ALPHA,
+            seed: int = 0) -> tuple[float, float]:
+    """(slowdown, lower bound): the candidate's slowdown against the baseline, exp(median of the
+    baseline's log ratios - the candidate's), and the one-sided lower confidence bound at
+    ``alpha`` of a bootstrap of the two medians (each side resampled with replacement)."""
+    b, c = np.asarray(baseline, float), np.asarray(candidate, float)
+    if not len(b) or not len(c):
+        raise ValueError("compare: both the baseline and the candidate need at least one block")
+    rng = np.random.default_rng(seed)
+    diffs = (np.median(rng.choice(b, (resamples, len(b))), axis=1)
+             - np.median(rng.choice(c, (resamples, len(c))), axis=1))
+    return math.exp(np.median(b) - np.median(c)), math.exp(np.quantile(diffs, alpha))
 
 
 @dataclass
 class RatioResult:
     name: str
-    ratios: list  # reference / subject per repeat
-    typical: float | None
+    log_ratios: list  # one per block, ln(reference / subject)
+    baseline: list | None  # the recorded blocks' log ratios (None: nothing recorded)
     skipped: str = ""
+    slowdown: float = float("nan")
+    lower: float = float("nan")
+    planted: float = 1.0
+
+    def __post_init__(self):
+        if self.log_ratios and self.baseline:
+            self.slowdown, self.lower = compare(self.baseline, self.log_ratios)
 
     @property
     def median(self) -> float:
-        return statistics.median(self.ratios) if self.ratios else float("nan")
+        return math.exp(float(np.median(self.log_ratios))) if self.log_ratios else float("nan")
 
     @property
-    def floor(self) -> float | None:
-        return None if self.typical is None else self.typical / MARGIN
+    def typical(self) -> float | None:
+        return math.exp(float(np.median(self.baseline))) if self.baseline else None
 
     @property
     def ok(self) -> bool:
-        return bool(self.skipped) or self.typical is None or self.median >= self.floor
+        return bool(self.skipped) or not self.baseline or not (
+            self.slowdown > FACTOR and self.lower > 1)
 
     def __str__(self) -> str:
         if self.skipped:
             return f"ratio {self.name}: skipped ({self.skipped})"
-        spread = f"{min(self.ratios):.3g}..{max(self.ratios):.3g}"
-        if self.typical is None:
-            return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)}) "
-                    f"- no typical value recorded (`kvbench gates --update-ratios`)")
+        planted = f" [planted slowdown {self.planted:g}x]" if self.planted != 1 else ""
+        ratios = np.exp(self.log_ratios)
+        spread = f"{ratios.min():.3g}..{ratios.max():.3g} over {len(ratios)} blocks"
+        if not self.baseline:
+            return (f"ratio {self.name}: median {self.median:.3g} ({spread}) - no baseline "
+                    f"recorded (`kvbench gates --update-ratios`){planted}")
         state = "ok" if self.ok else "FAIL"
-        return (f"ratio {self.name}: median {self.median:.3g} ({spread} over {len(self.ratios)} "
-                f"repeats), typical {self.typical:.3g}, floor {self.floor:.3g} = typical / "
-                f"{MARGIN:g}: {state}"
-                + ("" if self.ok else f" - the subject is {self.typical / self.median:.3g}x slower "
-                   f"relative to its reference than usual"))
+        return (f"ratio {self.name}: median {self.median:.3g} ({spread}), baseline "
+                f"{self.typical:.3g} ({len(self.baseline)} blocks): {self.slowdown:.3g}x slower, "
+                f">= {self.lower:.3g}x at {1 - ALPHA:.0%}; fails above {FACTOR:g}x: {state}"
+                + (f" - the subject is {self.slowdown:.3g}x slower relative to its reference "
+                   f"than in the baseline" if not self.ok else "") + planted)
 
 
-def ratio_gate(name: str, expected: dict | None = None, *, factory=None,
-               repeats: int = REPEATS) -> RatioResult:
-    """Median over ``repeats`` of reference / subject seconds; ``factory`` builds the subject
-    (default: the NumPy backend)."""
-    gate = RATIO_GATES[name]
-    expected = read_expected() if expected is None else expected
-    typical = expected.get("ratios", {}).get(name, {}).get("typical")
-    ratios = []
+def read_baseline(path: Path | str = BASELINE_PATH) -> dict:
+    """results/gates/ratios.json ({} when absent): {"gates": {name: {"log_ratios": [...]}}, ...}."""
+    path = Path(path)
+    if not path.exists():
+        return {}
     try:
-        for _ in range(repeats):
-            ref, subj = gate.measure(factory)
-            ratios.append(ref / subj)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a ratio baseline (not JSON: {e})") from None
+    if not isinstance(data.get("gates"), dict):
+        raise ValueError(f"{path}: not a ratio baseline (no \"gates\" object)")
+    return data
+
+
+def baseline_of(baseline: dict, name: str) -> list | None:
+    return baseline.get("gates", {}).get(name, {}).get("log_ratios") or None
+
+
+def ratio_gate(name: str, baseline: dict | None = None, *, factory=None,
+               blocks: int | None = None, slowdown: float | None = None) -> RatioResult:
+    """Gate ``name`` against ``baseline`` (default: results/gates/ratios.json); ``factory``
+    builds the subject (default: the NumPy backend); ``slowdown`` plants one (default: from
+    ``KVBENCH_GATE_SLOWDOWN``, a measurement hook)."""
+    baseline = read_baseline() if baseline is None else baseline
+    if slowdown is None:
+        slowdown = planted_slowdowns().get(name, 1.0)
+    recorded = baseline_of(baseline, name)
+    try:
+        logs = sample(name, factory=factory, blocks=blocks, slowdown=slowdown)
     except NotImplementedError as e:
-        return RatioResult(name, [], typical, skipped=str(e))
-    return RatioResult(name, ratios, typical)
+        return RatioResult(name, [], recorded, skipped=str(e))
+    return RatioResult(name, logs, recorded, planted=slowdown)
 
 
-def ratio_gates(expected: dict | None = None, names=None, repeats: int = REPEATS) -> list:
-    expected = read_expected() if expected is None else expected
-    return [ratio_gate(n, expected, repeats=repeats) for n in names or RATIO_GATES]
+def ratio_gates(baseline: dict | None = None, names=None, blocks: int | None = None) -> list:
+    baseline = read_baseline() if baseline is None else baseline
+    return [ratio_gate(n, baseline, blocks=blocks) for n in names or RATIO_GATES]
+
+
+def record_baseline(names=None, runs: int = BASELINE_RUNS) -> dict:
+    """A fresh baseline: each gate's blocks ``runs`` times over (a baseline with less noise than
+    the run it judges), with the commit, machine, load and date it was measured on."""
+    from kvbench.provenance import commit_info, machine_info
+    gates, skipped = {}, {}
+    for name in names or RATIO_GATES:
+        gate = RATIO_GATES[name]
+        try:
+            logs = sample(name, blocks=gate.blocks * runs)
+        except NotImplementedError as e:
+            skipped[name] = str(e)
+            continue
+        gates[name] = {"about": gate.about, "blocks": len(logs), "trials": gate.trials,
+                       "median_ratio": round(math.exp(float(np.median(logs))), 4),
+                       "log_ratios": [round(x, 5) for x in logs]}
+    machine = machine_info()
+    return {"about": "Baseline of the ratio gates (kvbench/bench/ratios.py): per gate, the log "
+                     "ratios ln(reference / subject CPU seconds) of its blocks. A gate fails when "
+                     f"the median of a run's blocks is more than {FACTOR:g}x slower than this "
+                     f"baseline's and a bootstrap of the two medians puts the slowdown above 1 "
+                     f"at {1 - ALPHA:.0%}. Re-record with `kvbench gates --update-ratios`.",
+            "recorded": {**commit_info(), "machine": machine["platform"], "cpus": machine["cpus"],
+                         "load_average": [round(x, 2) for x in os.getloadavg()],
+                         "nice": os.nice(0),
+                         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
+            "factor": FACTOR, "alpha": ALPHA, "gates": gates, "skipped": skipped}
+
+
+def write_baseline(baseline: dict, path: Path | str = BASELINE_PATH) -> Path:
+    return write_text(path, json.dumps(baseline, indent=1, sort_keys=True) + "\n")

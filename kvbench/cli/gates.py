@@ -17,7 +17,13 @@ from kvbench.bench.gates import (
 )
 from kvbench.cli.options import UsageError, positive_int
 from kvbench.outputs import check_writable
-from kvbench.bench.ratios import MARGIN, RATIO_GATES, REPEATS, ratio_gates
+from kvbench.bench.ratios import (
+    BASELINE_PATH,
+    read_baseline,
+    ratio_gates,
+    record_baseline,
+    write_baseline,
+)
 from kvbench.provenance import commit_info, machine_info
 
 
@@ -28,6 +34,9 @@ def cmd_gates(args) -> int:
     if args.skip_exact and (args.skip_ratios or narrowed):
         raise UsageError("--skip-exact: nothing left to check (the ratio gates are skipped too, "
                          "or narrowed away by --backend/--case)")
+    if args.skip_ratios and args.update_ratios:
+        raise UsageError("--update-ratios records the ratio gates' baseline: it cannot go with "
+                         "--skip-ratios")
     if args.skip_exact and args.update:
         raise UsageError("--update records the exact values: it cannot go with --skip-exact")
     for name in args.backend or ():
@@ -35,11 +44,13 @@ def cmd_gates(args) -> int:
             raise UsageError(f"--backend {name}: not a gated backend; gated (as `kvbench list` "
                              f"names them): {', '.join(GATED_BACKENDS)}")
     cases = replay_cases(args.case) if args.case else None
-    if not Path(args.expected).exists() and not (args.update or args.update_ratios):
+    if not Path(args.expected).exists() and not args.update and not args.skip_exact:
         raise UsageError(f"--expected {args.expected}: no such file (`kvbench gates --update` "
                          f"records one)")
-    if args.update or args.update_ratios:
+    if args.update:
         check_writable(args.expected, option="--expected")
+    if args.update_ratios:
+        check_writable(args.baseline, option="--baseline")
     expected = read_expected(args.expected)
     code = 0
     if not args.skip_exact:
@@ -59,29 +70,24 @@ def cmd_gates(args) -> int:
             if not report.checked:
                 raise UsageError("the exact gates checked nothing: every case was skipped here")
             code = max(code, 0 if report.ok else 1)
-    if not args.skip_ratios and not narrowed:
-        results = ratio_gates(expected, repeats=args.repeats)
+    if args.update_ratios:
+        baseline = record_baseline()
+        for name, why in baseline["skipped"].items():
+            print(f"ratio {name}: skipped ({why})")
+        print(f"ratio baseline ({sum(g['blocks'] for g in baseline['gates'].values())} blocks) "
+              f"written to {write_baseline(baseline, args.baseline)}")
+    elif not args.skip_ratios and not narrowed:
+        results = ratio_gates(read_baseline(args.baseline), blocks=args.blocks)
         for r in results:
             print(r)
-        if args.update_ratios:
-            ratios = expected.setdefault("ratios", {})
-            for r in results:
-                if not r.skipped:
-                    ratios[r.name] = {"typical": round(r.median, 3), "about": RATIO_GATES[r.name].about,
-                                      "margin": MARGIN}
-            expected["about"] = ABOUT
-            expected["ratios_recorded"] = {**commit_info(), "machine": machine_info()["platform"],
-                                           "cpus": machine_info()["cpus"]}
-            print(f"typical ratios written to {write_expected(expected, args.expected)}")
-        elif not all(r.ok for r in results):
+        if not all(r.ok for r in results):
             code = 1
     return code
 
 
-ABOUT = ("kvbench regression gates (kvbench/bench/gates.py, ratios.py). replay/quant: exact lower-is-better values; "
-         "any change fails until recorded with `kvbench gates --update`. ratios: typical "
-         "reference/subject speed ratios; a gate fails below typical / margin; re-measure with "
-         "`kvbench gates --update-ratios`.")
+ABOUT = ("kvbench regression gates (kvbench/bench/gates.py). replay/pool/quant: exact lower-is-better "
+         "values; any change fails until recorded with `kvbench gates --update`. The ratio gates' "
+         "baseline is results/gates/ratios.json (`kvbench gates --update-ratios`).")
 
 
 def register(sub) -> argparse.ArgumentParser:
@@ -91,7 +97,7 @@ def register(sub) -> argparse.ArgumentParser:
     p.add_argument("--update", action="store_true",
                    help="record the measured exact values in expected.json (an intended change)")
     p.add_argument("--update-ratios", action="store_true",
-                   help="re-measure the typical speed ratios and record them")
+                   help="re-measure the ratio gates' baseline and record it (--baseline)")
     p.add_argument("--backend", action="append",
                    help=f"exact gates of this backend only (repeatable; of {', '.join(GATED_BACKENDS)}: "
                         f"the names of `kvbench list`)")
@@ -99,8 +105,10 @@ def register(sub) -> argparse.ArgumentParser:
                    help="exact gates of this replay case only (workload, or workload@policy)")
     p.add_argument("--skip-exact", action="store_true", help="only the speed ratio gates")
     p.add_argument("--skip-ratios", action="store_true", help="only the exact gates")
-    p.add_argument("--repeats", type=positive_int, default=REPEATS, help="repeats per ratio (median)")
+    p.add_argument("--blocks", type=positive_int,
+                   help="blocks per ratio gate (default: each gate's own count, sized for CI)")
     p.add_argument("--expected", default=str(EXPECTED_PATH), help="expected values file")
+    p.add_argument("--baseline", default=str(BASELINE_PATH), help="the ratio gates' baseline")
     p.set_defaults(func=cmd_gates)
     return p
 

@@ -1,0 +1,195 @@
+"""How often the ratio gates catch a planted slowdown, and how often an unchanged tree fails them.
+
+Each run is a fresh process running every ratio gate once (as `kvbench gates --skip-exact` does)
+with the measurement hook KVBENCH_GATE_SLOWDOWN set to one level: 1 (the unchanged tree: a
+failure is a false alarm), 1.1, 1.25, 1.5 or 2 (every gated subject that many times slower: a
+failure is a detection). Levels are interleaved run by run, so that the machine's load drifts
+over all of them alike. Round i runs levels 1 and 1.25 (the goal: 1.25x caught in >= 19 of 20
+runs, no false alarm in 20) and one of 1.1, 1.5, 2 in turn.
+
+    nice -n 10 .venv/bin/python scripts/gate_power.py              # 20 rounds: 60 runs
+    nice -n 10 .venv/bin/python scripts/gate_power.py --rounds 5
+
+Writes results/gates/power.csv and power.md (rewritten after every run, so a stopped campaign
+leaves what it measured) and power_runs.jsonl (its provenance, then every gate's verdict in
+every run; `--report` rewrites the tables from it).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvbench.bench import ratios as R  # noqa: E402
+from kvbench.outputs import write_text  # noqa: E402
+from kvbench.provenance import commit_info, machine_info  # noqa: E402
+
+OUT = ROOT / "results" / "gates"
+GOAL_LEVEL = 1.25
+SIDE_LEVELS = (1.1, 1.5, 2.0)
+
+
+def one_run() -> None:
+    """Child: every ratio gate once, under the slowdown in the environment; one JSON line."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = {}
+    for r in R.ratio_gates():
+        out[r.name] = {"failed": not r.ok, "skipped": r.skipped, "slowdown": r.slowdown,
+                       "lower": r.lower, "median_ratio": r.median, "blocks": len(r.log_ratios)}
+    print(json.dumps({"gates": out, "wall_s": time.perf_counter() - t0,
+                      "cpu_s": time.process_time() - c0, "load_average": os.getloadavg()}))
+
+
+def schedule(rounds: int, side_every: int) -> list[float]:
+    """Levels 1 and 1.25 in every round; one of 1.1, 1.5, 2 in turn every ``side_every`` rounds."""
+    levels = []
+    for i in range(rounds):
+        levels += [1.0, GOAL_LEVEL]
+        if i % side_every == 0:
+            levels.append(SIDE_LEVELS[i // side_every % len(SIDE_LEVELS)])
+    return levels
+
+
+def table(runs: list[dict]) -> list[dict]:
+    """One row per gate and one for "any gate": per level, failures / runs and the median
+    estimated slowdown."""
+    levels = sorted({r["level"] for r in runs})
+    names = [n for n in R.RATIO_GATES if any(n in r["gates"] for r in runs)]
+    rows = []
+    for name in names + ["any gate"]:
+        row = {"gate": name}
+        for level in levels:
+            at = [r for r in runs if r["level"] == level]
+            if name == "any gate":
+                fails = sum(any(g["failed"] for g in r["gates"].values()) for r in at)
+                est = ""
+            else:
+                got = [r["gates"][name] for r in at if not r["gates"][name]["skipped"]]
+                fails = sum(g["failed"] for g in got)
+                ests = sorted(g["slowdown"] for g in got)
+                est = f"{ests[len(ests) // 2]:.3f}" if ests else ""
+            row[f"failed at {level:g}x"] = f"{fails}/{len(at)}"
+            row[f"median estimate at {level:g}x"] = est
+        unchanged = [r["gates"][name]["slowdown"] for r in runs
+                     if r["level"] == 1 and name in r["gates"] and not r["gates"][name]["skipped"]]
+        row["estimates at 1x"] = f"{min(unchanged):.2f}..{max(unchanged):.2f}" if unchanged else ""
+        rows.append(row)
+    return rows
+
+
+def write(runs: list[dict], prov: dict) -> None:
+    rows = table(runs)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    write_text(OUT / "power.csv", buf.getvalue())
+    levels = sorted({r["level"] for r in runs})
+    walls = sorted(r["wall_s"] for r in runs)
+    cpus = sorted(r["cpu_s"] for r in runs if "cpu_s" in r)
+    cpu = (f"; its CPU time (what it takes on an idle machine) median {cpus[len(cpus) // 2]:.1f} s"
+           if cpus else "")
+    loads = [r["load_average"][0] for r in runs]
+    lines = [
+        "# Ratio gates: detection and false-alarm rates",
+        "",
+        f"Runs of every ratio gate (`kvbench gates --skip-exact`, a fresh process each) with a "
+        f"planted slowdown of every gated subject (`{R.SLOWDOWN_ENV}`, a busy wait after each "
+        f"subject call). At 1x (the unchanged tree) a failure is a false alarm; above, a "
+        f"detection. A gate fails on an estimated slowdown above {R.FACTOR:g}x against "
+        f"results/gates/ratios.json whose bootstrap lower bound at {1 - R.ALPHA:.0%} is above 1.",
+        "",
+        "| gate | " + " | ".join(f"failed at {v:g}x" for v in levels) + " | "
+        + " | ".join(f"median estimate at {v:g}x" for v in levels) + " | estimates at 1x |",
+        "|---|" + "---|" * (2 * len(levels) + 1),
+    ]
+    for row in rows:
+        lines.append(f"| {row['gate']} | "
+                     + " | ".join(row[f"failed at {v:g}x"] for v in levels) + " | "
+                     + " | ".join(row[f"median estimate at {v:g}x"] for v in levels)
+                     + f" | {row['estimates at 1x']} |")
+    lines += [
+        "",
+        f"{len(runs)} runs; a run's wall time (all seven gates, the process's start excluded): "
+        f"median {walls[len(walls) // 2]:.1f} s, {walls[0]:.1f}..{walls[-1]:.1f} s{cpu}. "
+        f"1-minute load average during the runs {min(loads):.1f}..{max(loads):.1f} on "
+        f"{prov['machine']['cpus']} cores: other jobs were running throughout (the machine is "
+        f"shared), and the runs were started with nice {prov['nice']}.",
+        "",
+        f"Measured by `{prov['command']}` on commit {prov['commit']}"
+        f"{' (uncommitted changes)' if prov['dirty'] else ''}"
+        + "".join(f", resumed with --resume on {c[:7]}" for c in prov.get("resumed", []))
+        + f", {prov['machine']['platform']}, "
+        f"{prov['started']} to {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}. "
+        f"Baseline: results/gates/ratios.json, recorded on commit "
+        f"{prov['baseline'].get('commit', '?')} at {prov['baseline'].get('date', '?')} (load "
+        f"{prov['baseline'].get('load_average', '?')}).",
+    ]
+    write_text(OUT / "power.md", "\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
+    ap.add_argument("--side-every", type=int, default=1,
+                    help="run one of 1.1x, 1.5x, 2x every this many rounds (default: every round)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with the campaign in power_runs.jsonl (its schedule, its provenance)")
+    ap.add_argument("--report", action="store_true",
+                    help="only rewrite power.csv and power.md from power_runs.jsonl")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    raw = OUT / "power_runs.jsonl"
+    if args.one:
+        one_run()
+        return 0
+    if args.report:
+        lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+        write([r for r in lines if "level" in r], lines[0]["provenance"])
+        print((OUT / "power.md").read_text())
+        return 0
+    prov = {**commit_info(), "machine": machine_info(), "nice": os.nice(0),
+            "command": "scripts/gate_power.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "baseline": R.read_baseline().get("recorded", {})}
+    runs = []
+    if args.resume:
+        lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+        prov, runs = lines[0]["provenance"], [r for r in lines if "level" in r]
+        prov["resumed"] = prov.get("resumed", []) + [commit_info()["commit"]]
+    else:
+        raw.write_text(json.dumps({"provenance": prov}) + "\n")
+    for i, level in enumerate(schedule(args.rounds, args.side_every)):
+        if i < len(runs):
+            assert runs[i]["level"] == level, f"run {i + 1}: not the schedule of --resume's campaign"
+            continue
+        env = {**os.environ, R.SLOWDOWN_ENV: f"{level:g}"}
+        out = subprocess.run([sys.executable, __file__, "--one"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+            print(out.stderr[-2000:], file=sys.stderr)
+            return 1
+        run = {"level": level, **json.loads(out.stdout.strip().splitlines()[-1])}
+        runs.append(run)
+        with open(raw, "a", encoding="utf-8") as f:
+            f.write(json.dumps(run) + "\n")
+        failed = [n for n, g in run["gates"].items() if g["failed"]]
+        print(f"run {i + 1} at {level:g}x: {run['wall_s']:.1f} s, load {run['load_average'][0]:.1f}, "
+              f"failed: {', '.join(failed) or 'none'}", flush=True)
+        write(runs, prov)
+    print((OUT / "power.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
