@@ -72,6 +72,13 @@ def misreports(field: str, value: Callable, base=NumpyPaged, from_call: int = 1)
     return Misreports
 
 
+class NoStructures(NumpyPaged):
+    """Exposes no block structures: the ledger's figures are checked against the oracle alone."""
+
+    def block_state(self, seqs=None, *, changed_since=None):
+        raise NotImplementedError
+
+
 def reports_state(corrupt: Callable, *, whole: bool = True, at_call: int = 1):
     """A pool whose block_state() is ``corrupt(state)`` after its ``at_call``-th mutating call:
     the whole states (``whole``) or the states of changes between the sweeps."""
@@ -219,6 +226,13 @@ PREEMPT = Trace(Header("preempt"), [Prefill(i, s, "a", 100) for i, s in enumerat
 IMPLIED = {
     "tier: free": "free = capacity - stored - storing, each compared before it "
                   "(tier: stored + storing + free = capacity)",
+    "ledger: blocks_free": "blocks_free = num_blocks - blocks_used, compared before it "
+                           "(identity: used + free = pool)",
+    "ledger: token_capacity": "num_blocks * block_size (identity: token capacity)",
+    "ledger: block_usage": "blocks_used / num_blocks, blocks_used compared before it "
+                           "(identity: usage by blocks)",
+    "ledger: slot_usage": "token_states / (num_blocks * block_size), token_states compared before "
+                          "it (identity: usage by slots)",
 }
 
 CASES = {
@@ -240,6 +254,24 @@ CASES = {
     # LRU over 4 full blocks, 0 and 1 last used at op 2: the tie goes to the smaller id, 0.
     "victims": Case(LruTiesWrongWay, make_trace(P(1, 16), P(0, 16), A((1, 16), (0, 16)), P(2, 16)), 3,
                     "victims", [0], [1], config={"num_blocks": 4, "policy": "lru"}),
+
+    # --- the ledger's figures that an identity would otherwise catch first: wrong together
+    # with what the identity reads (after op 0: 3 blocks of 8 used, 40 tokens) ---
+    # Used 4 (4 + 4 = 8, usage by blocks 4 / 8), as reported.
+    "ledger: blocks_used": Case(
+        misreports("block_usage", lambda led: led.blocks_used / 8, base=misreports(
+            "blocks_used", lambda led: led.blocks_used + 1,
+            base=misreports("blocks_free", lambda led: led.blocks_free - 1, base=NoStructures))),
+        TRACE, 0, "blocks_used", 3, 4, control=NoStructures),
+    "ledger: token_states": Case(misreports("slot_usage", lambda led: led.token_states / 128,
+                                            base=misreports("token_states", lambda led: led.token_states + 1)),
+                                 TRACE, 0, "token_states", 40, 41),  # 41 / (8 * 16), as reported
+    "ledger: cached_blocks": Case(misreports("cached_blocks", lambda led: 1, base=NoStructures), TRACE, 0,
+                                  "cached_blocks", 0, 1, control=NoStructures),  # 1 <= 5 free
+    # Hybrid: 3 + 3 blocks, reported 4 + 2 (the sum still blocks_used).
+    "ledger: group_blocks": Case(misreports("group_blocks", lambda led: (led.group_blocks[0] + 1,
+                                                                        led.group_blocks[1] - 1)),
+                                 TRACE, 0, "group_blocks", (3, 3), (4, 2), config={"model": HYBRID}),
 
     # --- SPEC §10 from the ledger (after op 0: 3 blocks used, 5 free of 8; 40 tokens) ---
     "identity: no negative number": Case(
@@ -346,10 +378,11 @@ CASES = {
     # The append of op 6 writes 0's position 100 (the tail block's, 6 * 16 + 4); overwritten.
     "kv: the positions written": Case(overwrites(0, 100, at_call=7), make_trace(*WIDE, A((0, 1),), X(0)),
                                       6, "kv of sequence 0", config=ROOMY),
-    # 0, 1 and 2 share 0's tail (positions 32 .. 39); 1 copies it to append at op 6, and 0's
-    # slot 33 is overwritten then: read there as a sharer's.
+    # 0, 1 and 2 share 0's tail (positions 96 .. 99); 1 copies it to append at op 6, and 0's
+    # slot 97 is overwritten then: read there as a sharer's (a random window of 64 of 0's 100
+    # positions holds 97 only when it starts at 36).
     "kv: the sharers of a written tail": Case(
-        overwrites(0, 33, at_call=7), make_trace(P(0, 40), K(1, 0), K(2, 0), *WIDE[3:], A((1, 1),),
+        overwrites(0, 97, at_call=7), make_trace(P(0, 100), K(1, 0), K(2, 0), *WIDE[3:], A((1, 1),),
                                                  *[X(s) for s in (1, 0, 2, 3, 4, 5)]), 6,
         "kv of sequence 0", config=ROOMY),
     "kv: a new sequence whole": Case(overwrites(2, 0, at_call=3), make_trace(*WIDE, X(0)), 2,
@@ -365,8 +398,8 @@ CASES = {
     "kv: the random window": Case(overwrites(1, 50, at_call=3), make_trace(*WIDE, *[A((0, 1),)] * 40),
                                   None, "kv of sequence 1", detail="into the caller's buffer",
                                   config=ROOMY),
-    # The last op touches 0 only: sequence 5's slot is read by the end's check alone.
-    "kv: every sequence at the end": Case(overwrites(5, 50, at_call=7), make_trace(*WIDE, A((0, 1),)), 6,
+    # The last op touches 0 only: sequence 5's slot 99 is read by the end's check alone.
+    "kv: every sequence at the end": Case(overwrites(5, 99, at_call=7), make_trace(*WIDE, A((0, 1),)), 6,
                                           "kv of sequence 5", config=ROOMY),
     "kv: equal to what was written": Case(CopyWithoutData, make_trace(P(0, 40), K(1, 0), A((1, 1),)), 2,
                                           "kv of sequence 1", "what it wrote or inherited",
@@ -401,12 +434,15 @@ CASES = {
                                     config={"prefix_caching": True, "num_blocks": 16}),
     **{f"tier: {f}": Case(tier_reports(tier_field(f)), TIER_TRACE, 1, f"tier host {f}",
                           config={"prefix_caching": True, "num_blocks": 16})
-       for f in checks.TIER_FIELDS if f"tier: {f}" not in IMPLIED},
+       for f in checks.TIER_FIELDS if f"tier: {f}" not in IMPLIED and f != "loading"},
+    # After the store completed (op 2): 2 stored, 0 loading, reported 1 (still <= stored).
+    "tier: loading": Case(tier_reports(tier_field("loading"), at_call=2), TIER_TRACE, 2, "tier host loading",
+                          0, 1, config={"prefix_caching": True, "num_blocks": 16}),
 }
 
 # Checks whose cases live in another file: the ledger's fields, one case per field.
 ELSEWHERE = {f"ledger: {f}": "test_ledger_quantities.py::test_paged_backend_wrong_in_one_quantity_fails_there"
-             for f in PAGED}
+             for f in PAGED if f"ledger: {f}" not in CASES and f"ledger: {f}" not in IMPLIED}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -434,7 +470,7 @@ def test_every_check_has_a_case():
     assert named - set(CASES) - set(ELSEWHERE) - set(IMPLIED) == set(), "checks without a case"
     assert set(CASES) - named == set(), "cases of no check"
     assert set(ELSEWHERE) | set(IMPLIED) <= named
-    assert not set(CASES) & set(IMPLIED)
+    assert not set(CASES) & set(IMPLIED) and not set(CASES) & set(ELSEWHERE)
 
 
 def _template(node) -> str | None:
