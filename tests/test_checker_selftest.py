@@ -335,7 +335,7 @@ CASES = {
     # op 2 copies the shared tail into block 3 (the top of the free list [3 .. 7]): 4 stay free.
     "mirror: the free list continues": Case(
         reports_state(changes(lambda c, s: setattr(c, "free_size", 99)), whole=False, at_call=3),
-        TRACE, 2, "free blocks", "a changed head above 5 entries at most", 99 - len([])),
+        TRACE, 2, "free blocks", "a changed head above 5 entries at most", 99),  # no entry changed
     "mirror: free ids in the pool": Case(
         reports_state(changes(lambda c, s: (c.free_head.insert(0, 99), setattr(c, "free_size", c.free_size + 1))),
                       whole=False, at_call=3), TRACE, 2, "block ids", f"in 0..{N - 1}", 99),
@@ -359,8 +359,8 @@ CASES = {
                                 "block table of sequence 0, group 0", [0, 1, 2], [1, 0, 2]),
     "order: free, whole": Case(reports_state(edit(free=lambda s: s.free[::-1])), TRACE, 0,
                                "free blocks (next taken first)", [3, 4, 5, 6, 7], [7, 6, 5, 4, 3]),
-    # op 4 (a sweep: 4 + 1 = 5 is not a power of 2, so the next is op 7) -- whole at the last
-    # op: X(4) frees the last sequence: 4 blocks cached, 0's three oldest first.
+    # The last op (9, X(4), a sweep) leaves the 7 prompt blocks cached (3 + 1 + 1 + 1 + 1 of the
+    # 8), reported newest first.
     "order: cached, whole": Case(reports_state(edit(cached=lambda s: s.cached[::-1]), at_call=10),
                                  CACHED, 9, "cached blocks (next evicted first)",
                                  config={"prefix_caching": True}),
