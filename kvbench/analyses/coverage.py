@@ -23,7 +23,7 @@ from kvbench.contract import registry
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
 
 IMPLS = Path(__file__).resolve().parents[2] / "impls"
-CUT_HIT = "hit cut short by a sliding window"
+CUT_HIT = "hit cut short by a window (a sliding, chunked or sinks group)"
 # What the trace's operations say alone, beside what the replay reaches.
 BY_OPS = {
     "fork": lambda op: op.kind == "fork",
