@@ -78,7 +78,8 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "prefix-salts", "edge-decode", "hybrid-decode",
              "lifecycle-chunked", "lifecycle-speculative", "lifecycle-preempt",
              "tier-turns",
-             "variant-chunked", "variant-sinks", "variant-mla"]
+             "variant-chunked", "variant-sinks", "variant-mla",
+             "hybrid-cut-hits"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
                 "edge-eviction", "edge-decode"]
