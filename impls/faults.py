@@ -23,6 +23,7 @@ from impls.faults_edges import EDGE_BUGS
 from impls.faults_tiers import TIER_BUGS
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantSteps
+from kvbench.contract import formulas as F
 from kvbench.contract.protocol import OutOfMemory
 
 # --- the faults tests/test_faults.py plants at a chosen step --------------------------------
@@ -284,6 +285,32 @@ class HitPastMissingWindow(NumpyPaged):
                 found = found[cut:]  # the blocks after the last missing one
             hits.append(np.array(found, dtype=np.intp))
         return L, hits
+
+
+class CutHitRoomCountsLongerWindow(NumpyPaged):
+    """The room a hybrid hit needs, when the sliding window cuts it short, adds the cached blocks
+    the longer hit's window would have taken back: those both windows hold count twice, and an
+    exact fit is refused."""
+
+    _keys = ()  # the prompt's block keys, while its prefill makes room
+
+    def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
+        self._keys = keys
+        try:
+            return super()._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
+        finally:
+            self._keys = ()
+
+    def _make_room(self, need_fn, protect_rows):
+        keys = self._keys
+
+        def need(refcount):
+            L, top = self._hit_plan(keys)[0], _full_run(self, keys)
+            longer = [self.by_hash.get((g, keys[i])) for g, group in enumerate(self.groups)
+                      if group.releases for i in F.held_blocks(top * self.B, group, self.B)] \
+                if 0 < L < top else []
+            return need_fn(refcount) + sum(b is not None and refcount[b] == 0 for b in longer)
+        return super()._make_room(need, protect_rows)
 
 
 class SlidingHitLikeFull(NumpyPaged):
@@ -665,6 +692,8 @@ CATALOGUE = [
     Bug("hybrid hit past a sliding window the cache lacks", "vLLM #50457", HitPastMissingWindow, True),
     Bug("hybrid hit: the sliding group held to a full group's rule", "vLLM #50457",
         SlidingHitLikeFull, True),
+    Bug("a hybrid hit cut short by the window: its room counts the longer hit's window too",
+        "kvbench #30", CutHitRoomCountsLongerWindow, False),
     Bug("hit length rounded to an LCM of the groups' units", "vllm-ascend #16270",
         LcmHitGranularity, True),
     Bug("salt and adapter name untagged in the block hash", "vLLM #44701", UntaggedExtraKeys, True),

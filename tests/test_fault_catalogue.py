@@ -255,3 +255,25 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
         assert (row["caught"], row["workload"]) == ("yes", workload), name
         assert (d.step, d.quantity, d.expected, d.actual) == where[fault], (name, str(d))
     assert "first wrong position 0" in table[T.TIER_BUGS[1][0]]["divergence"].detail
+
+
+def test_a_cut_hit_fault_fails_the_default_run_at_hybrid_cut_hits(table):
+    trace = suite.load_traces([suite.WORKLOADS_DIR / "hybrid-cut-hits.jsonl"])[0]
+    ops = trace.ops
+    # tiny-hybrid in blocks of 8: sliding(32), then full. A hit of L blocks needs the sliding
+    # blocks covering [8L - 31, 8L): h = 4 of them, so K = h + 2 groups = 6 prompt blocks. After
+    # 4 decode steps of 8, a holds 6 + 4 = 10 full blocks and 4 sliding: a budget of
+    # 14 + 6 cached = 20 blocks, which the first prefill (80 = 10 * 8 tokens, both groups) takes.
+    assert trace.header.groups == ("sliding(32)", "full") and trace.header.settings["block_size"] == 8
+    assert trace.header.settings["num_blocks"] == 20
+    assert [(op.kind, getattr(op, "seq", None), getattr(op, "tokens", None)) for op in ops[:12]] == [
+        ("prefill", 0, 80), ("free", 0, None), ("prefill", 1, 48), *[("append", None, (8,))] * 4,
+        ("prefill", 2, 40), ("free", 2, None), ("prefill", 3, 8), ("free", 3, None), ("prefill", 4, 48)]
+    # Step 11: sequence 4's 6 blocks; the full group has all 6 (sequence 1's), the sliding group
+    # lost block 5 (step 9 evicted the 2 oldest cached: sliding blocks 0 and 5), so the hit is
+    # cut to 5 blocks: 2 new (block 5 in each group) + the 4 cached sliding blocks 1 .. 4 taken
+    # back = 6, and 2 free + 4 cached = 6: an exact fit. The fault adds the cached blocks of a
+    # 6-block hit's window (2 .. 5: 2, 3, 4 cached): 6 + 3 = 9 > 6, refused.
+    d = table["a hybrid hit cut short by the window: its room counts the longer hit's window too"]["divergence"]
+    assert (d.trace, d.step, d.quantity, d.expected, d.actual) == (
+        "hybrid-cut-hits", 11, "outcome of prefill", "success", "out-of-memory")

@@ -22,7 +22,7 @@ DEFAULT_BLOCKS = 256
 # tests/test_edges.py, the isolation family (tests/test_prefix_caching.py) and hybrid decode
 # (tests/test_fault_catalogue.py).
 EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
-                 "salted_prefixes", "window_decode"}
+                 "salted_prefixes", "window_decode", "window_hits"}
 # Scheduler lifecycles (SPEC §13), as small: tests/test_lifecycles.py, tests/test_fault_catalogue.py.
 LIFECYCLE_FAMILIES = {"chunked_prefill", "speculative_forks", "preemption"}
 

@@ -240,6 +240,16 @@ class Oracle:
         sinks' and the window's). Returns L and, per group, {position: cached block}."""
         if not keys:
             return 0, [{} for _ in self.groups]
+        for L in range(self.full_run(keys), 0, -1):
+            need = [F.held_blocks(L * self.B, group, self.B) for group in self.groups]
+            if all((g, keys[i]) in self.by_hash for g, rel in enumerate(self.releasing) if rel
+                   for i in need[g]):
+                return L, [{i: self.by_hash[(g, keys[i])][0] for i in need[g]}
+                           for g in range(len(self.groups))]
+        return 0, [{} for _ in self.groups]
+
+    def full_run(self, keys) -> int:
+        """How many of the prompt's blocks, from the first, every full group has cached."""
         top = len(keys)
         for g, rel in enumerate(self.releasing):
             if not rel:
@@ -247,13 +257,7 @@ class Oracle:
                 while run < top and (g, keys[run]) in self.by_hash:
                     run += 1
                 top = run
-        for L in range(top, 0, -1):
-            need = [F.held_blocks(L * self.B, group, self.B) for group in self.groups]
-            if all((g, keys[i]) in self.by_hash for g, rel in enumerate(self.releasing) if rel
-                   for i in need[g]):
-                return L, [{i: self.by_hash[(g, keys[i])][0] for i in need[g]}
-                           for g in range(len(self.groups))]
-        return 0, [{} for _ in self.groups]
+        return top
 
     def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
         """(L, per group the cached blocks taken by position, how many count as hits).

@@ -150,6 +150,9 @@ CANONICAL = [
       "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
       "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
       "budget_fraction": 0.6}, 0),
+    # A hybrid hit cut short by the sliding window (the full group has every prompt block, the
+    # window's last block was evicted), taking back older cached blocks, in an exact fit.
+    ("hybrid-cut-hits.jsonl", "window_hits", {"model": "tiny-hybrid", "rounds": 3, "block_size": 8}, 0),
 ]
 
 

@@ -16,7 +16,8 @@
   eviction right after a wide decode step or a fork, several tails spilling into too few free
   blocks, 10^4 operations.
 - ``window_decode`` (kvbench.traces.hybrid): one-token and multi-token decode steps across a
-  sliding window's block and window edges, before and after a fork.
+  sliding window's block and window edges, before and after a fork; ``window_hits``: a prefix
+  hit cut short by a sliding window, taking back older cached blocks.
 - ``salted_prefixes`` (kvbench.traces.isolation): one prompt under several salts and adapters,
   named by block hashes and by token ids (which blocks may be shared, SPEC §9).
 - ``chunked_prefill``, ``speculative_forks``, ``preemption`` (kvbench.traces.lifecycles): SPEC
@@ -49,7 +50,7 @@ from kvbench.traces.builder import (
 )
 from kvbench.traces.edges import decode_edges, eviction_edges, long_history, refusals, wide_forks
 from kvbench.traces.format import Trace
-from kvbench.traces.hybrid import hybrid_windows, window_decode
+from kvbench.traces.hybrid import hybrid_windows, window_decode, window_hits
 from kvbench.traces.isolation import salted_prefixes
 from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks
 from kvbench.traces.tier_workloads import agentic_prefix, tiered_turns
@@ -410,6 +411,7 @@ FAMILIES = {
     "salted_prefixes": salted_prefixes,
     "decode_edges": decode_edges,
     "window_decode": window_decode,
+    "window_hits": window_hits,
     "chunked_prefill": chunked_prefill,
     "speculative_forks": speculative_forks,
     "preemption": preemption,
@@ -434,6 +436,6 @@ def generate(family: str, seed: int = 0, **params) -> Trace:
 __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
     "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
-    "salted_prefixes", "decode_edges", "window_decode", "chunked_prefill", "speculative_forks",
+    "salted_prefixes", "decode_edges", "window_decode", "window_hits", "chunked_prefill", "speculative_forks",
     "preemption", "FAMILIES", "generate",
 ]

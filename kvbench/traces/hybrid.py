@@ -148,6 +148,63 @@ def window_decode(seed: int = 0, *, model: str = "tiny-hybrid", rounds: int = 2,
                    settings={"model": model, "block_size": B, "num_blocks": num_blocks})
 
 
+def window_hits(seed: int = 0, *, model: str = "tiny-hybrid", rounds: int = 3,
+                block_size: int = 8) -> Trace:
+    """Prefix hits cut short by a sliding window, then older cached blocks reused (SPEC §8).
+
+    On a model of full groups and one sliding group (window W), with B = ``block_size`` and K
+    prompt blocks named by block hashes (new ones each round). Each round: a prefill of the
+    whole budget's blocks of its own tokens, freed (every block free, none cached: the counts
+    below hold in every round); a prefills the K blocks (its window releases the first ones
+    into the cache) and decodes W tokens, B at a time (every prompt block of its sliding group
+    released, hashed: cached); b prefills the first K - 1 blocks, a whole-prompt hit that takes
+    back the sliding blocks of its window, and is freed (they go back to the cache, the most
+    recent); c, of its own tokens, takes the G oldest cached blocks (G groups; no free one is
+    left), among them the sliding group's block K - 1, and is freed. d prefills all K blocks:
+    the full groups have every one (a holds them), the sliding group lacks block K - 1, so the
+    hit is cut to K - 1 blocks, taking back the h older cached blocks of its window (K = h + G:
+    the budget is what a holds plus its K cached blocks, and d's G new blocks and h cached ones
+    are an exact fit). One of a and d (drawn from the seed) is freed, and e prefills the K blocks
+    and 0 .. B - 1 tokens of its own: a whole hit, the full groups' block K - 1 the one a wrote
+    (held or cached), the sliding group's the one d wrote; the other two are freed.
+    """
+    params = _recorded(dict(locals()))
+    spec = F.get_model(model)
+    groups = spec.kv_groups
+    sliding = [g for g in groups if g.window is not None]
+    if len(sliding) != 1 or any(g.releases for g in groups if g.window is None):
+        raise ValueError(f"window_hits: model {model!r} must have one sliding group beside full ones")
+    W, G = sliding[0].window, len(groups)
+    B = _positive_int("block_size", block_size, 2)
+    _positive_int("rounds", rounds)
+    rng = np.random.default_rng(seed)
+    h = len(F.held_blocks(W + B * (W // B + 2), sliding[0], B))  # a hit past the window needs h
+    K = h + G
+    steps = -(-W // B)  # a's decode: W tokens or more, B at a time
+    num_blocks = sum(len(F.held_blocks((K + steps) * B, g, B)) for g in groups) + K
+    if num_blocks % G:
+        raise ValueError(f"window_hits: a budget of {num_blocks} blocks is no multiple of the "
+                         f"{G} groups of model {model!r}: no prefill takes it all")
+    b = _Builder()
+    for r in range(rounds):
+        b.free(b.prefill(num_blocks // G * B))
+        hashes = [f"w{r}.{i}" for i in range(K)]
+        a = b.prefill(K * B, block_hashes=hashes)
+        for _ in range(steps):
+            b.append([a], [B])
+        b.free(b.prefill((K - 1) * B, block_hashes=hashes[:-1]))
+        b.free(b.prefill(B))  # G blocks: the cache's G oldest
+        d = b.prefill(K * B, block_hashes=hashes)
+        first, second = rng.permutation([a, d]).tolist()
+        b.free(first)
+        e = b.prefill(K * B + int(rng.integers(B)), block_hashes=hashes)
+        b.free(second)
+        b.free(e)
+    return b.trace("window_hits", params, seed, name="window_hits",
+                   groups=tuple(g.kind for g in groups),
+                   settings={"model": model, "block_size": B, "num_blocks": num_blocks})
+
+
 def _budget(family: str, ops, model, block_size: int, num_blocks, budget_fraction: float) -> int:
     """``num_blocks``, by default ``ceil(budget_fraction * peak)``, and never below what one
     operation takes (see :func:`_peak_and_demand`)."""
@@ -198,4 +255,4 @@ def _tenants(tenants) -> list:
     return out
 
 
-__all__ = ["hybrid_windows", "window_decode", "TENANTS"]
+__all__ = ["hybrid_windows", "window_decode", "window_hits", "TENANTS"]
