@@ -105,6 +105,8 @@ REMOVALS = {
     "kv: the shape read back": (K, 'return (seq, "what it wrote or inherited"', 'return None and (seq, "what it wrote or inherited"', 1),
     "kv: within the quantization bound": (K, 'return ("within the quantization bound", "outside", why) if why else None',
                                           "return None", 1),
+    "state: equal to the recurrence": (K, "if not np.array_equal(got[i].astype(np.int64), w):", OFF, 1),
+    "state: the shape read back": (K, "if got.shape[1:] != w.shape or len(got) != len(want):", OFF, 1),
     "tier: the blocks a store stored": (T, "if sorted(got) != sorted(positions):", OFF, 1),
     "tier: the content a store stored": (T, "if have.shape != want.shape or not np.array_equal(have, want):", OFF, 1),
     "tier: one ledger per tier": (T, "if len(actual) != len(expected):", OFF, 1),

@@ -22,7 +22,7 @@ from conftest import A, K, P, X, counting_calls, make_config, make_trace
 from planted import raising_in
 from test_ledger_quantities import PAGED
 
-from impls.faults import CopyWithoutData, LruTiesWrongWay
+from impls.faults import CopyWithoutData, LruTiesWrongWay, StateNotZeroed
 from impls.faults_edges import ExactFitRefused, Int4CopyWithoutZeroPoint, PrefillKeepsBlockOnRefusal
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking import checks
@@ -150,6 +150,14 @@ class TakesWhatCannotFit(NumpyPaged):
             return ()
 
 
+class StateOneTooMany(NumpyPaged):
+    """read_state gives its state groups' states and one more."""
+
+    def read_state(self, seq):
+        got = super().read_state(seq)
+        return np.concatenate([got, got[:1]])
+
+
 class ReadsOneShort(NumpyPaged):
     """Every read gives one position fewer than asked."""
 
@@ -207,6 +215,7 @@ HYBRID = F.get_model("tiny-hybrid")
 # check under test reads it.
 WIDE = [P(s, 100) for s in range(6)]
 ROOMY = {"num_blocks": 64}  # 6 * 7 = 42 blocks and more
+MAMBA = {"model": F.get_model("tiny-mamba"), "block_size": 8, "num_blocks": 64}
 # Tiers: sequence 0's two hashed blocks stored to host (transfer 1) and completed at op 2.
 TIERS = (TierSpec("host", 4),)
 TIER_TRACE = validate(Trace(Header("tiers", tiers=TIERS),
@@ -411,6 +420,14 @@ CASES = {
                                               make_trace(P(0, 40), K(1, 0), A((1, 1),)), 2,
                                               "kv of sequence 1", "within the quantization bound",
                                               "outside", control=Int4CopyWithoutZeroPoint.__mro__[1]),
+
+    # --- states (SPEC §12), tiny-mamba in blocks of 8: 0 frees its blocks, 1's prefill takes
+    # 0's last block back (the free stack), whose state is 0's ---
+    "state: equal to the recurrence": Case(StateNotZeroed, make_trace(P(0, 20), X(0), P(1, 20)), 2,
+                                           "state of sequence 1", "the state after its 20 tokens",
+                                           config=MAMBA),
+    "state: the shape read back": Case(StateOneTooMany, make_trace(P(0, 20)), 0, "state of sequence 0",
+                                       detail="one state per state group", config=MAMBA),
 
     # --- tiers (SPEC §11): op 1 begins the store, op 2 completes it ---
     "tier: the blocks a store stored": Case(reads_stored(lambda got: {p: got[p] for p in list(got)[:1]}),

@@ -145,6 +145,10 @@ CONTENT = (  # K/V read back (the checker's verify, reporting 'kv of sequence {}
        "as many positions as asked, each of the model's K/V shape"),
     _c("kv: within the quantization bound", "content", "Content._wrong",
        "within the quantization bound", "a quantized pool's read-back, SPEC §4's bound"),
+    _c("state: equal to the recurrence", "checker", "_Replay.verify", "state of sequence {}",
+       "each state group's state (read_state) is the recurrence over every token from zeros"),
+    _c("state: the shape read back", "content", "Content.state_mismatch", "{seq}",
+       "one state per state group, each of the group's state shape"),
 )
 
 TIERS = (  # SPEC §11
