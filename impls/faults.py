@@ -20,7 +20,7 @@ import numpy as np
 
 from impls.contiguous import Contiguous
 from impls.faults_edges import EDGE_BUGS
-from impls.faults_tiers import TIER_BUGS
+from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantSteps
 from kvbench.contract.protocol import OutOfMemory
@@ -681,4 +681,5 @@ CATALOGUE = [
     Bug("a resumed sequence reads the blocks it held before (another's by then)", "kvbench §13",
         ResumeIntoOldBlocks, False),
 ] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS] \
-  + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS]
+  + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS] \
+  + [Bug(name, upstream, fault, False) for name, upstream, fault in SWAP_BUGS]

@@ -51,7 +51,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
-                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",),
+                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla"))
 
     def __init__(self, config: CacheConfig):
@@ -743,7 +743,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         return ()
 
     def free(self, seq, *, step=0):
-        self._drop_row(self._row(seq))
+        if not self._drop_swapped(seq):  # a swapped sequence holds blocks of a tier only
+            self._drop_row(self._row(seq))
 
     def _reservation(self) -> int:
         """Slots of private tails that later tokens of their sequence will fill, summed; each

@@ -18,7 +18,8 @@ from kvbench.quant.pool import scheme_of
 
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True, tiers=())  # not yet
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True, tiers=(),  # not yet
+                                       swap=False)
     compiled = None  # quantize by the compiled kernels where numba is installed, else the NumPy steps
 
     def __init__(self, config):

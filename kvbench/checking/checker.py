@@ -83,7 +83,7 @@ def applicable(trace: Trace, backend: Backend) -> str:
 
 def lifecycle(trace: Trace) -> set:
     """The scheduler lifecycles (SPEC §13) the trace uses: 'speculative' (an accept), 'chunked'
-    (a prefill of a prompt's first chunk), 'preempt'."""
+    (a prefill of a prompt's first chunk), 'preempt', 'swap' (a preempt by swap)."""
     ops = trace.ops
     ops = ops.side.values() if isinstance(ops, OpTable) else ops
     used = set()
@@ -91,7 +91,7 @@ def lifecycle(trace: Trace) -> set:
         if op.kind == "accept":
             used.add("speculative")
         elif op.kind == "preempt":
-            used.add("preempt")
+            used.update(("preempt", "swap") if op.mode == "swap" else ("preempt",))
         elif op.kind == "prefill" and op.prompt_tokens is not None:
             used.add("chunked")
     return used
@@ -110,6 +110,9 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
         if any(w is not None for w in (g.window for g in model.kv_groups)):
             return (f"a rollback under the sliding window of model {model.name} would need blocks "
                     f"the window already released: not modelled")
+    if "swap" in used and not caps.swap:
+        return (f"{backend.name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
+                f"its tiers)")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):
         return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
     return ""
@@ -390,7 +393,10 @@ class _Replay:
         self.touches.setdefault(self.tenant_of[seq], [0, 0])[miss] += 1
 
     def restore(self, seq, protect):
-        """Recompute an evicted sequence (its old content, its current length) before the op."""
+        """Recompute an evicted sequence (its old content, its current length) before the op;
+        swap a swapped one in."""
+        if self.tiered is not None and seq in self.oracle.swapped:
+            return self.tiered.swap_in(seq, protect)
         st = self.oracle.preempted[seq]
         segments = list(st.segments)
         step = self.op.step
@@ -534,14 +540,18 @@ class _Replay:
     def free(self, op) -> None:
         if op.seq in self.refused:
             return
+        swapped = self.tiered is not None and op.seq in self.oracle.swapped  # a tier holds it
         evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
         if not evicted and self.gather == "touched":
             self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
+        evicted = evicted and not swapped
         self.oracle.free(op.seq)
         self.drafted.pop(op.seq, None)
         self.mark(op.seq, kv=False)
         if self.backend is not None and not evicted:
             self.free_call(op.seq, op.step)
+        if swapped:  # its blocks left the tier
+            self.tiered.compare()
 
     def free_call(self, seq, step) -> None:
         """The backend's free of ``seq``; its exception is the backend's FAIL."""
@@ -569,15 +579,18 @@ class _Replay:
         self.mark(op.seq, max(0, new - B))
 
     def preempt(self, op) -> None:
-        """Preemption by recompute (SPEC §13): the backend frees the sequence; the oracle keeps
-        its content for the resume."""
+        """Preemption (SPEC §13): by recompute the backend frees the sequence, the oracle keeps
+        its content for the resume; by swap both move it to a tier (the tier replay's)."""
         if op.seq in self.refused or op.seq in self.oracle.preempted:
             return  # refused, or already evicted: nothing left to free
         if self.gather == "touched":
             self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
-        self.oracle.preempt(op.seq)
         self.mark(op.seq, kv=False)
         self.verdict.preemptions += 1
+        if op.mode == "swap":
+            self.tiered.swap_out(op)
+            return
+        self.oracle.preempt(op.seq)
         if self.backend is not None:
             self.free_call(op.seq, op.step)
 

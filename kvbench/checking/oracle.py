@@ -556,6 +556,14 @@ class Oracle:
 
     def recompute(self, seq, step, protect=()) -> list:
         """Re-prefill an evicted sequence to its current length, with the content it had."""
+        victims = self.reprefill(seq, step, protect)
+        st = self.seqs[seq]
+        self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
+        return victims
+
+    def reprefill(self, seq, step, protect=()) -> list:
+        """A preempted sequence back on the device: a prefill of its tokens (its prompt's hits
+        first) with the content it had."""
         st = self.preempted[seq]
         p = st.prompt
         victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, p.get("hashes"),
@@ -564,7 +572,6 @@ class Oracle:
                                **({"prompt_tokens": p["prompt_tokens"]} if "prompt_tokens" in p else {}))
         self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
-        self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
         return victims
 
     def append(self, seqs, tokens, step, drafts=None) -> list:

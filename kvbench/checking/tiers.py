@@ -157,16 +157,26 @@ class Tier:
     bytes_down: int = 0
     bytes_up: int = 0
     hits: int = 0
+    # SPEC §13's swap: sequence -> blocks of it the tier holds (stored, by no key: never a hit,
+    # never a victim of the policy, dropped at the resume or the free)
+    swapped: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.policy = POLICY_CLASSES[self.spec.policy](self.spec.capacity)
 
+    def held(self) -> int:
+        return len(self.entries) + sum(self.swapped.values())
+
+    def evictable(self, keep=()):
+        """Whether a key may be evicted: stored, read by no load, not in ``keep``."""
+        return lambda k: k not in keep and self.entries[k].state == STORED and not self.entries[k].loads
+
     def ledger(self) -> TierLedger:
         storing = sum(1 for e in self.entries.values() if e.state == STORING)
         loading = sum(1 for e in self.entries.values() if e.loads)
-        stored = len(self.entries) - storing
+        stored = self.held() - storing
         return TierLedger(self.spec.name, self.spec.capacity, stored, storing, loading,
-                          self.spec.capacity - len(self.entries), self.bytes_down, self.bytes_up,
+                          self.spec.capacity - self.held(), self.bytes_down, self.bytes_up,
                           self.hits)
 
 
@@ -253,9 +263,8 @@ class Tiers:
             if key in t.entries:
                 plan.skipped.append(key)
                 continue
-            if len(t.entries) >= t.spec.capacity:
-                victim = t.policy.victim(lambda k: k not in mine and t.entries[k].state == STORED
-                                         and not t.entries[k].loads)
+            if t.held() >= t.spec.capacity:
+                victim = t.policy.victim(t.evictable(mine))
                 if victim is None:
                     plan.refused.append(key)
                     continue
@@ -269,6 +278,42 @@ class Tiers:
                 self.leases[block] = self.leases.get(block, 0) + 1
         self.transfers[tid] = Transfer("store", seq, tier, plan.begun)
         return plan
+
+    # --- swap (SPEC §13) --------------------------------------------------------------------
+
+    def swap_out(self, seq: int, tier: int, blocks: int) -> list | None:
+        """Move ``blocks`` blocks of ``seq`` to tier ``tier`` at once: the policy evicts stored
+        blocks no load reads until they fit; None (nothing changed) when even that is not enough.
+        Returns the keys evicted."""
+        t = self.tiers[tier]
+        evictable = t.evictable()
+        if t.spec.capacity - t.held() + sum(map(evictable, t.policy.order_of())) < blocks:
+            return None
+        evicted = []
+        while t.spec.capacity - t.held() < blocks:
+            victim = t.policy.victim(evictable)
+            t.policy.evict(victim)
+            del t.entries[victim]
+            evicted.append(victim)
+        t.swapped[seq] = blocks
+        t.bytes_down += blocks * self.block_bytes
+        return evicted
+
+    def swap_in(self, seq: int, moved: int) -> None:
+        """``seq``'s swapped blocks leave their tier, ``moved`` of them copied up (the others the
+        device's prefix cache already held)."""
+        t = self.swap_tier(seq)
+        del t.swapped[seq]
+        t.bytes_up += moved * self.block_bytes
+
+    def swap_drop(self, seq: int) -> None:
+        """A swapped sequence freed: its blocks leave the tier, moved nowhere."""
+        t = self.swap_tier(seq)
+        if t is not None:
+            del t.swapped[seq]
+
+    def swap_tier(self, seq: int):
+        return next((t for t in self.tiers if seq in t.swapped), None)
 
     # --- load ----------------------------------------------------------------------------
 

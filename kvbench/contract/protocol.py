@@ -112,6 +112,8 @@ class Capabilities:
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
     tiers: tuple = ()
+    # SPEC §13: preempts by swap through those tiers (swap_out, swap_in: tier_replay names them).
+    swap: bool = False
 
     def __post_init__(self):
         if self.devices is not None:

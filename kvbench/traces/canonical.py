@@ -139,6 +139,11 @@ CANONICAL = [
       "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
       "fork_rate": 0.25, "concurrency": 4, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
       "budget_fraction": 0.6}, 0),
+    # Preemption by swap (SPEC §13 over §11): up to three requests swapped to a host tier of 8
+    # blocks at once, resumed first come first served; one the tier cannot hold is recomputed.
+    ("lifecycle-swap.jsonl", "swap_preemption",
+     {"num_requests": 10, "prompt": [10, 40], "output": [30, 80], "decode_chunk": 8,
+      "num_blocks": 20, "block_size": 16, "host": 8}, 0),
 ]
 
 
