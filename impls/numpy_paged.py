@@ -570,11 +570,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         r = self._row(seq)
         new = int(self.tokens[r]) - (drafted - n)
         keep, nb = -(-new // self.B), int(self.nblocks[r])
-        gone = [t[r, keep:nb][::-1].copy() for t in self.tables]
+        gone = [t[r, keep:nb].copy() for t in self.tables]
         for t in self.tables:
             t[r, keep:nb] = -1
-        gone = np.concatenate(gone)
-        self._release_blocks(gone[gone >= 0])
+        self._past_length(r, gone)
         self.nblocks[r] = keep
         if keep:
             tails = np.array([t[r, keep - 1] for t in self.tables], dtype=np.intp)
@@ -582,6 +581,12 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.tokens[r] = new
         self.dirty.add(r)
         return ()
+
+    def _past_length(self, r, gone) -> None:
+        """The blocks an accept left wholly past row ``r``'s length (per group, by position):
+        released, group by group, each from the tail."""
+        gone = np.concatenate([g[::-1] for g in gone])
+        self._release_blocks(gone[gone >= 0])
 
     def _append(self, seqs, tokens, kv, step):
         if len(seqs) <= SMALL_BATCH and self._decode_small(seqs, tokens, kv, step):

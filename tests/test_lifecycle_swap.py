@@ -5,6 +5,7 @@ while a pool that resumes from the wrong slots, or takes the checker's values in
 tier's, fails at the resume."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -150,12 +151,16 @@ def test_a_resume_that_takes_the_values_handed_to_it_fails_at_the_resume():
 
 
 @pytest.mark.parametrize("name", ["torch", "python-objects"])
-def test_a_backend_without_swap_is_not_applicable_with_the_reason(name):
+def test_a_backend_without_tiers_or_swap_is_not_applicable_with_the_reason(name):
     entry = registry.resolve(name)
     ok, why = entry.available()
     if not ok:
         pytest.skip(why)
     v = check(swap_trace(), entry.create(make_config(num_blocks=8, prefix_caching=True)))
+    assert v.valid is None and "declares no tiers (SPEC §11)" in v.not_applicable
+    no_swap = type("NoSwap", (NumpyPaged,), {"capabilities": dataclasses.replace(
+        NumpyPaged.capabilities, swap=False)})
+    v = check(swap_trace(), no_swap(make_config(num_blocks=8, prefix_caching=True)))
     assert v.valid is None
-    assert v.not_applicable == (f"{entry.create(make_config()).name} does not preempt by swap "
-                                f"(SPEC §13: swap_out and swap_in over its tiers)")
+    assert v.not_applicable == ("numpy does not preempt by swap (SPEC §13: swap_out and swap_in "
+                                "over its tiers)")

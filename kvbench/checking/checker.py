@@ -69,6 +69,9 @@ def applicable(trace: Trace, backend: Backend) -> str:
     refused = refuse_kinds(backend.name, caps, model)
     if refused:
         return refused
+    if caps.hit_drops_last_block and any(g.releases for g in model.kv_groups):
+        return (f"{backend.name} drops an EAGLE hit's last block, which beside the windows of "
+                f"model {model.name} is not modelled")
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
@@ -104,13 +107,10 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
     if "speculative" in used:
         if not takes_lifecycle(backend, "speculative"):
             return f"{backend.name} does not roll back draft tokens (no accept: speculative decoding, SPEC §13)"
-        if caps.lookahead_slots:
-            return (f"{backend.name} keeps rejected drafts' blocks as lookahead slots, which the "
-                    f"oracle does not model yet")
         if any(w is not None for w in (g.window for g in model.kv_groups)):
             return (f"a rollback under the sliding window of model {model.name} would need blocks "
                     f"the window already released: not modelled")
-    if "swap" in used and not caps.swap:
+    if "swap" in used and caps.tiers and not caps.swap:  # without tiers: the tier replay says so
         return (f"{backend.name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
                 f"its tiers)")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):

@@ -106,8 +106,13 @@ class Capabilities:
     # backend"), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
     # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
-    # (vLLM's lookahead slots) instead of releasing those wholly past the new length.
+    # (vLLM's lookahead slots) instead of releasing those wholly past the new length: still in
+    # use and the sequence's (blocks_used, seq_blocks), holding no token (token_states), and
+    # written before any new block by its next appends; a free releases them before its tail.
     lookahead_slots: bool = False
+    # EAGLE / MTP drafting (vLLM's use_eagle, in every manager): a prefix hit drops the last block
+    # it matched, computed again for the draft head's hidden states (a hit of L blocks is L - 1).
+    hit_drops_last_block: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
