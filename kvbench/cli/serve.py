@@ -55,6 +55,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding: draft tokens per sequence and step (default 0: none)")
     add("--acceptance", type=float, default=0.6,
         help="--speculative-k: the share of drafts kept (each accept keeps Binomial(k, this))")
+    add("--token-budget", type=positive_int,
+        help="tokens one step computes at most (vLLM's max_num_batched_tokens): prompts written "
+             "in chunks of what is left after the decode step (default: none, prompts whole)")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
     add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
     add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
@@ -147,6 +150,11 @@ def run_serving(args, stdout=None) -> int:
         if args.scenario:
             raise UsageError("--speculative-k applies to --trace runs, not --scenario")
         sim.update(speculative_k=speculative, acceptance=args.acceptance)
+    budget = getattr(args, "token_budget", None)
+    if budget is not None:
+        if args.scenario:
+            raise UsageError("--token-budget applies to --trace runs, not --scenario")
+        sim["token_budget"] = budget
     progress = not getattr(args, "quiet", False)
     for name in backends:
         try:
@@ -181,6 +189,8 @@ def run_serving(args, stdout=None) -> int:
     cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
     if speculative:  # blocks held for drafts, and what rollbacks gave back
         cols += ["drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks"]
+    if budget is not None:  # prompts written in chunks
+        cols += ["tokens_per_step", "chunked_prompts", "prompt_chunks"]
     print_table(table, cols)
     for r in table.itertuples():
         if r.requests and not r.finished:
