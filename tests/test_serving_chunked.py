@@ -1,6 +1,7 @@
 """`kvbench serve` with a token budget per step (chunked prefill, SPEC §13): the decode step's
 tokens first, then the chunks of prompts in progress, then admission with what is left; the
-steps and chunks counted by hand, and the logged trace replayed by the checker."""
+steps and chunks counted by hand, and the logged trace replayed by the checker; and the order
+in which a step that does not fit picks the sequence it preempts."""
 from __future__ import annotations
 
 import json
@@ -68,3 +69,18 @@ def test_the_command_reports_the_chunks(tmp_path, capsys):
     assert "prompt_chunks" in capsys.readouterr().out
     row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
     assert (row["steps"], row["chunked_prompts"], row["prompt_chunks"]) == (6, 1, 2)
+
+
+# --- the preemption victim ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("victim, preempted", [("newest", 1), ("fewest-output", 0)])
+def test_the_victim_order_names_the_sequence_preempted(victim, preempted):
+    # 4 blocks of 16: A (32 tokens, 2 blocks) and B (17 tokens, 2 blocks) fill them at step 0.
+    # Step 1: A's token needs a fifth block (32 + 1 > 2 * 16), B's fits its tail: out of memory.
+    # newest: B (admitted last); fewest-output: both generated 0, A's prompt is the longer.
+    r = S.simulate([Request(0.0, 32, 20), Request(0.0, 17, 20)], "numpy",
+                   make_config(block_size=16, num_blocks=4), victim=victim)
+    first_free = next(op for op in r.trace.ops if op.kind == "free")
+    assert first_free.seq == preempted and r.preemptions >= 1
+    v = check(r.trace, registry.resolve("numpy").create(r.config), gather="all")
+    assert v.valid is True, str(v.divergence)

@@ -12,8 +12,10 @@ waiting ones with what is left):
    decoding, ``speculative_k`` draft tokens after it, at most what its output has left; then
    each sequence's accept keeps ``n ~ Binomial(k, acceptance)`` of them, drawn in batch order
    from ``numpy.random.default_rng(seed)``, SPEC §13). When it does not
-   fit (``OutOfMemory``), the most recently admitted running sequence is preempted (vLLM's
-   recompute preemption): freed, its request put back at the head of the queue with the tokens it
+   fit (``OutOfMemory``), a running sequence is preempted (recompute): by default the most
+   recently admitted (``victim="newest"``, vLLM's FCFS scheduler), or the one with the fewest
+   tokens generated, the longest prompt among those (``"fewest-output"``, SGLang's retraction
+   order), the newest of any still tied: freed, its request put back at the head of the queue with the tokens it
    generated, and the append retried with the rest of the batch. A sequence that cannot grow even
    alone in the cache can never finish: it is freed and counted as rejected.
 2. Sequences that reached their output length are freed.
@@ -70,6 +72,7 @@ from kvbench.traces.loaders import Request, split_block_hashes
 SIM_VERSION = 1
 STEP_SECONDS = 0.05
 DEFAULT_MAX_BATCH = 256  # vLLM's default max_num_seqs
+VICTIM_ORDERS = ("newest", "fewest-output")
 
 
 @dataclass
@@ -167,12 +170,14 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              max_batch: int = DEFAULT_MAX_BATCH, max_steps: int | None = None,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
              source: dict | None = None, progress=None, speculative_k: int = 0,
-             acceptance: float = 0.0, token_budget: int | None = None) -> SimResult:
+             acceptance: float = 0.0, token_budget: int | None = None,
+             victim: str = "newest") -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
     ``speculative_k`` > 0: speculative decoding with that many drafts per step, of which a
     share ``acceptance`` is kept on average (the backend must implement accept).
     ``token_budget``: the tokens one step computes at most, prompts written in chunks (the
-    backend must take ``prompt_tokens``).
+    backend must take ``prompt_tokens``). ``victim``: which running sequence a step that does
+    not fit preempts (VICTIM_ORDERS).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
     ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
@@ -186,6 +191,8 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
     if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                      or token_budget < 1):
         raise ValueError(f"token_budget must be an integer >= 1 or None, got {token_budget!r}")
+    if victim not in VICTIM_ORDERS:
+        raise ValueError(f"victim must be one of {', '.join(VICTIM_ORDERS)}, got {victim!r}")
     be, label = _make_backend(backend, config)
     cfg = be.config
     if token_budget is not None and not takes_lifecycle(be, "chunked"):
@@ -199,6 +206,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                          f"eviction policy (got policy={cfg.policy!r})")
     server = _Server(be, reqs, max_batch)
     server.k, server.acceptance, server.budget = speculative_k, float(acceptance), token_budget
+    server.victim = victim
     server.rng = np.random.default_rng(0 if seed is None else seed)
     eligible = np.ceil(server.arrival / step_seconds).astype(np.int64)
     order = np.argsort(eligible, kind="stable")  # FCFS: arrival step, then list order
@@ -245,6 +253,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                 "step_seconds": step_seconds,
                 **({"speculative_k": speculative_k, "acceptance": acceptance} if speculative_k else {}),
                 **({"token_budget": token_budget} if token_budget is not None else {}),
+                **({"victim": victim} if victim != "newest" else {}),
                 **(source or {})},
         seed=seed,
         settings={"model": cfg.model.name, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
@@ -311,6 +320,7 @@ class _Server:
                            rollback_blocks=0, chunked_prompts=0, prompt_chunks=0)
         self.k, self.acceptance, self.rng = 0, 0.0, None
         self.budget = self.left = None  # token_budget, and what this step has left of it
+        self.victim = "newest"
         self.backend_seconds = 0.0
         self.next_seq = self.hit_blocks = 0
 
@@ -347,7 +357,7 @@ class _Server:
             try:
                 self.timed(self.be.append, batch, toks, kv, step=len(self.ops))
             except OutOfMemory:
-                preempted += self.preempt_latest()
+                preempted += self.preempt_victim()
                 batch = self.decoding()
                 continue
             if self.left is not None:
@@ -373,10 +383,12 @@ class _Server:
         """The running sequences whose prompt is complete, in admission order."""
         return [s for s, st in self.running.items() if not st.prompt_left]
 
-    def preempt_latest(self) -> int:
-        """Preempt the most recently admitted running sequence (recompute): 1, or 0 when it was
+    def preempt_victim(self) -> int:
+        """Preempt the running sequence the victim order names (recompute): 1, or 0 when it was
         the last one running and can never grow (rejected)."""
-        victim = next(reversed(self.running))
+        running = self.running
+        victim = next(reversed(running)) if self.victim == "newest" else \
+            min(reversed(running), key=lambda s: (running[s].generated, -int(self.prompt[running[s].request])))
         st = self.running.pop(victim)
         self.free(victim)
         if not self.running:
@@ -388,7 +400,7 @@ class _Server:
 
     def chunks(self) -> tuple[int, int]:
         """The next chunk of every prompt written in chunks, within the budget left, as one
-        batched append (out of memory: the latest admitted preempted, the rest retried).
+        batched append (out of memory: a victim preempted, the rest retried).
         Returns (preempted, finished: prompts complete with no output to generate)."""
         preempted = finished = 0
         while self.left is not None:
@@ -408,7 +420,7 @@ class _Server:
             try:
                 self.timed(self.be.append, seqs, toks, kv, step=len(self.ops))
             except OutOfMemory:
-                preempted += self.preempt_latest()
+                preempted += self.preempt_victim()
                 continue
             self.ops.append(Append(len(self.ops), tuple(seqs), tuple(toks)))
             self.left = left
@@ -503,4 +515,4 @@ class _Server:
                              **counts, **{c: getattr(ledger, c) for c in MEMORY_CATEGORIES}})
 
 
-__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS"]
+__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS", "VICTIM_ORDERS"]

@@ -14,7 +14,7 @@ from kvbench.analyses.breakdown import (
     run_opt13b,
     write_paper_files,
 )
-from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
+from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS, VICTIM_ORDERS
 from kvbench.bench import records
 from kvbench.analyses.suite import blocks_of_budget, machine_memory
 from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
@@ -58,6 +58,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--token-budget", type=positive_int,
         help="tokens one step computes at most (vLLM's max_num_batched_tokens): prompts written "
              "in chunks of what is left after the decode step (default: none, prompts whole)")
+    add("--victim", choices=VICTIM_ORDERS, default="newest",
+        help="which running sequence a step that does not fit preempts: newest (vLLM's FCFS) or "
+             "fewest-output (SGLang's retraction order: fewest tokens generated, longest prompt)")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
     add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
     add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
@@ -150,6 +153,10 @@ def run_serving(args, stdout=None) -> int:
         if args.scenario:
             raise UsageError("--speculative-k applies to --trace runs, not --scenario")
         sim.update(speculative_k=speculative, acceptance=args.acceptance)
+    if getattr(args, "victim", "newest") != "newest":
+        if args.scenario:
+            raise UsageError("--victim applies to --trace runs, not --scenario")
+        sim["victim"] = args.victim
     budget = getattr(args, "token_budget", None)
     if budget is not None:
         if args.scenario:
