@@ -44,7 +44,7 @@ from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import (Backend, OutOfMemory, kv_tokens, ledger_of, refuse_kinds,
+from kvbench.contract.protocol import (Backend, OutOfMemory, _takes, kv_tokens, ledger_of, refuse_kinds,
                                        takes_lifecycle)
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
@@ -486,7 +486,10 @@ class _Replay:
             return kv_tokens(writers, positions, self.model, self.dtype)
 
         toks_list = toks.tolist()
-        got = self.call("append", lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step),
+        told = {"draft": drafts} if drafts and self.backend is not None and \
+            _takes(type(self.backend), "append", "draft") else {}  # to a backend that takes it
+        got = self.call("append",
+                        lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step, **told),
                         lambda: oracle.append(seqs, toks_list, op.step,
                                               **({"drafts": drafts} if drafts else {})),
                         sum(toks_list), kv)

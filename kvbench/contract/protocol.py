@@ -236,6 +236,8 @@ class Backend(ABC):
         append wrote (its last ones), keep the first ``n``; the length drops by drafted - n, the
         blocks wholly past it are released as a free releases them, the tail's fill shrinks.
         Optional: a backend without it runs no trace that speculates (reported not applicable).
+        A backend whose ``append`` takes ``draft`` is told there, per sequence, how many of the
+        tokens it appends are drafts (an engine keeps them out of its block hashes).
 
         Chunked prefill (SPEC §13) is ``prefill(..., prompt_tokens=P)``: ``tokens`` is the first
         chunk, ``block_hashes`` / ``token_ids`` cover the whole prompt of ``P`` tokens, the
