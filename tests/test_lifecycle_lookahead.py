@@ -61,6 +61,21 @@ def test_an_eagle_hit_drops_its_last_matched_block():
     assert o.hit_blocks == 2 + (1 - 1)
 
 
+def test_a_block_of_kept_drafts_is_cached_at_the_next_append_where_declared():
+    def run(later: bool, append_first: bool) -> int:
+        o = Oracle(make_config(num_blocks=8, prefix_caching=True), capabilities=Capabilities(
+            prefix_caching=True, caches_every_full_block=True, kept_drafts_cached_at_next_append=later))
+        o.prefill(0, 14, "a", 40, 0)
+        o.append([0], [5], 1, drafts=[4])  # 19 tokens, drafts at 15 .. 18
+        o.accept(0, 4, 4, 2)  # all kept: block 0 (positions 0 .. 15) full of kept tokens
+        if append_first:
+            o.append([0], [1], 3)
+        o.free(0)
+        return o.expected_ledger().cached_blocks
+    assert (run(False, False), run(True, False)) == (1, 0)  # cached at the accept; never
+    assert run(True, True) == 1  # cached by the append after it
+
+
 # 0 keeps a block from its rollback (20 + 17 - 14 = 23 tokens in 2 blocks of 3); 1 takes the
 # fourth and last; a batch where 0 writes 12 (9 into its tail, 3 into its kept block) and 1 one
 # token into a new block finds no block: refused, every ledger as it was; 0 alone then fits.

@@ -35,7 +35,8 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   ``num_lookahead_tokens=0`` (a drafter that writes no KV: n-gram, suffix), and the accept adds
   the kept ones to the output and lowers ``num_computed_tokens`` by the rejected ones, as the
   scheduler's update does, so the blocks past the length stay the request's for its next drafts
-  (declared: ``lookahead_slots``); preemption by recompute is a ``free`` and its resume a new
+  (declared: ``lookahead_slots``), and a block the kept drafts completed is cached only by the
+  request's next ``allocate_slots`` (declared: ``kept_drafts_cached_at_next_append``); preemption by recompute is a ``free`` and its resume a new
   request of every token, as ``Scheduler._preempt_request`` frees and recomputes.
 
 The adapter's own part: token ids for a trace that gives none (a hashed block's ids are a
@@ -67,7 +68,7 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             hit_leaves_last_token=True, caches_every_full_block=True,
                             keeps_duplicate_blocks=True, groups=True,
                             window_release="next_allocation", cache_salt=True,
-                            lookahead_slots=True)
+                            lookahead_slots=True, kept_drafts_cached_at_next_append=True)
 
 
 @functools.lru_cache(maxsize=1)

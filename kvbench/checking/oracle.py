@@ -69,6 +69,7 @@ class SeqState:
     released_keys: dict = field(default_factory=dict)  # position -> cache key of a block a window released
     # Per group, blocks kept past the length for the next drafts (lookahead slots, SPEC §13)
     ahead: list = field(default_factory=list)
+    later: list = field(default_factory=list)  # (group, position): full of kept drafts, cached at the next append
 
     @property
     def table(self) -> list:
@@ -606,6 +607,11 @@ class Oracle:
                            if d} if drafts else {}
         if self.layout == "paged":
             self._paged_write(seqs, tokens)
+            for s in seqs:  # blocks its last accept completed with kept drafts
+                st = self.seqs[s]
+                for g, i in st.later:
+                    self._filled(st.tables[g][i], g, s, i)
+                st.later = []
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]
@@ -723,7 +729,9 @@ class Oracle:
                     self.filled += fill - self.blocks[b][1]
                     self.blocks[b][1] = fill
                 for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
-                    if table[i] is not None:
+                    if table[i] is not None and self.caps.kept_drafts_cached_at_next_append:
+                        st.later.append((g, i))
+                    elif table[i] is not None:
                         self._filled(table[i], g, seq, i)
         st.tokens = new
         return []
@@ -775,6 +783,9 @@ class Oracle:
                 for i in range(L, min(n, len(keys))):
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
+                for i in range(len(keys), n):  # full past the parent's keys (its kept drafts')
+                    if self.blocks[child.tables[g][i]][1] == self.B:
+                        self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
             child.released_keys = {i: keys[i] for i in range(L)}
             if self.window_release == "end_of_operation":

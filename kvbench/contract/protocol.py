@@ -113,6 +113,10 @@ class Capabilities:
     # EAGLE / MTP drafting (vLLM's use_eagle, in every manager): a prefix hit drops the last block
     # it matched, computed again for the draft head's hidden states (a hit of L blocks is L - 1).
     hit_drops_last_block: bool = False
+    # A block that an accept's kept drafts completed is cached at the sequence's next append, not
+    # at the accept (vLLM: cache_blocks caps at the request's verified tokens when it allocates,
+    # and an accept allocates nothing); a free before then never caches it.
+    kept_drafts_cached_at_next_append: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
