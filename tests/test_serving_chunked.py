@@ -84,3 +84,25 @@ def test_the_victim_order_names_the_sequence_preempted(victim, preempted):
     assert first_free.seq == preempted and r.preemptions >= 1
     v = check(r.trace, registry.resolve("numpy").create(r.config), gather="all")
     assert v.valid is True, str(v.divergence)
+
+
+@pytest.mark.parametrize("swap_blocks, swapped, recomputed", [(2, 1, 0), (1, 0, 17)])
+def test_preemption_by_swap_moves_the_victims_blocks_to_the_host_tier(swap_blocks, swapped, recomputed):
+    # As above: step 1 does not fit and B (17 tokens, ceil(17 / 16) = 2 blocks), admitted last,
+    # is preempted. A host tier of 2 blocks holds them: swapped out, and back (no token computed
+    # again) once A (32 + 20 = 52 tokens) is freed at step 20; of 1 block it cannot: B is freed
+    # and its resume recomputes its 17 tokens. B then decodes 20 tokens: steps 21 .. 40.
+    r = S.simulate([Request(0.0, 32, 20), Request(0.0, 17, 20)], "numpy",
+                   make_config(block_size=16, num_blocks=4), preemption="swap", swap_blocks=swap_blocks)
+    assert (r.preemptions, r.swapped_out, r.swapped_in, r.recomputed_tokens) == (1, swapped, swapped, recomputed)
+    assert (r.steps, r.finished) == (41, 2)
+    assert [op.kind for op in r.trace.ops if op.kind in ("preempt", "resume")] == ["preempt", "resume"]
+    v = check(r.trace, registry.resolve("numpy").create(r.config), gather="all")
+    assert v.valid is True, str(v.divergence)
+    assert v.recomputed_tokens == recomputed
+
+
+def test_swap_needs_a_backend_that_swaps():
+    with pytest.raises(ValueError, match="'python-objects' does not preempt by swap"):
+        S.simulate([Request(0.0, 32, 2)], "python-objects", make_config(), preemption="swap",
+                   swap_blocks=2)

@@ -15,7 +15,10 @@ waiting ones with what is left):
    fit (``OutOfMemory``), a running sequence is preempted (recompute): by default the most
    recently admitted (``victim="newest"``, vLLM's FCFS scheduler), or the one with the fewest
    tokens generated, the longest prompt among those (``"fewest-output"``, SGLang's retraction
-   order), the newest of any still tied: freed, its request put back at the head of the queue with the tokens it
+   order), the newest of any still tied (with ``preemption="swap"``, its blocks are moved to a host
+   tier of ``swap_blocks`` blocks instead, SPEC §13 over §11, and its resume moves them back under
+   the same sequence id, at the head of the queue; if the tier cannot hold them it is freed and
+   its resume recomputes it; resumes are never chunked): freed, its request put back at the head of the queue with the tokens it
    generated, and the append retried with the rest of the batch. A sequence that cannot grow even
    alone in the cache can never finish: it is freed and counted as rejected.
 2. Sequences that reached their output length are freed.
@@ -66,13 +69,15 @@ from kvbench.contract.protocol import (
     takes_lifecycle,
 )
 from kvbench.contract.formulas import blocks_needed
-from kvbench.traces.format import Accept, Append, Free, Header, Prefill, Trace
+from kvbench.traces.format import Accept, Append, Free, Header, Preempt, Prefill, Resume, Trace
+from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.loaders import Request, split_block_hashes
 
 SIM_VERSION = 1
 STEP_SECONDS = 0.05
 DEFAULT_MAX_BATCH = 256  # vLLM's default max_num_seqs
 VICTIM_ORDERS = ("newest", "fewest-output")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -110,6 +115,9 @@ class SimResult:
     # appended after their first
     chunked_prompts: int = 0
     prompt_chunks: int = 0
+    # Preemption by swap: sequences whose blocks went to the host tier, and resumed from it
+    swapped_out: int = 0
+    swapped_in: int = 0
 
     @property
     def max_running(self) -> int:
@@ -171,13 +179,14 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
              source: dict | None = None, progress=None, speculative_k: int = 0,
              acceptance: float = 0.0, token_budget: int | None = None,
-             victim: str = "newest") -> SimResult:
+             victim: str = "newest", preemption: str = "recompute", swap_blocks: int = 0) -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
     ``speculative_k`` > 0: speculative decoding with that many drafts per step, of which a
     share ``acceptance`` is kept on average (the backend must implement accept).
     ``token_budget``: the tokens one step computes at most, prompts written in chunks (the
     backend must take ``prompt_tokens``). ``victim``: which running sequence a step that does
-    not fit preempts (VICTIM_ORDERS).
+    not fit preempts (VICTIM_ORDERS); ``preemption``: how (PREEMPTION_MODES; "swap" to a host
+    tier of ``swap_blocks`` blocks, for a backend declaring swap).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
     ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
@@ -193,8 +202,19 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         raise ValueError(f"token_budget must be an integer >= 1 or None, got {token_budget!r}")
     if victim not in VICTIM_ORDERS:
         raise ValueError(f"victim must be one of {', '.join(VICTIM_ORDERS)}, got {victim!r}")
+    if preemption not in PREEMPTION_MODES:
+        raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
+    if preemption == "swap" and (isinstance(swap_blocks, bool) or not isinstance(swap_blocks, int)
+                                 or swap_blocks < 1):
+        raise ValueError(f"preemption='swap' needs swap_blocks, an integer >= 1, got {swap_blocks!r}")
     be, label = _make_backend(backend, config)
     cfg = be.config
+    tiers = (TierSpec("host", swap_blocks),) if preemption == "swap" else ()
+    if tiers:
+        if not (be.capabilities.swap and "lru" in be.capabilities.tiers):
+            raise ValueError(f"backend {label!r} does not preempt by swap (SPEC §13): it cannot serve "
+                             f"with preemption='swap'")
+        be.attach_tiers(tiers)
     if token_budget is not None and not takes_lifecycle(be, "chunked"):
         raise ValueError(f"backend {label!r} does not take a prompt in chunks (prefill without "
                          f"prompt_tokens): it cannot serve with a token budget")
@@ -206,7 +226,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                          f"eviction policy (got policy={cfg.policy!r})")
     server = _Server(be, reqs, max_batch)
     server.k, server.acceptance, server.budget = speculative_k, float(acceptance), token_budget
-    server.victim = victim
+    server.victim, server.swap = victim, "host" if tiers else None
     server.rng = np.random.default_rng(0 if seed is None else seed)
     eligible = np.ceil(server.arrival / step_seconds).astype(np.int64)
     order = np.argsort(eligible, kind="stable")  # FCFS: arrival step, then list order
@@ -254,10 +274,12 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                 **({"speculative_k": speculative_k, "acceptance": acceptance} if speculative_k else {}),
                 **({"token_budget": token_budget} if token_budget is not None else {}),
                 **({"victim": victim} if victim != "newest" else {}),
+                **({"preemption": preemption, "swap_blocks": swap_blocks} if tiers else {}),
                 **(source or {})},
         seed=seed,
         settings={"model": cfg.model.name, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
-                  "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})})
+                  "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})},
+        tiers=tiers)
     trace = Trace(header, server.ops, name=name or f"serving-{label}")  # valid by construction (tests validate)
     c = server.counts
     return SimResult(
@@ -272,7 +294,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
 
 
 LIFECYCLE_COUNTS = ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks",
-                      "chunked_prompts", "prompt_chunks")
+                      "chunked_prompts", "prompt_chunks", "swapped_out", "swapped_in")
 
 
 SAMPLE_COLUMNS = ["step", "running", "waiting", "decoded", "prefilled", "preempted", "finished",
@@ -317,10 +339,12 @@ class _Server:
         self.admissions, self.samples = [], []
         self.counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0,
                            drafted_tokens=0, rejected_tokens=0, rollbacks=0, draft_blocks=0,
-                           rollback_blocks=0, chunked_prompts=0, prompt_chunks=0)
+                           rollback_blocks=0, chunked_prompts=0, prompt_chunks=0, swapped_out=0,
+                           swapped_in=0)
         self.k, self.acceptance, self.rng = 0, 0.0, None
         self.budget = self.left = None  # token_budget, and what this step has left of it
-        self.victim = "newest"
+        self.victim, self.swap = "newest", None  # swap: the tier preemption moves blocks to
+        self.held: dict = {}  # request -> (its sequence, its _Running, whether the tier holds it)
         self.backend_seconds = 0.0
         self.next_seq = self.hit_blocks = 0
 
@@ -390,13 +414,45 @@ class _Server:
         victim = next(reversed(running)) if self.victim == "newest" else \
             min(reversed(running), key=lambda s: (running[s].generated, -int(self.prompt[running[s].request])))
         st = self.running.pop(victim)
-        self.free(victim)
         if not self.running:
+            self.free(victim)
             self.reject("cannot grow even alone in the cache")
             return 0
-        self.generated[st.request] = st.generated
+        if self.swap is not None and not st.prompt_left:
+            stored = self.be.tier_ledgers()[0]["stored"]
+            self.timed(self.be.swap_out, victim, self.swap, step=len(self.ops))
+            self.ops.append(Preempt(len(self.ops), victim, "swap"))
+            in_tier = self.be.tier_ledgers()[0]["stored"] > stored  # else freed: a recompute
+            self.held[st.request] = (victim, st, in_tier)
+            self.counts["swapped_out"] += in_tier
+        else:
+            self.free(victim)
+            self.generated[st.request] = st.generated
         self.queue.appendleft(st.request)
         return 1
+
+    def resume(self, i: int, t: int) -> bool:
+        """The resume of request ``i``, swapped out (or freed by a swap the tier could not hold):
+        False when it does not fit."""
+        seq, st, in_tier = self.held[i]
+        kv = kv_values(seq, 0, st.tokens, self.model, self.dtype) if self.store else None
+        call = self.be.swap_in if in_tier else self.be.prefill
+        try:
+            self.timed(call, seq, st.tokens, kv, tenant=self.reqs[i].tenant, final_tokens=st.final,
+                       step=len(self.ops), block_hashes=self.hashes[i])
+        except OutOfMemory:
+            return False
+        del self.held[i]
+        self.ops.append(Resume(len(self.ops), seq))
+        self.admissions.append((t, i, seq))
+        self.running[seq] = st
+        self.counts["swapped_in"] += in_tier
+        if not in_tier:
+            self.counts["prompt"] += st.tokens
+            self.counts["recomputed"] += st.tokens
+        if self.left is not None and not in_tier:
+            self.left -= st.tokens
+        return True
 
     def chunks(self) -> tuple[int, int]:
         """The next chunk of every prompt written in chunks, within the budget left, as one
@@ -466,6 +522,12 @@ class _Server:
             i = queue[0]
             if not admitting and not self.started[i]:
                 break
+            if i in self.held:
+                if not self.resume(i, t):
+                    return prefilled, finished, True
+                queue.popleft()
+                prefilled += 1
+                continue
             whole = int(self.prompt[i] + self.generated[i])
             final = int(self.prompt[i] + self.output[i])
             tokens = whole if self.left is None else min(whole, self.left)  # its first chunk
@@ -515,4 +577,5 @@ class _Server:
                              **counts, **{c: getattr(ledger, c) for c in MEMORY_CATEGORIES}})
 
 
-__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS", "VICTIM_ORDERS"]
+__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS", "VICTIM_ORDERS",
+           "PREEMPTION_MODES"]

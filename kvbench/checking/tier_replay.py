@@ -57,11 +57,18 @@ def applicable(trace, backend) -> str:
         return f"{backend.name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
     if cfg.model.hybrid:
         return f"tier replays run models of one full-attention group, and {cfg.model.name} has more"
-    if not (cfg.prefix_caching and caps.prefix_caching):
+    if not (cfg.prefix_caching and caps.prefix_caching) and _transfers(trace):  # a swap needs no hash
         return "a tier holds hashed blocks only: the replay needs prefix caching on"
     if cfg.policy:
         return "tier replays run without an eviction policy (a load in flight is never a victim yet)"
     return ""
+
+
+def _transfers(trace) -> bool:
+    """Whether the trace stores or loads (beyond preemption by swap)."""
+    ops = trace.ops
+    ops = ops.side.values() if hasattr(ops, "side") else ops
+    return any(op.kind in ("store", "load") for op in ops)
 
 
 def segment_kv(segments, start: int, stop: int, model, dtype, shift: int = 0):
