@@ -77,7 +77,7 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "edge-refusals", "edge-eviction", "fork-wide", "long-history",
              "prefix-salts", "edge-decode", "hybrid-decode",
              "lifecycle-chunked", "lifecycle-speculative", "lifecycle-preempt",
-             "tier-turns",
+             "tier-turns", "lifecycle-swap",
              "variant-chunked", "variant-sinks", "variant-mla"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
