@@ -16,7 +16,7 @@ from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract.protocol import Capabilities
-from kvbench.traces.ops import Accept, Append
+from kvbench.traces.ops import Accept, Append, Prefill
 
 LOOKAHEAD = Capabilities(lookahead_slots=True)
 
@@ -104,3 +104,17 @@ def test_keeping_the_blocks_without_declaring_it_fails_at_the_first_kept_block()
     # lies wholly past it: released by SPEC's rule, kept by the pool (one more in use)
     d = v.divergence
     assert (d.step, d.quantity, d.actual - d.expected) == (18, "blocks_used", 1)
+
+
+def test_an_eagle_hit_short_of_its_lookahead_block_fails_at_the_hit():
+    from impls.faults import EagleBlockUncached
+    # 0: 48 tokens, 3 full blocks h0 .. h2; 1's prompt h0 .. h3 (64 tokens) matches 3 and, EAGLE
+    # dropping the last, hits 2: 3 + (4 - 2) = 5 blocks in use. The fault left h2 (0's last full
+    # block) uncached: 1 matches 2, hits 1: 3 + (4 - 1) = 6.
+    trace = make_trace(Prefill(0, 0, "a", 48, ("h0", "h1", "h2")),
+                       Prefill(0, 1, "a", 64, ("h0", "h1", "h2", "h3")), X(1), X(0))
+    config = make_config(num_blocks=16, prefix_caching=True)
+    assert check(trace, NumpyEagle(config), gather="all").valid is True
+    v = check(trace, EagleBlockUncached(config), gather="all")
+    d = v.divergence
+    assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 1, "blocks_used", 5, 6)
