@@ -51,7 +51,8 @@ def applicable(trace, backend) -> str:
     caps, cfg = backend.capabilities, backend.config
     names = ", ".join(t.name for t in tiers)
     if not caps.tiers:
-        return f"{backend.name} declares no tiers (SPEC §11) and the trace stores to and loads from {names}"
+        moves = "stores to and loads from" if _transfers(trace) else "swaps sequences out to"
+        return f"{backend.name} declares no tiers (SPEC §11) and the trace {moves} {names}"
     missing = sorted({t.policy for t in tiers} - set(caps.tiers))
     if missing:
         return f"{backend.name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
