@@ -20,7 +20,8 @@ import numpy as np
 
 from impls.contiguous import Contiguous
 from impls.faults_edges import EDGE_BUGS
-from impls.faults_tiers import TIER_BUGS
+from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
+from impls.numpy_lookahead import NumpyEagle
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantSteps
 from kvbench.contract import formulas as F
@@ -616,6 +617,23 @@ class ResumeIntoOldBlocks(NumpyPaged):
         return victims
 
 
+class EagleBlockUncached(NumpyEagle):
+    """The caching mask leaves out each prompt's last full block, the block above the boundary
+    that an EAGLE hit matches and drops back from: a later prompt extending it matches a block
+    less and, dropping one, hits a block short."""
+
+    def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
+        hits = self.hit_blocks
+        victims = super()._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
+        if len(keys) > (self.hit_blocks - hits) // self.G:  # this prefill cached its last block
+            r = self.row_of[seq]
+            for g in range(self.G):
+                b = int(self.tables[g][r, len(keys) - 1])
+                if self.hash_of.get(b) == (g, keys[-1]):
+                    del self.by_hash[(g, keys[-1])], self.hash_of[b]
+        return victims
+
+
 class SinkReleasedEarly(NumpyPaged):
     """A sinks(S, W) group slides like sliding(W): the blocks holding the first S tokens go
     back with the window's, though the sequence still attends to them (SPEC §12)."""
@@ -749,5 +767,8 @@ CATALOGUE = [
         ChunkCachedBeforeComplete, False),
     Bug("a resumed sequence reads the blocks it held before (another's by then)", "kvbench §13",
         ResumeIntoOldBlocks, False),
+    Bug("an EAGLE hit's lookahead block left out of the caching mask", "vLLM PR #44082",
+        EagleBlockUncached, False),
 ] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS] \
-  + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS]
+  + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS] \
+  + [Bug(name, upstream, fault, False) for name, upstream, fault in SWAP_BUGS]

@@ -1,7 +1,7 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
 catalogue (impls/faults.py) lists them; the default run catches each on tier-turns or
-tier-agentic."""
+tier-agentic (the swap fault on lifecycle-swap)."""
 from __future__ import annotations
 
 import numpy as np
@@ -109,7 +109,20 @@ class PinIsAFlag(NumpyPaged):
         return _FlagPins(spec, storage, self._tier_folder)
 
 
-# (name, upstream, fault): each caught by the default run (tier-turns, or tier-agentic)
+class SwapInReadsAnother(NumpyPaged):
+    """A swap-in copies up the slots of the sequence swapped out last (a stale "last swapped"
+    index), not its own: while another is still swapped, the resumed sequence reads its K/V."""
+
+    def _swap_source(self, seq):
+        t, slots = self._swapped[seq]
+        last = next(reversed(self._swapped))
+        if last == seq or self._swapped[last][0] is not t:
+            return t, slots
+        theirs = self._swapped[last][1]
+        return t, theirs[:len(slots)] + slots[len(theirs):]
+
+
+# (name, upstream, fault): each caught by the default run (tier-turns, tier-agentic or lifecycle-swap)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -119,4 +132,9 @@ TIER_BUGS = [
     ("the tiers key blocks on raw tokens: salted requests match", "vLLM #53495", TierKeyIgnoresSalt),
     ("a tier block's readers kept as a flag: the first of two loads to complete unpins it",
      "kvbench #24", PinIsAFlag),
+]
+
+# (name, upstream, fault): caught by the default run on lifecycle-swap
+SWAP_BUGS = [
+    ("a swapped sequence resumes with another's K/V", "kvbench §13", SwapInReadsAnother),
 ]

@@ -52,7 +52,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES,
-                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",),
+                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
     def __init__(self, config: CacheConfig):
@@ -602,11 +602,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         r = self._row(seq)
         new = int(self.tokens[r]) - (drafted - n)
         keep, nb = -(-new // self.B), int(self.nblocks[r])
-        gone = [t[r, keep:nb][::-1].copy() for t in self.tables]
+        gone = [t[r, keep:nb].copy() for t in self.tables]
         for t in self.tables:
             t[r, keep:nb] = -1
-        gone = np.concatenate(gone)
-        self._release_blocks(gone[gone >= 0])
+        self._past_length(r, gone)
         self.nblocks[r] = keep
         if keep:
             tails = np.array([t[r, keep - 1] for t in self.tables], dtype=np.intp)
@@ -614,6 +613,12 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.tokens[r] = new
         self.dirty.add(r)
         return ()
+
+    def _past_length(self, r, gone) -> None:
+        """The blocks an accept left wholly past row ``r``'s length (per group, by position):
+        released, group by group, each from the tail."""
+        gone = np.concatenate([g[::-1] for g in gone])
+        self._release_blocks(gone[gone >= 0])
 
     def _append(self, seqs, tokens, kv, step):
         if len(seqs) <= SMALL_BATCH and self._decode_small(seqs, tokens, kv, step):
@@ -789,7 +794,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         return tuple(victims)
 
     def free(self, seq, *, step=0):
-        self._drop_row(self._row(seq))
+        if not self._drop_swapped(seq):  # a swapped sequence holds blocks of a tier only
+            self._drop_row(self._row(seq))
 
     def _reservation(self) -> int:
         """Slots of private tails that later tokens of their sequence will fill, summed; each

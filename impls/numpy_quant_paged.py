@@ -19,7 +19,7 @@ from kvbench.quant.pool import scheme_of
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
     capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True, tiers=(),  # not yet
-                                       kinds=("full", "sliding", "chunked", "sinks", "mla"))
+                                       kinds=("full", "sliding", "chunked", "sinks", "mla"), swap=False)
     compiled = None  # quantize by the compiled kernels where numba is installed, else the NumPy steps
 
     def __init__(self, config):

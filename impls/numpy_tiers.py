@@ -10,6 +10,11 @@ reads and not one of the store's own goes first. A store's source blocks get one
 (the lease) until it completes; a load's target blocks stay out of the prefix cache until it
 completes. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
 lease exists for).
+
+Preemption by swap (SPEC §13): every block of the sequence is copied to slots of the tier pinned
+to it (keyed ("swap", seq, position): stored, never a hit nor a victim; LRU makes room by
+evicting stored blocks), then the sequence is freed; a tier that cannot hold them all frees it
+only (a recompute). The resume is a prefill whose blocks past the device hit are copied up.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class _TierSlots:
         self.slot: dict = {}  # key -> slot
         self.ready: dict = {}  # key -> True once stored, False while storing
         self.readers: dict = {}  # key -> loads in flight reading it
+        self.pinned: set = set()  # keys of swapped sequences' blocks: never evicted
         self.recency: OrderedDict = OrderedDict()  # least recent first
         self.bytes_down = self.bytes_up = self.hits = 0
 
@@ -61,8 +67,7 @@ class _TierSlots:
         """A slot for ``key``, evicting the least recent stored block no load reads and not in
         ``keep``; None when there is none."""
         if not self.free:
-            victim = next((k for k in self.recency if self.ready[k] and not self.readers.get(k)
-                           and k not in keep), None)
+            victim = next((k for k in self.recency if self.evictable(k) and k not in keep), None)
             if victim is None:
                 return None
             self.drop(victim)
@@ -71,11 +76,15 @@ class _TierSlots:
         self.recency[key] = None
         return s
 
+    def evictable(self, key) -> bool:
+        return self.ready[key] and not self.readers.get(key) and key not in self.pinned
+
     def drop(self, key) -> None:
         self.free.append(self.slot.pop(key))
         del self.ready[key]
         del self.recency[key]
         self.readers.pop(key, None)
+        self.pinned.discard(key)
 
     def touch(self, keys) -> None:
         for k in reversed(keys):
@@ -139,6 +148,7 @@ class NumpyTiers:
         self._tiers = [self._make_tier(s, storage) for s in specs]
         self._transfers: dict = {}
         self._stored_last: tuple = (None, [])
+        self._swapped: dict = {}  # seq -> (its tier, the slots of its blocks by position)
 
     def _make_tier(self, spec, storage):
         return _TierSlots(spec, storage, self._tier_folder)
@@ -275,6 +285,50 @@ class NumpyTiers:
             keys = [tkey for *_, tkey, u in moved if u is t]
             if keys:
                 t.end_load(keys, seq)
+
+    # --- preemption by swap (SPEC §13) -------------------------------------------------------
+
+    def swap_out(self, seq, tier, *, step=0) -> None:
+        r = self._row(seq)
+        t = self._tiers[self._tier(tier)]
+        n = int(self.nblocks[r])
+        slots = None
+        if len(t.free) + sum(map(t.evictable, t.recency)) >= n:
+            slots = []
+            for i in range(n):
+                key = ("swap", seq, i)
+                slots.append(t.take(key, ()))
+                t.ready[key] = True
+                t.pinned.add(key)
+            self._copy_down(t, self.tables[0][r, :n], slots)
+            t.bytes_down += self._block_bytes_moved(n)
+        self.free(seq, step=step)
+        if slots is not None:
+            self._swapped[seq] = (t, slots)
+
+    def _swap_source(self, seq) -> tuple:
+        """The tier and slots a swapped sequence's resume copies up from."""
+        return self._swapped[seq]
+
+    def swap_in(self, seq, tokens, kv=None, **prefill) -> tuple:
+        hits = self.hit_blocks
+        victims = self.prefill(seq, tokens, kv, **prefill)  # out of memory: still swapped
+        L, r = self.hit_blocks - hits, self.row_of[seq]
+        n = int(self.nblocks[r])
+        t, slots = self._swap_source(seq)
+        self._copy_up(t, slots[L:n], self.tables[0][r, L:n])
+        t.bytes_up += self._block_bytes_moved(n - L)
+        self._drop_swapped(seq)
+        return victims
+
+    def _drop_swapped(self, seq) -> bool:
+        """Drop a swapped sequence's blocks from its tier; False when none holds it."""
+        held = getattr(self, "_swapped", {}).pop(seq, None)
+        if held is None:
+            return False
+        for i in range(len(held[1])):
+            held[0].drop(("swap", seq, i))
+        return True
 
     def tier_ledgers(self) -> list:
         return [t.figures() for t in self._tiers]

@@ -135,7 +135,8 @@ ENGINE_LIFECYCLE_REASONS = ("does not take a prompt in chunks", "does not roll b
 
 def engine_lifecycle_na(trace, v) -> bool:
     """True, having asserted it n/a with the reason, when ``trace`` writes prompts in chunks or
-    speculates (SPEC §13), which no engine adapter drives yet; False for any other trace."""
+    speculates (SPEC §13), which the vLLM block-pool and SGLang adapters do not drive (vLLM's
+    manager does); False for any other trace."""
     from kvbench.checking.checker import lifecycle
     if not lifecycle(trace) & {"chunked", "speculative"}:
         return False

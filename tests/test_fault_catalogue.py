@@ -218,6 +218,13 @@ LIFECYCLE_CATCHES = {
     "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 3),
     # 2, preempted at step 8, resumes after 0 and 1 took the blocks it released.
     "a resumed sequence reads the blocks it held before (another's by then)": ("lifecycle-preempt", 12),
+    # host holds 8 blocks: 9 (27 tokens, ceil(27 / 16) = 2 blocks) swaps out at step 27, 8 (45
+    # tokens, 3 blocks) at 29, leaving 8 - 5 = 3, too few for 7's 72 tokens (5 blocks: recomputed);
+    # 9 resumes at step 35 while 8 is still swapped, swapped out last.
+    "a swapped sequence resumes with another's K/V": ("lifecycle-swap", 35),
+    # 0 prefills 80 tokens, 80 / 16 = 5 full blocks (p2.0 .. p2.3, r0.0), the last left uncached;
+    # its free at step 6 leaves 4 of them cached, not 5 (its partial sixth never is).
+    "an EAGLE hit's lookahead block left out of the caching mask": ("lifecycle-chunked", 6),
 }
 
 

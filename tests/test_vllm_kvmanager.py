@@ -11,6 +11,7 @@ computes its last block again, every full block is cached, duplicates are kept.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import engine_lifecycle_na, make_config
+from conftest import P, X, make_config, make_trace
 
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
@@ -27,6 +28,7 @@ from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig, OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.ops import Accept, Append, Fork
 from kvbench.traces.loaders import load_requests
 
 SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
@@ -115,8 +117,6 @@ def test_checks_clean_on_every_committed_workload(vllm, path, caching, dense):
     v = check(trace, VllmKVManager(config))
     if trace.header.tiers:  # the adapter runs no lower tiers (SPEC §11)
         assert v.valid is None and "declares no tiers" in v.not_applicable
-        return
-    if engine_lifecycle_na(trace, v):  # nor chunked prompts or drafts (SPEC §13)
         return
     if not dense and windows_cached(config) and not v.valid:
         d = v.divergence
@@ -491,3 +491,44 @@ def test_vllms_page_size_bytes_of_each_preset_are_kvbenchs_block_over_a_groups_l
 def dataclasses_replace(spec, **kw):
     import dataclasses
     return dataclasses.replace(spec, **kw)
+
+
+# --- scheduler lifecycles (SPEC §13) ----------------------------------------------------------
+
+def test_a_rollback_keeps_the_blocks_past_the_length_for_the_next_drafts(vllm):
+    be = manager(num_blocks=8)
+    be.prefill(0, 20)  # ceil(20 / 16) = 2 blocks
+    be.append([0], [17], draft=[16])  # 37 tokens: 3 blocks
+    be.accept(0, 2, drafted=16)  # 37 - (16 - 2) = 23 tokens; vLLM frees nothing
+    led = be.ledger()
+    assert (led.tokens, led.seq_blocks, led.blocks_used, led.token_states) == ({0: 23}, {0: 3}, 3, 23)
+    be.append([0], [12])  # 35 tokens: ceil(35 / 16) = 3 blocks, the kept one written
+    assert (be.ledger().blocks_used, be.ledger().token_states) == (3, 35)
+
+
+def test_a_chunked_prompt_is_one_request_its_blocks_cached_once_computed(vllm):
+    be = manager(num_blocks=8, caching=True)
+    be.prefill(0, 24, block_hashes=("h0", "h1"), prompt_tokens=40)  # 24 of 40 computed
+    be.prefill(1, 40, block_hashes=("h0", "h1"))  # between the chunks: h0 alone is complete
+    assert be.ledger().prefix_hit_blocks == 1
+
+
+def test_a_block_completed_by_kept_drafts_is_cached_at_the_next_allocation(vllm):
+    # 0: 14 + 5 = 19 tokens, ceil(19 / 16) = 2 blocks, drafts at 15 .. 18; the accept keeps all
+    # 4, so block 0 (positions 0 .. 15) is full of kept tokens. vLLM caches it at the request's
+    # next allocate_slots (the append's caps what it caches at num_tokens = 14 + 1 = 15 < 16, and
+    # the accept allocates nothing): declared, kept_drafts_cached_at_next_append. The fork, a
+    # new request of 19 tokens through the prefix cache, then computes both blocks: 2 + 2 = 4 in
+    # use. Held to SPEC's rule instead (cached at the accept), it would hit block 0: 2 + 1 = 3.
+    trace = make_trace(P(0, 14), Append(0, (0,), (5,), (4,)), Accept(0, 0, 4), Fork(0, 1, 0), X(1), X(0))
+    assert check(trace, manager(num_blocks=8, caching=True)).valid is True
+    undeclared = manager(num_blocks=8, caching=True)
+    undeclared.capabilities = dataclasses.replace(undeclared.capabilities,
+                                                  kept_drafts_cached_at_next_append=False)
+    v = check(trace, undeclared)
+    d = v.divergence
+    assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 3, "blocks_used", 3, 4)
+    # with another append first (its allocate_slots caches block 0) the fork hits it
+    trace = make_trace(P(0, 14), Append(0, (0,), (5,), (4,)), Accept(0, 0, 4), Append(0, (0,), (1,)),
+                       Fork(0, 1, 0), X(1), X(0))
+    assert check(trace, manager(num_blocks=8, caching=True)).valid is True

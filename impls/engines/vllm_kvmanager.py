@@ -30,6 +30,18 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   vLLM's ``SinkFullAttentionSpec`` is full attention (``CAPABILITIES``).
 - salts, LoRA adapters, token ids (SPEC §9): the trace's ``salt`` is the request's
   ``cache_salt``, its ``adapter`` a ``LoRARequest`` of that name, its ``token_ids`` the prompt.
+- scheduler lifecycles (SPEC §13), as vLLM's scheduler drives the manager: a chunked prompt is
+  one request of the whole prompt whose first ``allocate_slots`` covers the first chunk (its hit
+  looked up within that chunk: ``get_computed_blocks(max_cache_hit_length=chunk - 1)``; vLLM's own
+  scheduler would look past it and start the chunk after the hit) and each append of the rest
+  another ``allocate_slots`` of prompt tokens (a block cached once its last token is computed);
+  a speculative append puts its drafts in ``spec_token_ids`` and allocates for them with
+  ``num_lookahead_tokens=0`` (a drafter that writes no KV: n-gram, suffix), and the accept adds
+  the kept ones to the output and lowers ``num_computed_tokens`` by the rejected ones, as the
+  scheduler's update does, so the blocks past the length stay the request's for its next drafts
+  (declared: ``lookahead_slots``), and a block the kept drafts completed is cached only by the
+  request's next ``allocate_slots`` (declared: ``kept_drafts_cached_at_next_append``); preemption by recompute is a ``free`` and its resume a new
+  request of every token, as ``Scheduler._preempt_request`` frees and recomputes.
 
 The adapter's own part: token ids for a trace that gives none (a hashed block's ids are a
 function of its hash, so equal hashes give equal vLLM hashes; every other token is new), the
@@ -73,7 +85,8 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             # attention whose sinks are static K/V outside the request's blocks
                             # (static_sink_attention.py); no manager of vLLM's releases a window
                             # beside kept sinks.
-                            kinds=("full", "sliding", "chunked", "mla", "state"))
+                            kinds=("full", "sliding", "chunked", "mla", "state"),
+                            lookahead_slots=True, kept_drafts_cached_at_next_append=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -238,8 +251,10 @@ class VllmKVManager(Backend):
                 lora_name=adapter, lora_int_id=len(self._loras) + 1, lora_path=f"/adapters/{adapter}")
         return self._loras[adapter]
 
-    def _admit(self, seq, token_ids, final_tokens, count_hits: bool, salt=None, lora=None):
-        """A new request with these token ids, computed through vLLM's manager; None if refused."""
+    def _admit(self, seq, token_ids, final_tokens, count_hits: bool, salt=None, lora=None,
+               first=None):
+        """A new request with these token ids, computed through vLLM's manager (``first``: the
+        first chunk's tokens only); None if refused."""
         v = self._v
         req = v.Request(request_id=str(seq), prompt_token_ids=token_ids,
                         sampling_params=self._sampling, pooling_params=None,
@@ -248,11 +263,12 @@ class VllmKVManager(Backend):
             self.requests[seq] = req
             self.final[seq] = final_tokens
             return req
-        computed, n_hit, _ = self.manager.get_computed_blocks(req)
-        got = self.manager.allocate_slots(req, len(token_ids) - n_hit, n_hit, computed)
+        first = len(token_ids) if first is None else first
+        computed, n_hit, _ = self.manager.get_computed_blocks(req, max_cache_hit_length=first - 1)
+        got = self.manager.allocate_slots(req, first - n_hit, n_hit, computed)
         if got is None:
             return None
-        req.num_computed_tokens = len(token_ids)
+        req.num_computed_tokens = first
         req.status = v.RequestStatus.RUNNING
         if count_hits:
             # Every group's hit blocks (a sliding group's null below its window is none).
@@ -264,15 +280,17 @@ class VllmKVManager(Backend):
     # --- the protocol ----------------------------------------------------------------------
 
     def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
+                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
+                prompt_tokens=None):
         if seq in self.requests:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
-        hashes = tuple(block_hashes or ())[:tokens // self.block_size] if self.caching else ()
+        whole = prompt_tokens or tokens  # a chunked prompt: one request of all of it
+        hashes = tuple(block_hashes or ())[:whole // self.block_size] if self.caching else ()
         final = final_tokens if final_tokens is not None else tokens
-        req = self._admit(seq, self._prompt_ids(tokens, hashes, token_ids), final, count_hits=True,
-                          salt=salt, lora=self._lora(adapter))
+        req = self._admit(seq, self._prompt_ids(whole, hashes, token_ids), final, count_hits=True,
+                          salt=salt, lora=self._lora(adapter), first=tokens)
         if req is None:
             raise OutOfMemory(f"{self.name}: prefill of sequence {seq} ({tokens} tokens): "
                               f"allocate_slots found too few free blocks "
@@ -294,7 +312,7 @@ class VllmKVManager(Backend):
                     drops.setdefault(blk.block_id, [blk, 0])[1] += 1
         return drops
 
-    def append(self, seqs, tokens, kv=None, *, step=0):
+    def append(self, seqs, tokens, kv=None, *, step=0, draft=None):
         seqs, tokens = list(seqs), list(tokens)
         reqs = [self._request(s) for s in seqs]
         coordinator = self.manager.coordinator
@@ -318,13 +336,25 @@ class VllmKVManager(Backend):
         for manager in self._sliding:
             for req in reqs:
                 manager.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
-        for req, dt in zip(reqs, tokens):
+        for i, (req, dt) in enumerate(zip(reqs, tokens)):
             if dt <= 0:
                 continue
-            req.append_output_token_ids(self._new_ids(dt))  # runs vLLM's block hasher
-            got = self.manager.allocate_slots(req, dt)
+            d = draft[i] if draft else 0
+            if req.num_computed_tokens >= req.num_prompt_tokens:  # past a chunked prompt's tokens
+                req.append_output_token_ids(self._new_ids(dt - d))  # runs vLLM's block hasher
+            req.spec_token_ids = self._new_ids(d)  # never hashed, nor cached
+            got = self.manager.allocate_slots(req, dt, num_lookahead_tokens=0)
             assert got is not None, "vLLM refused an append its own count said fits"
             req.num_computed_tokens += dt
+        return ()
+
+    def accept(self, seq, n, *, drafted, step=0):
+        """The scheduler's update after verification: the kept drafts join the output, the
+        computed tokens drop by the rejected ones; no block is freed."""
+        req = self._request(seq)
+        kept, req.spec_token_ids = req.spec_token_ids[:n], []
+        req.append_output_token_ids(kept)
+        req.num_computed_tokens -= drafted - n
         return ()
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
@@ -363,11 +393,12 @@ class VllmKVManager(Backend):
             for held, manager in zip(per_group, self._groups):
                 table = manager.req_to_blocks.get(req.request_id, ())
                 for i, blk in enumerate(table):
-                    if not blk.is_null:
-                        fill[blk.block_id] = min(B, n - i * B)
+                    if not blk.is_null:  # a lookahead slot past the length holds nothing
+                        fill[blk.block_id] = max(0, min(B, n - i * B))
                         held.add(blk.block_id)
                         seq_blocks[s] += 1
-                if table and not table[-1].is_null and table[-1].ref_cnt == 1:
+                tail = table[F.blocks_needed(n, B) - 1] if n and table else None
+                if tail is not None and not tail.is_null and tail.ref_cnt == 1:
                     reservation += F.tail_reservation((-n) % B, self.final[s] - n)
         used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
         return Ledger.paged(

@@ -171,8 +171,11 @@ class VllmOffload(NumpyPaged):
     """The NumPy pool whose lower tiers are vLLM's ``CPUOffloadingManager``s."""
 
     name = "vllm-offload"
+    # No swap (SPEC §13): vLLM's V1 scheduler preempts by recompute; its offloading connector
+    # stores and loads prefix blocks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
-                                       tier_rules=("whole_store_refused", "request_recency"))
+                                       tier_rules=("whole_store_refused", "request_recency"),
+                                       swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
 
     @classmethod

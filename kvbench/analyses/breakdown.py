@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvbench.analyses.serving import DEFAULT_MAX_BATCH, SPECULATIVE_COUNTS, SimResult, simulate
+from kvbench.analyses.serving import DEFAULT_MAX_BATCH, LIFECYCLE_COUNTS, SimResult, simulate
 from kvbench.charts import CATEGORY_COLORS, CATEGORY_LABELS, finish
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
@@ -65,7 +65,7 @@ def summary_row(result: SimResult, over: str = "saturated") -> dict:
             "rejected": sum(result.rejected.values()), "preemptions": result.preemptions,
             "recomputed_tokens": result.recomputed_tokens, "prefix_hit_blocks": result.prefix_hit_blocks,
             "steps": result.steps, "ops": len(result.trace),
-            **{f: getattr(result, f) for f in SPECULATIVE_COUNTS},
+            **{f: getattr(result, f) for f in LIFECYCLE_COUNTS},
             **result.throughput(), "wall_s": result.wall_seconds, "backend_s": result.backend_seconds}
 
 

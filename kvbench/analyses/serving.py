@@ -12,8 +12,13 @@ waiting ones with what is left):
    decoding, ``speculative_k`` draft tokens after it, at most what its output has left; then
    each sequence's accept keeps ``n ~ Binomial(k, acceptance)`` of them, drawn in batch order
    from ``numpy.random.default_rng(seed)``, SPEC §13). When it does not
-   fit (``OutOfMemory``), the most recently admitted running sequence is preempted (vLLM's
-   recompute preemption): freed, its request put back at the head of the queue with the tokens it
+   fit (``OutOfMemory``), a running sequence is preempted (recompute): by default the most
+   recently admitted (``victim="newest"``, vLLM's FCFS scheduler), or the one with the fewest
+   tokens generated, the longest prompt among those (``"fewest-output"``, SGLang's retraction
+   order), the newest of any still tied (with ``preemption="swap"``, its blocks are moved to a host
+   tier of ``swap_blocks`` blocks instead, SPEC §13 over §11, and its resume moves them back under
+   the same sequence id, at the head of the queue; if the tier cannot hold them it is freed and
+   its resume recomputes it; resumes are never chunked): freed, its request put back at the head of the queue with the tokens it
    generated, and the append retried with the rest of the batch. A sequence that cannot grow even
    alone in the cache can never finish: it is freed and counted as rejected.
 2. Sequences that reached their output length are freed.
@@ -23,6 +28,13 @@ waiting ones with what is left):
    ``OutOfMemory`` admission stops for this step: the head blocks the queue. A request that does
    not fit in a cache with nothing running can never run: it is dropped and counted as rejected.
    A request with 0 output tokens is prefilled and freed at once.
+
+With a ``token_budget`` (vLLM's ``max_num_batched_tokens``), a step computes at most that many
+tokens: the decode step's first (never held back), then the next chunk of each prompt being
+written in chunks (admission order, one batched append; out of memory preempts as a decode step
+does), then admission, whose last prompt gets the budget left as its first chunk (chunked
+prefill, SPEC §13: a prefill of that chunk with the prompt's length, its rest appended in later
+steps; it decodes once its prompt is complete). Without one, a prompt is prefilled whole.
 
 A request is eligible from step ``ceil(arrival / step_seconds)``; ``step_seconds`` (default
 50 ms, about one decode iteration of a 13B model) maps trace seconds onto steps. ``max_steps``
@@ -57,12 +69,15 @@ from kvbench.contract.protocol import (
     takes_lifecycle,
 )
 from kvbench.contract.formulas import blocks_needed
-from kvbench.traces.format import Accept, Append, Free, Header, Prefill, Trace
+from kvbench.traces.format import Accept, Append, Free, Header, Preempt, Prefill, Resume, Trace
+from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.loaders import Request, split_block_hashes
 
 SIM_VERSION = 1
 STEP_SECONDS = 0.05
 DEFAULT_MAX_BATCH = 256  # vLLM's default max_num_seqs
+VICTIM_ORDERS = ("newest", "fewest-output")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -96,6 +111,13 @@ class SimResult:
     rollbacks: int = 0
     draft_blocks: int = 0
     rollback_blocks: int = 0
+    # Chunked prefill (token_budget): prompts written over more than one step, and the chunks
+    # appended after their first
+    chunked_prompts: int = 0
+    prompt_chunks: int = 0
+    # Preemption by swap: sequences whose blocks went to the host tier, and resumed from it
+    swapped_out: int = 0
+    swapped_in: int = 0
 
     @property
     def max_running(self) -> int:
@@ -119,6 +141,8 @@ class _Running:
     tokens: int
     final: int
     generated: int
+    prompt_left: int = 0  # of a prompt written in chunks: its tokens still to write
+    recomputing: bool = False
 
 
 def _make_backend(backend, config: CacheConfig | None) -> tuple[Backend, str]:
@@ -154,10 +178,15 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              max_batch: int = DEFAULT_MAX_BATCH, max_steps: int | None = None,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
              source: dict | None = None, progress=None, speculative_k: int = 0,
-             acceptance: float = 0.0) -> SimResult:
+             acceptance: float = 0.0, token_budget: int | None = None,
+             victim: str = "newest", preemption: str = "recompute", swap_blocks: int = 0) -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
     ``speculative_k`` > 0: speculative decoding with that many drafts per step, of which a
     share ``acceptance`` is kept on average (the backend must implement accept).
+    ``token_budget``: the tokens one step computes at most, prompts written in chunks (the
+    backend must take ``prompt_tokens``). ``victim``: which running sequence a step that does
+    not fit preempts (VICTIM_ORDERS); ``preemption``: how (PREEMPTION_MODES; "swap" to a host
+    tier of ``swap_blocks`` blocks, for a backend declaring swap).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
     ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
@@ -168,8 +197,27 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         raise ValueError(f"speculative_k must be an integer >= 0, got {speculative_k!r}")
     if not (isinstance(acceptance, (int, float)) and 0 <= acceptance <= 1):
         raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
+    if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
+                                     or token_budget < 1):
+        raise ValueError(f"token_budget must be an integer >= 1 or None, got {token_budget!r}")
+    if victim not in VICTIM_ORDERS:
+        raise ValueError(f"victim must be one of {', '.join(VICTIM_ORDERS)}, got {victim!r}")
+    if preemption not in PREEMPTION_MODES:
+        raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
+    if preemption == "swap" and (isinstance(swap_blocks, bool) or not isinstance(swap_blocks, int)
+                                 or swap_blocks < 1):
+        raise ValueError(f"preemption='swap' needs swap_blocks, an integer >= 1, got {swap_blocks!r}")
     be, label = _make_backend(backend, config)
     cfg = be.config
+    tiers = (TierSpec("host", swap_blocks),) if preemption == "swap" else ()
+    if tiers:
+        if not (be.capabilities.swap and "lru" in be.capabilities.tiers):
+            raise ValueError(f"backend {label!r} does not preempt by swap (SPEC §13): it cannot serve "
+                             f"with preemption='swap'")
+        be.attach_tiers(tiers)
+    if token_budget is not None and not takes_lifecycle(be, "chunked"):
+        raise ValueError(f"backend {label!r} does not take a prompt in chunks (prefill without "
+                         f"prompt_tokens): it cannot serve with a token budget")
     if speculative_k and not takes_lifecycle(be, "speculative"):
         raise ValueError(f"backend {label!r} does not roll back draft tokens (no accept): it cannot "
                          f"serve with speculative decoding")
@@ -177,7 +225,8 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         raise ValueError(f"the serving simulation preempts by itself (recompute); run it without an "
                          f"eviction policy (got policy={cfg.policy!r})")
     server = _Server(be, reqs, max_batch)
-    server.k, server.acceptance = speculative_k, float(acceptance)
+    server.k, server.acceptance, server.budget = speculative_k, float(acceptance), token_budget
+    server.victim, server.swap = victim, "host" if tiers else None
     server.rng = np.random.default_rng(0 if seed is None else seed)
     eligible = np.ceil(server.arrival / step_seconds).astype(np.int64)
     order = np.argsort(eligible, kind="stable")  # FCFS: arrival step, then list order
@@ -202,8 +251,12 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                 t = int(eligible[order[ptr]])  # idle until the next arrival
                 continue
             break
+        server.left = token_budget
         decoded, preempted, finished = server.decode()
+        chunk_preempted, chunk_done = server.chunks()
+        preempted += chunk_preempted
         prefilled, admitted_done, blocked = (0, 0, False) if preempted else server.admit(admitting, t)
+        finished += chunk_done
         server.sample(t, decoded=decoded, prefilled=prefilled, preempted=preempted,
                       finished=finished + admitted_done,
                       waiting_for_memory=bool(blocked or (preempted and queue)))
@@ -219,10 +272,14 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         params={"backend": label, "requests": len(reqs), "max_batch": max_batch, "max_steps": max_steps,
                 "step_seconds": step_seconds,
                 **({"speculative_k": speculative_k, "acceptance": acceptance} if speculative_k else {}),
+                **({"token_budget": token_budget} if token_budget is not None else {}),
+                **({"victim": victim} if victim != "newest" else {}),
+                **({"preemption": preemption, "swap_blocks": swap_blocks} if tiers else {}),
                 **(source or {})},
         seed=seed,
         settings={"model": cfg.model.name, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
-                  "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})})
+                  "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})},
+        tiers=tiers)
     trace = Trace(header, server.ops, name=name or f"serving-{label}")  # valid by construction (tests validate)
     c = server.counts
     return SimResult(
@@ -233,10 +290,11 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         preemptions=c["preemptions"], recomputed_tokens=c["recomputed"],
         admissions=server.admissions, steps=t, prompt_tokens=c["prompt"], output_tokens=c["output"],
         wall_seconds=wall, backend_seconds=server.backend_seconds, prefix_hit_blocks=server.hit_blocks,
-        **{f: c[f] for f in SPECULATIVE_COUNTS})
+        **{f: c[f] for f in LIFECYCLE_COUNTS})
 
 
-SPECULATIVE_COUNTS = ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks")
+LIFECYCLE_COUNTS = ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks",
+                      "chunked_prompts", "prompt_chunks", "swapped_out", "swapped_in")
 
 
 SAMPLE_COLUMNS = ["step", "running", "waiting", "decoded", "prefilled", "preempted", "finished",
@@ -281,8 +339,12 @@ class _Server:
         self.admissions, self.samples = [], []
         self.counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0,
                            drafted_tokens=0, rejected_tokens=0, rollbacks=0, draft_blocks=0,
-                           rollback_blocks=0)
+                           rollback_blocks=0, chunked_prompts=0, prompt_chunks=0, swapped_out=0,
+                           swapped_in=0)
         self.k, self.acceptance, self.rng = 0, 0.0, None
+        self.budget = self.left = None  # token_budget, and what this step has left of it
+        self.victim, self.swap = "newest", None  # swap: the tier preemption moves blocks to
+        self.held: dict = {}  # request -> (its sequence, its _Running, whether the tier holds it)
         self.backend_seconds = 0.0
         self.next_seq = self.hit_blocks = 0
 
@@ -305,7 +367,7 @@ class _Server:
         latest admitted until it fits; free the finished. Returns (decoded, preempted, finished)."""
         running = self.running
         preempted = finished = decoded = 0
-        batch = list(running)
+        batch = self.decoding()
         while batch:
             # 1 token each, then as many drafts as the output has left (at most k)
             drafts = [min(self.k, running[s].final - running[s].tokens - 1) for s in batch]
@@ -319,17 +381,11 @@ class _Server:
             try:
                 self.timed(self.be.append, batch, toks, kv, step=len(self.ops))
             except OutOfMemory:
-                victim = batch[-1]
-                st = running.pop(victim)
-                self.free(victim)
-                if not running:
-                    self.reject("cannot grow even alone in the cache")
-                else:
-                    self.generated[st.request] = st.generated
-                    self.queue.appendleft(st.request)
-                    preempted += 1
-                batch = list(running)
+                preempted += self.preempt_victim()
+                batch = self.decoding()
                 continue
+            if self.left is not None:
+                self.left -= sum(toks)
             self.ops.append(Append(len(self.ops), tuple(batch), tuple(toks),
                                    tuple(drafts) if any(drafts) else None))
             kept = self.accept(batch, drafts)
@@ -346,6 +402,98 @@ class _Server:
             break
         self.counts["preemptions"] += preempted
         return decoded, preempted, finished
+
+    def decoding(self) -> list:
+        """The running sequences whose prompt is complete, in admission order."""
+        return [s for s, st in self.running.items() if not st.prompt_left]
+
+    def preempt_victim(self) -> int:
+        """Preempt the running sequence the victim order names (recompute): 1, or 0 when it was
+        the last one running and can never grow (rejected)."""
+        running = self.running
+        victim = next(reversed(running)) if self.victim == "newest" else \
+            min(reversed(running), key=lambda s: (running[s].generated, -int(self.prompt[running[s].request])))
+        st = self.running.pop(victim)
+        if not self.running:
+            self.free(victim)
+            self.reject("cannot grow even alone in the cache")
+            return 0
+        if self.swap is not None and not st.prompt_left:
+            stored = self.be.tier_ledgers()[0]["stored"]
+            self.timed(self.be.swap_out, victim, self.swap, step=len(self.ops))
+            self.ops.append(Preempt(len(self.ops), victim, "swap"))
+            in_tier = self.be.tier_ledgers()[0]["stored"] > stored  # else freed: a recompute
+            self.held[st.request] = (victim, st, in_tier)
+            self.counts["swapped_out"] += in_tier
+        else:
+            self.free(victim)
+            self.generated[st.request] = st.generated
+        self.queue.appendleft(st.request)
+        return 1
+
+    def resume(self, i: int, t: int) -> bool:
+        """The resume of request ``i``, swapped out (or freed by a swap the tier could not hold):
+        False when it does not fit."""
+        seq, st, in_tier = self.held[i]
+        kv = kv_values(seq, 0, st.tokens, self.model, self.dtype) if self.store else None
+        call = self.be.swap_in if in_tier else self.be.prefill
+        try:
+            self.timed(call, seq, st.tokens, kv, tenant=self.reqs[i].tenant, final_tokens=st.final,
+                       step=len(self.ops), block_hashes=self.hashes[i])
+        except OutOfMemory:
+            return False
+        del self.held[i]
+        self.ops.append(Resume(len(self.ops), seq))
+        self.admissions.append((t, i, seq))
+        self.running[seq] = st
+        self.counts["swapped_in"] += in_tier
+        if not in_tier:
+            self.counts["prompt"] += st.tokens
+            self.counts["recomputed"] += st.tokens
+        if self.left is not None and not in_tier:
+            self.left -= st.tokens
+        return True
+
+    def chunks(self) -> tuple[int, int]:
+        """The next chunk of every prompt written in chunks, within the budget left, as one
+        batched append (out of memory: a victim preempted, the rest retried).
+        Returns (preempted, finished: prompts complete with no output to generate)."""
+        preempted = finished = 0
+        while self.left is not None:
+            plan, left = [], self.left
+            for s, st in self.running.items():
+                take = min(left, st.prompt_left)
+                if take > 0:
+                    plan.append((s, take))
+                    left -= take
+            if not plan:
+                break
+            seqs, toks = [s for s, _ in plan], [t for _, t in plan]
+            kv = None
+            if self.store:
+                kv = np.concatenate([kv_values(s, self.running[s].tokens, t, self.model, self.dtype)
+                                     for s, t in plan])
+            try:
+                self.timed(self.be.append, seqs, toks, kv, step=len(self.ops))
+            except OutOfMemory:
+                preempted += self.preempt_victim()
+                continue
+            self.ops.append(Append(len(self.ops), tuple(seqs), tuple(toks)))
+            self.left = left
+            for s, t in plan:
+                st = self.running[s]
+                st.tokens += t
+                st.prompt_left -= t
+                self.counts["prompt"] += t
+                self.counts["recomputed"] += t if st.recomputing else 0
+                self.counts["prompt_chunks"] += 1
+                if st.tokens == st.final:
+                    del self.running[s]
+                    self.free(s)
+                    finished += 1
+            break
+        self.counts["preemptions"] += preempted
+        return preempted, finished
 
     def accept(self, batch, drafts) -> list:
         """Each sequence's accept of its drafts (none without): how many it kept."""
@@ -370,17 +518,26 @@ class _Server:
         at once, blocked: the head of the queue waits for memory)."""
         prefilled = finished = 0
         queue = self.queue
-        while queue and len(self.running) < self.max_batch:
+        while queue and len(self.running) < self.max_batch and (self.left is None or self.left > 0):
             i = queue[0]
             if not admitting and not self.started[i]:
                 break
-            tokens = int(self.prompt[i] + self.generated[i])
+            if i in self.held:
+                if not self.resume(i, t):
+                    return prefilled, finished, True
+                queue.popleft()
+                prefilled += 1
+                continue
+            whole = int(self.prompt[i] + self.generated[i])
             final = int(self.prompt[i] + self.output[i])
+            tokens = whole if self.left is None else min(whole, self.left)  # its first chunk
+            chunked = {"prompt_tokens": whole} if tokens < whole else {}
             seq = self.next_seq
             kv = kv_values(seq, 0, tokens, self.model, self.dtype) if self.store else None
             try:
                 self.timed(self.be.prefill, seq, tokens, kv, tenant=self.reqs[i].tenant,
-                           final_tokens=final, step=len(self.ops), block_hashes=self.hashes[i])
+                           final_tokens=final, step=len(self.ops), block_hashes=self.hashes[i],
+                           **chunked)
             except OutOfMemory:
                 if self.running:
                     return prefilled, finished, True
@@ -389,11 +546,16 @@ class _Server:
                 continue
             queue.popleft()
             self.next_seq += 1
-            self.ops.append(Prefill(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i]))
+            self.ops.append(Prefill(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i],
+                                    prompt_tokens=chunked.get("prompt_tokens")))
+            if self.left is not None:
+                self.left -= tokens
+            self.counts["chunked_prompts"] += bool(chunked)
             self.admissions.append((t, i, seq))
             prefilled += 1
             self.counts["prompt"] += tokens
-            if self.started[i]:
+            again = bool(self.started[i])  # a preempted request's recompute
+            if again:
                 self.counts["recomputed"] += tokens
             else:
                 self.started[i] = True
@@ -402,7 +564,8 @@ class _Server:
                 self.free(seq)
                 finished += 1
             else:
-                self.running[seq] = _Running(i, tokens, final, int(self.generated[i]))
+                self.running[seq] = _Running(i, tokens, final, int(self.generated[i]),
+                                             whole - tokens, again)
         return prefilled, finished, False
 
     def sample(self, t: int, **counts) -> None:
@@ -414,4 +577,5 @@ class _Server:
                              **counts, **{c: getattr(ledger, c) for c in MEMORY_CATEGORIES}})
 
 
-__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS"]
+__all__ = ["simulate", "SimResult", "DEFAULT_MAX_BATCH", "STEP_SECONDS", "VICTIM_ORDERS",
+           "PREEMPTION_MODES"]

@@ -44,7 +44,7 @@ from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import (Backend, OutOfMemory, kv_tokens, ledger_of, refuse_kinds,
+from kvbench.contract.protocol import (Backend, OutOfMemory, _takes, kv_tokens, ledger_of, refuse_kinds,
                                        takes_lifecycle)
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
@@ -69,6 +69,9 @@ def applicable(trace: Trace, backend: Backend) -> str:
     refused = refuse_kinds(backend.name, caps, model)
     if refused:
         return refused
+    if caps.hit_drops_last_block and any(g.releases for g in model.kv_groups):
+        return (f"{backend.name} drops an EAGLE hit's last block, which beside the windows of "
+                f"model {model.name} is not modelled")
     if not caps.fork and _forks(trace):
         return f"{backend.name} does not support fork and the trace forks"
     policy = backend.config.policy
@@ -83,7 +86,7 @@ def applicable(trace: Trace, backend: Backend) -> str:
 
 def lifecycle(trace: Trace) -> set:
     """The scheduler lifecycles (SPEC §13) the trace uses: 'speculative' (an accept), 'chunked'
-    (a prefill of a prompt's first chunk), 'preempt'."""
+    (a prefill of a prompt's first chunk), 'preempt', 'swap' (a preempt by swap)."""
     ops = trace.ops
     ops = ops.side.values() if isinstance(ops, OpTable) else ops
     used = set()
@@ -91,7 +94,7 @@ def lifecycle(trace: Trace) -> set:
         if op.kind == "accept":
             used.add("speculative")
         elif op.kind == "preempt":
-            used.add("preempt")
+            used.update(("preempt", "swap") if op.mode == "swap" else ("preempt",))
         elif op.kind == "prefill" and op.prompt_tokens is not None:
             used.add("chunked")
     return used
@@ -104,9 +107,6 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
     if "speculative" in used:
         if not takes_lifecycle(backend, "speculative"):
             return f"{backend.name} does not roll back draft tokens (no accept: speculative decoding, SPEC §13)"
-        if caps.lookahead_slots:
-            return (f"{backend.name} keeps rejected drafts' blocks as lookahead slots, which the "
-                    f"oracle does not model yet")
         if any(g.state_bytes is not None for g in model.kv_groups):
             return (f"a rollback of model {model.name}'s state groups would need the state before "
                     f"the drafts (SPEC §12): not modelled")
@@ -114,6 +114,9 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
             return (f"a rollback under the {', '.join(g.kind for g in model.kv_groups if g.releases)} "
                     f"group(s) of model {model.name} would need blocks the group already released: "
                     f"not modelled")
+    if "swap" in used and caps.tiers and not caps.swap:  # without tiers: the tier replay says so
+        return (f"{backend.name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
+                f"its tiers)")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):
         return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
     return ""
@@ -394,7 +397,10 @@ class _Replay:
         self.touches.setdefault(self.tenant_of[seq], [0, 0])[miss] += 1
 
     def restore(self, seq, protect):
-        """Recompute an evicted sequence (its old content, its current length) before the op."""
+        """Recompute an evicted sequence (its old content, its current length) before the op;
+        swap a swapped one in."""
+        if self.tiered is not None and seq in self.oracle.swapped:
+            return self.tiered.swap_in(seq, protect)
         st = self.oracle.preempted[seq]
         segments = list(st.segments)
         step = self.op.step
@@ -484,7 +490,10 @@ class _Replay:
             return kv_tokens(writers, positions, self.model, self.dtype)
 
         toks_list = toks.tolist()
-        got = self.call("append", lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step),
+        told = {"draft": drafts} if drafts and self.backend is not None and \
+            _takes(type(self.backend), "append", "draft") else {}  # to a backend that takes it
+        got = self.call("append",
+                        lambda kv: self.backend.append(seqs, toks_list, kv, step=op.step, **told),
                         lambda: oracle.append(seqs, toks_list, op.step,
                                               **({"drafts": drafts} if drafts else {})),
                         sum(toks_list), kv)
@@ -538,14 +547,18 @@ class _Replay:
     def free(self, op) -> None:
         if op.seq in self.refused:
             return
+        swapped = self.tiered is not None and op.seq in self.oracle.swapped  # a tier holds it
         evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
         if not evicted and self.gather == "touched":
             self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
+        evicted = evicted and not swapped
         self.oracle.free(op.seq)
         self.drafted.pop(op.seq, None)
         self.mark(op.seq, kv=False)
         if self.backend is not None and not evicted:
             self.free_call(op.seq, op.step)
+        if swapped:  # its blocks left the tier
+            self.tiered.compare()
 
     def free_call(self, seq, step) -> None:
         """The backend's free of ``seq``; its exception is the backend's FAIL."""
@@ -573,15 +586,18 @@ class _Replay:
         self.mark(op.seq, max(0, new - B))
 
     def preempt(self, op) -> None:
-        """Preemption by recompute (SPEC §13): the backend frees the sequence; the oracle keeps
-        its content for the resume."""
+        """Preemption (SPEC §13): by recompute the backend frees the sequence, the oracle keeps
+        its content for the resume; by swap both move it to a tier (the tier replay's)."""
         if op.seq in self.refused or op.seq in self.oracle.preempted:
             return  # refused, or already evicted: nothing left to free
         if self.gather == "touched":
             self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
-        self.oracle.preempt(op.seq)
         self.mark(op.seq, kv=False)
         self.verdict.preemptions += 1
+        if op.mode == "swap":
+            self.tiered.swap_out(op)
+            return
+        self.oracle.preempt(op.seq)
         if self.backend is not None:
             self.free_call(op.seq, op.step)
 

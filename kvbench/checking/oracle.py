@@ -66,6 +66,9 @@ class SeqState:
     use_count: int = 0
     prompt: dict = field(default_factory=dict)  # what a recompute re-prefills with (hashes, salt, ...)
     released_keys: dict = field(default_factory=dict)  # position -> cache key of a block a window released
+    # Per group, blocks kept past the length for the next drafts (lookahead slots, SPEC §13)
+    ahead: list = field(default_factory=list)
+    later: list = field(default_factory=list)  # (group, position): full of kept drafts, cached at the next append
 
     @property
     def table(self) -> list:
@@ -78,8 +81,8 @@ class SeqState:
         return self.slabs[0] if self.slabs else None
 
     def held(self) -> list:
-        """Every block the sequence holds, over all groups."""
-        return [b for t in self.tables for b in t if b is not None]
+        """Every block the sequence holds, over all groups (kept lookahead slots too)."""
+        return [b for t in self.tables for b in t if b is not None] + [b for a in self.ahead for b in a]
 
 
 @dataclass
@@ -205,11 +208,13 @@ class Oracle:
                 self.free_stack.append(b)
 
     def _release(self, st: SeqState) -> None:
-        """Drop every reference of a sequence: group by group, each tail first."""
-        for table in st.tables:
-            for b in reversed(table):
+        """Drop every reference of a sequence: group by group, each tail first (its kept
+        lookahead slots before it)."""
+        for g, table in enumerate(st.tables):
+            for b in reversed(table if not st.ahead else table + st.ahead[g]):
                 if b is not None:
                     self._drop_ref(b)
+        st.ahead = []
 
     # --- block keys (SPEC §9) --------------------------------------------------------------
 
@@ -262,10 +267,13 @@ class Oracle:
     def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
         """(L, per group the cached blocks taken by position, how many count as hits).
 
-        An engine that computes the last prompt token again counts positions below
+        An engine running EAGLE drops the last block it matched; one that computes the last
+        prompt token again counts positions below
         (T - 1) // B only; one that keeps duplicates also computes the rest again, into new
         blocks (its hit is then searched within the cap)."""
         L, hits = self._hit_plan(keys)
+        if self.caps.hit_drops_last_block and L:  # EAGLE: the last matched block computed again
+            L, hits = self._hit_plan(keys[:L - 1])
         counted = L
         if self.caps.hit_leaves_last_token:
             counted = min(L, max(0, tokens - 1) // self.B)
@@ -357,7 +365,8 @@ class Oracle:
                     if free_last > 0 and dt > 0 and ref + ref_delta.get(tail, 0) > 1:
                         need += 1  # the writer gets its own copy of the shared tail
                         ref_delta[tail] = ref_delta.get(tail, 0) - 1
-                need += F.append_new_blocks(dt, free_last, self.B)
+                ahead = self.seqs[s].ahead
+                need += max(0, F.append_new_blocks(dt, free_last, self.B) - (len(ahead[g]) if ahead else 0))
         return need
 
     def _slab_size(self, final: int) -> int:
@@ -559,6 +568,14 @@ class Oracle:
 
     def recompute(self, seq, step, protect=()) -> list:
         """Re-prefill an evicted sequence to its current length, with the content it had."""
+        victims = self.reprefill(seq, step, protect)
+        st = self.seqs[seq]
+        self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
+        return victims
+
+    def reprefill(self, seq, step, protect=()) -> list:
+        """A preempted sequence back on the device: a prefill of its tokens (its prompt's hits
+        first) with the content it had."""
         st = self.preempted[seq]
         p = st.prompt
         victims = self.prefill(seq, st.tokens, st.tenant, st.final, step, protect, p.get("hashes"),
@@ -567,7 +584,6 @@ class Oracle:
                                **({"prompt_tokens": p["prompt_tokens"]} if "prompt_tokens" in p else {}))
         self.seqs[seq].segments = list(st.segments)
         del self.preempted[seq]
-        self.tenant_stats[st.tenant].recomputed_tokens += st.tokens
         return victims
 
     def append(self, seqs, tokens, step, drafts=None) -> list:
@@ -594,6 +610,11 @@ class Oracle:
                            if d} if drafts else {}
         if self.layout == "paged":
             self._paged_write(seqs, tokens)
+            for s in seqs:  # blocks its last accept completed with kept drafts
+                st = self.seqs[s]
+                for g, i in st.later:
+                    self._filled(st.tables[g][i], g, s, i)
+                st.later = []
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]
@@ -634,10 +655,21 @@ class Oracle:
                         self._completed(table[-1], g, s, len(table) - 1)
                 while dt > 0:
                     take = min(dt, self.B)
-                    table.append(self._new_block(take, g))
+                    table.append(self._next_block(s, take, g))
                     dt -= take
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
+
+    def _next_block(self, seq, fill: int, g: int) -> int:
+        """The block a write past ``seq``'s table takes: a lookahead slot it kept, else a new one."""
+        ahead = self.seqs[seq].ahead
+        if not ahead or not ahead[g]:
+            return self._new_block(fill, g)
+        b = ahead[g].pop(0)
+        self.blocks[b][1] = fill
+        self.filled += fill
+        self.edits += 1
+        return b
 
     def _completed(self, b: int, g: int, seq, i: int) -> None:
         """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
@@ -669,7 +701,9 @@ class Oracle:
         """Keep the first ``n`` of the ``drafted`` draft tokens ``seq``'s last append wrote
         (SPEC §13): the length drops by drafted - n, every block wholly past it is released (its
         reference dropped, group by group from the tail, as a free would), the tail's fill
-        shrinks, and a block the kept drafts completed may now be cached."""
+        shrinks, and a block the kept drafts completed may now be cached. An engine declaring
+        ``lookahead_slots`` keeps the blocks past the length instead, unwritten and held, and its
+        next appends write into them before taking new ones."""
         st = self.seqs[seq]
         first_draft = st.tokens - drafted
         new = st.tokens - (drafted - n)
@@ -677,10 +711,20 @@ class Oracle:
         self._dirty.add(seq)
         if self.layout == "paged":
             keep = F.blocks_needed(new, self.B)
+            lookahead = self.caps.lookahead_slots
+            if lookahead and not st.ahead:
+                st.ahead = [[] for _ in st.tables]
             for g, table in enumerate(st.tables):
-                for b in reversed(table[keep:]):
-                    if b is not None:
-                        self._drop_ref(b)
+                if lookahead:  # kept, unwritten, for the next drafts (never shared: drafts wrote them)
+                    for b in table[keep:]:
+                        self.filled -= self.blocks[b][1]
+                        self.blocks[b][1] = 0
+                    st.ahead[g][:0] = table[keep:]
+                    self.edits += 1
+                else:
+                    for b in reversed(table[keep:]):
+                        if b is not None:
+                            self._drop_ref(b)
                 del table[keep:]
                 if keep and table[-1] is not None:
                     b = table[-1]
@@ -688,7 +732,9 @@ class Oracle:
                     self.filled += fill - self.blocks[b][1]
                     self.blocks[b][1] = fill
                 for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
-                    if table[i] is not None:
+                    if table[i] is not None and self.caps.kept_drafts_cached_at_next_append:
+                        st.later.append((g, i))
+                    elif table[i] is not None:
                         self._filled(table[i], g, seq, i)
         st.tokens = new
         return []
@@ -747,6 +793,9 @@ class Oracle:
                 for i in range(L, min(n, len(keys))):
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
+                for i in range(len(keys), n):  # full past the parent's keys (its kept drafts')
+                    if self.blocks[child.tables[g][i]][1] == self.B:
+                        self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
             child.released_keys = {i: keys[i] for i in range(L)}
             if self.window_release == "end_of_operation":
@@ -790,7 +839,7 @@ class Oracle:
         if self.layout != "paged":
             return sum(size for _, size in st.slabs)
         return sum(sum(1 for b in t if b is not None) if rel else len(t)
-                   for t, rel in zip(st.tables, self.releasing))
+                   for t, rel in zip(st.tables, self.releasing)) + sum(map(len, st.ahead))
 
     def _reservation_of(self, st: SeqState) -> int:
         B, res = self.B, 0

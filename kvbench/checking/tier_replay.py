@@ -15,12 +15,20 @@ A backend with tiers (``Capabilities.tiers``: the policies it runs) implements::
     read_stored(id)                           just after a store completed ok: {position: K/V of
                                               the block it stored, read back from the tier}
 
+and, declaring ``Capabilities.swap``, preemption by swap (SPEC §13, as the TieredOracle models it)::
+
+    swap_out(seq, tier, *, step)              every block of seq to the tier, then freed (or, if
+                                              the tier cannot hold them, freed only)
+    swap_in(seq, tokens, kv, *, tenant, final_tokens, step, protect, block_hashes, ...)
+                                              its resume: a prefill whose blocks past the device
+                                              hit take the tier's K/V; returns its victims
+
 What is checked: every per-tier figure against the oracle after each transfer operation, and
 ``stored + storing + free = capacity``, no count negative, ``loading <= stored``; at the end of
 every store, the K/V of each block it stored, read back from the tier, against what the
 sequence had written (so a copy made at completion from a block already reused shows); after
-every load, the loader's K/V whole (the loaded positions were handed to the backend as another
-writer's values, so a load that writes the prompt's K/V instead of the tier's shows); the device
+every load and swap-in, the sequence's K/V whole (the positions a tier holds were handed to the
+backend as another writer's values, so one that writes those instead of the tier's shows); the device
 ledger as after every operation (a leased block is in use).
 """
 from __future__ import annotations
@@ -43,17 +51,25 @@ def applicable(trace, backend) -> str:
     caps, cfg = backend.capabilities, backend.config
     names = ", ".join(t.name for t in tiers)
     if not caps.tiers:
-        return f"{backend.name} declares no tiers (SPEC §11) and the trace stores to and loads from {names}"
+        moves = "stores to and loads from" if _transfers(trace) else "swaps sequences out to"
+        return f"{backend.name} declares no tiers (SPEC §11) and the trace {moves} {names}"
     missing = sorted({t.policy for t in tiers} - set(caps.tiers))
     if missing:
         return f"{backend.name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
     if cfg.model.hybrid:
         return f"tier replays run models of one full-attention group, and {cfg.model.name} has more"
-    if not (cfg.prefix_caching and caps.prefix_caching):
+    if not (cfg.prefix_caching and caps.prefix_caching) and _transfers(trace):  # a swap needs no hash
         return "a tier holds hashed blocks only: the replay needs prefix caching on"
     if cfg.policy:
         return "tier replays run without an eviction policy (a load in flight is never a victim yet)"
     return ""
+
+
+def _transfers(trace) -> bool:
+    """Whether the trace stores or loads (beyond preemption by swap)."""
+    ops = trace.ops
+    ops = ops.side.values() if hasattr(ops, "side") else ops
+    return any(op.kind in ("store", "load") for op in ops)
 
 
 def segment_kv(segments, start: int, stop: int, model, dtype, shift: int = 0):
@@ -172,6 +188,39 @@ class TierReplay:
                     f"token {int(np.argwhere(have != want)[0][0])} of the block differs"
                 r.diverge(f"tier content of transfer {tid}", f"the K/V of position {p}", bad,
                           "read back from the tier at the store's completion")
+
+    def swap_out(self, op) -> None:
+        r = self.r
+        tier = op.tier or r.trace.header.tiers[0].name
+        r.oracle.swap_out(op.seq, tier)
+        self._backend("swap_out", getattr(r.backend, "swap_out", None), op.seq, tier, step=op.step)
+        self.compare()
+
+    def swap_in(self, seq, protect):
+        """The resume of a swapped sequence (before operation ``r.op``); its victims, None when
+        it does not fit (it stays swapped)."""
+        r, oracle = self.r, self.r.oracle
+        st, step = oracle.preempted[seq], r.op.step
+        segments = list(st.segments)
+
+        def kv():  # past the device hit another writer's values: a backend must take the tier's
+            lo = oracle.swap_hit * oracle.B
+            return np.concatenate([segment_kv(segments, 0, lo, r.model, r.dtype),
+                                   segment_kv(segments, lo, st.tokens, r.model, r.dtype,
+                                              shift=oracle.B)])
+
+        got = r.call("swap_in",
+                     lambda kv: r.backend.swap_in(seq, st.tokens, kv, tenant=st.tenant,
+                                                  final_tokens=st.final, step=step,
+                                                  protect=tuple(protect),
+                                                  block_hashes=st.prompt.get("hashes"),
+                                                  **r.chunked(st.prompt.get("prompt_tokens")),
+                                                  **r.prompt_kwargs(st.prompt)),
+                     lambda: oracle.swap_in(seq, step, protect), st.tokens, kv)
+        if got is not None:
+            r.mark(seq)  # whole
+        self.compare()
+        return got
 
     def abort(self, op) -> None:
         r, oracle = self.r, self.r.oracle

@@ -11,6 +11,11 @@ tiers.py, joined by leases and load targets.
   The run's device blocks are not in the prefix cache until the load completes (no hit is served
   from them); a load that fails computes them again into the same blocks.
 - Abort cancels the sequence's loads and frees it; its stores still complete.
+- Preemption by swap (SPEC §13) moves every block of the sequence (its partial tail too) to a
+  tier at once, in blocks of its own there (stored, never a hit nor the policy's victim; the
+  policy evicts stored blocks to make room), and frees it; a tier that cannot hold them all
+  leaves it preempted by recompute instead. Its resume is a prefill of its tokens (device hits
+  first), the blocks past the hit copied up; a free drops its blocks from the tier.
 
 Models of one full-attention group only (the keys carry group 0).
 """
@@ -26,6 +31,8 @@ class TieredOracle(Oracle):
         self.tiers = Tiers(tiers, self.block_bytes, getattr(capabilities, "tier_rules", ()))
         self.pending: dict = {}  # load id -> [(position, block, key)] not yet in the prefix cache
         self.store_plans: dict = {}  # store id -> (positions begun, the sequence's segments then)
+        self.swapped: set = set()  # preempted sequences whose blocks a tier holds
+        self.swap_hit = 0  # the device hit (blocks) of the last swap-in
 
     # --- store ---------------------------------------------------------------------------
 
@@ -103,6 +110,33 @@ class TieredOracle(Oracle):
             del self.pending[tid]
         self.free(seq)
         return cancelled
+
+    # --- preemption by swap (SPEC §13) -------------------------------------------------------
+
+    def swap_out(self, seq, tier: str) -> bool:
+        """Preempt ``seq`` by swap to ``tier``; False: the tier cannot hold its blocks even after
+        evicting, and it is preempted by recompute."""
+        blocks = len(self.seqs[seq].tables[0])
+        swapped = self.tiers.swap_out(seq, self.tiers.index(tier), blocks) is not None
+        self.preempt(seq)
+        if swapped:
+            self.swapped.add(seq)
+        return swapped
+
+    def swap_in(self, seq, step, protect=()) -> list:
+        """Resume a swapped sequence (ModelOOM: it stays swapped, nothing changed)."""
+        hits = self.hit_blocks
+        victims = self.reprefill(seq, step, protect)
+        self.swap_hit = self.hit_blocks - hits
+        self.tiers.swap_in(seq, len(self.seqs[seq].tables[0]) - self.swap_hit)
+        self.swapped.discard(seq)
+        return victims
+
+    def free(self, seq) -> None:
+        if seq in self.swapped:
+            self.tiers.swap_drop(seq)
+            self.swapped.discard(seq)
+        super().free(seq)
 
     def loading_seqs(self) -> set:
         return {tr.seq for tr in self.tiers.transfers.values() if tr.kind == "load"}

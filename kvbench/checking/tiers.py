@@ -92,6 +92,9 @@ class Tier:
     hits: int = 0
     by_request: bool = False  # request_recency
     requests: dict = field(default_factory=dict)  # seq -> Access
+    # SPEC §13's swap: sequence -> blocks of it the tier holds (stored, by no key: never a hit,
+    # never a victim of the policy, dropped at the resume or the free)
+    swapped: dict = field(default_factory=dict)
 
     def __post_init__(self):
         classes = REQUEST_POLICY_CLASSES if self.by_request else POLICY_CLASSES
@@ -104,12 +107,15 @@ class Tier:
         e = self.entries[key]
         return key not in mine and e.state == STORED and not e.loads
 
+    def held(self) -> int:
+        return len(self.entries) + sum(self.swapped.values())
+
     def ledger(self) -> TierLedger:
         storing = sum(1 for e in self.entries.values() if e.state == STORING)
         loading = sum(1 for e in self.entries.values() if e.loads)
-        stored = len(self.entries) - storing
+        stored = self.held() - storing
         return TierLedger(self.spec.name, self.spec.capacity, stored, storing, loading,
-                          self.spec.capacity - len(self.entries), self.bytes_down, self.bytes_up,
+                          self.spec.capacity - self.held(), self.bytes_down, self.bytes_up,
                           self.hits)
 
 
@@ -216,14 +222,14 @@ class Tiers:
             t.policy.on_store_miss(misses)
         evictable = functools.partial(t.evictable, mine=mine)
         if self.whole_store:
-            short = len(new) - (t.spec.capacity - len(t.entries))
+            short = len(new) - (t.spec.capacity - t.held())
             victims = t.policy.victims(short, evictable) if short > 0 else []
             if victims is None:
                 plan.refused, new, victims = [k for k, _ in new], [], []
             for victim in victims:
                 self._evict(t, victim, plan)
         for key, block in new:
-            if len(t.entries) >= t.spec.capacity:
+            if t.held() >= t.spec.capacity:
                 victim = t.policy.victims(1, evictable)
                 if victim is None:
                     plan.refused.append(key)
@@ -244,6 +250,43 @@ class Tiers:
         t.policy.evict(key)
         del t.entries[key]
         plan.evicted.append(key)
+
+    # --- swap (SPEC §13) --------------------------------------------------------------------
+
+    def swap_out(self, seq: int, tier: int, blocks: int) -> list | None:
+        """Move ``blocks`` blocks of ``seq`` to tier ``tier`` at once: the policy evicts stored
+        blocks no load reads until they fit; None (nothing changed) when even that is not enough.
+        Returns the keys evicted."""
+        t = self.tiers[tier]
+        evictable = functools.partial(t.evictable, mine=())
+        short = blocks - (t.spec.capacity - t.held())
+        victims = t.policy.victims(short, evictable) if short > 0 else []
+        if victims is None:
+            return None
+        evicted = []
+        for victim in victims:
+            t.policy.evict(victim)
+            del t.entries[victim]
+            evicted.append(victim)
+        t.swapped[seq] = blocks
+        t.bytes_down += blocks * self.block_bytes
+        return evicted
+
+    def swap_in(self, seq: int, moved: int) -> None:
+        """``seq``'s swapped blocks leave their tier, ``moved`` of them copied up (the others the
+        device's prefix cache already held)."""
+        t = self.swap_tier(seq)
+        del t.swapped[seq]
+        t.bytes_up += moved * self.block_bytes
+
+    def swap_drop(self, seq: int) -> None:
+        """A swapped sequence freed: its blocks leave the tier, moved nowhere."""
+        t = self.swap_tier(seq)
+        if t is not None:
+            del t.swapped[seq]
+
+    def swap_tier(self, seq: int):
+        return next((t for t in self.tiers if seq in t.swapped), None)
 
     # --- load ----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from kvbench.analyses.breakdown import (
     run_opt13b,
     write_paper_files,
 )
-from kvbench.analyses.serving import DEFAULT_MAX_BATCH, STEP_SECONDS
+from kvbench.analyses.serving import DEFAULT_MAX_BATCH, PREEMPTION_MODES, STEP_SECONDS, VICTIM_ORDERS
 from kvbench.bench import records
 from kvbench.analyses.suite import blocks_of_budget, machine_memory
 from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
@@ -57,6 +57,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding: draft tokens per sequence and step (default 0: none)")
     add("--acceptance", type=float, default=0.6,
         help="--speculative-k: the share of drafts kept (each accept keeps Binomial(k, this))")
+    add("--token-budget", type=positive_int,
+        help="tokens one step computes at most (vLLM's max_num_batched_tokens): prompts written "
+             "in chunks of what is left after the decode step (default: none, prompts whole)")
+    add("--victim", choices=VICTIM_ORDERS, default="newest",
+        help="which running sequence a step that does not fit preempts: newest (vLLM's FCFS) or "
+             "fewest-output (SGLang's retraction order: fewest tokens generated, longest prompt)")
+    add("--preemption", choices=PREEMPTION_MODES, default="recompute",
+        help="how a step that does not fit preempts: recompute (free, prefill again) or swap (its "
+             "blocks to a host tier of --swap-blocks, back at its resume)")
+    add("--swap-blocks", type=positive_int, default=0, help="--preemption swap: the host tier's blocks")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
     add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
     add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
@@ -174,6 +184,21 @@ def run_serving(args, stdout=None) -> int:
         if args.scenario:
             raise UsageError("--speculative-k applies to --trace runs, not --scenario")
         sim.update(speculative_k=speculative, acceptance=args.acceptance)
+    if getattr(args, "victim", "newest") != "newest":
+        if args.scenario:
+            raise UsageError("--victim applies to --trace runs, not --scenario")
+        sim["victim"] = args.victim
+    if getattr(args, "preemption", "recompute") == "swap":
+        if args.scenario:
+            raise UsageError("--preemption swap applies to --trace runs, not --scenario")
+        if not args.swap_blocks:
+            raise UsageError("--preemption swap needs --swap-blocks N (the host tier's blocks)")
+        sim.update(preemption="swap", swap_blocks=args.swap_blocks)
+    budget = getattr(args, "token_budget", None)
+    if budget is not None:
+        if args.scenario:
+            raise UsageError("--token-budget applies to --trace runs, not --scenario")
+        sim["token_budget"] = budget
     progress = not getattr(args, "quiet", False)
     for name in backends:
         try:
@@ -208,6 +233,10 @@ def run_serving(args, stdout=None) -> int:
     cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
     if speculative:  # blocks held for drafts, and what rollbacks gave back
         cols += ["drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks"]
+    if budget is not None:  # prompts written in chunks
+        cols += ["tokens_per_step", "chunked_prompts", "prompt_chunks"]
+    if "preemption" in sim:
+        cols += ["swapped_out", "swapped_in"]
     print_table(table, cols)
     for r in table.itertuples():
         if r.requests and not r.finished:

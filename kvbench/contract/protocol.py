@@ -105,8 +105,17 @@ class Capabilities:
     # block_state() hands out and releases blocks in kvbench's order (docs/writing-a-backend.md), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
     # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
-    # (vLLM's lookahead slots) instead of releasing those wholly past the new length.
+    # (vLLM's lookahead slots) instead of releasing those wholly past the new length: still in
+    # use and the sequence's (blocks_used, seq_blocks), holding no token (token_states), and
+    # written before any new block by its next appends; a free releases them before its tail.
     lookahead_slots: bool = False
+    # EAGLE / MTP drafting (vLLM's use_eagle, in every manager): a prefix hit drops the last block
+    # it matched, computed again for the draft head's hidden states (a hit of L blocks is L - 1).
+    hit_drops_last_block: bool = False
+    # A block that an accept's kept drafts completed is cached at the sequence's next append, not
+    # at the accept (vLLM: cache_blocks caps at the request's verified tokens when it allocates,
+    # and an accept allocates nothing); a free before then never caches it.
+    kept_drafts_cached_at_next_append: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
@@ -115,6 +124,8 @@ class Capabilities:
     # "whole_store_refused" (a store without room for all its blocks is refused whole),
     # "request_recency" (vLLM's connector: recency per request, applied when it finishes).
     tier_rules: tuple = ()
+    # SPEC §13: preempts by swap through those tiers (swap_out, swap_in: tier_replay names them).
+    swap: bool = False
 
     def __post_init__(self):
         if self.devices is not None:
@@ -232,6 +243,8 @@ class Backend(ABC):
         append wrote (its last ones), keep the first ``n``; the length drops by drafted - n, the
         blocks wholly past it are released as a free releases them, the tail's fill shrinks.
         Optional: a backend without it runs no trace that speculates (reported not applicable).
+        A backend whose ``append`` takes ``draft`` is told there, per sequence, how many of the
+        tokens it appends are drafts (an engine keeps them out of its block hashes).
 
         Chunked prefill (SPEC §13) is ``prefill(..., prompt_tokens=P)``: ``tokens`` is the first
         chunk, ``block_hashes`` / ``token_ids`` cover the whole prompt of ``P`` tokens, the

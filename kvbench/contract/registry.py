@@ -128,6 +128,10 @@ BUILTIN = [
              default_workloads=("decode-stream", "fork-beam", "prefix-reuse", "edge-eviction")),
     *(_builtin(f"contiguous-{r}", "impls.contiguous:Contiguous", "default", "contiguous", "gated",
                reservation=r) for r in ("max", "pow2", "oracle")),
+    # vLLM's speculative-decoding rules, declared: rejected drafts' blocks kept as lookahead
+    # slots, an EAGLE hit's last block computed again; on the workloads where they differ.
+    _builtin("numpy-eagle", "impls.numpy_lookahead:NumpyEagle", "default", "paged",
+             default_workloads=("lifecycle-speculative", "lifecycle-chunked", "prefix-reuse")),
     _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
     _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
     _builtin("vllm-kvmanager-dense", "impls.engines.vllm_kvmanager:VllmKVManagerDense", "engine",

@@ -52,8 +52,8 @@ class _Builder:
         self.ops.append(Accept(len(self.ops), int(seq), int(n)))
         self.length[seq] -= drafted - n
 
-    def preempt(self, seq: int) -> None:
-        self.ops.append(Preempt(len(self.ops), int(seq), "recompute"))
+    def preempt(self, seq: int, mode: str = "recompute") -> None:
+        self.ops.append(Preempt(len(self.ops), int(seq), mode))
 
     def resume(self, seq: int) -> None:
         self.ops.append(Resume(len(self.ops), int(seq)))

@@ -153,6 +153,11 @@ CANONICAL = [
     # A hybrid hit cut short by the sliding window (the full group has every prompt block, the
     # window's last block was evicted), taking back older cached blocks, in an exact fit.
     ("hybrid-cut-hits.jsonl", "window_hits", {"model": "tiny-hybrid", "rounds": 3, "block_size": 8}, 0),
+    # Preemption by swap (SPEC §13 over §11): up to three requests swapped to a host tier of 8
+    # blocks at once, resumed first come first served; one the tier cannot hold is recomputed.
+    ("lifecycle-swap.jsonl", "swap_preemption",
+     {"num_requests": 10, "prompt": [10, 40], "output": [30, 80], "decode_chunk": 8,
+      "num_blocks": 20, "block_size": 16, "host": 8}, 0),
 ]
 
 

@@ -246,10 +246,11 @@ def _parse_preempt(d, step, fail) -> Preempt:
     mode = d.get("mode", "recompute")
     if mode not in PREEMPT_MODES:
         fail(f"preempt mode {mode!r} is not known ({', '.join(PREEMPT_MODES)})")
-    if mode == "swap":  # a store of every block to a lower tier, and a load at the resume
-        fail("preempt mode 'swap' (SPEC §13 over the tiers of §11) is not replayed yet: write it "
-             "as store, done and free, then a load, or use mode 'recompute'")
-    return Preempt(step, _int(d, "seq", fail, 0), mode)
+    tier = d.get("tier")
+    if tier is not None and (mode != "swap" or not isinstance(tier, str) or not tier):
+        fail(f"'tier' names the tier a swap moves the sequence to (mode 'swap', a tier's name), "
+             f"got tier {tier!r} with mode {mode!r}")
+    return Preempt(step, _int(d, "seq", fail, 0), mode, tier)
 
 
 def _parse_resume(d, step, fail) -> Resume:
@@ -379,6 +380,14 @@ class _Validator:
         self._live(op.seq, "preempt of", fail)
         if op.seq in self.chunk_left:
             fail(f"preempt of sequence {op.seq} during its chunked prompt")
+        if op.mode == "swap":  # to a lower tier of SPEC §11: the header must name one
+            names = self.transfers.tier_names
+            if not names:
+                fail(f"preempt of sequence {op.seq} by swap in a trace whose header declares no "
+                     f"'tiers' (a swap moves its blocks to a lower tier, SPEC §11)")
+            if op.tier is not None and op.tier not in names:
+                fail(f"swap of sequence {op.seq} to tier {op.tier!r}, which the header does not "
+                     f"declare (tiers: {', '.join(sorted(names))})")
         self.preempted.add(op.seq)
 
     def resume(self, op, fail) -> None:

@@ -20,8 +20,8 @@
   hit cut short by a sliding window, taking back older cached blocks.
 - ``salted_prefixes`` (kvbench.traces.isolation): one prompt under several salts and adapters,
   named by block hashes and by token ids (which blocks may be shared, SPEC §9).
-- ``chunked_prefill``, ``speculative_forks``, ``preemption`` (kvbench.traces.lifecycles): SPEC
-  §13's scheduler lifecycles.
+- ``chunked_prefill``, ``speculative_forks``, ``preemption``, ``swap_preemption``
+  (kvbench.traces.lifecycles): SPEC §13's scheduler lifecycles.
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -52,7 +52,7 @@ from kvbench.traces.edges import decode_edges, eviction_edges, long_history, ref
 from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows, window_decode, window_hits
 from kvbench.traces.isolation import salted_prefixes
-from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks
+from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks, swap_preemption
 from kvbench.traces.tier_workloads import agentic_prefix, tiered_turns
 from kvbench.traces.laws import (
     CONTEXT_LEN,
@@ -415,6 +415,7 @@ FAMILIES = {
     "chunked_prefill": chunked_prefill,
     "speculative_forks": speculative_forks,
     "preemption": preemption,
+    "swap_preemption": swap_preemption,
     "tiered_turns": tiered_turns,
     "agentic_prefix": agentic_prefix,
 }
@@ -437,5 +438,5 @@ __all__ = [
     "GENERATOR_VERSION", "prefill_lengths", "decode_streams", "fork_trees", "tenant_mixes",
     "prefix_sharing", "hybrid_windows", "refusals", "eviction_edges", "wide_forks", "long_history",
     "salted_prefixes", "decode_edges", "window_decode", "window_hits", "chunked_prefill", "speculative_forks",
-    "preemption", "FAMILIES", "generate",
+    "preemption", "swap_preemption", "FAMILIES", "generate",
 ]

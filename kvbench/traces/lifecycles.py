@@ -1,5 +1,6 @@
 """Scheduler lifecycles (SPEC §13) as seeded trace families: chunked prefill beside prefix
-sharers, speculative decoding over forks, preemption by recompute under a tight budget.
+sharers, speculative decoding over forks, preemption by recompute (or by swap to a host tier)
+under a tight budget.
 
 Each is a pure function of its seed and parameters (one ``numpy.random.default_rng(seed)``, draws
 in a fixed order), recorded in the header as the other families are; every sequence is freed by
@@ -13,6 +14,7 @@ from kvbench.contract.formulas import blocks_needed
 from kvbench.traces.builder import _Builder, _recorded
 from kvbench.traces.format import Trace
 from kvbench.traces.laws import _pair, _positive_int, _probability
+from kvbench.traces.tier_ops import TierSpec
 
 
 def chunked_prefill(seed: int = 0, *, num_requests: int = 12, prefixes: int = 3,
@@ -117,6 +119,23 @@ def preemption(seed: int = 0, *, num_requests: int = 10, prompt=(20, 90), output
     its tokens) until it does; a preempted request resumes, first come first served, once its
     tokens fit again. The schedule never asks for more than the budget: nothing is evicted."""
     params = _recorded(dict(locals()))
+    return _preempting(seed, params, "recompute", **params)
+
+
+def swap_preemption(seed: int = 0, *, num_requests: int = 10, prompt=(10, 40), output=(30, 80),
+                    decode_chunk: int = 8, num_blocks: int = 20, block_size: int = 16,
+                    host: int = 8) -> Trace:
+    """:func:`preemption`'s schedule with preemption by swap to a host tier of ``host`` blocks
+    (SPEC §11, §13): a preempted request's blocks move there, and back at its resume; several
+    requests are swapped out at once, and one the tier has no room left for is preempted by
+    recompute instead."""
+    params = _recorded(dict(locals()))
+    _positive_int("host", host)
+    return _preempting(seed, params, "swap", **params)
+
+
+def _preempting(seed, params, mode, *, num_requests, prompt, output, decode_chunk, num_blocks,
+                block_size, host=None) -> Trace:
     n = _positive_int("num_requests", num_requests)
     p_lo, p_hi = _pair("prompt", prompt)
     o_lo, o_hi = _pair("output", output)
@@ -147,7 +166,7 @@ def preemption(seed: int = 0, *, num_requests: int = 10, prompt=(20, 90), output
         while running and sum(blocks_needed(b.length[s] + min(decode_chunk, left[s]), B)
                               for s in running) > num_blocks:
             s = running.pop()  # the request admitted (or resumed) last
-            b.preempt(s)
+            b.preempt(s, mode)
             waiting.append(s)
         if not running:
             continue
@@ -159,4 +178,7 @@ def preemption(seed: int = 0, *, num_requests: int = 10, prompt=(20, 90), output
                 running.remove(s)
                 b.free(s)
     header = {"settings": {"block_size": B, "num_blocks": num_blocks, "prefix_caching": True}}
-    return b.trace("preemption", params, seed, name="preemption", **header)
+    if mode == "swap":
+        header["tiers"] = (TierSpec("host", host),)
+    family = "preemption" if mode == "recompute" else "swap_preemption"
+    return b.trace(family, params, seed, name=family, **header)

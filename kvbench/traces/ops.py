@@ -79,13 +79,15 @@ PREEMPT_MODES = ("recompute", "swap")
 @dataclass(frozen=True)
 class Preempt:
     """Take a sequence off the cache until its resume: ``recompute`` frees it (its resume
-    prefills every token again), ``swap`` stores its blocks to a lower tier (SPEC §11, §13)."""
+    prefills every token again), ``swap`` moves every block of it to lower tier ``tier`` (None:
+    tier 1) and frees them, its resume moving them back (SPEC §11, §13)."""
 
     step: int
     seq: int
     mode: str = "recompute"
+    tier: str | None = None
     kind = "preempt"
-    FIELDS = ("seq", "mode")
+    FIELDS = ("seq", "mode", "tier")
 
 
 @dataclass(frozen=True)
