@@ -64,10 +64,12 @@ BACKENDS = {
     "contiguous-max": ("contiguous-max", {}),
     "contiguous-pow2": ("contiguous-pow2", {}),
     "contiguous-oracle": ("contiguous-oracle", {}),
+    "numpy-eagle": ("numpy-eagle", {}),
 }
 PAGED = ["numpy", "torch-cpu", "torch-cuda", "object"]  # the time_ grids
 REPLAYED = ["numpy", "torch-cpu", "torch-cuda", "object",
-            "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
+            "contiguous-max", "contiguous-pow2", "contiguous-oracle",
+            "numpy-eagle"]
 
 # Committed workloads (workloads/<name>.jsonl); a tenant mix runs under each eviction policy.
 WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "prefill-sharegpt",

@@ -47,6 +47,9 @@ Trace steps are operation indices (SPEC §5: the clock advances once per operati
 simulated step of each sample is in :attr:`SimResult.samples`.
 
 The memory breakdown over these samples is in :mod:`kvbench.analyses.breakdown`.
+
+Over 500 lines: one scheduler loop (admission, chunked prompts, drafts and accepts, preemption by
+recompute or swap) whose steps share the running set, the queue and the backend's free memory.
 """
 from __future__ import annotations
 
