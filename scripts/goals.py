@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import scaling  # noqa: E402
 
-# The opt-in vLLM venv of the README's recipe, beside the checkout (or beside its worktrees' folder).
+# The opt-in vLLM venv of docs/engines.md's recipe, beside the checkout (or beside its worktrees' folder).
 VLLM_PY = next((p for p in (ROOT.parent / "vllm-env" / "bin" / "python",
                             ROOT.parents[1] / "vllm-env" / "bin" / "python") if p.exists()),
                ROOT.parent / "vllm-env" / "bin" / "python")

@@ -39,14 +39,14 @@ def _engine(module: str, not_installed: str, why: str):
 def sglang():
     from impls.engines.sglang_radix import NOT_INSTALLED
     _engine("impls.engines.sglang_radix", NOT_INSTALLED,
-            "SGLang is not installed (opt-in): see the README's recipe")
+            "SGLang is not installed (opt-in): see docs/engines.md for its recipe")
 
 
 @pytest.fixture(scope="module")
 def vllm():
     from impls.engines.vllm_blockpool import NOT_INSTALLED
     _engine("impls.engines.vllm_kvmanager", NOT_INSTALLED,
-            "vLLM is not installed (opt-in): see the README's recipe")
+            "vLLM is not installed (opt-in): see docs/engines.md for its recipe")
 
 
 def workload(name: str):

@@ -99,7 +99,7 @@ def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
     """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again four ways
     by the campaign: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
     it holds more blocks or caches fewer than SPEC; the same trace with sliding(2) passes."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see the README's recipe")
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
     trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
     assert "sliding(1)" in trace.header.groups
     d = _engine_check("vllm-kvmanager", trace).divergence
@@ -113,7 +113,7 @@ def _sglang():
     from impls.engines.sglang_radix import NOT_INSTALLED, available
     ok, why = available()
     if why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in): see the README's recipe")
+        pytest.skip("SGLang is not installed (opt-in): see docs/engines.md for its recipe")
     assert ok, why
 
 

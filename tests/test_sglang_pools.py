@@ -8,7 +8,7 @@ import pytest
 
 from kvbench.contract.formulas import get_model
 
-SKIP_REASON = "SGLang is not installed (opt-in, not in CI): see the README's recipe"
+SKIP_REASON = "SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 
 
 @pytest.fixture(scope="module")

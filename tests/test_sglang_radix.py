@@ -1,6 +1,6 @@
 """SGLang's RadixCache and token allocator behind the protocol (impls/engines/sglang_radix.py).
 
-SGLang is opt-in (the README's recipe builds /work/sglang-env); CI does not install it, so every
+SGLang is opt-in (docs/engines.md's recipe builds /work/sglang-env); CI does not install it, so every
 test that needs it is skipped there with the reason (the listing without it is tested in
 tests/test_vllm_kvmanager.py). Run them with::
 
@@ -25,7 +25,7 @@ from kvbench.contract.protocol import OutOfMemory
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import load_requests
 
-SKIP_REASON = "SGLang is not installed (opt-in, not in CI): see the README's recipe for /work/sglang-env"
+SKIP_REASON = "SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 # RadixCache has no window groups: a workload on a hybrid model (SPEC §8) is n/a, tested apart.

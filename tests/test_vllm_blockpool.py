@@ -1,6 +1,6 @@
 """vLLM's own v1 BlockPool behind the protocol (impls/engines/vllm_blockpool.py), and where vLLM differs.
 
-vLLM is opt-in (a separate venv, see the README's recipe); CI does not install it, so every test
+vLLM is opt-in (a separate venv, see docs/engines.md for its recipe); CI does not install it, so every test
 that needs it is skipped there. Run them with::
 
     /work/vllm-env/bin/python -m pytest tests/test_vllm_blockpool.py
@@ -29,7 +29,7 @@ from kvbench.contract.protocol import OutOfMemory
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import Request, load_requests
 
-SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
+SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 B = 16
@@ -84,7 +84,7 @@ def test_without_vllm_the_backend_is_listed_unavailable_with_the_recipe(tmp_path
     assert got.returncode == 0, got.stderr
     line = next(ln for ln in got.stdout.splitlines() if ln.startswith("vllm-blockpool"))
     assert line.split()[1:4] == ["built-in", "no", "vllm"]
-    assert NOT_INSTALLED in line  # "vllm is not installed: see README's opt-in recipe"
+    assert NOT_INSTALLED in line  # "vllm is not installed: its opt-in recipe is in docs/engines.md"
     # Named, it is an error (exit 2) that says why; allowed, it is not applicable, never passed.
     assert f"kvbench: error: --backend vllm-blockpool: {NOT_INSTALLED}" in got.stderr
     assert [ln for ln in got.stdout.splitlines() if ln.startswith("exit")] == ["exit 2", "exit 2"]

@@ -1,6 +1,6 @@
 """vLLM's whole KVCacheManager behind the protocol (impls/engines/vllm_kvmanager.py).
 
-vLLM is opt-in (the README's recipe builds /work/vllm-env); CI does not install it, so every test
+vLLM is opt-in (docs/engines.md's recipe builds /work/vllm-env); CI does not install it, so every test
 that needs it is skipped there with the reason. Run them with::
 
     /work/vllm-env/bin/python -m pytest tests/test_vllm_kvmanager.py
@@ -31,7 +31,7 @@ from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.ops import Accept, Append, Fork
 from kvbench.traces.loaders import load_requests
 
-SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
+SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 B = 16
@@ -60,7 +60,7 @@ def test_without_the_engines_both_adapters_are_listed_unavailable_with_the_recip
                          ("sglang", "sglang"), ("sglang-radix", "sglang"),
                          ("sglang-radix-lfu", "sglang")):
         assert lines[name].split()[1:3] == ["built-in", "no"], lines[name]
-        assert f"{engine} is not installed: see README's opt-in recipe" in lines[name]
+        assert f"{engine} is not installed: its opt-in recipe is in docs/engines.md" in lines[name]
 
 
 @pytest.fixture(scope="module")

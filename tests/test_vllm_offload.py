@@ -1,7 +1,7 @@
 """vLLM's ``CPUOffloadingManager`` as the lower tiers of the NumPy pool, under the checker
 (impls/engines/vllm_offload.py).
 
-vLLM is opt-in (the README's recipe builds /work/vllm-env); CI does not install it, so every test
+vLLM is opt-in (docs/engines.md's recipe builds /work/vllm-env); CI does not install it, so every test
 that needs it is skipped there with the reason. Run them from the repository root with::
 
     PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/test_vllm_offload.py
@@ -32,7 +32,7 @@ from kvbench.contract.registry import entries
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
 
-SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see the README's recipe for /work/vllm-env"
+SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 B = 4
 ROOT = Path(__file__).resolve().parents[1]
 TIER_WORKLOADS = [p for p in committed_workloads() if load_traces([p])[0].header.tiers]
@@ -77,7 +77,7 @@ def test_without_vllm_it_is_listed_unavailable_with_the_recipe(tmp_path):
     assert got.returncode == 0, got.stderr
     line = next(ln for ln in got.stdout.splitlines() if ln.split()[:1] == ["vllm-offload"])
     assert line.split()[1:3] == ["built-in", "no"], line
-    assert "vllm is not installed: see README's opt-in recipe" in line
+    assert "vllm is not installed: its opt-in recipe is in docs/engines.md" in line
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

@@ -11,7 +11,7 @@ the serving default. ``RadixCache``, which the server builds only for its simula
 it departs from the serving default (``serving_departures``, shown by ``kvbench list`` and
 written in every record).
 
-Opt-in: SGLang is not a dependency of kvbench (see the README's recipe). The module imports without
+Opt-in: SGLang is not a dependency of kvbench (docs/engines.md has the recipe). The module imports without
 SGLang; :meth:`SglangRadix.available` says why it cannot run.
 
 What is SGLang's (0.5.23), called as its scheduler calls it:
@@ -56,7 +56,7 @@ import types
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
-NOT_INSTALLED = "sglang is not installed: see README's opt-in recipe"
+NOT_INSTALLED = "sglang is not installed: its opt-in recipe is in docs/engines.md"
 VERSION = "0.5.23"
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
@@ -125,9 +125,9 @@ def available() -> tuple[bool, str]:
     except ImportError as e:
         if e.name == "sglang":
             return False, NOT_INSTALLED
-        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): its opt-in recipe is in docs/engines.md"
     except Exception as e:  # a broken install fails in odd ways
-        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        return False, f"sglang cannot be imported ({type(e).__name__}: {e}): its opt-in recipe is in docs/engines.md"
     return True, ""
 
 

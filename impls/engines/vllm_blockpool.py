@@ -1,6 +1,6 @@
 """vLLM's own v1 ``BlockPool`` behind the kvbench protocol: a ledger-only paged backend.
 
-Opt-in: vLLM is not a dependency of kvbench (see the README's recipe for a separate venv). The
+Opt-in: vLLM is not a dependency of kvbench (docs/engines.md has the recipe for a separate venv). The
 module imports without vLLM; :meth:`VllmBlockPool.available` says why it cannot run.
 
 What comes from vLLM and what from this adapter:
@@ -41,7 +41,7 @@ from kvbench.contract.protocol import (
     OutOfMemory,
 )
 
-NOT_INSTALLED = "vllm is not installed: see README's opt-in recipe"
+NOT_INSTALLED = "vllm is not installed: its opt-in recipe is in docs/engines.md"
 
 
 def importable(load) -> tuple[bool, str]:
@@ -51,9 +51,9 @@ def importable(load) -> tuple[bool, str]:
     except ImportError as e:
         if e.name == "vllm":
             return False, NOT_INSTALLED
-        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): its opt-in recipe is in docs/engines.md"
     except Exception as e:  # a broken vLLM install fails in odd ways (a TypeError, ...)
-        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): see README's opt-in recipe"
+        return False, f"vllm cannot be imported ({type(e).__name__}: {e}): its opt-in recipe is in docs/engines.md"
     return True, ""
 
 

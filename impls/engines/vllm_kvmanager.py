@@ -1,6 +1,6 @@
 """vLLM's whole v1 ``KVCacheManager`` behind the kvbench protocol: the request path, ledger only.
 
-Opt-in: vLLM is not a dependency of kvbench (see the README's recipe). The module imports without
+Opt-in: vLLM is not a dependency of kvbench (docs/engines.md has the recipe). The module imports without
 vLLM; :meth:`VllmKVManager.available` says why it cannot run.
 
 Everything that decides memory is vLLM's, driven the way its scheduler drives it and its own tests
