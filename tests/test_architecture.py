@@ -230,3 +230,26 @@ def test_every_registered_backend_is_exercised_by_the_checker_tests_and_the_asv_
         if (entry.asv_name or entry.name) not in in_asv:
             missing.append(f"{entry.name}: not in the asv suite (common.PAGED, REPLAYED or POOLS)")
     assert not missing, missing
+
+
+def test_no_scope_defines_a_function_or_class_twice():
+    # A second definition silently replaces the first (a merge that kept two `free` methods lost
+    # one's behaviour; two tests of one name run once).
+    twice = []
+    for path in [*(ROOT / "kvbench").rglob("*.py"), *(ROOT / "impls").rglob("*.py"),
+                 *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        for scope in ast.walk(tree):
+            if not isinstance(scope, (ast.Module, ast.ClassDef)):
+                continue
+            seen = set()
+            for node in scope.body:
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    continue
+                if any(isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter")
+                       for d in node.decorator_list):
+                    continue  # a property's setter reuses its name
+                if node.name in seen:
+                    twice.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
+                seen.add(node.name)
+    assert not twice, twice

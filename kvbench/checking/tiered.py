@@ -99,10 +99,6 @@ class TieredOracle(Oracle):
                 self._register(b, *key)  # key: (group, block key)
         return tr
 
-    def free(self, seq) -> None:
-        super().free(seq)
-        self.tiers.finish(seq)
-
     def abort(self, seq) -> list:
         """Cancel ``seq``'s loads and free it; returns the cancelled loads."""
         cancelled = self.tiers.abort(seq)
@@ -137,6 +133,7 @@ class TieredOracle(Oracle):
             self.tiers.swap_drop(seq)
             self.swapped.discard(seq)
         super().free(seq)
+        self.tiers.finish(seq)
 
     def loading_seqs(self) -> set:
         return {tr.seq for tr in self.tiers.transfers.values() if tr.kind == "load"}
