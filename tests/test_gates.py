@@ -199,7 +199,8 @@ def test_update_keeps_values_of_backends_that_cannot_run_here():
 
 @pytest.mark.parametrize("name", list(R.RATIO_GATES))
 def test_ratio_gate(name):
-    result = R.ratio_gate(name, slowdown=1.0)
+    # CI's factor: kvbench gates' own (1.15) raises false alarms on a shared machine (ratios.py)
+    result = R.ratio_gate(name, slowdown=1.0, factor=R.CI_FACTOR)
     assert result.baseline, f"no baseline for {name} in results/gates/ratios.json"
     assert result.ok, str(result)
     print(result)

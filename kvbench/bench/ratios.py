@@ -44,6 +44,10 @@ from kvbench.outputs import write_text
 
 BASELINE_PATH = RESULTS_DIR / "gates" / "ratios.json"
 FACTOR = 1.15  # a gate fails on a slowdown estimated above this ...
+# ... in CI and the test suite, above this: on an unchanged tree, 1.15 raised a false alarm in 1
+# of 3 runs on an idle 2-core machine (quantize_vs_copy at 1.31x), and 1 in 16 under load
+# (results/gates/power.md); a red main for no change costs more than a 1.2x slowdown seen later
+CI_FACTOR = 1.5
 ALPHA = 0.01  # ... when the bootstrap's one-sided lower bound at this level is above 1
 BOOTSTRAP = 4000  # resamples of the two medians
 BASELINE_RUNS = 3  # --update-ratios records this many times a gate's blocks
@@ -326,6 +330,7 @@ class RatioResult:
     slowdown: float = float("nan")
     lower: float = float("nan")
     planted: float = 1.0
+    factor: float = FACTOR
 
     def __post_init__(self):
         if self.log_ratios and self.baseline:
@@ -342,7 +347,7 @@ class RatioResult:
     @property
     def ok(self) -> bool:
         return bool(self.skipped) or not self.baseline or not (
-            self.slowdown > FACTOR and self.lower > 1)
+            self.slowdown > self.factor and self.lower > 1)
 
     def __str__(self) -> str:
         if self.skipped:
@@ -356,7 +361,7 @@ class RatioResult:
         state = "ok" if self.ok else "FAIL"
         return (f"ratio {self.name}: median {self.median:.3g} ({spread}), baseline "
                 f"{self.typical:.3g} ({len(self.baseline)} blocks): {self.slowdown:.3g}x slower, "
-                f">= {self.lower:.3g}x at {1 - ALPHA:.0%}; fails above {FACTOR:g}x: {state}"
+                f">= {self.lower:.3g}x at {1 - ALPHA:.0%}; fails above {self.factor:g}x: {state}"
                 + (f" - the subject is {self.slowdown:.3g}x slower relative to its reference "
                    f"than in the baseline" if not self.ok else "") + planted)
 
@@ -381,10 +386,11 @@ def baseline_of(baseline: dict, name: str) -> list | None:
 
 
 def ratio_gate(name: str, baseline: dict | None = None, *, factory=None,
-               blocks: int | None = None, slowdown: float | None = None) -> RatioResult:
+               blocks: int | None = None, slowdown: float | None = None,
+               factor: float = FACTOR) -> RatioResult:
     """Gate ``name`` against ``baseline`` (default: results/gates/ratios.json); ``factory``
     builds the subject (default: the NumPy backend); ``slowdown`` plants one (default: from
-    ``KVBENCH_GATE_SLOWDOWN``, a measurement hook)."""
+    ``KVBENCH_GATE_SLOWDOWN``, a measurement hook); ``factor``: the slowdown it fails above."""
     baseline = read_baseline() if baseline is None else baseline
     if slowdown is None:
         slowdown = planted_slowdowns().get(name, 1.0)
@@ -392,13 +398,14 @@ def ratio_gate(name: str, baseline: dict | None = None, *, factory=None,
     try:
         logs = sample(name, factory=factory, blocks=blocks, slowdown=slowdown)
     except NotImplementedError as e:
-        return RatioResult(name, [], recorded, skipped=str(e))
-    return RatioResult(name, logs, recorded, planted=slowdown)
+        return RatioResult(name, [], recorded, skipped=str(e), factor=factor)
+    return RatioResult(name, logs, recorded, planted=slowdown, factor=factor)
 
 
-def ratio_gates(baseline: dict | None = None, names=None, blocks: int | None = None) -> list:
+def ratio_gates(baseline: dict | None = None, names=None, blocks: int | None = None,
+                factor: float = FACTOR) -> list:
     baseline = read_baseline() if baseline is None else baseline
-    return [ratio_gate(n, baseline, blocks=blocks) for n in names or RATIO_GATES]
+    return [ratio_gate(n, baseline, blocks=blocks, factor=factor) for n in names or RATIO_GATES]
 
 
 def record_baseline(names=None, runs: int = BASELINE_RUNS) -> dict:

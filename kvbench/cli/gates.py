@@ -15,10 +15,12 @@ from kvbench.bench.gates import (
     replay_cases,
     write_expected,
 )
-from kvbench.cli.options import UsageError, positive_int
+from kvbench.cli.options import UsageError, positive_float, positive_int
 from kvbench.outputs import check_writable
 from kvbench.bench.ratios import (
     BASELINE_PATH,
+    CI_FACTOR,
+    FACTOR,
     read_baseline,
     ratio_gates,
     record_baseline,
@@ -77,7 +79,7 @@ def cmd_gates(args) -> int:
         print(f"ratio baseline ({sum(g['blocks'] for g in baseline['gates'].values())} blocks) "
               f"written to {write_baseline(baseline, args.baseline)}")
     elif not args.skip_ratios and not narrowed:
-        results = ratio_gates(read_baseline(args.baseline), blocks=args.blocks)
+        results = ratio_gates(read_baseline(args.baseline), blocks=args.blocks, factor=args.factor)
         for r in results:
             print(r)
         if not all(r.ok for r in results):
@@ -109,6 +111,9 @@ def register(sub) -> argparse.ArgumentParser:
                    help="blocks per ratio gate (default: each gate's own count, sized for CI)")
     p.add_argument("--expected", default=str(EXPECTED_PATH), help="expected values file")
     p.add_argument("--baseline", default=str(BASELINE_PATH), help="the ratio gates' baseline")
+    p.add_argument("--factor", type=positive_float, default=FACTOR,
+                   help=f"a ratio gate fails on a significant slowdown above this (default {FACTOR:g}; "
+                        f"the test suite uses {CI_FACTOR:g}, as a shared CI machine needs)")
     p.set_defaults(func=cmd_gates)
     return p
 
