@@ -19,6 +19,7 @@ from pathlib import Path
 from kvbench.analyses import suite
 from kvbench.checking.checker import applicable, check, oracle_for
 from kvbench.checking.fuzz import EDGES, Watch
+from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
 
@@ -41,7 +42,6 @@ BY_OPS = {
     "aborted load": lambda op: isinstance(op, Abort),
 }
 CONDITIONS = EDGES + (CUT_HIT,) + tuple(BY_OPS)
-KIND_ORDER = ("full", "sliding", "chunked", "sinks", "mla")
 
 
 def default_runs(paths=None) -> list:
@@ -55,8 +55,8 @@ def run_name(trace, config) -> str:
 
 
 def group_kinds(config) -> set:
-    """The attention kinds of the run's model: full, sliding, chunked, sinks, mla."""
-    return {g.kind.split("(")[0] for g in config.model.kv_groups}
+    """The kinds of the run's model's groups (KVGroup.family): full, sliding, chunked, ..."""
+    return {g.family for g in config.model.kv_groups}
 
 
 def reached(trace, config, reference: str = "numpy") -> set:
@@ -95,7 +95,7 @@ def report(paths=None, functions: bool = False) -> dict:
     default backend's run enters."""
     runs = default_runs(paths)
     edges = {c: [] for c in CONDITIONS}
-    kinds = sorted({k for _, config in runs for k in group_kinds(config)}, key=KIND_ORDER.index)
+    kinds = sorted({k for _, config in runs for k in group_kinds(config)}, key=F.KIND_FAMILIES.index)
     by_kind = {c: Counter() for c in CONDITIONS}
     ops, op_workloads = Counter(), defaultdict(set)
     for trace, config in runs:

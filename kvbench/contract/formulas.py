@@ -27,6 +27,9 @@ import numpy as np
 MAX_BLOCK_SIZE = (1 << 31) - 1
 
 
+KIND_FAMILIES = ("full", "sliding", "chunked", "sinks", "mla", "state")  # KVGroup.family
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """One KV cache group: the layers whose cache its blocks hold, and their kind (SPEC §8, §12).
