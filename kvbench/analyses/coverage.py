@@ -21,11 +21,12 @@ from kvbench.checking.checker import applicable, check, oracle_for
 from kvbench.checking.fuzz import EDGES, Watch
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.traces.tier_ops import Abort, Done, Load, Store
+from kvbench.traces.tier_ops import Abort, Load, Store
 
 IMPLS = Path(__file__).resolve().parents[2] / "impls"
 CUT_HIT = "hit cut short by a window (a sliding, chunked or sinks group)"
-# What the trace's operations say alone, beside what the replay reaches.
+# What the trace's operations say alone, beside what the replay reaches (EDGES, the fuzzer's:
+# a failed transfer is one of those).
 BY_OPS = {
     "fork": lambda op: op.kind == "fork",
     "rollback of drafts (accept)": lambda op: op.kind == "accept",
@@ -38,7 +39,6 @@ BY_OPS = {
     "prompt with an adapter": lambda op: op.kind == "prefill" and bool(op.adapter),
     "tier store": lambda op: isinstance(op, Store),
     "tier load": lambda op: isinstance(op, Load),
-    "failed transfer": lambda op: isinstance(op, Done) and not op.ok,
     "aborted load": lambda op: isinstance(op, Abort),
 }
 CONDITIONS = EDGES + (CUT_HIT,) + tuple(BY_OPS)
