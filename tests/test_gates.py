@@ -123,9 +123,12 @@ def test_expected_values_agree_with_the_formulas():
     """Peak bytes of a paged backend = peak blocks * B * a slot's bytes, B read off the
     workload's header (16 unless it says otherwise). A slot holds one group's layers:
     2 (K, V) * 2 layers * 2 heads * 8 * 2 bytes = 128 for tiny, tiny-hybrid and tiny-sinks;
-    2 * 1 layer * 2 * 8 * 2 = 64 for tiny-chunked; 2 layers * a latent of 12 * 2 = 48 for tiny-mla."""
+    2 * 1 layer * 2 * 8 * 2 = 64 for tiny-chunked; 2 layers * a latent of 12 * 2 = 48 for tiny-mla;
+    64 for tiny-mamba (its full group's one layer: 2 * 1 * 2 * 8 * 2; a state group's block of
+    B = 8 slots holds its layer's 512-byte state, 512 = 8 * 64)."""
     expected = G.read_expected()
-    slot = {"tiny": 128, "tiny-hybrid": 128, "tiny-sinks": 128, "tiny-chunked": 64, "tiny-mla": 48}
+    slot = {"tiny": 128, "tiny-hybrid": 128, "tiny-sinks": 128, "tiny-chunked": 64, "tiny-mla": 48,
+            "tiny-mamba": 64}
     for name in ("numpy", "python-objects", "torch"):
         for case, figs in expected["replay"][name].items():
             settings = common.load_workload(case.split("@")[0]).header.settings

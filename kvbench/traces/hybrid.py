@@ -202,7 +202,8 @@ def window_hits(seed: int = 0, *, model: str = "tiny-hybrid", rounds: int = 3,
         b.free(e)
     return b.trace("window_hits", params, seed, name="window_hits",
                    groups=tuple(g.kind for g in groups),
-                   settings={"model": model, "block_size": B, "num_blocks": num_blocks})
+                   settings={"model": model, "block_size": B, "num_blocks": num_blocks,
+                             "prefix_caching": True})  # as every replay of it (asv's too) runs
 
 
 def _budget(family: str, ops, model, block_size: int, num_blocks, budget_fraction: float) -> int:
