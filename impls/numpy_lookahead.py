@@ -98,9 +98,9 @@ class NumpyEagle(NumpyLookahead):
 
     name = "numpy-eagle"
     # no group that releases blocks: an EAGLE drop beside a window is not modelled
-    # EAGLE's dropped block is a full-attention rule: one group
+    # EAGLE's dropped block is a full-attention rule: one full group
     capabilities = dataclasses.replace(NumpyLookahead.capabilities, hit_drops_last_block=True,
-                                       kinds=("full", "mla"), groups=False)
+                                       kinds=("full",), groups=False)
 
     def _hit_plan(self, keys):
         L, hits = super()._hit_plan(keys)
