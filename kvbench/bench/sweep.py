@@ -116,8 +116,11 @@ class Progress(Reporter):
                  tty: bool | None = None, enabled: bool = True):
         super().__init__(total, name, "cells", stream=stream, every=interval, done=done, tty=tty,
                          enabled=enabled)
-        self.interval = interval
         self.counts: Counter = Counter()
+
+    @property
+    def interval(self) -> float:  # how long the executors wait between ticks
+        return self.every
 
     def failures(self) -> str:
         return ", ".join(f"{self.counts[k]} {k}" for k in ("FAIL", "ERROR", "lost") if self.counts[k]) or "no failures"
