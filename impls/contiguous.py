@@ -22,6 +22,7 @@ from kvbench.contract.protocol import (
     Capabilities,
     Ledger,
     OutOfMemory,
+    gathered_range,
     group_view,
 )
 
@@ -31,7 +32,7 @@ POLICIES = ("lru", "lfu", "fair")
 class Contiguous(Backend):
     name = "contiguous"
     capabilities = Capabilities(layout="contiguous", holds_kv=True, fork=True, copy_on_write=False,
-                                eviction=POLICIES, groups=True,
+                                eviction=POLICIES, groups=True, chunked_prefill=True,
                                 kinds=("full", "sliding", "mla"))  # chunks and sinks: no ring yet
 
     def __init__(self, config: CacheConfig):
@@ -149,12 +150,12 @@ class Contiguous(Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, prompt_tokens=None):
-        """``prompt_tokens`` (a chunked prompt's whole length) changes nothing: no prefix cache."""
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        """A chunked prompt's whole length changes nothing: no prefix cache."""
         if seq in self.seqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
-        final = final_tokens if final_tokens is not None else tokens
+        tokens, tenant = prompt.tokens, prompt.tenant
+        final = prompt.final_tokens if prompt.final_tokens is not None else tokens
         sizes = self.slab_sizes(final)
         victims, starts = self._make_room(sizes, set(protect) | {seq})
         st = self.seqs[seq] = dict(slabs=self._place(seq, sizes, starts), tokens=tokens, final=final,
@@ -206,7 +207,7 @@ class Contiguous(Backend):
             raise KeyError(f"{self.name}: unknown sequence {seq}")
         self._remove(seq)
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         cap = held = reservation = 0
         for st in self.seqs.values():
             for (_, size), w in zip(st["slabs"], self.windows):
@@ -221,16 +222,16 @@ class Contiguous(Backend):
             capacity_slots=cap, token_states=held, reservation=reservation,
             high_water=max((start + size for start, size, _ in self.starts), default=0))
 
-    def gather(self, seq) -> np.ndarray:
+    def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
         if self.arena is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         st = self.seqs[seq]
         T = st["tokens"]
         if len(self.groups) == 1 and self.windows[0] is None:
-            start = st["slabs"][0][0]
-            return self.arena[start:start + T]
-        out = np.zeros((T,) + self.kv_shape, dtype=self.config.kv_dtype)
+            first = st["slabs"][0][0]
+            return gathered_range(self.arena[first:first + T], start, stop, out)
+        whole = np.zeros((T,) + self.kv_shape, dtype=self.config.kv_dtype)
         for group, slab, w in zip(self.groups, st["slabs"], self.windows):
             lo = 0 if w is None else T - min(T, slab[1])
-            out[lo:, :, list(group.layers)] = self.arena[self._slots(slab, w, np.arange(lo, T))]
-        return out
+            whole[lo:, :, list(group.layers)] = self.arena[self._slots(slab, w, np.arange(lo, T))]
+        return gathered_range(whole, start, stop, out)

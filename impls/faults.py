@@ -63,8 +63,8 @@ class FloorBlocks(NumpyPaged):
 class PoolFragmentation(NumpyPaged):
     """(c) Fragmentation over the whole pool instead of the blocks in use."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         total = self.config.num_blocks * self.B
         led.fragmentation = (total - led.token_states) / total
         return led
@@ -73,8 +73,8 @@ class PoolFragmentation(NumpyPaged):
 class SharedCountedTwice(NumpyPaged):
     """(d) blocks_used and capacity summed over block tables: a shared block counts per sharer."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         led.blocks_used = sum(led.seq_blocks.values())
         led.capacity_slots = led.blocks_used * self.B
         return led
@@ -83,9 +83,9 @@ class SharedCountedTwice(NumpyPaged):
 class LeakyPrefill(NumpyPaged):
     """(e) Out of memory after grabbing blocks one at a time: those it took stay taken."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
+    def prefill(self, seq, prompt, kv=None, **kw):
         try:
-            return super().prefill(seq, tokens, kv, **kw)
+            return super().prefill(seq, prompt, kv, **kw)
         except OutOfMemory:
             self._take(self.free_top)
             raise
@@ -349,11 +349,10 @@ class SaltDroppedWithHashes(NumpyPaged):
     """A prompt the trace names by block hashes is keyed by the hashes alone: its salt and adapter
     enter only the token-id path, so every tenant shares hashed blocks with every other."""
 
-    def prefill(self, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None, **kw):
-        if block_hashes:
-            salt = adapter = None
-        return super().prefill(seq, tokens, kv, block_hashes=block_hashes, salt=salt, adapter=adapter,
-                               **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        if prompt.block_hashes:
+            prompt = dataclasses.replace(prompt, salt=None, adapter=None)
+        return super().prefill(seq, prompt, kv, **kw)
 
 
 class WideDecodeWithoutAccess(NumpyPaged):
@@ -457,7 +456,7 @@ class EvictableCountsShared(NumpyPaged):
     """The evictable (cached) count adds the shared blocks once more per extra reference."""
 
     def ledger(self, seqs=None):
-        led = super().ledger()
+        led = super().ledger(seqs)
         led.cached_blocks += int(np.maximum(0, self.refcount - 1).sum())
         return led
 
@@ -466,9 +465,9 @@ class WrongBlockOnAlignedHit(NumpyPaged):
     """A whole-prompt hit at an exact multiple of the block size takes its last block from
     another prompt's cache entry (one as busy as the right one)."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        self._aligned = tokens % self.B == 0 and tokens > 0
-        return super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        self._aligned = prompt.tokens % self.B == 0 and prompt.tokens > 0
+        return super().prefill(seq, prompt, kv, **kw)
 
     def _hit_plan(self, keys):
         L, hits = super()._hit_plan(keys)
@@ -488,7 +487,7 @@ class TokenCapacityPerGroup(NumpyPaged):
     """Token capacity with the pool split evenly among the groups: num_blocks // G * B."""
 
     def ledger(self, seqs=None):
-        led = super().ledger()
+        led = super().ledger(seqs)
         led.token_capacity = self.config.num_blocks // self.G * self.B
         return led
 
@@ -497,7 +496,7 @@ class BlockUsageAsSlotUsage(NumpyPaged):
     """Usage by slots reported as usage by blocks (66.7% of blocks, 36.5% of slots filled)."""
 
     def ledger(self, seqs=None):
-        led = super().ledger()
+        led = super().ledger(seqs)
         led.slot_usage = led.block_usage
         return led
 
@@ -507,7 +506,7 @@ class UsedFromFreeAndCached(NumpyPaged):
     too low, negative once the cache is large."""
 
     def ledger(self, seqs=None):
-        led = super().ledger()
+        led = super().ledger(seqs)
         led.blocks_used = self.config.num_blocks - led.blocks_free - led.cached_blocks
         return led
 
@@ -580,8 +579,8 @@ class ChunkCachedBeforeComplete(NumpyPaged):
     """A chunked prompt's block enters the prefix cache when its first chunk is written, not
     when its last token is: a request arriving between the chunks hits a block half written."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        victims = super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        victims = super().prefill(seq, prompt, kv, **kw)
         if seq in self.chunking:
             keys, done = self.chunking[seq]
             r = self.row_of[seq]
@@ -608,8 +607,8 @@ class ResumeIntoOldBlocks(NumpyPaged):
         self.held_before[seq] = self.tables[0][r, :self.nblocks[r]].copy()
         super().free(seq, step=step)
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        victims = super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        victims = super().prefill(seq, prompt, kv, **kw)
         old = self.held_before.pop(seq, None)
         if old is not None and self.pool is not None:
             new = self.tables[0][self._row(seq), :len(old)]

@@ -21,9 +21,9 @@ from kvbench.contract.protocol import OutOfMemory
 class PrefillKeepsBlockOnRefusal(NumpyPaged):
     """A refused prefill keeps one block it took before finding out."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
+    def prefill(self, seq, prompt, kv=None, **kw):
         try:
-            return super().prefill(seq, tokens, kv, **kw)
+            return super().prefill(seq, prompt, kv, **kw)
         except OutOfMemory:
             if self.free_top:
                 self._take(1)
@@ -63,11 +63,11 @@ class ExactFitRefused(NumpyPaged):
             raise OutOfMemory(f"{self.name}: needs {self.n_free} blocks, {self.n_free} free")
         return super()._make_room(need_fn, protect_rows)
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        n = -(-tokens // self.B) * self.G
+    def prefill(self, seq, prompt, kv=None, **kw):
+        n = -(-prompt.tokens // self.B) * self.G
         if self.config.policy is None and n == self.n_free > 0:
             raise OutOfMemory(f"{self.name}: needs {n} blocks, {n} free")
-        return super().prefill(seq, tokens, kv, **kw)
+        return super().prefill(seq, prompt, kv, **kw)
 
 
 class EvictsBeforeCheckingAll(NumpyPaged):
@@ -123,10 +123,10 @@ class ForkChildNotSharing(NumpyPaged):
 class BlocksNeededPlusOne(NumpyPaged):
     """``tokens // B + 1`` blocks for a prefill: one too many at an exact multiple of B."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        if tokens % self.B or not tokens or self.config.prefix_caching:
-            return super().prefill(seq, tokens, kv, **kw)
-        out = super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        if prompt.tokens % self.B or not prompt.tokens or self.config.prefix_caching:
+            return super().prefill(seq, prompt, kv, **kw)
+        out = super().prefill(seq, prompt, kv, **kw)
         r = self.row_of[seq]
         extra = self._take(1)  # the block after the last full one, empty
         self.block_group[extra] = 0
@@ -183,10 +183,10 @@ class TableNotGrownOnPrefill(NumpyPaged):
             return
         super()._grow_cols(width)
 
-    def prefill(self, seq, tokens, kv=None, **kw):
+    def prefill(self, seq, prompt, kv=None, **kw):
         self._in_prefill = True
         try:
-            return super().prefill(seq, tokens, kv, **kw)
+            return super().prefill(seq, prompt, kv, **kw)
         finally:
             self._in_prefill = False
 

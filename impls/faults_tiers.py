@@ -8,7 +8,7 @@ import numpy as np
 
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_tiers import _TierSlots
-from impls.prefix_keys import block_keys
+from impls.prefix_keys import NO_EXTRA, prompt_keys
 
 
 class LeaseEndsAtFree(NumpyPaged):
@@ -72,24 +72,20 @@ class TierKeyIgnoresSalt(NumpyPaged):
     """The tiers key blocks on their tokens alone (the prompt's hashes without salt or adapter),
     so a salted request loads another tenant's blocks."""
 
-    def _note_raw(self, tokens, block_hashes, token_ids, salt, adapter) -> None:
+    def _note_raw(self, prompt) -> None:
         if self.config.prefix_caching:
-            salted = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter))
-            raw = block_keys(tokens, self.B, block_hashes, token_ids)
+            salted = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
+            raw = prompt_keys(prompt, self.B, NO_EXTRA)
             self._raw = getattr(self, "_raw", {})
             self._raw.update({(0, s): (0, k) for s, k in zip(salted, raw)})
 
-    def prefill(self, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None,
-                token_ids=None, **kw):
-        self._note_raw(tokens, block_hashes, token_ids, salt, adapter)
-        return super().prefill(seq, tokens, kv, block_hashes=block_hashes, salt=salt,
-                               adapter=adapter, token_ids=token_ids, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        self._note_raw(prompt)
+        return super().prefill(seq, prompt, kv, **kw)
 
-    def load(self, tid, seq, tokens, kv=None, *, block_hashes=None, salt=None, adapter=None,
-             token_ids=None, **kw):
-        self._note_raw(tokens, block_hashes, token_ids, salt, adapter)  # looked up first
-        return super().load(tid, seq, tokens, kv, block_hashes=block_hashes, salt=salt,
-                            adapter=adapter, token_ids=token_ids, **kw)
+    def load(self, tid, seq, prompt, kv=None, **kw):
+        self._note_raw(prompt)  # looked up first
+        return super().load(tid, seq, prompt, kv, **kw)
 
     def _tier_key(self, key):
         return getattr(self, "_raw", {}).get(key, key)

@@ -19,7 +19,7 @@ import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
 from impls.numpy_tiers import NumpyTiers
-from impls.prefix_keys import block_keys, cache_completed_chunk, hit_plan, tagged_extra
+from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys, tagged_extra
 from impls.states import advance_states, initial_state, read_states
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -51,7 +51,7 @@ def lazy_zeros(shape, dtype) -> np.ndarray:
 class NumpyPaged(NumpyTiers, StackChanges, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=POLICIES,
+                                prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
                                 groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
@@ -470,17 +470,15 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
-                prompt_tokens=None):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
+        tokens, tenant, final_tokens = prompt.tokens, prompt.tenant, prompt.final_tokens
         self._check_kv(kv, tokens)
         n = -(-tokens // self.B)
         keys = []
         if self.config.prefix_caching:
-            keys = block_keys(prompt_tokens or tokens, self.B, block_hashes, token_ids,
-                              self._extra_keys(salt, adapter))
+            keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
             if len(keys) > tokens // self.B:  # a chunked prompt: its later blocks once written
                 keys, later = keys[:tokens // self.B], keys
                 victims = self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)

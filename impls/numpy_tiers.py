@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from impls.prefix_keys import block_keys
+from impls.prefix_keys import prompt_keys
 
 
 def _copy_rows(src, rows, dst, into) -> None:
@@ -209,9 +209,8 @@ class NumpyTiers:
             self._copy_down(t, src, [s for *_, s in moved])
         self._transfers[tid] = ("store", seq, t, moved)
 
-    def load(self, tid, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-             protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None) -> tuple:
-        keys = block_keys(tokens, self.B, block_hashes, token_ids, self._extra_keys(salt, adapter)) \
+    def load(self, tid, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
+        keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter)) \
             if self.config.prefix_caching else []
         L = self._hit_plan(keys)[0] if keys else 0
         run = []
@@ -220,9 +219,7 @@ class NumpyTiers:
             if t is None:
                 break
             run.append(t)
-        victims = self.prefill(seq, tokens, kv, tenant=tenant, final_tokens=final_tokens, step=step,
-                               protect=protect, block_hashes=block_hashes, salt=salt,
-                               adapter=adapter, token_ids=token_ids)
+        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)
         r = self.row_of[seq]
         moved = []  # (position, device block, its prefix-cache key, tier key, tier)
         for i, t in enumerate(run):
@@ -310,9 +307,9 @@ class NumpyTiers:
         """The tier and slots a swapped sequence's resume copies up from."""
         return self._swapped[seq]
 
-    def swap_in(self, seq, tokens, kv=None, **prefill) -> tuple:
+    def swap_in(self, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
         hits = self.hit_blocks
-        victims = self.prefill(seq, tokens, kv, **prefill)  # out of memory: still swapped
+        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)  # out of memory: still swapped
         L, r = self.hit_blocks - hits, self.row_of[seq]
         n = int(self.nblocks[r])
         t, slots = self._swap_source(seq)

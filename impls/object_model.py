@@ -55,7 +55,7 @@ class Sequence:
 class ObjectModel(Backend):
     name = "python-objects"
     capabilities = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                                eviction=POLICIES)
+                                eviction=POLICIES, chunked_prefill=True)
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -153,12 +153,12 @@ class ObjectModel(Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, prompt_tokens=None):
-        """``prompt_tokens`` (a chunked prompt's whole length) changes nothing here: no prefix
-        cache, so the appends that write the rest of the prompt are appends."""
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        """A chunked prompt's whole length changes nothing here: no prefix cache, so the
+        appends that write the rest of the prompt are appends."""
         if seq in self.sequences:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
+        tokens, tenant, final_tokens = prompt.tokens, prompt.tenant, prompt.final_tokens
         n = self._blocks_needed(tokens)
         victims = self._make_room(lambda dropped: n, set(protect))
         table = []
@@ -230,7 +230,7 @@ class ObjectModel(Backend):
             raise KeyError(f"{self.name}: unknown sequence {seq}")
         self._release(self.sequences.pop(seq))
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         B = self.block_size
         used = [b for b in self.blocks if b.ref_count > 0]
         reservation = 0

@@ -41,6 +41,15 @@ def block_keys(tokens: int, block_size: int, block_hashes=None, token_ids=None,
     return [hashlib.sha256(extra + b"|" + repr(h).encode()).digest() for h in hashes]
 
 
+def prompt_keys(prompt, block_size: int, extra: bytes | None = None) -> list:
+    """The keys of a Prompt's full prompt blocks (a chunked prompt's whole prompt), keyed by
+    its salt and adapter unless ``extra`` says otherwise."""
+    if extra is None:
+        extra = tagged_extra(prompt.salt, prompt.adapter)
+    return block_keys(prompt.prompt_length, block_size, prompt.block_hashes, prompt.token_ids,
+                      extra)
+
+
 def hit_plan(keys, by_hash: dict, groups, block_size: int) -> tuple[int, list]:
     """The longest prefix of L blocks whose full groups have every block below L cached and
     whose releasing groups have the blocks they would hold at LB tokens cached (SPEC §8, §12:

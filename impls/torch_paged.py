@@ -23,7 +23,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
-from impls.prefix_keys import block_keys, cache_completed_chunk, hit_plan, tagged_extra
+from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys
 from impls.states import advance_states, initial_state, read_states
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -33,6 +33,7 @@ from kvbench.contract.protocol import (
     Capabilities,
     Ledger,
     OutOfMemory,
+    gathered_range,
 )
 
 POLICIES = ("lru", "lfu", "fair")
@@ -82,7 +83,7 @@ class _Counts:
 class TorchPaged(StackChanges, Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
-                                prefix_caching=True, eviction=POLICIES,
+                                prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
                                 groups=True, cache_salt=True, block_ids=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
@@ -478,18 +479,16 @@ class TorchPaged(StackChanges, Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
-                prompt_tokens=None):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
         if seq in self.row_of:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
+        tokens, tenant, final_tokens = prompt.tokens, prompt.tenant, prompt.final_tokens
         torch = self.torch
         kv_t = self._kv(kv, tokens)
         n = self._blocks_needed(tokens)
         keys = later = []
         if self.config.prefix_caching:
-            later = block_keys(prompt_tokens or tokens, self.B, block_hashes, token_ids,
-                               tagged_extra(salt, adapter))
+            later = prompt_keys(prompt, self.B)
             keys = later[:tokens // self.B]  # a chunked prompt's later blocks: once written
         L, hits = hit_plan(keys, self.by_hash, self.groups, self.B) if keys else (0, [[]] * self.G)
         hit_all = [b for h in hits for b in h]
@@ -684,7 +683,7 @@ class TorchPaged(StackChanges, Backend):
     def free(self, seq, *, step=0):
         self._drop_row(self._row(seq))
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         torch = self.torch
         B, N = self.B, self.config.num_blocks
         rows_h = np.flatnonzero(self.live)
@@ -749,8 +748,8 @@ class TorchPaged(StackChanges, Backend):
                 out[:k * self.B].index_copy_(2, self.layer_index[g], head[:min(T, k * self.B)])
         return out
 
-    def gather(self, seq) -> np.ndarray:
-        return self.gather_tensor(seq).cpu().numpy()
+    def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
+        return gathered_range(self.gather_tensor(seq).cpu().numpy(), start, stop, out)
 
     # --- states (SPEC §12, impls.states): slot 0 of a state group's block holds its state
 

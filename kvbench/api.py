@@ -16,6 +16,7 @@ from kvbench.contract.protocol import (
                                        Capabilities,
                                        Ledger,
                                        OutOfMemory,
+                                       Prompt,
                                        kv_tokens,
                                        kv_values,
 )
@@ -35,4 +36,5 @@ from kvbench.traces.format import (
 __all__ = ["quant", "check", "Verdict", "Divergence", "Oracle", "registry", "ModelSpec",
            "blocks_needed", "budget_blocks", "get_model", "Backend", "CacheConfig", "Capabilities",
            "Ledger", "OutOfMemory", "kv_tokens", "kv_values", "Append", "Fork", "Free", "Header",
-           "Prefill", "Trace", "TraceError", "load", "loads", "save", "shrink", "ShrinkResult"]
+           "Prefill", "Trace", "TraceError", "load", "loads", "save", "shrink", "ShrinkResult",
+           "Prompt"]

@@ -21,7 +21,7 @@ from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
-from kvbench.contract.protocol import CacheConfig, OutOfMemory
+from kvbench.contract.protocol import CacheConfig, OutOfMemory, Prompt
 from kvbench.traces.format import Prefill
 from kvbench.traces.loaders import load_requests
 
@@ -57,8 +57,8 @@ def free_run(backend: str, cfg, trace) -> int:
     for op in trace.ops:
         if isinstance(op, Prefill):
             try:
-                be.prefill(op.seq, op.tokens, tenant=op.tenant, step=op.step,
-                           block_hashes=op.block_hashes)
+                be.prefill(op.seq, Prompt(op.tokens, op.tenant, block_hashes=op.block_hashes),
+                           step=op.step)
                 live.add(op.seq)
             except OutOfMemory:
                 pass

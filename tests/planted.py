@@ -13,10 +13,10 @@ class LedgerRaises(NumpyPaged):
 
     name = "ledger-raises"
 
-    def ledger(self):
+    def ledger(self, seqs=None):
         if self.row_of:
             raise ZeroDivisionError("planted: ledger() of a non-empty pool")
-        return super().ledger()
+        return super().ledger(seqs)
 
 
 def raising_in(call: str):

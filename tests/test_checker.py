@@ -123,8 +123,8 @@ def test_not_applicable_without_the_policy():
 class WrongTokens(NumpyPaged):
     """Reports one token too many for sequence 1."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         if 1 in led.tokens:
             led.tokens[1] += 1
         return led

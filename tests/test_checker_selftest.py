@@ -143,9 +143,9 @@ def overwrites(seq: int, position: int, at_call: int, base=NumpyPaged):
 class TakesWhatCannotFit(NumpyPaged):
     """A prefill it has no room for reports success and holds nothing."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
+    def prefill(self, seq, prompt, kv=None, **kw):
         try:
-            return super().prefill(seq, tokens, kv, **kw)
+            return super().prefill(seq, prompt, kv, **kw)
         except OutOfMemory:
             return ()
 

@@ -49,10 +49,10 @@ class Watch(Oracle):
         self.peak_live = max(self.peak_live, len(self.seqs))
         return out
 
-    def prefill(self, seq, tokens, *args, **kw):
+    def prefill(self, seq, prompt, *args, **kw):
         if self.inside:
-            return super().prefill(seq, tokens, *args, **kw)
-        return self._watched("prefill", super().prefill, seq, tokens, *args, **kw)
+            return super().prefill(seq, prompt, *args, **kw)
+        return self._watched("prefill", super().prefill, seq, prompt, *args, **kw)
 
     def append(self, seqs, tokens, step):
         # what the first two writers alone would take, before the call

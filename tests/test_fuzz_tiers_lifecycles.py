@@ -57,12 +57,8 @@ def test_transfers_and_lifecycles_only_where_declared():
 
 
 def test_a_campaign_reads_the_lifecycles_the_backend_takes(tmp_path):
-    class NoChunks(NumpyPaged):  # a prefill without prompt_tokens: no chunked prompts
-        def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                    protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
-            return super().prefill(seq, tokens, kv, tenant=tenant, final_tokens=final_tokens,
-                                   step=step, protect=protect, block_hashes=block_hashes,
-                                   salt=salt, adapter=adapter, token_ids=token_ids)
+    class NoChunks(NumpyPaged):  # declares no chunked prefill
+        capabilities = dataclasses.replace(NumpyPaged.capabilities, chunked_prefill=False)
 
     c = Campaign(SimpleNamespace(name="no-chunks", create=NoChunks), tmp_path)
     c.capabilities()

@@ -32,8 +32,8 @@ class WastefulNumpy(NumpyPaged):
         super().__init__(config)
         self.extra = {}
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        victims = super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        victims = super().prefill(seq, prompt, kv, **kw)
         if self.free_top > 0:
             self.extra[seq] = int(self._take(1)[0])
         return victims

@@ -20,7 +20,7 @@ from kvbench.checking.identities import ledger_identities, structure_identities
 from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.contract.protocol import BlockState, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import BlockState, CacheConfig, Ledger, OutOfMemory, Prompt
 from kvbench.traces.format import (
     Append,
     Fork,
@@ -187,7 +187,7 @@ def test_backends_replay_windows_forks_and_eviction(name):
 
 def test_contiguous_reserves_a_ring_per_sliding_group():
     c = Contiguous(config(reservation="oracle"))
-    c.prefill(0, 100, np.zeros((100, 2, 4, 2, 8), np.float16), final_tokens=120)
+    c.prefill(0, Prompt(100, final_tokens=120), np.zeros((100, 2, 4, 2, 8), np.float16))
     led = c.ledger()
     # Full group: a slab of the final length, 120; sliding: min(120, W) = 32 slots, holding
     # the last 32 positions.
@@ -298,8 +298,9 @@ def test_same_salt_shares_other_salts_and_adapters_do_not(name):
 class UntaggedKeys(NumpyPaged):
     """vLLM 44701: the salt and the adapter name enter the block hash untagged."""
 
-    def prefill(self, seq, tokens, kv=None, *, salt=None, adapter=None, **kw):
-        return super().prefill(seq, tokens, kv, salt=salt or adapter, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        prompt = dataclasses.replace(prompt, salt=prompt.salt or prompt.adapter, adapter=None)
+        return super().prefill(seq, prompt, kv, **kw)
 
 
 def test_a_hit_across_salts_fails_naming_both_requests():

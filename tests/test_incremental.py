@@ -8,7 +8,7 @@ from conftest import A, K, P, X, make_config, make_trace
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import SAMPLE_WINDOW_BLOCKS, check
-from kvbench.contract.protocol import read_kv
+from kvbench.contract.protocol import Prompt
 
 
 class Counting(NumpyPaged):
@@ -116,15 +116,18 @@ def test_sharers_of_a_copied_tail_are_read_back(monkeypatch):
     assert d.detail == "first wrong position 32 (should hold what sequence 0 wrote there)"
 
 
-def test_read_kv_slices_a_backend_that_gathers_whole_sequences():
-    class WholeOnly(NumpyPaged):
-        def gather(self, seq):
-            return super().gather(seq)
+def test_a_gather_of_the_old_form_is_warned_and_sliced_to_the_range():
+    with pytest.warns(DeprecationWarning, match=r"WholeOnly\.gather\(seq\) is the old form"):
+        class WholeOnly(NumpyPaged):
+            def gather(self, seq):
+                return super().gather(seq)
 
     b = WholeOnly(make_config())
     from kvbench.contract.protocol import kv_values
-    b.prefill(0, 20, kv_values(0, 0, 20, make_config().model))
-    assert np.array_equal(read_kv(b, 0, 5, 9), kv_values(0, 5, 4, make_config().model))
+    b.prefill(0, Prompt(20), kv_values(0, 0, 20, make_config().model))
+    assert np.array_equal(b.gather(0, 5, 9), kv_values(0, 5, 4, make_config().model))
+    out = np.empty((4,) + make_config().model.kv_shape, np.float16)  # 4 = 9 - 5
+    assert b.gather(0, 5, 9, out=out) is out and np.array_equal(out, kv_values(0, 5, 4, make_config().model))
 
 
 @pytest.mark.parametrize("gather", ["touched", "all"])
@@ -172,8 +175,8 @@ def test_ledger_counters_equal_a_recount(trace, policy):
 
 def test_ledger_of_some_sequences():
     b = NumpyPaged(make_config())
-    b.prefill(0, 20, None if b.pool is None else np.zeros((20, 2, 2, 2, 8), np.float16))
-    b.prefill(1, 5, np.zeros((5, 2, 2, 2, 8), np.float16))
+    b.prefill(0, Prompt(20), None if b.pool is None else np.zeros((20, 2, 2, 2, 8), np.float16))
+    b.prefill(1, Prompt(5), np.zeros((5, 2, 2, 2, 8), np.float16))
     led = b.ledger(seqs=[1])
     # 20 tokens: 2 blocks; 5 tokens: 1 block. Only sequence 1's figures asked for.
     assert led.tokens == {1: 5} and led.seq_blocks == {1: 1} and led.blocks_used == 3
@@ -187,8 +190,8 @@ def test_gather_into_a_buffer_reads_what_a_fresh_gather_reads(start, stop):
     model = make_config().model
     from kvbench.contract.protocol import kv_values
     b = NumpyPaged(make_config())
-    b.prefill(0, 20, kv_values(0, 0, 20, model))
-    b.prefill(1, 30, kv_values(1, 0, 30, model))
+    b.prefill(0, Prompt(20), kv_values(0, 0, 20, model))
+    b.prefill(1, Prompt(30), kv_values(1, 0, 30, model))
     b.append([0], [37], kv_values(0, 20, 37, model))
     expected = kv_values(0, start, stop - start, model)
     out = np.full_like(expected, 7)

@@ -19,7 +19,7 @@ from kvbench.checking.oracle import Oracle
 from kvbench.cli import main
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.contract.protocol import CacheConfig, kv_tokens
+from kvbench.contract.protocol import CacheConfig, Prompt, kv_tokens
 
 GiB = 2**30
 
@@ -355,7 +355,7 @@ def test_an_mla_model_stores_one_latent_per_token_per_layer():
 def test_pools_hold_the_latents(name):
     cfg = kinds_config(MLA, num_blocks=16)
     backend = registry.create(name, cfg)
-    backend.prefill(0, 20, kv_tokens([0] * 20, range(20), MLA, np.float16), final_tokens=20)
+    backend.prefill(0, Prompt(20, final_tokens=20), kv_tokens([0] * 20, range(20), MLA, np.float16))
     got = np.asarray(backend.gather(0))
     assert got.shape == (20, 1, 2, 1, 12)
     assert np.array_equal(got, kv_tokens([0] * 20, range(20), MLA, np.float16))

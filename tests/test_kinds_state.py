@@ -15,7 +15,7 @@ from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
-from kvbench.contract.protocol import advance_state, kv_tokens
+from kvbench.contract.protocol import Prompt, advance_state, kv_tokens
 
 MAMBA = F.get_model("tiny-mamba")
 STATE = MAMBA.kv_groups[0]
@@ -43,7 +43,7 @@ def test_each_state_is_the_recurrence_from_zeros_through_prefill_fork_and_decode
     t = trace(("p", 0, 20), ("k", 1, 0), ("a", {0: 5, 1: 1}), ("a", {1: 7}), ("x", 0), ("x", 1))
     for name in runs(MAMBA):
         b = registry.create(name, kinds_config(MAMBA))
-        b.prefill(0, 20, kv_tokens(np.zeros(20), np.arange(20), MAMBA), final_tokens=25)
+        b.prefill(0, Prompt(20, final_tokens=25), kv_tokens(np.zeros(20), np.arange(20), MAMBA))
         want = advance_state(None, kv_tokens(np.zeros(20), np.arange(20), MAMBA)[:, :, [0]])
         assert np.array_equal(b.read_state(0)[0].astype(np.int64), want), name
         assert check(t, registry.create(name, kinds_config(MAMBA)), gather="all").valid is True, name
@@ -140,5 +140,5 @@ def test_a_sequence_of_no_token_reads_a_fresh_state():
     # A trace has no empty prefill; a direct one holds no block, and its state is zeros.
     for name in runs(MAMBA):
         b = registry.create(name, kinds_config(MAMBA))
-        b.prefill(0, 0, kv_tokens([], [], MAMBA))
+        b.prefill(0, Prompt(0), kv_tokens([], [], MAMBA))
         assert not b.read_state(0).any() and b.read_state(0).shape == (3, 2, 1, 2, 8)

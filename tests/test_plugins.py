@@ -53,12 +53,11 @@ class MyPool(Backend):
             del self.ref[b]
             self.free_ids.append(b)
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None):
-        n = -(-tokens // self.B)
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        n = -(-prompt.tokens // self.B)
         self._check(n)
-        self.tables[seq], self.tokens[seq] = self._take(n), tokens
-        self.final[seq] = tokens if final_tokens is None else final_tokens
+        self.tables[seq], self.tokens[seq] = self._take(n), prompt.tokens
+        self.final[seq] = prompt.tokens if prompt.final_tokens is None else prompt.final_tokens
         return ()
 
     def append(self, seqs, tokens, kv=None, *, step=0):
@@ -90,7 +89,7 @@ class MyPool(Backend):
             self._drop(b)
         del self.tokens[seq], self.final[seq]
 
-    def ledger(self):
+    def ledger(self, seqs=None):
         B, fill = self.B, {}
         for s, table in self.tables.items():  # sharers of a block agree on its fill
             for i, b in enumerate(table):
@@ -115,6 +114,20 @@ class NoFork(MyPool):
     capabilities = dataclasses.replace(MyPool.capabilities, fork=False)
 '''
 
+# The same pool as docs/writing-a-backend.md showed it before the Prompt: prefill took the
+# prompt's fields as keywords, ledger() no sequences. It must still pass, warned.
+LEGACY_PREFILL = '''    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
+                protect=(), block_hashes=None):
+        n = -(-tokens // self.B)
+        self._check(n)
+        self.tables[seq], self.tokens[seq] = self._take(n), tokens
+        self.final[seq] = tokens if final_tokens is None else final_tokens
+        return ()
+'''
+LEGACY_POOL_PY = POOL_PY.replace(POOL_PY[POOL_PY.index("    def prefill"):POOL_PY.index("    def append")],
+                                 LEGACY_PREFILL + "\n").replace("def ledger(self, seqs=None):",
+                                                                  "def ledger(self):")
+
 BROKEN_PY = "import kvbench_missing_dependency  # not installed: importing this module fails\n"
 
 ENTRY_POINTS = """\
@@ -132,6 +145,7 @@ def write_package(root, dist_info: bool):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "pool.py").write_text(POOL_PY)
+    (pkg / "legacy.py").write_text(LEGACY_POOL_PY)
     (pkg / "broken.py").write_text(BROKEN_PY)
     if dist_info:  # what `pip install` would leave: importlib.metadata reads it from sys.path
         info = root / "mypkg-0.1.dist-info"
@@ -176,9 +190,25 @@ def rows_by(records, key):
 
 # --- in process: the checker on every committed workload ----------------------------------------
 
-def test_adhoc_backend_passes_every_committed_workload(adhoc_dir, on_path):
+def test_a_plugin_of_the_old_form_is_read_with_a_warning_naming_each_change(adhoc_dir, on_path):
     on_path(adhoc_dir)
-    entry = registry.resolve("mypkg.pool:MyPool")
+    with pytest.warns(DeprecationWarning) as caught:
+        legacy = importlib.import_module("mypkg.legacy")
+    said = sorted(str(w.message) for w in caught if "mypkg.legacy" in str(w.message))
+    assert len(said) == 2  # MyPool's prefill and ledger; NoFork inherits both
+    assert said[0].startswith("mypkg.legacy.MyPool.ledger() is the old form") \
+        and "define ledger(self, seqs=None)" in said[0]
+    assert said[1].startswith("mypkg.legacy.MyPool.prefill(seq, tokens, kv, *, tenant, "
+                              "final_tokens, ...) is the old form") \
+        and "define prefill(self, seq, prompt, kv=None, *, step=0, protect=())" in said[1]
+    assert "LEGACY_PREFILL" not in LEGACY_POOL_PY and "def prefill(self, seq, tokens" in LEGACY_POOL_PY
+    assert legacy.MyPool.capabilities.chunked_prefill is False  # it names no prompt_tokens
+
+
+@pytest.mark.parametrize("target", ["mypkg.pool:MyPool", "mypkg.legacy:MyPool"])
+def test_adhoc_backend_passes_every_committed_workload(adhoc_dir, on_path, target):
+    on_path(adhoc_dir)
+    entry = registry.resolve(target)
     assert entry.origin == "ad hoc"
     for trace in load_traces(WORKLOADS.values()):
         config = config_for(trace, policy=None)

@@ -10,6 +10,7 @@ from impls import numpy_paged, torch_paged
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import Prompt
 
 torch = pytest.importorskip("torch")
 
@@ -29,9 +30,9 @@ def test_a_large_budget_commits_only_a_chunk(name, cls, fixed, monkeypatch):
     monkeypatch.setattr(torch_paged, "COMMIT_BYTES", 2 * TINY_BLOCK)
     b = cls(make_config(num_blocks=1 << 16, **fixed))
     assert b.ready == 0
-    b.prefill(0, 40, _kv(40))  # 3 blocks: ids 0..2, committed to 3 (more than the 2 of a chunk)
+    b.prefill(0, Prompt(40), _kv(40))  # 3 blocks: ids 0..2, committed to 3 (more than the 2 of a chunk)
     assert b.ready == 3
-    b.prefill(1, 16, _kv(16))  # id 3: a new chunk of max(3 // 8, 2) = 2 blocks, to 5
+    b.prefill(1, Prompt(16), _kv(16))  # id 3: a new chunk of max(3 // 8, 2) = 2 blocks, to 5
     assert b.ready == 5
 
 
@@ -55,5 +56,5 @@ def test_content_is_right_across_chunk_edges(name, cls, fixed, monkeypatch):
 
 def test_a_ledger_only_pool_commits_nothing():
     b = NumpyPaged(make_config(num_blocks=1 << 16, store_kv=False))
-    b.prefill(0, 40)
+    b.prefill(0, Prompt(40))
     assert b.pool is None and b.ready == 0

@@ -130,8 +130,8 @@ def test_a_trace_the_backend_cannot_run_is_refused():
 class LedgerCrashesAtThreeBlocks(NumpyPaged):
     """ledger() itself raises, outside any operation."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         if led.blocks_used >= 3:
             raise ZeroDivisionError("three")
         return led

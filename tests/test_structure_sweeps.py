@@ -25,8 +25,8 @@ class CorruptsTheBottom(NumpyPaged):
     the top): block 62 is twice in the free structure, 63 nowhere. The ledger's counters
     still add up."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        victims = super().prefill(seq, tokens, kv, **kw)
+    def prefill(self, seq, prompt, kv=None, **kw):
+        victims = super().prefill(seq, prompt, kv, **kw)
         if seq == 3:  # operation 5: P(3, 16)
             self.free_stack[0] = self.free_stack[1]
         return victims

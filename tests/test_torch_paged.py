@@ -27,7 +27,7 @@ from impls.numpy_paged import NumpyPaged  # noqa: E402
 from impls.torch_paged import TorchPaged  # noqa: E402
 from kvbench.analyses import suite  # noqa: E402
 from kvbench.checking.checker import check  # noqa: E402
-from kvbench.contract.protocol import Backend, OutOfMemory, kv_values  # noqa: E402
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, kv_values  # noqa: E402
 from kvbench.traces.format import load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,8 +62,8 @@ class Tandem(Backend):
             raise OutOfMemory(f"{where}: both backends refused it")
         return outcomes[0]
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        return self._both(f"prefill({seq}, {tokens})", lambda b: b.prefill(seq, tokens, kv, **kw))
+    def prefill(self, seq, prompt, kv=None, **kw):
+        return self._both(f"prefill({seq}, {prompt.tokens})", lambda b: b.prefill(seq, prompt, kv, **kw))
 
     def append(self, seqs, tokens, kv=None, *, step=0):
         return self._both(f"append({list(seqs)}, {list(tokens)})",
@@ -78,8 +78,8 @@ class Tandem(Backend):
     def free(self, seq, *, step=0):
         return self._both(f"free({seq})", lambda b: b.free(seq, step=step))
 
-    def ledger(self):
-        return self.t.ledger()
+    def ledger(self, seqs=None):
+        return self.t.ledger(seqs)
 
     def block_state(self, seqs=None):
         got, want = self.t.block_state(seqs), self.n.block_state(seqs)
@@ -155,8 +155,8 @@ def test_batched_writers_of_one_shared_tail(tokens, blocks, free_slots):
 
 def test_append_spanning_blocks_in_one_batch():
     b = TorchPaged(make_config(block_size=4, num_blocks=16))
-    b.prefill(0, 3, kv_values(0, 0, 3, TINY))
-    b.prefill(1, 4, kv_values(1, 0, 4, TINY))
+    b.prefill(0, Prompt(3), kv_values(0, 0, 3, TINY))
+    b.prefill(1, Prompt(4), kv_values(1, 0, 4, TINY))
     kv = np.concatenate([kv_values(0, 3, 9, TINY), kv_values(1, 4, 1, TINY)])
     b.append([0, 1], [9, 1], kv)
     led = b.ledger()
@@ -170,7 +170,7 @@ def test_append_spanning_blocks_in_one_batch():
 def test_kv_as_torch_tensor():
     b = TorchPaged(make_config())
     kv = kv_values(3, 0, 20, TINY)
-    b.prefill(3, 20, torch.from_numpy(kv))
+    b.prefill(3, Prompt(20), torch.from_numpy(kv))
     b.append([3], [2], torch.from_numpy(kv_values(3, 20, 2, TINY)))
     assert np.array_equal(b.gather(3), kv_values(3, 0, 22, TINY))
 
@@ -185,7 +185,7 @@ def test_pool_layout_and_dtype():
 
 def test_bad_kv_shape_is_refused_and_changes_nothing():
     b = TorchPaged(make_config())
-    b.prefill(0, 5, kv_values(0, 0, 5, TINY))
+    b.prefill(0, Prompt(5), kv_values(0, 0, 5, TINY))
     before = b.ledger()
     with pytest.raises(ValueError, match=r"kv has shape \(2, 2, 2, 2, 8\), expected \(3, 2, 2, 2, 8\)"):
         b.append([0], [3], kv_values(0, 5, 2, TINY))
@@ -276,8 +276,8 @@ class FloorBlocks(TorchPaged):
 class PoolFragmentation(TorchPaged):
     """(c) Fragmentation over the whole pool instead of the blocks in use."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         total = self.config.num_blocks * self.B
         led.fragmentation = int((self.B - self.fill).sum()) / total
         return led
@@ -286,8 +286,8 @@ class PoolFragmentation(TorchPaged):
 class SharedCountedTwice(TorchPaged):
     """(d) blocks_used summed over block tables: a shared block counts once per sharer."""
 
-    def ledger(self):
-        led = super().ledger()
+    def ledger(self, seqs=None):
+        led = super().ledger(seqs)
         led.blocks_used = int(self.nblocks[self._dev(np.flatnonzero(self.live))].sum())
         led.capacity_slots = led.blocks_used * self.B
         return led

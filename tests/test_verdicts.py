@@ -68,10 +68,10 @@ def test_operations_the_oracle_refuses_are_never_built(backend, fixed):
 class AcceptsTooMuch(NumpyPaged):
     """Claims a prefill that does not fit succeeded (and does nothing)."""
 
-    def prefill(self, seq, tokens, kv=None, **kw):
-        if tokens > self.n_free * self.B:
+    def prefill(self, seq, prompt, kv=None, **kw):
+        if prompt.tokens > self.n_free * self.B:
             return ()
-        return super().prefill(seq, tokens, kv, **kw)
+        return super().prefill(seq, prompt, kv, **kw)
 
 
 def test_outcome_messages_say_what_the_oracle_expected():
@@ -94,9 +94,9 @@ def test_a_refused_operation_that_changes_the_ledger_names_the_sequence():
     class KeepsTheRow(NumpyPaged):
         """A refused prefill leaves its sequence behind, holding nothing."""
 
-        def prefill(self, seq, tokens, kv=None, **kw):
+        def prefill(self, seq, prompt, kv=None, **kw):
             try:
-                return super().prefill(seq, tokens, kv, **kw)
+                return super().prefill(seq, prompt, kv, **kw)
             except Exception:
                 self._new_row(seq)
                 raise

@@ -25,7 +25,7 @@ from impls.engines.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
-from kvbench.contract.protocol import OutOfMemory
+from kvbench.contract.protocol import OutOfMemory, Prompt
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import Request, load_requests
 
@@ -153,19 +153,19 @@ def test_null_block_is_added_so_that_n_blocks_are_usable(vllm):
     be = pool(num_blocks=4)
     assert be.pool.num_gpu_blocks == 5  # 5 = 4 + 1: the adapter adds the null block
     assert be.ledger().blocks_free == 4
-    be.prefill(0, 64)  # 64 = 4 * 16: every usable block
+    be.prefill(0, Prompt(64))  # 64 = 4 * 16: every usable block
     led = be.ledger()
     assert (led.blocks_used, led.blocks_free, led.capacity_slots) == (4, 0, 64)
     assert 0 not in [b.block_id for b in be.tables[0]]  # the null block is never handed out
     with pytest.raises(OutOfMemory):
-        be.prefill(1, 1)
+        be.prefill(1, Prompt(1))
     be.free(0)
     assert be.ledger().blocks_free == 4
 
 
 def test_fork_is_touch(vllm):
     be = pool()
-    be.prefill(0, 40)  # 3 blocks: 40 = 2 * 16 + 8
+    be.prefill(0, Prompt(40))  # 3 blocks: 40 = 2 * 16 + 8
     be.fork(1, 0)
     assert refs(be, 0) == refs(be, 1) == [2, 2, 2]
     assert be.tables[1] == be.tables[0]
@@ -178,7 +178,7 @@ def test_fork_is_touch(vllm):
 
 def test_copy_on_write_in_a_batch(vllm):
     be = pool()
-    be.prefill(0, 40, final_tokens=41)
+    be.prefill(0, Prompt(40, final_tokens=41))
     be.fork(1, 0, final_tokens=41)
     be.fork(2, 0, final_tokens=41)
     shared_tail = be.tables[0][-1]
@@ -197,7 +197,7 @@ def test_copy_on_write_in_a_batch(vllm):
 
 def test_out_of_memory_is_atomic(vllm):
     be = pool(num_blocks=4)
-    be.prefill(0, 40)  # 3 of 4 blocks
+    be.prefill(0, Prompt(40))  # 3 of 4 blocks
     be.fork(1, 0)
     before, counts = be.ledger().as_dict(), [b.ref_cnt for b in be.pool.blocks]
     # Writer 0 copies the shared tail (1 block); writer 1, then its only holder, fills its 8 free
@@ -212,16 +212,16 @@ def test_out_of_memory_is_atomic(vllm):
 
 def test_prefix_cache_hits(vllm):
     be = pool(num_blocks=4, caching=True)
-    be.prefill(0, 40, block_hashes=[1, 2])  # 3 blocks, the 2 full ones hashed
+    be.prefill(0, Prompt(40, block_hashes=[1, 2]))  # 3 blocks, the 2 full ones hashed
     be.free(0)
     led = be.ledger()
     assert (led.blocks_free, led.cached_blocks) == (4, 2)  # freed hashed blocks stay cached
     # 48 tokens = 3 full blocks: 1 and 2 hit, 3 is new. Hits on freed blocks take them back out of
     # the free queue: 2 hits + 1 new = 3 of 4 free.
-    be.prefill(1, 48, block_hashes=[1, 2, 3])
+    be.prefill(1, Prompt(48, block_hashes=[1, 2, 3]))
     led = be.ledger()
     assert (led.blocks_used, led.prefix_hit_blocks, led.cached_blocks) == (3, 2, 0)
-    be.prefill(2, 20, block_hashes=[1])  # 2 blocks: 1 hit (shared), 1 new
+    be.prefill(2, Prompt(20, block_hashes=[1]))  # 2 blocks: 1 hit (shared), 1 new
     led = be.ledger()
     assert (led.blocks_used, led.shared_blocks, led.prefix_hit_blocks) == (4, 1, 3)
     assert refs(be, 2) == [2, 1]
@@ -232,9 +232,9 @@ def test_prefix_cache_hits(vllm):
     assert (led.blocks_free, led.cached_blocks) == (4, 3)  # hashes 1, 2, 3 cached; 1 block plain
     before = led.as_dict()
     with pytest.raises(OutOfMemory):
-        be.prefill(3, 80, block_hashes=[1, 2, 3, 4, 5])  # 3 hits + 2 new = 5 > 4 free
+        be.prefill(3, Prompt(80, block_hashes=[1, 2, 3, 4, 5]))  # 3 hits + 2 new = 5 > 4 free
     assert be.ledger().as_dict() == before
-    be.prefill(3, 64, block_hashes=[1, 2, 3, 4])  # 3 hits + 1 new = 4: fits
+    be.prefill(3, Prompt(64, block_hashes=[1, 2, 3, 4]))  # 3 hits + 1 new = 4: fits
     led = be.ledger()
     assert (led.blocks_free, led.cached_blocks, led.prefix_hit_blocks) == (0, 0, 6)  # 6 = 3 + 3
 

@@ -26,7 +26,7 @@ from kvbench.checking.checker import check
 from kvbench.checking.oracle import Oracle
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.formulas import get_model
-from kvbench.contract.protocol import CacheConfig, OutOfMemory
+from kvbench.contract.protocol import CacheConfig, OutOfMemory, Prompt
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.ops import Accept, Append, Fork
 from kvbench.traces.loaders import load_requests
@@ -149,15 +149,15 @@ def test_mooncake_prefix_cache_checks_clean(vllm):
 def test_null_block_is_added_so_that_n_blocks_are_usable(vllm):
     be = manager(num_blocks=4)
     assert be.pool.num_gpu_blocks == 5  # 5 = 4 + 1: vLLM keeps block 0 as its null block
-    be.prefill(0, 64)  # 64 = 4 * 16: every usable block
+    be.prefill(0, Prompt(64))  # 64 = 4 * 16: every usable block
     assert (be.ledger().blocks_used, be.ledger().blocks_free) == (4, 0)
     with pytest.raises(OutOfMemory):
-        be.prefill(1, 1)
+        be.prefill(1, Prompt(1))
 
 
 def test_without_prefix_caching_a_fork_computes_every_block_again(vllm):
     be = manager(num_blocks=6)
-    be.prefill(0, 40)  # ceil(40/16) = 3 blocks
+    be.prefill(0, Prompt(40))  # ceil(40/16) = 3 blocks
     be.fork(1, 0)
     led = be.ledger()
     assert (led.blocks_used, led.shared_blocks) == (6, 0)  # 2 * 3, nothing shared
@@ -170,7 +170,7 @@ def test_without_prefix_caching_a_fork_computes_every_block_again(vllm):
 
 def test_with_prefix_caching_a_fork_shares_the_full_blocks(vllm):
     be = manager(caching=True)
-    be.prefill(0, 40)
+    be.prefill(0, Prompt(40))
     be.fork(1, 0)
     assert be.table(1)[:2] == be.table(0)[:2]  # 40 // 16 = 2 full blocks, hit in the cache
     assert refs(be, 0) == [2, 2, 1]  # the tail of 40 - 32 = 8 tokens is computed again
@@ -179,10 +179,10 @@ def test_with_prefix_caching_a_fork_shares_the_full_blocks(vllm):
 
 def test_a_whole_prefix_hit_computes_its_last_block_again_and_caches_it_twice(vllm):
     be = manager(caching=True)
-    be.prefill(0, 32, block_hashes=["a", "b"])
+    be.prefill(0, Prompt(32, block_hashes=["a", "b"]))
     be.free(0)
     assert be.ledger().cached_blocks == 2
-    be.prefill(1, 32, block_hashes=["a", "b"])
+    be.prefill(1, Prompt(32, block_hashes=["a", "b"]))
     led = be.ledger()
     assert led.prefix_hit_blocks == 1  # (32 - 1) // 16: vLLM's cap of num_tokens - 1 hit tokens
     assert led.blocks_used == 2 and led.cached_blocks == 1  # the first "b" block stays cached
@@ -192,7 +192,7 @@ def test_a_whole_prefix_hit_computes_its_last_block_again_and_caches_it_twice(vl
 
 def test_blocks_filled_by_decode_are_cached(vllm):
     be = manager(caching=True)
-    be.prefill(0, 20)  # 1 full block, 4 tokens in the tail
+    be.prefill(0, Prompt(20))  # 1 full block, 4 tokens in the tail
     be.append([0], [12])  # the tail fills: 32 = 2 * 16
     be.free(0)
     assert be.ledger().cached_blocks == 2
@@ -200,8 +200,8 @@ def test_blocks_filled_by_decode_are_cached(vllm):
 
 def test_a_batched_append_that_does_not_fit_changes_nothing(vllm):
     be = manager(num_blocks=4)
-    be.prefill(0, 16)
-    be.prefill(1, 16)
+    be.prefill(0, Prompt(16))
+    be.prefill(1, Prompt(16))
     before = be.ledger().as_dict()
     with pytest.raises(OutOfMemory):  # 1 + 2 new blocks (17 = 16 + 1 tokens), 2 free
         be.append([0, 1], [1, 17])
@@ -243,7 +243,7 @@ def test_hybrid_config_has_one_group_spec_per_kvbench_group(vllm):
 
 def test_a_window_is_released_at_the_next_allocation_on_the_length_before_it(vllm):
     be = hybrid()
-    be.prefill(0, 71)
+    be.prefill(0, Prompt(71))
     led = be.ledger()
     # 9 = ceil(71 / 8) per group: vLLM releases nothing at the prefill (SPEC would keep 4)
     assert led.group_blocks == (9, 9) and led.blocks_used == 18
@@ -259,7 +259,7 @@ def test_a_window_is_released_at_the_next_allocation_on_the_length_before_it(vll
 
 def test_an_append_may_use_the_blocks_its_window_releases(vllm):
     be = hybrid(num_blocks=18)
-    be.prefill(0, 71)  # 2 * 9 = 18 blocks: the pool is full
+    be.prefill(0, Prompt(71))  # 2 * 9 = 18 blocks: the pool is full
     be.append([0], [2])
     # 73 tokens: ceil(73 / 8) = 10 blocks per group, one new each; 5 released before (as above)
     assert be.ledger().group_blocks == (9 - 5 + 1, 10)
@@ -268,7 +268,7 @@ def test_an_append_may_use_the_blocks_its_window_releases(vllm):
 
 def test_a_refused_hybrid_append_releases_nothing(vllm):
     be = hybrid(num_blocks=18)
-    be.prefill(0, 71)
+    be.prefill(0, Prompt(71))
     before = be.ledger().as_dict()
     with pytest.raises(OutOfMemory):  # ceil(121 / 8) = 16 blocks per group: 2 * 7 new, 0 + 5 free
         be.append([0], [50])
@@ -279,10 +279,10 @@ def test_a_refused_hybrid_append_releases_nothing(vllm):
 def test_a_hybrid_hit_takes_the_full_prefix_and_the_window_below_it(vllm):
     be = hybrid(caching=True)
     ids = list(range(100, 164))  # 64 = 8 * 8 tokens, every block full
-    be.prefill(0, 64, token_ids=ids)
+    be.prefill(0, Prompt(64, token_ids=ids))
     be.free(0)
     assert be.ledger().cached_blocks == 16  # 8 blocks per group, each cached when full
-    be.prefill(1, 72, token_ids=ids + list(range(500, 508)))
+    be.prefill(1, Prompt(72, token_ids=ids + list(range(500, 508))))
     led = be.ledger()
     # The hit: (72 - 1) // 8 = 8 blocks of the full group, and of the sliding group those that
     # cover [64 - 32 + 1, 64) = [33, 64): blocks 33 // 8 = 4 .. 7, so 4 + 8 = 12 hit blocks.
@@ -295,9 +295,9 @@ def test_salt_and_adapter_of_the_same_name_never_share(vllm):
     """SPEC §9 (vLLM issue 44701): vLLM's extra keys are tagged ("cache_salt", x), ("lora", x, path)."""
     be = hybrid(caching=True)
     ids = list(range(100, 124))  # 24 = 3 * 8
-    be.prefill(0, 24, token_ids=ids, salt="x")
-    be.prefill(1, 24, token_ids=ids, adapter="x")
-    be.prefill(2, 24, token_ids=ids, salt="x")
+    be.prefill(0, Prompt(24, token_ids=ids, salt="x"))
+    be.prefill(1, Prompt(24, token_ids=ids, adapter="x"))
+    be.prefill(2, Prompt(24, token_ids=ids, salt="x"))
     # Sequence 1 hits nothing; sequence 2 hits sequence 0's (24 - 1) // 8 = 2 blocks in each group
     # (the sliding group's window below the hit, [max(0, 16 - 32 + 1), 16), starts at block 0).
     assert be.ledger().prefix_hit_blocks == 2 * 2
@@ -348,10 +348,10 @@ def test_bug_candidate_a_one_token_window_turns_off_every_prefix_hit(vllm):
     be = VllmKVManager(CacheConfig(model=model, block_size=4, num_blocks=16, store_kv=False,
                                    prefix_caching=True))
     ids = list(range(100, 108))
-    be.prefill(0, 8, token_ids=ids)
+    be.prefill(0, Prompt(8, token_ids=ids))
     be.free(0)
     assert be.ledger().cached_blocks == 2  # SPEC: 2 * 8 // 4 = 4, vLLM: the full group's 2
-    be.prefill(1, 12, token_ids=ids + [200, 201, 202, 203])
+    be.prefill(1, Prompt(12, token_ids=ids + [200, 201, 202, 203]))
     led = be.ledger()
     assert led.prefix_hit_blocks == 0  # SPEC: 2 = 8 // 4 (the full group's), sliding(1): none
     assert led.group_blocks == (3, 3)  # SPEC: (12 // 4 - 2, 12 // 4) = (1, 3)
@@ -497,7 +497,7 @@ def dataclasses_replace(spec, **kw):
 
 def test_a_rollback_keeps_the_blocks_past_the_length_for_the_next_drafts(vllm):
     be = manager(num_blocks=8)
-    be.prefill(0, 20)  # ceil(20 / 16) = 2 blocks
+    be.prefill(0, Prompt(20))  # ceil(20 / 16) = 2 blocks
     be.append([0], [17], draft=[16])  # 37 tokens: 3 blocks
     be.accept(0, 2, drafted=16)  # 37 - (16 - 2) = 23 tokens; vLLM frees nothing
     led = be.ledger()
@@ -508,8 +508,8 @@ def test_a_rollback_keeps_the_blocks_past_the_length_for_the_next_drafts(vllm):
 
 def test_a_chunked_prompt_is_one_request_its_blocks_cached_once_computed(vllm):
     be = manager(num_blocks=8, caching=True)
-    be.prefill(0, 24, block_hashes=("h0", "h1"), prompt_tokens=40)  # 24 of 40 computed
-    be.prefill(1, 40, block_hashes=("h0", "h1"))  # between the chunks: h0 alone is complete
+    be.prefill(0, Prompt(24, block_hashes=("h0", "h1"), prompt_tokens=40))  # 24 of 40 computed
+    be.prefill(1, Prompt(40, block_hashes=("h0", "h1")))  # between the chunks: h0 alone is complete
     assert be.ledger().prefix_hit_blocks == 1
 
 

@@ -32,9 +32,10 @@ class Prefill(_Call):
     def setup(self, name, tokens):
         self.backend = common.make_backend(name, num_blocks=-(-tokens // BLOCK_SIZE))
         self.kv = common.zeros_kv(tokens)
+        self.prompt, self.keywords = common.prompt_call(tokens, final_tokens=tokens)
 
     def time_prefill(self, name, tokens):
-        self.backend.prefill(0, tokens, self.kv, final_tokens=tokens)
+        self.backend.prefill(0, self.prompt, self.kv, **self.keywords)
         common.sync(self.backend)
 
 
@@ -67,7 +68,7 @@ class _LongSequence(_Call):
     def setup(self, name):
         self.backend = common.make_backend(name, num_blocks=LONG_SEQUENCE // BLOCK_SIZE,
                                            store_kv=False)
-        self.backend.prefill(0, LONG_SEQUENCE, None, final_tokens=LONG_SEQUENCE)
+        common.prefill(self.backend, 0, LONG_SEQUENCE, None, final_tokens=LONG_SEQUENCE)
 
 
 class Fork(_LongSequence):

@@ -86,7 +86,9 @@ class GatherRange:
         try:
             from kvbench.contract.protocol import read_kv
         except ImportError:
-            raise NotImplementedError("no gather ranges at this commit") from None
+            if common.Prompt is None:
+                raise NotImplementedError("no gather ranges at this commit") from None
+            read_kv = _ranged_gather  # since the Prompt every gather takes a range
         self.read_kv = read_kv
         self.backend = common.interleaved_pair(name, SCALE_GATHER_TOKENS)
 
@@ -95,6 +97,10 @@ class GatherRange:
 
     def time_gather_block(self, name):
         self.read_kv(self.backend, 0, SCALE_GATHER_TOKENS - common.BLOCK_SIZE, SCALE_GATHER_TOKENS)
+
+
+def _ranged_gather(backend, seq, start, stop):
+    return np.asarray(backend.gather(seq, start, stop))
 
 
 class QuantizeSteps:
@@ -160,11 +166,12 @@ class AllocFree:
 
     def setup(self, name, blocks):
         self.backend = common.make_backend(name, num_blocks=1024, store_kv=False)
-        self.tokens = blocks * common.BLOCK_SIZE
+        tokens = blocks * common.BLOCK_SIZE
+        self.prompt, self.keywords = common.prompt_call(tokens, final_tokens=tokens)
 
     def teardown(self, name, blocks):
         common.close(self)
 
     def time_alloc_free(self, name, blocks):
-        self.backend.prefill(0, self.tokens, None, final_tokens=self.tokens)
+        self.backend.prefill(0, self.prompt, None, **self.keywords)
         self.backend.free(0)

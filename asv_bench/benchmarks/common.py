@@ -41,6 +41,27 @@ except ImportError:  # a commit from before kvbench.api (and the package's wings
     except ImportError as e:  # a commit without the spine: every benchmark is n/a
         IMPORT_ERROR = f"kvbench at this commit lacks {e.name}: {e}"
 
+try:  # the one value a prefill takes, at commits that have it (before: keywords)
+    from kvbench.api import Prompt
+except ImportError:
+    Prompt = None
+
+
+def prompt_call(tokens, **fields) -> tuple:
+    """What a prefill of ``tokens`` tokens with these Prompt fields (tenant, final_tokens,
+    block_hashes, prompt_tokens) passes at this commit: (its second argument, its keywords).
+    A timed call builds it in setup."""
+    if Prompt is None:
+        return tokens, fields
+    return Prompt(tokens, **fields), {}
+
+
+def prefill(backend, seq, tokens, kv=None, *, step=0, protect=(), **fields):
+    """``backend.prefill`` of ``tokens`` tokens with these Prompt fields."""
+    prompt, keywords = prompt_call(tokens, **fields)
+    return backend.prefill(seq, prompt, kv, step=step, protect=protect, **keywords)
+
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The working tree's committed traces: the same bytes for every commit asv builds.
 WORKLOADS_DIR = REPO_ROOT / "workloads"
@@ -181,7 +202,7 @@ def fill_decode_batch(backend, batch: int, store_kv: bool = True):
     lengths = prompt_lengths(batch)
     buf = zeros_kv(int(lengths.max())) if store_kv else None
     for seq, n in enumerate(lengths.tolist()):
-        backend.prefill(seq, n, None if buf is None else buf[:n], final_tokens=n + 64)
+        prefill(backend, seq, n, None if buf is None else buf[:n], final_tokens=n + 64)
     return backend
 
 
@@ -194,8 +215,8 @@ def interleaved_pair(name: str, tokens: int):
 
 def fill_interleaved_pair(backend, tokens: int):
     chunk = zeros_kv(BLOCK_SIZE)
-    backend.prefill(0, BLOCK_SIZE, chunk, final_tokens=tokens)
-    backend.prefill(1, BLOCK_SIZE, chunk, final_tokens=tokens)
+    prefill(backend, 0, BLOCK_SIZE, chunk, final_tokens=tokens)
+    prefill(backend, 1, BLOCK_SIZE, chunk, final_tokens=tokens)
     for b in range(1, -(-tokens // BLOCK_SIZE)):
         backend.append([0], [BLOCK_SIZE], chunk, step=b)
         backend.append([1], [BLOCK_SIZE], chunk, step=b)
@@ -290,9 +311,9 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
 
     def restore(seq, step, protect) -> bool:
         try:
-            victims = backend.prefill(seq, length[seq], data(length[seq]), tenant=tenant[seq],
-                                      final_tokens=final[seq], step=step, protect=tuple(protect),
-                                      block_hashes=hashes.get(seq))
+            victims = prefill(backend, seq, length[seq], data(length[seq]), tenant=tenant[seq],
+                              final_tokens=final[seq], step=step, protect=tuple(protect),
+                              block_hashes=hashes.get(seq))
         except OutOfMemory:
             counts["ooms"] += 1
             return False
@@ -305,10 +326,10 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
         if isinstance(op, Prefill):
             chunked = getattr(op, "prompt_tokens", None)
             try:
-                took(backend.prefill(op.seq, op.tokens, data(op.tokens), tenant=op.tenant,
-                                     final_tokens=final[op.seq], step=op.step,
-                                     block_hashes=op.block_hashes,
-                                     **({"prompt_tokens": chunked} if chunked else {})))
+                took(prefill(backend, op.seq, op.tokens, data(op.tokens), tenant=op.tenant,
+                             final_tokens=final[op.seq], step=op.step,
+                             block_hashes=op.block_hashes,
+                             **({"prompt_tokens": chunked} if chunked else {})))
                 length[op.seq], tenant[op.seq] = op.tokens, op.tenant
                 if op.block_hashes:  # a recompute hits the prompt's cached blocks, as the checker's
                     hashes[op.seq] = op.block_hashes
@@ -532,7 +553,7 @@ def pool_bytes_per_token(name: str) -> float:
     the asv-1k model (1024 B/token in fp16) divided by its BLOCK_SIZE slots."""
     backend = make_backend(name, num_blocks=1, store_kv=False)
     try:
-        backend.prefill(0, BLOCK_SIZE, None, final_tokens=BLOCK_SIZE)
+        prefill(backend, 0, BLOCK_SIZE, None, final_tokens=BLOCK_SIZE)
         return backend.ledger().bytes_in_use / BLOCK_SIZE
     finally:
         backend.close()

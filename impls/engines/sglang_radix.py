@@ -315,8 +315,8 @@ class SglangRadix(Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        tokens, token_ids = prompt.tokens, prompt.token_ids
         if seq in self.reqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
@@ -326,14 +326,14 @@ class SglangRadix(Backend):
             ids = [int(t) for t in token_ids[:tokens]]
         else:
             ids = []
-            for h in tuple(block_hashes or ())[:tokens // P] if self.caching else ():
+            for h in tuple(prompt.block_hashes or ())[:tokens // P] if self.caching else ():
                 if h not in self._hash_ids:
                     self._hash_ids[h] = self._new_ids(P)
                 ids += self._hash_ids[h]
         ids += self._new_ids(tokens - len(ids))
-        final = final_tokens if final_tokens is not None else tokens
+        final = prompt.final_tokens if prompt.final_tokens is not None else tokens
         hit = self._admit(seq, ids, tokens, final, f"prefill of sequence {seq} ({tokens} tokens)",
-                          adapter, salt)
+                          prompt.adapter, prompt.salt)
         self.hit_blocks += hit // P
         return ()
 
@@ -381,7 +381,7 @@ class SglangRadix(Backend):
         kv = self._req(seq).kv
         return [int(x) // self.page for x in kv[::self.page]]
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         P = self.page
         fill: dict[int, int] = {}
         holders: dict[int, int] = {}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import types
 
-from impls.prefix_keys import block_keys, tagged_extra
+from impls.prefix_keys import prompt_keys
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -125,8 +125,8 @@ class VllmBlockPool(Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        tokens = prompt.tokens
         if seq in self.tables:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
@@ -135,7 +135,7 @@ class VllmBlockPool(Backend):
         n = -(-tokens // B)
         # Only full blocks carry a hash. vLLM's BlockPool takes the hashes its caller computed (the
         # KVCacheManager chains the salt and the LoRA name into them): so do the same here.
-        keys = block_keys(tokens, B, block_hashes, token_ids, tagged_extra(salt, adapter)) if self.caching else []
+        keys = prompt_keys(prompt, B) if self.caching else []
         hashes = [_block_hash(h) for h in keys]
         hits = self._hits(hashes)
         # A hit on a freed cached block takes it back out of the free queue: it counts too.
@@ -152,7 +152,7 @@ class VllmBlockPool(Backend):
         self.hit_blocks += len(hits)
         self.tables[seq] = table
         self.tokens[seq] = tokens
-        self.final[seq] = final_tokens if final_tokens is not None else tokens
+        self.final[seq] = prompt.final_tokens if prompt.final_tokens is not None else tokens
         return ()
 
     def append(self, seqs, tokens, kv=None, *, step=0):
@@ -197,7 +197,7 @@ class VllmBlockPool(Backend):
         self.pool.free_blocks(reversed(table))
         del self.tables[seq], self.tokens[seq], self.final[seq]
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         B = self.block_size
         # Fill of each block in use, from the tables; sharers of a block agree on it.
         fill: dict[int, int] = {}

@@ -77,7 +77,7 @@ MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
 FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
-                            prefix_caching=True, eviction=(),
+                            prefix_caching=True, eviction=(), chunked_prefill=True,
                             hit_leaves_last_token=True, caches_every_full_block=True,
                             keeps_duplicate_blocks=True, groups=True,
                             window_release="next_allocation", cache_salt=True,
@@ -279,18 +279,18 @@ class VllmKVManager(Backend):
 
     # --- the protocol ----------------------------------------------------------------------
 
-    def prefill(self, seq, tokens, kv=None, *, tenant="default", final_tokens=None, step=0,
-                protect=(), block_hashes=None, salt=None, adapter=None, token_ids=None,
-                prompt_tokens=None):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        tokens = prompt.tokens
         if seq in self.requests:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
-        whole = prompt_tokens or tokens  # a chunked prompt: one request of all of it
-        hashes = tuple(block_hashes or ())[:whole // self.block_size] if self.caching else ()
-        final = final_tokens if final_tokens is not None else tokens
-        req = self._admit(seq, self._prompt_ids(whole, hashes, token_ids), final, count_hits=True,
-                          salt=salt, lora=self._lora(adapter), first=tokens)
+        whole = prompt.prompt_length  # a chunked prompt: one request of all of it
+        hashes = tuple(prompt.block_hashes or ())[:whole // self.block_size] if self.caching else ()
+        final = prompt.final_tokens if prompt.final_tokens is not None else tokens
+        req = self._admit(seq, self._prompt_ids(whole, hashes, prompt.token_ids), final,
+                          count_hits=True, salt=prompt.salt, lora=self._lora(prompt.adapter),
+                          first=tokens)
         if req is None:
             raise OutOfMemory(f"{self.name}: prefill of sequence {seq} ({tokens} tokens): "
                               f"allocate_slots found too few free blocks "
@@ -380,7 +380,7 @@ class VllmKVManager(Backend):
         null block where a sliding window released one."""
         return list(self._groups[group].req_to_blocks.get(self._request(seq).request_id, ()))
 
-    def ledger(self) -> Ledger:
+    def ledger(self, seqs=None) -> Ledger:
         B = self.block_size
         fill: dict[int, int] = {}
         tokens: dict[int, int] = {}

@@ -67,6 +67,7 @@ from kvbench.contract.protocol import (
     Backend,
     CacheConfig,
     OutOfMemory,
+    Prompt,
     kv_tokens,
     kv_values,
     takes_lifecycle,
@@ -441,8 +442,8 @@ class _Server:
         kv = kv_values(seq, 0, st.tokens, self.model, self.dtype) if self.store else None
         call = self.be.swap_in if in_tier else self.be.prefill
         try:
-            self.timed(call, seq, st.tokens, kv, tenant=self.reqs[i].tenant, final_tokens=st.final,
-                       step=len(self.ops), block_hashes=self.hashes[i])
+            self.timed(call, seq, Prompt(st.tokens, self.reqs[i].tenant, st.final, self.hashes[i]),
+                       kv, step=len(self.ops))
         except OutOfMemory:
             return False
         del self.held[i]
@@ -534,13 +535,13 @@ class _Server:
             whole = int(self.prompt[i] + self.generated[i])
             final = int(self.prompt[i] + self.output[i])
             tokens = whole if self.left is None else min(whole, self.left)  # its first chunk
-            chunked = {"prompt_tokens": whole} if tokens < whole else {}
             seq = self.next_seq
             kv = kv_values(seq, 0, tokens, self.model, self.dtype) if self.store else None
             try:
-                self.timed(self.be.prefill, seq, tokens, kv, tenant=self.reqs[i].tenant,
-                           final_tokens=final, step=len(self.ops), block_hashes=self.hashes[i],
-                           **chunked)
+                self.timed(self.be.prefill, seq,
+                           Prompt(tokens, self.reqs[i].tenant, final, self.hashes[i],
+                                  prompt_tokens=whole if tokens < whole else None),
+                           kv, step=len(self.ops))
             except OutOfMemory:
                 if self.running:
                     return prefilled, finished, True

@@ -40,7 +40,7 @@ import numpy as np
 from kvbench.analyses import suite
 from kvbench.bench import records
 from kvbench.contract.formulas import ModelSpec, blocks_needed
-from kvbench.contract.protocol import CacheConfig
+from kvbench.contract.protocol import CacheConfig, Prompt
 
 # full: for a GPU. tiny: the same code paths in seconds, on any machine.
 SIZES = {
@@ -130,7 +130,7 @@ def bench_decode(torch, device, size: dict, clock: Clock) -> list[dict]:
             backend = cls(CacheConfig(model=model, block_size=BLOCK, num_blocks=num_blocks,
                                       device=str(device) if impl == "torch" else "cpu"))
             for seq, p in enumerate(prompts):
-                backend.prefill(seq, p, kv_array(p, model, seq))
+                backend.prefill(seq, Prompt(p), kv_array(p, model, seq))
             kv = torch.from_numpy(kv_host).to(device) if kv_where == "device" else kv_host
             seqs, ones, calls = list(range(batch)), [1] * batch, [0]
 
@@ -175,7 +175,9 @@ def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
         if 0 in nb.row_of:
             nb.free(0)
 
-    row("write", "numpy", clock.median(lambda: nb.prefill(0, T, kv_host), rounds, 2, numpy_fresh, host=True),
+    whole = Prompt(T)
+    row("write", "numpy", clock.median(lambda: nb.prefill(0, whole, kv_host), rounds, 2, numpy_fresh,
+                                       host=True),
         host_copy, "np.copyto")
     row("gather", "numpy", clock.median(lambda: nb.gather(0), rounds, 2, host=True), host_copy, "np.copyto")
 
@@ -194,7 +196,7 @@ def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
             tb.free(0)
 
     copy_kind = "Tensor.copy_ (device to device)" if device.type == "cuda" else "Tensor.copy_"
-    row("write", f"torch-{device.type}", clock.median(lambda: tb.prefill(0, T, src), rounds, 2, torch_fresh),
+    row("write", f"torch-{device.type}", clock.median(lambda: tb.prefill(0, whole, src), rounds, 2, torch_fresh),
         dev_copy, copy_kind)
     got = tb.gather(0)
     assert np.array_equal(got, kv_host), "gather after prefill differs from what was written"

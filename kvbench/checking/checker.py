@@ -44,7 +44,7 @@ from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
-from kvbench.contract.protocol import (Backend, OutOfMemory, _takes, kv_tokens, ledger_of, refuse_kinds,
+from kvbench.contract.protocol import (Backend, OutOfMemory, Prompt, _takes, kv_tokens, refuse_kinds,
                                        takes_lifecycle)
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
@@ -325,11 +325,11 @@ class _Replay:
         """A chunked prefill's whole-prompt length, to pass where there is one."""
         return {} if prompt_tokens is None else {"prompt_tokens": prompt_tokens}
 
-    def prompt_kwargs(self, prompt) -> dict:
-        """The salt, adapter and token ids a prefill passes, to a backend that takes them."""
-        if not self.keyed_calls:
-            return {}
-        return {k: prompt[k] for k in ("salt", "adapter", "token_ids") if prompt.get(k) is not None}
+    def told_prompt(self, tokens, tenant, final, hashes, prompt_tokens, keys) -> Prompt:
+        """A prefill's (or a recompute's) Prompt as this backend is told it: the salt, adapter
+        and token ids (``keys``) only where it declares ``cache_salt``."""
+        told = {k: keys.get(k) for k in ("salt", "adapter", "token_ids")} if self.keyed_calls else {}
+        return Prompt(tokens, tenant, final, hashes, prompt_tokens=prompt_tokens, **told)
 
     def mark(self, seq, start=0, stop=None, *, kv=True) -> None:
         """``seq``'s entries of the ledger, and (``kv``) its K/V over ``start .. stop-1``, may
@@ -404,14 +404,11 @@ class _Replay:
         st = self.oracle.preempted[seq]
         segments = list(st.segments)
         step = self.op.step
-        extra = self.prompt_kwargs(st.prompt)
+        prompt = self.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
+                               st.prompt.get("prompt_tokens"), st.prompt)
         got = self.call("recompute",
-                        lambda kv: self.backend.prefill(seq, st.tokens, kv, tenant=st.tenant,
-                                                        final_tokens=st.final, step=step,
-                                                        protect=tuple(protect),
-                                                        block_hashes=st.prompt.get("hashes"),
-                                                        **self.chunked(st.prompt.get("prompt_tokens")),
-                                                        **extra),
+                        lambda kv: self.backend.prefill(seq, prompt, kv, step=step,
+                                                        protect=tuple(protect)),
                         lambda: self.oracle.recompute(seq, step, protect),
                         st.tokens, lambda: self.content(seq, segments))
         if got is not None:
@@ -447,11 +444,10 @@ class _Replay:
             return self.content(op.seq, segments)
 
         chunked = self.chunked(op.prompt_tokens)
+        prompt = self.told_prompt(op.tokens, op.tenant, self.final[op.seq], op.block_hashes,
+                               op.prompt_tokens, keys)
         got = self.call("prefill",
-                        lambda kv: self.backend.prefill(op.seq, op.tokens, kv, tenant=op.tenant,
-                                                        final_tokens=self.final[op.seq],
-                                                        step=op.step, block_hashes=op.block_hashes,
-                                                        **chunked, **self.prompt_kwargs(keys)),
+                        lambda kv: self.backend.prefill(op.seq, prompt, kv, step=op.step),
                         lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
                                                op.step, hashes=op.block_hashes, **keys, **chunked),
                         op.tokens, kv)
@@ -621,7 +617,7 @@ class _Replay:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
         expected = self.oracle.expected_ledger(seqs)
-        actual = self.ask("ledger", ledger_of, self.backend, seqs)
+        actual = self.ask("ledger", self.backend.ledger, seqs)
         try:
             why = self.figures.check(actual, seqs, last=last)
         except BackendRaised as e:

@@ -11,7 +11,7 @@ import bisect
 import numpy as np
 
 from kvbench.checking.raised import guarded
-from kvbench.contract.protocol import _takes, advance_state, group_view, kv_tokens, read_kv
+from kvbench.contract.protocol import advance_state, group_view, kv_tokens
 from kvbench.quant import pool as quant_pool
 
 
@@ -72,8 +72,6 @@ class Content:
         self.kv_format = backend.config.kv_format if backend is not None else None
         self.runs: dict = {}  # sequence -> Runs
         self.hybrid = any(g.releases for g in self.model.kv_groups)  # positions a window released
-        # A caller's buffer is a path of its own (a backend may read into it differently).
-        self.takes_out = backend is not None and _takes(type(backend), "gather", "out")
         self.state_groups = [g for g in self.model.kv_groups if g.state_bytes is not None]
 
     def _runs(self, seq) -> Runs:
@@ -95,7 +93,6 @@ class Content:
         buffered = self._span(into) if into else None
         if buffered:
             todo.append(buffered)  # last, so that the plain ranges go in one call before it
-            buffered = buffered if self.takes_out else None
         if not todo:
             return None, 0
         ws, counts = [], []
@@ -121,7 +118,7 @@ class Content:
         got, offset = [], 0
         for i, (seq, start, stop) in enumerate(todo):
             g = self._read_into(seq, start, stop, token_shape) if buffered and i == len(plain) \
-                else guarded("gather", read_kv, self.backend, seq, start, stop)
+                else np.asarray(guarded("gather", self.backend.gather, seq, start, stop))
             if g.shape[1:] != token_shape or len(g) != stop - start:
                 return (seq, "what it wrote or inherited", "different values",
                         f"shape {tuple(g.shape)} instead of {(stop - start,) + token_shape}"), len(got) + 1

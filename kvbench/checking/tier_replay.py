@@ -129,10 +129,9 @@ class TierReplay:
                                    segment_kv(segments, lo, hi, r.model, r.dtype, shift=oracle.B),
                                    segment_kv(segments, hi, op.tokens, r.model, r.dtype)])
 
+        told = r.told_prompt(op.tokens, op.tenant, r.final[op.seq], op.block_hashes, None, keys)
         got = r.call("load",
-                     lambda kv: r.backend.load(op.id, op.seq, op.tokens, kv, tenant=op.tenant,
-                                               final_tokens=r.final[op.seq], step=op.step,
-                                               block_hashes=op.block_hashes, **r.prompt_kwargs(keys)),
+                     lambda kv: r.backend.load(op.id, op.seq, told, kv, step=op.step),
                      lambda: oracle.load(op.id, op.seq, op.tokens, op.tenant, r.final[op.seq], op.step,
                                          hashes=op.block_hashes, **keys),
                      op.tokens, kv)
@@ -209,13 +208,10 @@ class TierReplay:
                                    segment_kv(segments, lo, st.tokens, r.model, r.dtype,
                                               shift=oracle.B)])
 
+        told = r.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
+                             st.prompt.get("prompt_tokens"), st.prompt)
         got = r.call("swap_in",
-                     lambda kv: r.backend.swap_in(seq, st.tokens, kv, tenant=st.tenant,
-                                                  final_tokens=st.final, step=step,
-                                                  protect=tuple(protect),
-                                                  block_hashes=st.prompt.get("hashes"),
-                                                  **r.chunked(st.prompt.get("prompt_tokens")),
-                                                  **r.prompt_kwargs(st.prompt)),
+                     lambda kv: r.backend.swap_in(seq, told, kv, step=step, protect=tuple(protect)),
                      lambda: oracle.swap_in(seq, step, protect), st.tokens, kv)
         if got is not None:
             r.mark(seq)  # whole

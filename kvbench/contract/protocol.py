@@ -13,7 +13,7 @@ import inspect
 import warnings
 import zlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,6 +26,35 @@ class OutOfMemory(RuntimeError):
 
     The backend must leave its state exactly as it was before the operation.
     """
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What one prefill asks for: the prompt and what the trace says about it (SPEC §1, §9, §13).
+
+    ``tokens``: the tokens this call writes (a chunked prefill's first chunk). ``final_tokens``:
+    the length the trace says the sequence reaches (reservation policies and the ledger's
+    reservation category). ``block_hashes``: the prompt's full blocks' hashes, or ``token_ids``
+    (the prompt's ids) instead; with ``salt`` and ``adapter`` they key its blocks.
+    ``prompt_tokens``: a chunked prompt's whole length (None: not chunked).
+
+    The checker fills ``salt``, ``adapter`` and ``token_ids`` only for a backend declaring
+    ``cache_salt``, and ``prompt_tokens`` only for one declaring ``chunked_prefill``.
+    """
+
+    tokens: int
+    tenant: str = "default"
+    final_tokens: int | None = None
+    block_hashes: tuple | None = None
+    token_ids: tuple | None = None
+    salt: str | None = None
+    adapter: str | None = None
+    prompt_tokens: int | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        """The whole prompt's tokens: ``prompt_tokens`` when chunked, else ``tokens``."""
+        return self.prompt_tokens or self.tokens
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,9 @@ class Capabilities:
     window_release: str = "end_of_operation"
     # SPEC §12: the group kinds (KVGroup.family) it runs besides what ``groups`` covers.
     kinds: tuple = ("full", "sliding")
+    # SPEC §13: a prefill's Prompt may be the first chunk of a longer prompt (``prompt_tokens``);
+    # the appends that follow write the rest. Otherwise a chunked trace is not applicable.
+    chunked_prefill: bool = False
     # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
     # A backend with prefix caching that does not declare it replays salted traces without.
     cache_salt: bool = False
@@ -192,9 +224,7 @@ class Backend(ABC):
 
     ``kv`` arguments are arrays of shape ``[tokens, 2, layers, kv_heads, head_dim]`` (K then V),
     the new tokens of the operation in order (for a batched append, seqs[0]'s first). They are
-    ``None`` for a backend configured with ``store_kv=False``. ``final_tokens`` is the length the
-    trace says the sequence will reach (used by reservation policies and the ledger's
-    reservation category).
+    ``None`` for a backend configured with ``store_kv=False``.
     """
 
     name: str = "?"
@@ -216,16 +246,15 @@ class Backend(ABC):
     # Mutating calls take the trace step (the eviction clock) and return the sequences they
     # evicted, in eviction order. A call that raises OutOfMemory has changed nothing.
 
-    @abstractmethod
-    def prefill(self, seq: int, tokens: int, kv=None, *, tenant: str = "default",
-                final_tokens: int | None = None, step: int = 0, protect=(),
-                block_hashes=None) -> tuple:
-        """A new sequence of ``tokens`` tokens. ``protect``: sequences it may not evict.
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _adopt_legacy_methods(cls)
 
-        A backend declaring ``cache_salt`` also takes ``salt``, ``adapter`` (a LoRA name) and
-        ``token_ids`` (the prompt's ids, instead of ``block_hashes``); the checker passes them
-        only when the trace names them.
-        """
+    @abstractmethod
+    def prefill(self, seq: int, prompt: Prompt, kv=None, *, step: int = 0,
+                protect=()) -> tuple:
+        """A new sequence serving ``prompt`` (its ``tokens`` written, with ``kv``).
+        ``protect``: sequences it may not evict."""
 
     @abstractmethod
     def append(self, seqs, tokens, kv=None, *, step: int = 0) -> tuple:
@@ -246,10 +275,10 @@ class Backend(ABC):
         A backend whose ``append`` takes ``draft`` is told there, per sequence, how many of the
         tokens it appends are drafts (an engine keeps them out of its block hashes).
 
-        Chunked prefill (SPEC §13) is ``prefill(..., prompt_tokens=P)``: ``tokens`` is the first
+        Chunked prefill (SPEC §13) is a Prompt with ``prompt_tokens=P``: ``tokens`` is the first
         chunk, ``block_hashes`` / ``token_ids`` cover the whole prompt of ``P`` tokens, the
         appends that follow write the rest, and a block is cached once its last token is written.
-        A backend whose prefill takes no ``prompt_tokens`` runs no chunked trace."""
+        A backend runs chunked traces when it declares ``chunked_prefill``."""
         raise NotImplementedError(f"{self.name} does not roll back draft tokens")
 
     @abstractmethod
@@ -261,8 +290,7 @@ class Backend(ABC):
     def gather(self, seq: int, start: int = 0, stop: int | None = None, *, out=None) -> np.ndarray:
         """The K/V of positions ``start .. stop-1`` of the sequence (``stop`` None: its length),
         ``[stop - start, 2, layers, kv_heads, head_dim]``, as a NumPy array; written into
-        ``out`` (an array of that shape and the pool's dtype) when given. A backend written
-        before ranges existed may define ``gather(self, seq)`` only: :func:`read_kv` slices it.
+        ``out`` (an array of that shape and the pool's dtype) when given.
 
         Positions a sliding group no longer holds read as zeros in that group's layers.
         """
@@ -272,7 +300,7 @@ class Backend(ABC):
         """Positions ``starts[i] .. stops[i]-1`` of ``seqs[i]`` for every i, concatenated in
         order: what the checker reads back after an operation, in one call. The default is one
         gather per range."""
-        parts = [read_kv(self, s, a, b) for s, a, b in zip(seqs, starts, stops)]
+        parts = [np.asarray(self.gather(s, a, b)) for s, a, b in zip(seqs, starts, stops)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def block_state(self, seqs=None) -> BlockState:
@@ -306,31 +334,116 @@ def _takes(cls: type, method: str, name: str) -> bool:
     return _accepts(getattr(cls, method), name)
 
 
+# The keywords a prefill took before the Prompt (they are its fields, and step and protect).
+_LEGACY_PREFILL_ALWAYS = ("tenant", "final_tokens", "block_hashes")
+_LEGACY_PREFILL_GIVEN = ("salt", "adapter", "token_ids", "prompt_tokens")
+
+
+def _legacy(cls, method: str, was: str, now: str) -> None:
+    warnings.warn(f"{cls.__module__}.{cls.__qualname__}.{method}{was} is the old form, read "
+                  f"until the next release: define {method}{now} "
+                  "(docs/writing-a-backend.md)", DeprecationWarning, stacklevel=5)
+
+
+def _old_prefill(fn) -> bool:
+    """A prefill of the old form: its second argument is ``tokens``, or it names a keyword that
+    is now a Prompt field."""
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[2:3] == ["tokens"] or any(
+        p.name in _LEGACY_PREFILL_ALWAYS + _LEGACY_PREFILL_GIVEN for p in params)
+
+
+def _inherited(cls, method: str) -> type:
+    return next(c for c in cls.__mro__[1:] if method in c.__dict__)
+
+
+def _adopt_legacy_methods(cls) -> None:
+    """A backend written before the Prompt (``prefill(seq, tokens, kv, *, tenant, ...)``),
+    before ranges (``gather(seq)``) or before ``ledger(seqs)``: wrapped into today's signatures,
+    with a DeprecationWarning naming the change."""
+    own = cls.__dict__
+    prefill = own.get("prefill")
+    if prefill is not None and _old_prefill(prefill):
+        if _inherited(cls, "prefill") is not Backend:
+            raise TypeError(f"{cls.__qualname__}.prefill takes the old keyword form but overrides "
+                            f"{_inherited(cls, 'prefill').__qualname__}.prefill, which takes a "
+                            "Prompt: define prefill(self, seq, prompt, kv=None, *, step=0, "
+                            "protect=())")
+        _legacy(cls, "prefill", "(seq, tokens, kv, *, tenant, final_tokens, ...)",
+                "(self, seq, prompt, kv=None, *, step=0, protect=()) taking a kvbench Prompt")
+        cls.prefill = _prompt_prefill(prefill)
+        if "prompt_tokens" in _prompt_prefill_given(prefill) and not cls.capabilities.chunked_prefill:
+            cls.capabilities = replace(cls.capabilities, chunked_prefill=True)
+    gather = own.get("gather")
+    if gather is not None and not _accepts(gather, "out"):
+        ranged = _accepts(gather, "start")
+        _legacy(cls, "gather", "(seq, start, stop)" if ranged else "(seq)",
+                "(self, seq, start=0, stop=None, *, out=None)")
+        cls.gather = _ranged_gather(gather, ranged)
+    ledger = own.get("ledger")
+    if ledger is not None and not getattr(ledger, "__isabstractmethod__", False) \
+            and not _accepts(ledger, "seqs"):
+        _legacy(cls, "ledger", "()", "(self, seqs=None)")
+        cls.ledger = _any_seqs_ledger(ledger)
+
+
+def _any_seqs_ledger(old):
+    @functools.wraps(old)
+    def ledger(self, seqs=None):
+        return old(self)
+    del ledger.__wrapped__
+    return ledger
+
+
+def _prompt_prefill_given(old) -> list:
+    """The Prompt fields an old prefill takes when given: those it names, all for ``**kw``."""
+    params = inspect.signature(old).parameters
+    anything = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return [k for k in _LEGACY_PREFILL_GIVEN if anything or k in params]
+
+
+def _prompt_prefill(old):
+    given = _prompt_prefill_given(old)
+
+    @functools.wraps(old)
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        keys = {k: getattr(prompt, k) for k in given if getattr(prompt, k) is not None}
+        return old(self, seq, prompt.tokens, kv, step=step, protect=protect,
+                   **{k: getattr(prompt, k) for k in _LEGACY_PREFILL_ALWAYS}, **keys)
+    del prefill.__wrapped__  # its signature is today's, not the old one's
+    return prefill
+
+
+def gathered_range(kv, start: int = 0, stop: int | None = None, out=None) -> np.ndarray:
+    """Positions ``start .. stop-1`` of a sequence's K/V ``kv`` (all of them, or ``start`` on
+    when ``kv`` already begins there: pass ``start=0``), as :meth:`Backend.gather` returns them,
+    written into ``out`` when given."""
+    kv = np.asarray(kv)[start:stop]
+    if out is None:
+        return kv
+    out[...] = kv
+    return out
+
+
+def _ranged_gather(old, ranged: bool):
+    @functools.wraps(old)
+    def gather(self, seq, start=0, stop=None, *, out=None):
+        if ranged:
+            return gathered_range(old(self, seq, start, stop), out=out)
+        return gathered_range(old(self, seq), start, stop, out)
+    del gather.__wrapped__
+    return gather
+
+
 def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     """Whether ``backend`` implements a scheduler lifecycle of SPEC §13: 'speculative' (its own
-    accept), 'chunked' (a prefill taking ``prompt_tokens``)."""
+    accept), 'chunked' (it declares ``chunked_prefill``)."""
     if lifecycle == "speculative":
         return type(backend).accept is not Backend.accept
-    if lifecycle == "chunked":  # a subclass passing **kwargs on takes what its base takes
-        params = inspect.signature(type(backend).prefill).parameters.values()
-        return _takes(type(backend), "prefill", "prompt_tokens") or any(
-            p.kind is p.VAR_KEYWORD for p in params)
+    if lifecycle == "chunked":
+        return backend.capabilities.chunked_prefill
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
-
-
-def read_kv(backend: Backend, seq: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """``backend.gather(seq, start, stop)``; for a backend whose gather takes the sequence
-    alone (written before ranges existed), its whole gather sliced."""
-    if _takes(type(backend), "gather", "start"):
-        return np.asarray(backend.gather(seq, start, stop))
-    return np.asarray(backend.gather(seq))[start:stop]
-
-
-def ledger_of(backend: Backend, seqs=None) -> Ledger:
-    """``backend.ledger(seqs)``; a backend whose ledger takes no argument gives its whole one."""
-    if seqs is not None and _takes(type(backend), "ledger", "seqs"):
-        return backend.ledger(seqs=seqs)
-    return backend.ledger()
 
 
 # K/V values of writer w at position p: ((w * 7919 + p * 131 + 3) + 17 e) mod 2003 - 1001 for
@@ -396,7 +509,7 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
     return kv_tokens(np.full(count, writer), np.arange(start, start + count), model, dtype)
 
 
-__all__ = ["OutOfMemory", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
+__all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend",
            "kv_tokens",
-           "kv_values", "advance_state", "hash_writer", "group_view", "read_kv", "ledger_of", "takes_lifecycle"]
+           "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle"]
