@@ -184,9 +184,10 @@ def test_the_random_window_is_read_into_a_buffer_of_the_checkers():
 
 def test_a_gather_without_out_is_read_as_before():
     # A plug-in written before ranges and buffers: its window is sliced from a whole gather.
-    class WholeOnly(NumpyPaged):
-        def gather(self, seq):
-            return super().gather(seq)
+    with pytest.warns(DeprecationWarning, match=r"WholeOnly\.gather\(seq\) is the old form"):
+        class WholeOnly(NumpyPaged):
+            def gather(self, seq):
+                return super().gather(seq)
 
     v = check(FORK_COW, WholeOnly(make_config(num_blocks=6)))
     assert v.valid is True and v.gathers > 0

@@ -306,3 +306,13 @@ def test_cli_reports_unsupported_fork_and_broken_import_as_not_applicable(instal
     assert why[("my-nofork", "fork-beam")] == "my-nofork does not support fork and the trace forks"
     assert why[("my-broken", "fork-beam")].startswith("cannot import mypkg.broken:Pool")
     assert "n/a  my-nofork on fork-beam: my-nofork does not support fork" in got.stdout
+
+
+def test_no_bundled_backend_or_planted_fault_is_of_an_old_form():
+    # The bundled classes show plug-ins today's protocol: none may lean on the old forms' wrappers.
+    import impls.faults as faults
+    classes = {e.load() for e in registry.entries().values() if e.origin == "built-in"}
+    classes |= {bug.fault for bug in faults.CATALOGUE}
+    old = sorted(f"{c.__qualname__}.{m}" for c in classes for k in c.__mro__
+                 for m in ("prefill", "gather", "ledger") if hasattr(k.__dict__.get(m), "old_form"))
+    assert len(classes) > 40 and old == []

@@ -27,7 +27,7 @@ from impls.numpy_paged import NumpyPaged  # noqa: E402
 from impls.torch_paged import TorchPaged  # noqa: E402
 from kvbench.analyses import suite  # noqa: E402
 from kvbench.checking.checker import check  # noqa: E402
-from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, kv_values  # noqa: E402
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, gathered_range, kv_values  # noqa: E402
 from kvbench.traces.format import load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,11 +90,11 @@ class Tandem(Backend):
             assert same, f"after call #{self.calls}: {f} differ: torch {g}, numpy {w}"
         return got
 
-    def gather(self, seq):
-        got, want = self.t.gather(seq), self.n.gather(seq)
+    def gather(self, seq, start=0, stop=None, *, out=None):
+        got, want = self.t.gather(seq, start, stop), self.n.gather(seq, start, stop)
         assert isinstance(got, np.ndarray) and got.dtype == want.dtype, type(got)
         assert np.array_equal(got, want), f"after call #{self.calls}: K/V of sequence {seq} differ"
-        return got
+        return gathered_range(got, out=out)
 
     def read_state(self, seq):
         got, want = self.t.read_state(seq), self.n.read_state(seq)

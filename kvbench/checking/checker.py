@@ -118,7 +118,7 @@ def _lifecycle_applicable(used: set, backend: Backend) -> str:
         return (f"{backend.name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
                 f"its tiers)")
     if "chunked" in used and not takes_lifecycle(backend, "chunked"):
-        return f"{backend.name} does not take a prompt in chunks (prefill without prompt_tokens, SPEC §13)"
+        return f"{backend.name} does not take a prompt in chunks (no chunked_prefill, SPEC §13)"
     return ""
 
 

@@ -5,6 +5,9 @@ time. After every operation the checker reads :meth:`Backend.ledger` and compare
 oracle; :meth:`Backend.gather` returns a sequence's K/V so the checker can verify its content.
 
 Backends from other packages implement this class and register themselves (see registry.py).
+
+Over 500 lines: the protocol's values and calls, and (until the next release) the wrappers that
+read backends of its older forms, are one contract.
 """
 from __future__ import annotations
 
@@ -248,7 +251,7 @@ class Backend(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        _adopt_legacy_methods(cls)
+        adopt_old_forms(cls, Backend)
 
     @abstractmethod
     def prefill(self, seq: int, prompt: Prompt, kv=None, *, step: int = 0,
@@ -334,6 +337,24 @@ def _takes(cls: type, method: str, name: str) -> bool:
     return _accepts(getattr(cls, method), name)
 
 
+def gathered_range(kv, start: int = 0, stop: int | None = None, out=None) -> np.ndarray:
+    """Positions ``start .. stop-1`` of a sequence's K/V ``kv`` (all of them, or ``start`` on
+    when ``kv`` already begins there: pass ``start=0``), as :meth:`Backend.gather` returns them,
+    written into ``out`` when given."""
+    kv = np.asarray(kv)[start:stop]
+    if out is None:
+        return kv
+    out[...] = kv
+    return out
+
+
+# --- old forms: backends written against an older protocol, read for one release ------------
+# prefill(seq, tokens, kv, *, tenant, final_tokens, ...) before the Prompt, gather(seq) before
+# ranges, gather(seq, start, stop) before ``out``, ledger() before ``seqs``: a class defining one
+# is given today's signature when it is defined, and a DeprecationWarning names the method and
+# what to write instead. Delete this section, and its call in __init_subclass__, at the next
+# release.
+
 # The keywords a prefill took before the Prompt (they are its fields, and step and protect).
 _LEGACY_PREFILL_ALWAYS = ("tenant", "final_tokens", "block_hashes")
 _LEGACY_PREFILL_GIVEN = ("salt", "adapter", "token_ids", "prompt_tokens")
@@ -343,6 +364,12 @@ def _legacy(cls, method: str, was: str, now: str) -> None:
     warnings.warn(f"{cls.__module__}.{cls.__qualname__}.{method}{was} is the old form, read "
                   f"until the next release: define {method}{now} "
                   "(docs/writing-a-backend.md)", DeprecationWarning, stacklevel=5)
+
+
+def _passes(fn, name: str) -> bool:
+    """``fn`` takes ``name``: by that name, or through ``*args`` / ``**kwargs`` to its base."""
+    params = inspect.signature(fn).parameters.values()
+    return _accepts(fn, name) or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
 def _old_prefill(fn) -> bool:
@@ -358,14 +385,14 @@ def _inherited(cls, method: str) -> type:
     return next(c for c in cls.__mro__[1:] if method in c.__dict__)
 
 
-def _adopt_legacy_methods(cls) -> None:
+def adopt_old_forms(cls, base: type) -> None:
     """A backend written before the Prompt (``prefill(seq, tokens, kv, *, tenant, ...)``),
     before ranges (``gather(seq)``) or before ``ledger(seqs)``: wrapped into today's signatures,
     with a DeprecationWarning naming the change."""
     own = cls.__dict__
     prefill = own.get("prefill")
     if prefill is not None and _old_prefill(prefill):
-        if _inherited(cls, "prefill") is not Backend:
+        if _inherited(cls, "prefill") is not base:
             raise TypeError(f"{cls.__qualname__}.prefill takes the old keyword form but overrides "
                             f"{_inherited(cls, 'prefill').__qualname__}.prefill, which takes a "
                             "Prompt: define prefill(self, seq, prompt, kv=None, *, step=0, "
@@ -376,24 +403,30 @@ def _adopt_legacy_methods(cls) -> None:
         if "prompt_tokens" in _prompt_prefill_given(prefill) and not cls.capabilities.chunked_prefill:
             cls.capabilities = replace(cls.capabilities, chunked_prefill=True)
     gather = own.get("gather")
-    if gather is not None and not _accepts(gather, "out"):
+    if gather is not None and not _passes(gather, "out"):
         ranged = _accepts(gather, "start")
         _legacy(cls, "gather", "(seq, start, stop)" if ranged else "(seq)",
                 "(self, seq, start=0, stop=None, *, out=None)")
         cls.gather = _ranged_gather(gather, ranged)
     ledger = own.get("ledger")
     if ledger is not None and not getattr(ledger, "__isabstractmethod__", False) \
-            and not _accepts(ledger, "seqs"):
+            and not _passes(ledger, "seqs"):
         _legacy(cls, "ledger", "()", "(self, seqs=None)")
         cls.ledger = _any_seqs_ledger(ledger)
 
 
+def _today(old, new):
+    """``new`` (today's signature) in place of ``old``: named as it, ``old_form`` pointing to it."""
+    functools.update_wrapper(new, old)
+    del new.__wrapped__  # inspect.signature must read today's signature, not the old one
+    new.old_form = old
+    return new
+
+
 def _any_seqs_ledger(old):
-    @functools.wraps(old)
     def ledger(self, seqs=None):
         return old(self)
-    del ledger.__wrapped__
-    return ledger
+    return _today(old, ledger)
 
 
 def _prompt_prefill_given(old) -> list:
@@ -406,34 +439,19 @@ def _prompt_prefill_given(old) -> list:
 def _prompt_prefill(old):
     given = _prompt_prefill_given(old)
 
-    @functools.wraps(old)
     def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
         keys = {k: getattr(prompt, k) for k in given if getattr(prompt, k) is not None}
         return old(self, seq, prompt.tokens, kv, step=step, protect=protect,
                    **{k: getattr(prompt, k) for k in _LEGACY_PREFILL_ALWAYS}, **keys)
-    del prefill.__wrapped__  # its signature is today's, not the old one's
-    return prefill
-
-
-def gathered_range(kv, start: int = 0, stop: int | None = None, out=None) -> np.ndarray:
-    """Positions ``start .. stop-1`` of a sequence's K/V ``kv`` (all of them, or ``start`` on
-    when ``kv`` already begins there: pass ``start=0``), as :meth:`Backend.gather` returns them,
-    written into ``out`` when given."""
-    kv = np.asarray(kv)[start:stop]
-    if out is None:
-        return kv
-    out[...] = kv
-    return out
+    return _today(old, prefill)
 
 
 def _ranged_gather(old, ranged: bool):
-    @functools.wraps(old)
     def gather(self, seq, start=0, stop=None, *, out=None):
         if ranged:
             return gathered_range(old(self, seq, start, stop), out=out)
         return gathered_range(old(self, seq), start, stop, out)
-    del gather.__wrapped__
-    return gather
+    return _today(old, gather)
 
 
 def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
