@@ -537,11 +537,11 @@ class _Server:
             tokens = whole if self.left is None else min(whole, self.left)  # its first chunk
             seq = self.next_seq
             kv = kv_values(seq, 0, tokens, self.model, self.dtype) if self.store else None
+            chunked = whole if tokens < whole else None  # the whole prompt's length
             try:
                 self.timed(self.be.prefill, seq,
                            Prompt(tokens, self.reqs[i].tenant, final, self.hashes[i],
-                                  prompt_tokens=whole if tokens < whole else None),
-                           kv, step=len(self.ops))
+                                  prompt_tokens=chunked), kv, step=len(self.ops))
             except OutOfMemory:
                 if self.running:
                     return prefilled, finished, True
@@ -551,10 +551,10 @@ class _Server:
             queue.popleft()
             self.next_seq += 1
             self.ops.append(Prefill(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i],
-                                    prompt_tokens=chunked.get("prompt_tokens")))
+                                    prompt_tokens=chunked))
             if self.left is not None:
                 self.left -= tokens
-            self.counts["chunked_prompts"] += bool(chunked)
+            self.counts["chunked_prompts"] += chunked is not None
             self.admissions.append((t, i, seq))
             prefilled += 1
             self.counts["prompt"] += tokens
