@@ -2,6 +2,7 @@
 store, resume after an interrupt, errors recorded, progress, charts, `kvbench results`/`compare`."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -21,6 +22,7 @@ from kvbench.bench import grid as grids
 from kvbench.bench import sweep, sweep_charts
 from kvbench.bench.store import CorruptCell, Store
 from kvbench.analyses import suite
+from kvbench.analyses.settings import RunSettings
 from kvbench.cli import main
 from kvbench.traces.format import save
 
@@ -109,16 +111,25 @@ def test_bad_grids_are_refused_naming_what_is_wrong(tmp_path, text, message):
     assert message in str(e.value) and "g.toml" in str(e.value)
 
 
-def test_a_setting_config_for_gains_later_is_a_grid_setting(tmp_path, monkeypatch):
-    # A later setting of config_for (say KV cache groups or salts) needs no change to the sweep.
+def test_a_setting_run_settings_gains_later_is_a_grid_setting(tmp_path, monkeypatch):
+    # A later field of RunSettings (say KV cache groups or salts) needs no change to the sweep:
+    # the grid knows it and types its values with the field's own check.
     seen = []
-    original = suite.config_for
 
-    def config_for(trace, *, salts: int = 0, **kw):
-        seen.append(salts)
-        return original(trace, **kw)
-    monkeypatch.setattr(suite, "config_for", config_for)
+    @dataclasses.dataclass(frozen=True)
+    class WithSalts(RunSettings):
+        salts: int | None = dataclasses.field(default=None, metadata={
+            "check": lambda v: "" if isinstance(v, int) else "must be a count", "what": "salts"})
+
+        def config(self, trace, policy=None):
+            seen.append(self.salts)
+            return super().config(trace, policy)
+    monkeypatch.setattr(grids, "RunSettings", WithSalts)
+    monkeypatch.setattr(suite, "RunSettings", WithSalts)
     assert grids.known_settings()["salts"] == "config"
+    with pytest.raises(ValueError, match=r"settings\.salts\[1\]: must be a count, got 'x'"):
+        grids.load_grid(write_grid(tmp_path / "bad.toml", 'backends = ["numpy"]\n[[traces]]\n'
+                                   'workload = "fork-beam"\n[settings]\nsalts = [1, "x"]\n'))
     hand_trace(tmp_path)
     g = grids.load_grid(write_grid(tmp_path / "g.toml", 'backends = ["numpy"]\n[[traces]]\npath = "hand.jsonl"\n'
                                    '[settings]\nsalts = [1, 3]\n'))

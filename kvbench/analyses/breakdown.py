@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench.analyses.settings import RunSettings
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, LIFECYCLE_COUNTS, SimResult, simulate
 from kvbench.charts import CATEGORY_COLORS, CATEGORY_LABELS, finish
-from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
@@ -146,10 +146,8 @@ PAPER_SYSTEM = {"contiguous-max": "Orca (Max)", "contiguous-pow2": "Orca (Pow2)"
 
 def opt13b_config(device: str = "cpu") -> CacheConfig:
     """Ledger only: with K/V arrays the pool would take the whole 12 GiB."""
-    model = F.get_model(OPT13B["model"])
-    blocks = F.budget_blocks(OPT13B["budget"], OPT13B["block_size"], model)
-    return CacheConfig(model=model, block_size=OPT13B["block_size"], num_blocks=blocks, store_kv=False,
-                       device=device, max_context=OPT13B["max_context"])
+    return RunSettings(device=device, store_kv=False).resolve(
+        OPT13B, longest=OPT13B["max_context"], hashed=False)
 
 
 def opt13b_requests(num_requests: int = OPT13B["num_requests"], seed: int = OPT13B["seed"]) -> list[Request]:

@@ -2,10 +2,10 @@
 rates, per-tenant fairness): the engine behind `kvbench run` and `check`."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from kvbench.analyses import eviction
+from kvbench.analyses.settings import POLICIES, RunSettings, machine_memory
 from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
 from kvbench.checking.series import MEANS
 from kvbench.checking.verdict import divergence_classes
@@ -16,82 +16,16 @@ from kvbench.progress import Progress
 from kvbench.traces.format import Trace, TraceError, load
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
-POLICIES = ("lru", "lfu", "fair")
-INDEX_BYTES_PER_BLOCK = 64  # a pool's arrays per block without K/V: ids, counts, tables (generous)
 
 
 def committed_workloads() -> list[Path]:
     return sorted(WORKLOADS_DIR.glob("*.jsonl"))
 
 
-def blocks_of_budget(budget: str, block_size: int, spec) -> int:
-    """The blocks a ``--budget`` of bytes holds; a ValueError naming the option for a budget that
-    does not parse or holds less than one block."""
-    try:
-        blocks = F.budget_blocks(budget, block_size, spec)
-    except ValueError as e:
-        raise ValueError(f"--budget: {e}") from None
-    if blocks < 1:
-        raise ValueError(f"--budget {budget}: less than one block (a block of {block_size} tokens of "
-                         f"{spec.name} is {F.block_bytes(block_size, spec):,} bytes)")
-    return blocks
-
-
-def config_for(trace: Trace, *, model: str | None = None, block_size: int | None = None,
-               budget: str | None = None, max_context: int | None = None, device: str = "cpu",
-               policy: str | None = None, store_kv: bool | None = None,
-               prefix_caching: bool | None = None) -> CacheConfig:
-    """Settings: command line first, then the trace header's suggestions, then defaults.
-
-    A header whose settings say ``store_kv: false`` (a long history, whose point is the
-    bookkeeping) is checked ledger-only unless the caller says otherwise.
-
-    Prefix caching is on by default for a trace whose prefills carry block hashes or token ids.
-    A header that names KV cache groups re-shapes the model's layers into them.
-
-    The default ``max_context`` of the contiguous baseline is the next power of two of the
-    trace's longest sequence, so that `max` reservation can run every trace.
-    """
-    s = trace.header.settings
-    spec = F.get_model(model or s.get("model", "tiny"))
-    if trace.header.groups:  # the trace names the model's KV cache groups (SPEC §8)
-        try:
-            spec = F.with_group_kinds(spec, trace.header.groups)
-        except ValueError as e:  # the header's groups, for the model of this run
-            raise TraceError(f"'groups': {e}", trace.path or trace.name, 1) from None
-    bs = int(block_size or s.get("block_size", 16))
-    if bs <= 0:
-        raise ValueError(f"--block-size: must be a positive integer, got {bs}")
-    blocks = blocks_of_budget(budget, bs, spec) if budget is not None else int(s.get("num_blocks", 256))
-    finals = trace.final_lengths().values()
-    mc = max_context or s.get("max_context") or F.next_pow2(max(finals, default=1))
-    if int(mc) <= 0:
-        raise ValueError(f"--max-context: must be a positive integer, got {mc}")
-    hashed = trace.names_prompt_blocks()
-    if prefix_caching is None:
-        prefix_caching = bool(s.get("prefix_caching", hashed))
-    if prefix_caching and hashed and s.get("block_size", bs) != bs:
-        raise ValueError(f"{trace.name}: block hashes are for block size {s['block_size']}, "
-                         f"not {bs}")
-    if blocks * INDEX_BYTES_PER_BLOCK > machine_memory() // 4:
-        raise ValueError(f"--budget {budget}: {blocks:,} blocks of {bs} tokens of {spec.name}: even "
-                         f"a ledger-only pool's own bookkeeping (about {INDEX_BYTES_PER_BLOCK} B a "
-                         f"block) would not fit this machine's {machine_memory() / 2**30:,.1f} GiB")
-    if store_kv is None:
-        store_kv = bool(s.get("store_kv", True))
-    if store_kv and blocks * F.block_bytes(bs, spec) > machine_memory():
-        store_kv = False  # ledger only: memory_note() says so
-    return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
-                       device=device, max_context=int(mc), policy=policy,
-                       tenant_weights=dict(trace.header.tenants), prefix_caching=prefix_caching)
-
-
-def machine_memory() -> int:
-    """Bytes of memory this machine has (the most K/V a pool here can hold)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not POSIX: no limit known
-        return 1 << 62
+def config_for(trace: Trace, *, policy: str | None = None, **settings) -> CacheConfig:
+    """``RunSettings(**settings).config(trace, policy)``: one trace's CacheConfig, for a caller
+    that holds no RunSettings (a test, a script)."""
+    return RunSettings(**settings).config(trace, policy)
 
 
 def memory_note(config: CacheConfig) -> str:
@@ -189,9 +123,9 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
     return verdict_row(trace, backend_name, backend.config, v)
 
 
-def run_suite(traces: list, backends: list, *, policy: str | None = "auto", progress: bool = False,
-              gather: str = "touched", rows: list | None = None, default_run: bool = False,
-              **settings) -> list[dict]:
+def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(), *,
+              policy: str | None = "auto", progress: bool = False, gather: str = "touched",
+              rows: list | None = None, default_run: bool = False) -> list[dict]:
     """One row per trace, policy and backend. ``rows``: a list each row is appended to as its run
     finishes (a caller interrupted part way keeps the finished ones). ``default_run``: the
     committed workloads through the default backends, each on its ``default_workloads``."""
@@ -199,7 +133,7 @@ def run_suite(traces: list, backends: list, *, policy: str | None = "auto", prog
     jobs = []
     for trace in traces:
         for pol in policies_for(trace, policy):
-            cfg = config_for(trace, policy=pol, **settings)
+            cfg = settings.config(trace, pol)
             for name in backends:
                 only = entries[name].default_workloads if default_run and name in entries else ()
                 if not only or trace.name in only:

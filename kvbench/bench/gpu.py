@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.analyses import suite
+from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig, Prompt
@@ -101,7 +102,7 @@ def kv_array(tokens: int, model: ModelSpec, seed: int = 0) -> np.ndarray:
 def run_checks(traces, device: str, out: Path) -> list[dict]:
     """The checker on every trace (every policy it runs under) with the torch backend."""
     loaded = suite.load_traces(traces)
-    rows = suite.run_suite(loaded, ["torch"], policy="auto", device=device)
+    rows = suite.run_suite(loaded, ["torch"], RunSettings(device=device), policy="auto")
     rec = records.record("run", rows, {"traces": [str(p) for p in traces], "backends": ["torch"],
                                        "device": device, "policy": "auto"}, device=device)
     records.write(rec, out / f"run-torch-{device.replace(':', '')}.json")

@@ -66,8 +66,8 @@ from kvbench.bench import records
 from kvbench import provenance
 from kvbench.analyses import suite
 from kvbench.contract import registry
-from kvbench.contract.formulas import MAX_BLOCK_SIZE
-from kvbench.traces.format import INT64_MAX, Trace, load
+from kvbench.analyses.settings import POLICIES, RunSettings
+from kvbench.traces.format import Trace, load
 
 # What a cell's code version covers: edits elsewhere (docs, results) leave finished cells valid.
 CODE_PATHS = ("kvbench", "impls", "pyproject.toml")
@@ -78,42 +78,27 @@ TRACE_KEYS = {"workload": ("name",), "path": ("name",), "family": ("name", "para
 
 
 def known_settings() -> dict[str, str]:
-    """Setting name -> 'config' (a parameter of suite.config_for) or 'run' (of suite.run_one)."""
-    cfg = [p for p in inspect.signature(suite.config_for).parameters if p != "trace"]
-    run = [p.name for p in list(inspect.signature(suite.run_one).parameters.values())[3:]
-           if p.kind is not p.KEYWORD_ONLY]  # keyword-only: how a run is watched, not a setting
-    return {**{p: "config" for p in cfg}, **{p: "run" for p in run}}
+    """Setting name -> 'config' (a field of RunSettings, or the policy) or 'run' (a setting of
+    suite.run_one)."""
+    return {**{name: "config" for name in RunSettings.names()}, "policy": "config",
+            **{name: "run" for name in RUN_SETTINGS}}
 
 
-def _count(most: int):
-    def check(v) -> str:
-        ok = isinstance(v, int) and not isinstance(v, bool) and 0 < v <= most
-        return "" if ok else f"must be a positive integer{f' (at most {most:,})' if most < INT64_MAX else ''}"
-    return check
+# The settings of how a run checks (suite.run_one), beside RunSettings' fields.
+RUN_SETTINGS = {"gather": lambda v: "" if v in ("touched", "all", "end", "none")
+                else "must be one of touched, all, end, none",
+                "keep_going": lambda v: "" if isinstance(v, bool) else "must be true or false"}
 
 
-def _one_of(*names):
-    return lambda v: "" if v in names else f"must be one of {', '.join(names)}"
-
-
-def _flag(v) -> str:
-    return "" if isinstance(v, bool) else "must be true or false"
-
-
-def _text(v) -> str:
-    return "" if isinstance(v, str) and v else "must be a non-empty string"
-
-
-def _budget(v) -> str:
-    ok = (isinstance(v, int) and not isinstance(v, bool) and v > 0) or (isinstance(v, str) and v)
-    return "" if ok else "must be blocks (1024, '1024') or bytes ('12GiB')"
-
-
-# The type of each setting's values (a grid is typed before its first cell runs).
-SETTING_TYPES = {"model": _text, "block_size": _count(MAX_BLOCK_SIZE), "budget": _budget,
-                 "max_context": _count(INT64_MAX), "device": _text,
-                 "policy": _one_of("auto", "all", "none", *suite.POLICIES), "store_kv": _flag,
-                 "prefix_caching": _flag, "gather": _one_of("touched", "all", "end", "none")}
+def setting_problem(name: str, value) -> str:
+    """Why ``value`` is not a value of setting ``name`` ('' when it is): a grid is typed before
+    its first cell runs."""
+    if name == "policy":
+        names = ("auto", "all", "none", *POLICIES)
+        return "" if value in names else f"must be one of {', '.join(names)}"
+    if name in RUN_SETTINGS:
+        return RUN_SETTINGS[name](value)
+    return RunSettings.problem(name, value)
 
 
 class GridError(ValueError):
@@ -248,7 +233,7 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
         raise GridError(source, f"unknown setting(s) {bad}; known: {', '.join(known)}")
     for key, values in settings.items():
         for i, v in enumerate(_as_list(values)):
-            why = SETTING_TYPES.get(key, lambda v: "")(v)
+            why = setting_problem(key, v)
             if why:
                 raise GridError(source, f"settings.{key}[{i}]: {why}, got {v!r}")
     traces = _trace_sources(data.get("traces"), base, source)

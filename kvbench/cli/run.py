@@ -3,12 +3,14 @@ the checker; a serving simulation when `run` is given --trace or --scenario (kvb
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
 import pandas as pd
 
 from kvbench.analyses import eviction, suite
+from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
@@ -44,10 +46,13 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="a --backend that cannot run here is reported as n/a instead of an error")
 
 
-def settings(args) -> dict:
-    return dict(model=args.model, block_size=args.block_size, budget=args.budget,
-                max_context=args.max_context, device=args.device,
-                prefix_caching=args.prefix_caching)
+def settings(args) -> RunSettings:
+    """The run's settings from its options, made once per run."""
+    if getattr(args, "run_settings", None) is None:
+        args.run_settings = RunSettings(model=args.model, block_size=args.block_size,
+                                        budget=args.budget, max_context=args.max_context,
+                                        device=args.device, prefix_caching=args.prefix_caching)
+    return args.run_settings
 
 
 def select_backends(args, trace) -> list[str]:
@@ -55,7 +60,7 @@ def select_backends(args, trace) -> list[str]:
     to run here with the run's settings, else a UsageError (unless --allow-unavailable: then they
     run as n/a with the reason). With none named: every default built-in that can run here; the
     others are named with the reason."""
-    cfg = suite.config_for(trace, **settings(args))
+    cfg = settings(args).config(trace)
     if not args.backend:
         chosen = []
         for name in registry.DEFAULT_BACKENDS:
@@ -80,7 +85,7 @@ def select_backends(args, trace) -> list[str]:
 
 
 def print_memory_note(trace, args) -> None:
-    note = suite.memory_note(suite.config_for(trace, **settings(args)))
+    note = suite.memory_note(settings(args).config(trace))
     if note:
         print(note)
 
@@ -122,7 +127,7 @@ def verdict_lines(df: pd.DataFrame) -> list[str]:
     return lines
 
 
-def print_eviction(trace, rows, cache_settings) -> list[str]:
+def print_eviction(trace, rows, run_settings: RunSettings) -> list[str]:
     """A tenant mix: per-tenant figures, and Belady's offline replay beside the online policies.
 
     Returns the runs whose hit rate beats Belady's where that is impossible (unit-size paging).
@@ -132,7 +137,7 @@ def print_eviction(trace, rows, cache_settings) -> list[str]:
         return []
     print(f"\n{trace.name}: per tenant (usage and quota in blocks; slots for contiguous backends)")
     print_table(table, eviction.TENANT_COLUMNS)
-    cfg = suite.config_for(trace, **cache_settings)
+    cfg = run_settings.config(trace)
     ref = eviction.policy_table(trace, cfg)
     print(f"\n{trace.name}: the oracle's replay under each policy, paged layout; "
           f"Belady is a {ref.belady.iloc[0]}")
@@ -161,13 +166,13 @@ def run_workloads(args, stdout) -> int:
         check_writable(records.RESULTS_DIR / "runs", option="results folder", folder=True)
     backends = select_backends(args, traces[0])
     print_memory_note(traces[0], args)
-    params = {"traces": [str(p) for p in paths], "backends": backends, **settings(args),
-              "policy": args.policy}
+    params = {"traces": [str(p) for p in paths], "backends": backends,
+              **dataclasses.asdict(settings(args)), "policy": args.policy}
     rows = []
     try:
-        suite.run_suite(traces, backends, policy=args.policy, progress=not args.quiet,
-                        gather=args.gather, rows=rows,
-                        default_run=not args.traces and not args.backend, **settings(args))
+        suite.run_suite(traces, backends, settings(args), policy=args.policy,
+                        progress=not args.quiet, gather=args.gather, rows=rows,
+                        default_run=not args.traces and not args.backend)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
             stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
@@ -179,7 +184,7 @@ def run_workloads(args, stdout) -> int:
         raise
     df = pd.DataFrame(rows)
     print_table(df, RUN_COLUMNS)
-    kv_traces = [t for t in traces if kv_formats_apply(suite.config_for(t, **settings(args)).model)]
+    kv_traces = [t for t in traces if kv_formats_apply(settings(args).config(t).model)]
     if kv_traces:
         print_capacity(kv_traces[0], args)
     print_group_capacity(traces, args)
@@ -209,7 +214,7 @@ def print_capacity(trace, args) -> None:
     from kvbench import quant
     from kvbench.checking.oracle import content_segments
     from kvbench.contract.protocol import kv_tokens
-    cfg = suite.config_for(trace, **settings(args))
+    cfg = settings(args).config(trace)
     budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)
     writers, positions = [], []
     for op in trace.ops:
@@ -233,7 +238,7 @@ def print_group_capacity(traces, args) -> None:
     layers as full attention in the same bytes: the formulas the checker holds backends to."""
     seen = set()
     for trace in traces:
-        cfg = suite.config_for(trace, **settings(args))
+        cfg = settings(args).config(trace)
         key = (cfg.model, cfg.num_blocks, cfg.block_size)
         if not cfg.model.hybrid or key in seen or not any(g.sliding for g in cfg.model.kv_groups):
             continue
@@ -255,7 +260,7 @@ def cmd_check(args) -> int:
     print_memory_note(trace, args)
     for name in backends:
         for pol in suite.policies_for(trace, args.policy):
-            cfg = suite.config_for(trace, policy=pol, **settings(args))
+            cfg = settings(args).config(trace, pol)
             with Progress(len(trace.ops), f"{name} on {trace.name}", "ops") as bar:
                 row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going,
                                     progress=bar)

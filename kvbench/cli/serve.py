@@ -18,7 +18,7 @@ from kvbench.analyses.breakdown import (
 )
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, PREEMPTION_MODES, STEP_SECONDS, VICTIM_ORDERS
 from kvbench.bench import records
-from kvbench.analyses.suite import blocks_of_budget, machine_memory
+from kvbench.analyses.settings import RunSettings
 from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
 from kvbench.outputs import check_writable, stdout_for
 from kvbench.cli.tables import print_table
@@ -122,24 +122,24 @@ SERVE_COLUMNS = ["backend", *MEMORY_CATEGORIES, "averaged_over", "steps_averaged
                  "rejected", "unserved", "preemptions", "steps", "output_tokens_per_step", "steps_per_s"]
 
 
+# What the serving simulation runs without options: OPT-13B's 12 GiB, ledger only.
+SERVE_DEFAULTS = {"model": OPT13B["model"], "budget": OPT13B["budget"], "store_kv": False}
+
+
 def _serve_config(args, requests) -> CacheConfig:
-    model = F.get_model(getattr(args, "model", None) or OPT13B["model"])
-    bs = getattr(args, "block_size", None) or OPT13B["block_size"]
-    budget = getattr(args, "budget", None) or OPT13B["budget"]
-    blocks = blocks_of_budget(budget, bs, model)
-    longest = max((r.prompt_tokens + r.output_tokens for r in requests), default=1)
-    mc = getattr(args, "max_context", None) or F.next_pow2(longest)
-    caching = getattr(args, "prefix_caching", None)
-    if caching is None:  # on for a trace that names its prompts' blocks, as the help says
-        caching = any(r.block_hashes for r in requests)
     store_kv = bool(getattr(args, "store_kv", False))
-    if store_kv and blocks * F.block_bytes(bs, model) > machine_memory():
-        print(f"note: {blocks:,} blocks of K/V are more than this machine's memory: --store-kv "
-              f"is dropped (ledger only)")
-        store_kv = False
-    return CacheConfig(model=model, block_size=bs, num_blocks=blocks, store_kv=store_kv,
-                       device=getattr(args, "device", "cpu") or "cpu", max_context=int(mc),
-                       prefix_caching=bool(caching))
+    run = RunSettings(model=getattr(args, "model", None), block_size=getattr(args, "block_size", None),
+                      budget=getattr(args, "budget", None),
+                      max_context=getattr(args, "max_context", None),
+                      device=getattr(args, "device", "cpu") or "cpu", store_kv=store_kv,
+                      prefix_caching=getattr(args, "prefix_caching", None))
+    # Prefix caching is on for a trace that names its prompts' blocks, as the help says.
+    cfg = run.resolve(SERVE_DEFAULTS, hashed=any(r.block_hashes for r in requests),
+                      longest=max((r.prompt_tokens + r.output_tokens for r in requests), default=1))
+    if store_kv and not cfg.store_kv:
+        print(f"note: {cfg.num_blocks:,} blocks of K/V are more than this machine's memory: "
+              f"--store-kv is dropped (ledger only)")
+    return cfg
 
 
 def settings_line(cfg: CacheConfig, requests: int) -> str:

@@ -44,7 +44,7 @@ def cmd_shrink(args) -> int:
     out = Path(args.out) if args.out else default_output(args.trace)
     check_writable(out, option="--out")
     for policy in suite.policies_for(trace, args.policy):
-        config = suite.config_for(trace, policy=policy, **settings(args))
+        config = settings(args).config(trace, policy)
         label = args.backend + (f" policy={policy}" if policy else "")
         report = _Report(args.quiet)
         try:
