@@ -309,6 +309,33 @@ def test_under_specs_window_rule_vllm_diverges_at_the_first_prefill(vllm):
     assert (d.expected, d.actual) == (13, 18)
 
 
+def test_the_serving_default_is_held_to_its_sparse_retention_and_fails_specs_rule(vllm):
+    """tests/test_oracle_window_retention.py counts the trace: sequence 0 (64 tokens) leaves its
+    sliding blocks 3..6 cached only; sequence 1 diverges after 5 blocks and keeps the window
+    below that junction; sequence 2 hits through it."""
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    from test_oracle_window_retention import config, retention_trace
+    trace = retention_trace()
+    be = VllmKVManager(config())
+    assert be.capabilities.sparse_window_retention
+    v = check(trace, be)
+    assert v.valid is True, str(v.divergence)
+    assert be.ledger().cached_blocks == 31 and be.ledger().prefix_hit_blocks == 9
+    spec = VllmKVManager(config())
+    spec.capabilities = dataclasses.replace(spec.capabilities, sparse_window_retention=False)
+    d = check(trace, spec).divergence
+    # At the first free: SPEC caches 8 + 8 = 16 blocks, vLLM the full group's 8 and 4 of the window.
+    assert (d.step, d.quantity, d.expected, d.actual) == (1, "cached_blocks", 16, 8 + 4)
+
+
+def test_dense_retention_is_held_to_specs_rule_on_the_same_trace(vllm):
+    from impls.engines.vllm_kvmanager import VllmKVManagerDense
+    from test_oracle_window_retention import config, retention_trace
+    be = VllmKVManagerDense(config())
+    assert not be.capabilities.sparse_window_retention
+    assert check(retention_trace(), be).valid is True
+
+
 @pytest.mark.parametrize("B", [4, 16])
 @pytest.mark.parametrize("pattern", [(5, None), (17,), (40, 83, None)], ids=["mix", "sliding-only", "two-windows"])
 def test_hybrid_traces_check_clean_over_windows_and_block_sizes(vllm, pattern, B):

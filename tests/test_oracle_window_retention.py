@@ -1,0 +1,98 @@
+"""The oracle's model of vLLM's sparse retention of window blocks (Capabilities.sparse_window_retention,
+kvbench/checking/window_retention.py), on a hand-counted trace.
+
+tiny-hybrid at B = 8: groups sliding(32), full. A hit of L blocks needs the sliding group's
+cdiv(32 - 1, 8) = 4 blocks below L; sparse retention caches only such runs, below block
+(P - 1) // 8 of a P-token prompt and below the hit's junction. The same trace runs vLLM's manager
+in tests/test_vllm_kvmanager.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kvbench.checking.oracle import Oracle
+from kvbench.checking.window_retention import retained_positions
+from kvbench.contract.formulas import get_model
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+
+from impls.engines.vllm_kvmanager import CAPABILITIES  # importable without vLLM
+
+B, NUM_BLOCKS = 8, 64
+A = [f"a{i}" for i in range(8)]
+
+
+def retention_trace() -> Trace:
+    """Sequence 0 (64 tokens) caches its prompt; sequence 1 (80 tokens) shares its first 5 blocks
+    and diverges; sequence 2 (48 tokens) shares the same 5 and hits them through the window
+    sequence 1 kept at its junction."""
+    ops = [Prefill(0, 0, "default", 64, tuple(A)),
+           Free(1, 0),
+           Prefill(2, 1, "default", 80, tuple(A[:5]) + tuple(f"b{i}" for i in range(5, 10))),
+           Free(3, 1),
+           Prefill(4, 2, "default", 48, tuple(A[:5]) + ("c5",)),
+           Free(5, 2)]
+    header = Header(family="test", settings={"model": "tiny-hybrid", "block_size": B,
+                                             "num_blocks": NUM_BLOCKS, "prefix_caching": True},
+                    groups=("sliding(32)", "full"))
+    return validate(Trace(header, ops, name="window-retention"))
+
+
+def config() -> CacheConfig:
+    return CacheConfig(model=get_model("tiny-hybrid"), block_size=B, num_blocks=NUM_BLOCKS,
+                       store_kv=False, prefix_caching=True)
+
+
+def ledgers(caps) -> list:
+    """(blocks_used, cached_blocks, prefix_hit_blocks) after each operation of the trace."""
+    oracle = Oracle(config(), capabilities=caps)
+    out = []
+    for op in retention_trace().ops:
+        if isinstance(op, Prefill):
+            oracle.prefill(op.seq, op.tokens, op.tenant, op.tokens, op.step, hashes=op.block_hashes)
+        else:
+            oracle.free(op.seq)
+        led = oracle.expected_ledger()
+        out.append((led.blocks_used, led.cached_blocks, led.prefix_hit_blocks))
+    return out
+
+
+def test_the_retained_window_runs_end_at_the_replay_boundary_and_the_junction():
+    sliding = get_model("tiny-hybrid").kv_groups[0]
+    # P = 64: the run of 4 below (64 - 1) // 8 = 7 is blocks 3..6.
+    assert retained_positions(64, 0, sliding, B) == {3, 4, 5, 6}
+    # P = 80, junction 5: below (80 - 1) // 8 = 9, blocks 5..8; below 5, blocks 1..4.
+    assert retained_positions(80, 5, sliding, B) == set(range(1, 9))
+    # A run below block 2 is cut at block 0: [max(0, 16 - 32 + 1) // 8, 2).
+    assert retained_positions(20, 0, sliding, B) == {0, 1}
+    assert retained_positions(80, 5, get_model("tiny-hybrid").kv_groups[1], B) is None  # full
+
+
+def test_the_declared_rule_gives_the_hand_counted_ledgers():
+    assert CAPABILITIES.sparse_window_retention
+    assert ledgers(CAPABILITIES) == [
+        (8 + 8, 0, 0),  # 64 // 8 = 8 blocks per group; vLLM releases no window at a prefill
+        # The full group caches its 8 blocks, the sliding group blocks 3..6 only.
+        (0, 8 + 4, 0),
+        # 80 tokens, cap (80 - 1) // 8 = 9: the full group has a0..a4 (5 blocks), but a hit of 5
+        # needs sliding blocks 1..4 ([40 - 32 + 1, 40) // 8), and 1, 2 are not cached; no
+        # shorter hit either (each needs block 0): no hit, 10 + 10 new blocks. The junction is 5.
+        (10 + 10, 12, 0),
+        # Full: its 10 blocks (a0..a4 a second time: vLLM keeps duplicates); sliding: blocks 1..4
+        # (below the junction) and 5..8 (below (80 - 1) // 8 = 9).
+        (0, 12 + 10 + 8, 0),
+        # 48 tokens, cap (48 - 1) // 8 = 5: the full group's a0..a4 and sequence 1's sliding
+        # blocks 1..4 hit, 5 + 4 = 9; one new block per group for c5 (sliding: 0 is below it).
+        ((5 + 1) + (4 + 1), 30 - 9, 9),
+        # Back: the 9 hits and the full group's c5; the sliding c5 block is past 1..4, uncached.
+        (0, 21 + 9 + 1, 9),
+    ]
+
+
+def test_without_the_rule_the_same_trace_caches_every_window_block():
+    """SPEC's rule: every full block of both groups is cached, so sequence 1 hits 5 + 4 blocks."""
+    dense = dataclasses.replace(CAPABILITIES, sparse_window_retention=False)
+    got = ledgers(dense)
+    assert got[1] == (0, 8 + 8, 0)
+    # Sequence 1: a hit of 5 full blocks and sliding 1..4; 5 + 5 new blocks per group.
+    assert got[2] == ((5 + 5) + (4 + 5), 16 - 9, 9)
