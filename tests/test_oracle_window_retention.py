@@ -8,15 +8,13 @@ in tests/test_vllm_kvmanager.py.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.window_retention import retained_positions
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 
-from impls.engines.vllm_kvmanager import CAPABILITIES  # importable without vLLM
+from impls.engines.vllm_kvmanager import capabilities_for  # importable without vLLM
 
 B, NUM_BLOCKS = 8, 64
 A = [f"a{i}" for i in range(8)]
@@ -41,6 +39,9 @@ def retention_trace() -> Trace:
 def config() -> CacheConfig:
     return CacheConfig(model=get_model("tiny-hybrid"), block_size=B, num_blocks=NUM_BLOCKS,
                        store_kv=False, prefix_caching=True)
+
+
+SERVING = capabilities_for(caching=True, retention_interval=0)  # vLLM's serving default
 
 
 def ledgers(caps) -> list:
@@ -69,8 +70,8 @@ def test_the_retained_window_runs_end_at_the_replay_boundary_and_the_junction():
 
 
 def test_the_declared_rule_gives_the_hand_counted_ledgers():
-    assert CAPABILITIES.sparse_window_retention
-    assert ledgers(CAPABILITIES) == [
+    assert SERVING.sparse_window_retention
+    assert ledgers(SERVING) == [
         (8 + 8, 0, 0),  # 64 // 8 = 8 blocks per group; vLLM releases no window at a prefill
         # The full group caches its 8 blocks, the sliding group blocks 3..6 only.
         (0, 8 + 4, 0),
@@ -91,7 +92,7 @@ def test_the_declared_rule_gives_the_hand_counted_ledgers():
 
 def test_without_the_rule_the_same_trace_caches_every_window_block():
     """SPEC's rule: every full block of both groups is cached, so sequence 1 hits 5 + 4 blocks."""
-    dense = dataclasses.replace(CAPABILITIES, sparse_window_retention=False)
+    dense = capabilities_for(caching=True, retention_interval=None)
     got = ledgers(dense)
     assert got[1] == (0, 8 + 8, 0)
     # Sequence 1: a hit of 5 full blocks and sliding 1..4; 5 + 5 new blocks per group.

@@ -101,6 +101,14 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             sparse_window_retention=True)  # the serving default's, 0
 
 
+def capabilities_for(caching: bool, retention_interval) -> Capabilities:
+    """What the adapter declares for a manager with or without prefix caching and with this
+    ``prefix_cache_retention_interval``: a fork through the prefix cache (without one, computed
+    again whole); sparse retention of window blocks at 0, dense at None."""
+    return dataclasses.replace(CAPABILITIES, fork_via="prefix" if caching else "copy",
+                               sparse_window_retention=retention_interval == 0)
+
+
 @functools.lru_cache(maxsize=1)
 def _vllm():
     """vLLM's manager, request and config classes, imported once (importing vLLM takes seconds)."""
@@ -213,10 +221,7 @@ class VllmKVManager(Backend):
         if interval not in (0, None):
             raise NotImplementedError(f"{self.name}: prefix_cache_retention_interval {interval} "
                                       f"(a tail per segment) is not modelled; 0 and None are")
-        # Fork: a new request through the prefix cache, or, without one, computed again whole.
-        self.capabilities = dataclasses.replace(type(self).capabilities,
-                                                fork_via="prefix" if self.caching else "copy",
-                                                sparse_window_retention=interval == 0)
+        self.capabilities = capabilities_for(self.caching, interval)
         self.manager = v.KVCacheManager(kv_config,
                                         max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=B, hash_block_size=B,
