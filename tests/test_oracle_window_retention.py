@@ -97,3 +97,25 @@ def test_without_the_rule_the_same_trace_caches_every_window_block():
     assert got[1] == (0, 8 + 8, 0)
     # Sequence 1: a hit of 5 full blocks and sliding 1..4; 5 + 5 new blocks per group.
     assert got[2] == ((5 + 5) + (4 + 5), 16 - 9, 9)
+
+
+def test_the_cost_script_reports_both_rules_on_the_same_trace():
+    """scripts/retention_cost.py on the hand trace: under SPEC's rule sequence 1 hits 5 + 4 = 9
+    blocks and sequence 2 the same 9 (a0..a4 and sliding 1..4, cached by either); under vLLM's,
+    only sequence 2's 9. Prompt blocks: 2 groups * (64 + 80 + 48) // 8 = 48."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "retention_cost.py"
+    spec = importlib.util.spec_from_file_location("retention_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = {r["rule"]: r for r in script.cost_rows([retention_trace()])}
+    sparse, dense = rows["sparse (vLLM's default)"], rows["dense (SPEC)"]
+    assert sparse["prompt_blocks"] == dense["prompt_blocks"] == 2 * (64 + 80 + 48) // 8
+    assert (sparse["hit_blocks"], dense["hit_blocks"]) == (9, 9 + 9)
+    # Peaks at sequence 1: 10 + 10 new blocks (sparse), (5 + 5) + (4 + 5) (dense, as above).
+    assert (sparse["peak_blocks"], dense["peak_blocks"]) == (20, 19)
+    # Dense: 16 cached, 9 taken by sequence 1 and back with its 10 new, 9 taken by sequence 2
+    # and back with its 2 new (c5 in each group), every one of them full.
+    assert (sparse["final_cached_blocks"], dense["final_cached_blocks"]) == (
+        31, 16 - 9 + (9 + 10) - 9 + (9 + 2))
