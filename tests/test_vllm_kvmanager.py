@@ -336,12 +336,15 @@ def test_dense_retention_is_held_to_specs_rule_on_the_same_trace(vllm):
     assert check(retention_trace(), be).valid is True
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["serving-default", "dense"])
 @pytest.mark.parametrize("B", [4, 16])
-@pytest.mark.parametrize("pattern", [(5, None), (17,), (40, 83, None)], ids=["mix", "sliding-only", "two-windows"])
-def test_hybrid_traces_check_clean_over_windows_and_block_sizes(vllm, pattern, B):
-    """Windows below, at and across block boundaries, models with and without a full group
-    (dense retention: the oracle's rule)."""
-    from impls.engines.vllm_kvmanager import VllmKVManagerDense as VllmKVManager
+@pytest.mark.parametrize("pattern", [(5, None), (17,), (40, 83, None), (9, 33)],
+                         ids=["mix", "sliding-only", "two-windows", "two-windows-no-full"])
+def test_hybrid_traces_check_clean_over_windows_and_block_sizes(vllm, pattern, B, dense):
+    """Windows below, at and across block boundaries, models with and without a full group,
+    under each retention and its rule."""
+    import impls.engines.vllm_kvmanager as adapters
+    VllmKVManager = adapters.VllmKVManagerDense if dense else adapters.VllmKVManager
     from kvbench.contract.formulas import ModelSpec, hybrid_groups
     from kvbench.traces.hybrid import hybrid_windows
     layers = 2 * len(pattern)
