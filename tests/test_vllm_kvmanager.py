@@ -78,8 +78,9 @@ HB, W = 8, 32  # tiny-hybrid: groups sliding(32) (layers 0, 2) then full (layers
 
 
 def hybrid(num_blocks=40, caching=False):
-    """Dense retention of window checkpoints: the rule kvbench's oracle models (vLLM serves with
-    sparse retention, ``prefix_cache_retention_interval = 0``; see the serving-default test)."""
+    """Dense retention of window checkpoints, held to SPEC's rule of every full block cached (vLLM
+    serves with sparse retention, ``prefix_cache_retention_interval = 0``, its declared rule: see
+    the sparse-retention tests)."""
     from impls.engines.vllm_kvmanager import VllmKVManagerDense
     return VllmKVManagerDense(CacheConfig(model=get_model("tiny-hybrid"), block_size=HB,
                                      num_blocks=num_blocks, store_kv=False, prefix_caching=caching))
