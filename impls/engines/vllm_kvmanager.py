@@ -29,11 +29,11 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   sliding group caches only the ``cdiv(W - 1, B)`` blocks a hit ending at a reachable boundary
   needs (single_type_kv_cache_manager.py:1106-1146 ``reachable_block_mask``, the run's length
   at :956-966), the boundaries being the prompt's ``P - 1`` (kv_cache_coordinator.py:65
-  ``replay_boundaries``) and the request's ``shared_prefix_boundary`` (:511-519), the full
-  groups' hit where the sliding group's was shorter (kv_cache_coordinator.py:937,
-  kv_cache_manager.py:323), which the scheduler stores on the request (sched/scheduler.py:1125)
-  and the adapter does too. ``cache_full_blocks`` leaves the other blocks unhashed
-  (block_pool.py:281), so their release gives them back uncached (block_pool.py:837-845).
+  ``replay_boundaries``, without EAGLE) and the request's ``shared_prefix_boundary``
+  (single_type_kv_cache_manager.py:511-519), the full groups' hit where the sliding group's was
+  shorter (kv_cache_coordinator.py:937, kv_cache_manager.py:323), which the scheduler stores on
+  the request (sched/scheduler.py:1125) and the adapter does too. ``cache_full_blocks`` leaves the other blocks unhashed
+  (block_pool.py:281), so their release gives them back uncached (block_pool.py:837-847).
   Declared: ``sparse_window_retention`` (kvbench/checking/window_retention.py models it).
 - SPEC §12's kinds: ``ChunkedLocalAttentionSpec`` (its manager releases the chunks before the
   current one at the next allocation, as a window), ``MLAAttentionSpec`` (full attention over one
