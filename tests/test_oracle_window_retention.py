@@ -119,3 +119,20 @@ def test_the_cost_script_reports_both_rules_on_the_same_trace():
     # and back with its 2 new (c5 in each group), every one of them full.
     assert (sparse["final_cached_blocks"], dense["final_cached_blocks"]) == (
         31, 16 - 9 + (9 + 10) - 9 + (9 + 2))
+
+
+def test_a_fork_names_the_content_of_blocks_sparse_retention_left_uncached():
+    """Found by `kvbench fuzz --backend vllm-kvmanager` (seed 0): one sliding(2) group, B = 1,
+    4 blocks. A 3-token prompt keeps the run of cdiv(2 - 1, 1) = 1 block below (3 - 1) // 1 = 2:
+    block 1 only. Its fork (a new request of the 3 tokens) still hashes blocks 0 and 2 as vLLM
+    does, so it hits 2 = (3 - 1) // 1 blocks: block 1 shared, block 0 below the window, one new
+    block; 3 + 1 = 4 fit. The oracle once stopped the fork's keys at the uncached block 0."""
+    from kvbench.contract.formulas import with_group_kinds
+    model = with_group_kinds(get_model("tiny-hybrid"), ("sliding(2)",))
+    oracle = Oracle(CacheConfig(model=model, block_size=1, num_blocks=4, store_kv=False,
+                                prefix_caching=True), capabilities=SERVING)
+    oracle.prefill(0, 3, "a", 3, 0)
+    assert oracle.expected_ledger().blocks_used == 3  # no window released at a prefill
+    oracle.fork(1, 0, 3, 1)
+    led = oracle.expected_ledger()
+    assert (led.blocks_used, led.shared_blocks, led.blocks_free) == (3 + 1, 1, 0)

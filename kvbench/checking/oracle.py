@@ -67,7 +67,8 @@ class SeqState:
     last_access: int = 0
     use_count: int = 0
     prompt: dict = field(default_factory=dict)  # what a recompute re-prefills with (hashes, salt, ...)
-    released_keys: dict = field(default_factory=dict)  # position -> cache key of a block a window released
+    # position -> cache key of a block a window released (or sparse retention left uncached)
+    released_keys: dict = field(default_factory=dict)
     # Per group, blocks kept past the length for the next drafts (lookahead slots, SPEC §13)
     ahead: list = field(default_factory=list)
     later: list = field(default_factory=list)  # (group, position): full of kept drafts, cached at the next append
@@ -326,6 +327,8 @@ class Oracle:
         served through the prefix cache finds the parent's blocks in every group)."""
         st = self.seqs.get(seq)
         if st is not None and not self._keeps(st, g, i):
+            if self.caching and self.caps.caches_every_full_block:  # a fork still names it
+                st.released_keys.setdefault(i, ("filled", seq, i))
             return
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
             self._register(b, g, ("filled", seq, i))
@@ -573,15 +576,14 @@ class Oracle:
             st.tables = [[hits[g].get(i) for i in range(L)]
                          + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
                          for g in range(G)]
+            self.seqs[seq] = st  # first: a full block's caching reads its retention
             for g in range(G):
                 for i in range(L, n):
-                    if not self._keeps(st, g, i):
-                        continue
                     if i < len(lookup):
-                        self._register(st.tables[g][i], g, lookup[i])
+                        if self._keeps(st, g, i):
+                            self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g, seq, i)
-            self.seqs[seq] = st
             self._dirty.add(seq)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: tokens})
@@ -818,13 +820,17 @@ class Oracle:
                                for i in range(L, n)] for g in range(G)]
             for g in range(G):
                 for i in range(L, min(n, len(keys))):
-                    if self.blocks[child.tables[g][i]][1] == self.B and self._keeps(child, g, i):
+                    if self.blocks[child.tables[g][i]][1] < self.B:
+                        continue
+                    if self._keeps(child, g, i):
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
+                    else:  # left uncached: its own fork still names the parent's content
+                        child.released_keys[i] = keys[i]
                 for i in range(len(keys), n):  # full past the parent's keys (its kept drafts')
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
-            child.released_keys = {i: keys[i] for i in range(L)}
+            child.released_keys.update({i: keys[i] for i in range(L)})
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: child.tokens})
         return victims
