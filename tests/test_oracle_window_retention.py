@@ -136,3 +136,18 @@ def test_a_fork_names_the_content_of_blocks_sparse_retention_left_uncached():
     oracle.fork(1, 0, 3, 1)
     led = oracle.expected_ledger()
     assert (led.blocks_used, led.shared_blocks, led.blocks_free) == (3 + 1, 1, 0)
+
+
+def test_the_junction_is_the_hit_of_vllms_first_attention_group():
+    """vLLM sorts full attention (MLA included) first; equal specs are one group. With the full
+    group's a0..a2 cached and no sliding block, a 4-block prompt's junction is the full hit, 3;
+    without a full group it is the first group's own hit."""
+    from kvbench.checking.window_retention import first_group_hit
+    from kvbench.contract.formulas import with_group_kinds
+    keys = ["a0", "a1", "a2", "a3"]
+    groups = with_group_kinds(get_model("tiny-hybrid"), ("sliding(8)", "mla(12)")).kv_groups
+    cached = {(1, k) for k in keys[:3]}  # group 1 (mla) holds a0..a2
+    assert first_group_hit(cached, groups, keys, cap=4, block_size=4) == 3
+    sliding = with_group_kinds(get_model("tiny-hybrid"), ("sliding(8)", "sliding(16)")).kv_groups
+    # sliding(8) at B = 4: a hit of L needs cdiv(8 - 1, 4) = 2 blocks below L: a1, a2 give L = 3.
+    assert first_group_hit({(0, "a1"), (0, "a2")}, sliding, keys, cap=4, block_size=4) == 3

@@ -341,7 +341,8 @@ class Oracle:
         """Per group, the positions of a new request's blocks a sparse window retention caches
         (window_retention), given its prompt, its hit's keys and its hit of L blocks; [] without
         that rule. Read before the request takes a block (its new blocks may evict a cached one)."""
-        if not (self.caps.sparse_window_retention and self.caching):
+        if not (self.caps.sparse_window_retention and self.caching
+                and any(g.family == "sliding" for g in self.groups)):
             return []
         cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
         top = window_retention.first_group_hit(self.by_hash, self.groups, keys, cap, self.B)

@@ -30,13 +30,23 @@ def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, bloc
     return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
 
 
+FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
+
+
 def first_group_hit(by_hash, groups, keys, cap: int, block_size: int) -> int:
-    """The hit of vLLM's first attention group alone, at most ``cap`` blocks: the full groups'
-    (vLLM sorts full attention first), else the groups of the first one's kind (equal specs are
-    one attention group). Each of its groups needs the blocks it holds at the hit cached."""
-    full = [g for g, group in enumerate(groups) if group.family == "full"]
-    members = full or [g for g, group in enumerate(groups) if group.kind == groups[0].kind]
-    for L in range(min(cap, len(keys)), 0, -1):
+    """The hit of vLLM's first attention group alone, at most ``cap`` blocks: the groups of one
+    kind (equal specs are one attention group), the first full-attention kind if there is one
+    (vLLM sorts those first, stably), else the first group's. Each of its groups needs the blocks
+    it holds at the hit cached."""
+    first = next((g for g in groups if g.family in FULL_SPECS), groups[0])
+    members = [g for g, group in enumerate(groups) if group.kind == first.kind]
+    top = min(cap, len(keys))
+    if first.family in FULL_SPECS:  # every block below the hit: the cached run from the first
+        run = 0
+        while run < top and all((g, keys[run]) in by_hash for g in members):
+            run += 1
+        return run
+    for L in range(top, 0, -1):
         if all((g, keys[i]) in by_hash for g in members
                for i in F.held_blocks(L * block_size, groups[g], block_size)):
             return L
