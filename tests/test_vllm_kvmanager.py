@@ -7,7 +7,8 @@ that needs it is skipped there with the reason. Run them with::
 
 Expected values come from the formulas and from vLLM's documented rules (the adapter declares
 them as capabilities): a fork is a new request through the prefix cache, a whole prefix hit
-computes its last block again, every full block is cached, duplicates are kept.
+computes its last block again, every full block is cached, duplicates are kept; at the serving
+default a sliding group caches only the window runs a later hit can end on (sparse retention).
 """
 from __future__ import annotations
 
