@@ -116,10 +116,25 @@ def test_a_block_freed_twice_fails_prefix_reuse(vllm):
     assert d.quantity == "blocks_used" and d.actual < d.expected, str(d)
 
 
+def test_a_block_freed_twice_under_sparse_retention_fails_hybrid_windows(vllm):
+    """hybrid-windows with prefix caching, at vLLM's serving default (sparse retention of window
+    blocks, the declared rule the unfaulted manager passes): its requests share prompt blocks in
+    both groups, and the free of sequence 1 at step 9 hands blocks sequences still hold back to
+    the pool, so fewer blocks are in use than the tables hold."""
+    from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
+    trace = workload("hybrid-windows")
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    assert VllmKVManager(cfg).capabilities.sparse_window_retention
+    d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
+    assert (d.step, d.op["seq"], d.quantity) == (9, 1, "sum of group_blocks"), str(d)
+    assert d.expected < d.actual  # blocks_used below the blocks the tables hold
+
+
 def test_a_window_block_released_early_fails_hybrid_decode(vllm):
     """hybrid-decode decodes past the sliding window: a release one block ahead of the tokens
-    computed drops a block the window still covers (fewer blocks in use than the rule keeps)."""
-    from impls.engines.faults_engines import VllmKVManagerDense, VllmWindowEarly
+    computed drops a block the window still covers (fewer blocks in use than the rule keeps),
+    at its first append (step 3), at the serving default."""
+    from impls.engines.faults_engines import VllmKVManager, VllmWindowEarly
     trace = workload("hybrid-decode")
-    d = caught(trace, VllmKVManagerDense, VllmWindowEarly, config_for(trace, policy=None), "append")
-    assert d.quantity == "blocks_used" and d.actual < d.expected, str(d)
+    d = caught(trace, VllmKVManager, VllmWindowEarly, config_for(trace, policy=None), "append")
+    assert d.step == 3 and d.quantity == "blocks_used" and d.actual < d.expected, str(d)

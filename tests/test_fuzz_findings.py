@@ -99,8 +99,8 @@ def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
     """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again four ways
     by the campaign: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
     it holds more blocks or caches fewer than SPEC; the same trace with sliding(2) passes. Found
-    (and held here) under dense retention, vllm-kvmanager-dense: at the serving default's sparse
-    retention, which the oracle does not model yet, every sliding group departs."""
+    (and held here) under dense retention, vllm-kvmanager-dense; the serving default's sparse
+    retention: the next test."""
     pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
     trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
     assert "sliding(1)" in trace.header.groups
@@ -109,6 +109,28 @@ def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
     fewer_cached = d.quantity == "cached_blocks" and d.actual < d.expected
     assert fewer_cached or (d.quantity == "blocks_used" and d.actual > d.expected), d
     assert _engine_check("vllm-kvmanager-dense", _with_window(trace, "sliding(1)", "sliding(2)")).valid
+
+
+@pytest.mark.parametrize("finding", ["01-cached-blocks-append", "02-blocks-used-fork",
+                                     "03-cached-blocks-free", "04-blocks-used-prefill"])
+def test_vllm_under_its_sparse_retention_a_one_token_window_still_costs_a_forks_hit(finding):
+    """The same four at vLLM's serving default, held to its declared sparse retention (which
+    caches no sliding(1) block either: a hit needs cdiv(1 - 1, B) = 0 of them). Three pass: 01
+    and 03 only showed the uncached window blocks, which the rule now declares; in 04 the
+    sliding(28) group keeps no block of an 8-token prompt (the run below (8 - 1) // 8 = 0 is
+    empty), so neither hits. 02 still FAILs: a prompt of 2 one-token blocks, then a fork (a new
+    request of the 2 tokens): the rule hits the full group's (2 - 1) // 1 = 1 block and sliding(1)
+    needs none, so the parent's 2 * 2 blocks and 2 * (2 - 1) new ones, 6 in use; vLLM's hit search
+    wants one cached block of the group at the hit's end, finds none, hits nothing: 4 + 2 * 2 = 8."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    if finding != "02-blocks-used-fork":
+        assert v.valid, v.divergence
+        return
+    d = v.divergence
+    assert (d.step, d.op["op"], d.quantity, d.expected, d.actual) == (1, "fork", "blocks_used", 6, 8)
+    assert _engine_check("vllm-kvmanager", _with_window(trace, "sliding(1)", "sliding(2)")).valid
 
 
 def _sglang():

@@ -18,7 +18,7 @@ tests/test_engine_faults.py builds them and says at which workload and step each
 from __future__ import annotations
 
 from impls.engines.sglang_radix import Sglang
-from impls.engines.vllm_kvmanager import VllmKVManager, VllmKVManagerDense
+from impls.engines.vllm_kvmanager import VllmKVManager
 
 
 def _evict_params():
@@ -81,8 +81,8 @@ class VllmFreedTwice(VllmKVManager):
         self.pool.free_blocks(b for b in blocks if b.ref_cnt > 0)  # the second free
 
 
-class VllmWindowEarly(VllmKVManagerDense):
-    """Over dense retention, the setting under which the manager passes the window workloads."""
+class VllmWindowEarly(VllmKVManager):
+    """Over the serving default (sparse retention, the declared rule the oracle holds it to)."""
 
     name = "vllm-fault-window-early"
 

@@ -24,6 +24,17 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   ``SlidingWindowManager.remove_skipped_blocks``, which ``allocate_slots`` runs before it
   allocates, on the tokens computed before that call: the adapter declares
   ``window_release="next_allocation"`` and the checker holds vLLM to it.
+- sparse retention (``prefix_cache_retention_interval = 0``, the server's default:
+  config/cache.py:275, copied into the KVCacheConfig at v1/core/kv_cache_planning.py:665): a
+  sliding group caches only the ``cdiv(W - 1, B)`` blocks a hit ending at a reachable boundary
+  needs (single_type_kv_cache_manager.py:1106-1146 ``reachable_block_mask``, the run's length
+  at :956-966), the boundaries being the prompt's ``P - 1`` (kv_cache_coordinator.py:65
+  ``replay_boundaries``, without EAGLE) and the request's ``shared_prefix_boundary``
+  (single_type_kv_cache_manager.py:511-519), the full groups' hit where the sliding group's was
+  shorter (kv_cache_coordinator.py:937, kv_cache_manager.py:323), which the scheduler stores on
+  the request (sched/scheduler.py:1125) and the adapter does too. ``cache_full_blocks`` leaves the other blocks unhashed
+  (block_pool.py:281), so their release gives them back uncached (block_pool.py:837-847).
+  Declared: ``sparse_window_retention`` (kvbench/checking/window_retention.py models it).
 - SPEC §12's kinds: ``ChunkedLocalAttentionSpec`` (its manager releases the chunks before the
   current one at the next allocation, as a window), ``MLAAttentionSpec`` (full attention over one
   latent), ``MambaSpec`` without prefix caching (``MAMBA_ALIGN``: why not with it). Not sinks(S, W):
@@ -86,7 +97,16 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             # (static_sink_attention.py); no manager of vLLM's releases a window
                             # beside kept sinks.
                             kinds=("full", "sliding", "chunked", "mla", "state"),
-                            lookahead_slots=True, kept_drafts_cached_at_next_append=True)
+                            lookahead_slots=True, kept_drafts_cached_at_next_append=True,
+                            sparse_window_retention=True)  # the serving default's, 0
+
+
+def capabilities_for(caching: bool, retention_interval) -> Capabilities:
+    """What the adapter declares for a manager with or without prefix caching and with this
+    ``prefix_cache_retention_interval``: a fork through the prefix cache (without one, computed
+    again whole); sparse retention of window blocks at 0, dense at None."""
+    return dataclasses.replace(CAPABILITIES, fork_via="prefix" if caching else "copy",
+                               sparse_window_retention=retention_interval == 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -196,10 +216,13 @@ class VllmKVManager(Backend):
         self.caching = bool(config.prefix_caching)
         if self.caching and any(g.state_bytes is not None for g in config.model.kv_groups):
             raise NotImplementedError(MAMBA_ALIGN)
-        # Fork: a new request through the prefix cache, or, without one, computed again whole.
-        self.capabilities = dataclasses.replace(CAPABILITIES,
-                                                fork_via="prefix" if self.caching else "copy")
-        self.manager = v.KVCacheManager(kv_cache_config(config, self.retention_interval),
+        kv_config = kv_cache_config(config, self.retention_interval)
+        interval = kv_config.prefix_cache_retention_interval
+        if interval not in (0, None):
+            raise NotImplementedError(f"{self.name}: prefix_cache_retention_interval {interval} "
+                                      f"(a tail per segment) is not modelled; 0 and None are")
+        self.capabilities = capabilities_for(self.caching, interval)
+        self.manager = v.KVCacheManager(kv_config,
                                         max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=B, hash_block_size=B,
                                         enable_caching=self.caching)
@@ -264,7 +287,9 @@ class VllmKVManager(Backend):
             self.final[seq] = final_tokens
             return req
         first = len(token_ids) if first is None else first
-        computed, n_hit, _ = self.manager.get_computed_blocks(req, max_cache_hit_length=first - 1)
+        # The scheduler keeps the junction on the request: sparse retention caches its window.
+        computed, n_hit, req.shared_prefix_boundary = self.manager.get_computed_blocks(
+            req, max_cache_hit_length=first - 1)
         got = self.manager.allocate_slots(req, first - n_hit, n_hit, computed)
         if got is None:
             return None
@@ -426,3 +451,4 @@ class VllmKVManagerDense(VllmKVManager):
 
     name = "vllm-kvmanager-dense"
     retention_interval = None
+    capabilities = dataclasses.replace(CAPABILITIES, sparse_window_retention=False)

@@ -14,7 +14,8 @@ Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on
 SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8; salted, tagged block
 keys SPEC §9. A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork
 through the prefix cache, the last prompt token computed again, every full block cached,
-duplicates kept, window blocks released at the next allocation) are followed when it declares them.
+duplicates kept, window blocks released at the next allocation, only the window runs a hit can
+end on cached: window_retention) are followed when it declares them.
 
 The paged model also fixes which physical block each operation takes (docs/writing-a-backend.md), so a backend that declares ``block_ids`` is compared with it block by block:
 
@@ -38,6 +39,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from kvbench.checking import window_retention
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     BlockChanges,
@@ -65,10 +67,12 @@ class SeqState:
     last_access: int = 0
     use_count: int = 0
     prompt: dict = field(default_factory=dict)  # what a recompute re-prefills with (hashes, salt, ...)
-    released_keys: dict = field(default_factory=dict)  # position -> cache key of a block a window released
+    # position -> cache key of a block a window released (or sparse retention left uncached)
+    released_keys: dict = field(default_factory=dict)
     # Per group, blocks kept past the length for the next drafts (lookahead slots, SPEC §13)
     ahead: list = field(default_factory=list)
     later: list = field(default_factory=list)  # (group, position): full of kept drafts, cached at the next append
+    retained: list = field(default_factory=list)  # per group, positions a sparse retention caches (None: all)
 
     @property
     def table(self) -> list:
@@ -321,12 +325,35 @@ class Oracle:
         caches every full block caches it, under a key no other sequence's block has (never hit
         by another prompt) and that every group of ``seq`` shares at that position (so a fork
         served through the prefix cache finds the parent's blocks in every group)."""
+        st = self.seqs.get(seq)
+        if st is not None and not self._keeps(st, g, i):
+            if self.caching and self.caps.caches_every_full_block:  # a fork still names it
+                st.released_keys.setdefault(i, ("filled", seq, i))
+            return
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
             self._register(b, g, ("filled", seq, i))
 
     def _note_writers(self, seq, untagged, extra) -> None:
         for key in untagged:
             self.writers.setdefault(key, {}).setdefault(extra, seq)
+
+    def _retention(self, keys, prompt_tokens: int, tokens: int, L: int) -> list:
+        """Per group, the positions of a new request's blocks a sparse window retention caches
+        (window_retention), given its prompt, its hit's keys and its hit of L blocks; [] without
+        that rule. Read before the request takes a block (its new blocks may evict a cached one)."""
+        if not (self.caps.sparse_window_retention and self.caching
+                and any(g.family == "sliding" for g in self.groups)):
+            return []
+        cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+        top = window_retention.first_group_hit(self.by_hash, self.groups, keys, cap, self.B)
+        junction = top if top > L else 0
+        return [window_retention.retained_positions(prompt_tokens, junction, group, self.B)
+                for group in self.groups]
+
+    @staticmethod
+    def _keeps(st: SeqState, g: int, i: int) -> bool:
+        """Whether group ``g`` caches position ``i`` of ``st`` once full (sparse retention)."""
+        return not st.retained or st.retained[g] is None or i in st.retained[g]
 
     def cross_key_writers(self, seq) -> list:
         """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
@@ -544,18 +571,20 @@ class Oracle:
         self._note_writers(seq, untagged, extra)
         if self.layout == "paged":
             L, hits, counted = self._cache_hits(lookup, tokens)
+            st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)
             self._take_hits(hits)
             self.hit_blocks += counted
             st.tables = [[hits[g].get(i) for i in range(L)]
                          + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
                          for g in range(G)]
+            self.seqs[seq] = st  # first: a full block's caching reads its retention
             for g in range(G):
                 for i in range(L, n):
                     if i < len(lookup):
-                        self._register(st.tables[g][i], g, lookup[i])
+                        if self._keeps(st, g, i):
+                            self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g, seq, i)
-            self.seqs[seq] = st
             self._dirty.add(seq)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: tokens})
@@ -677,7 +706,7 @@ class Oracle:
         token is cached by no engine (its accept may still roll it back)."""
         chunk = self.seqs[seq].prompt.get("chunk_keys")
         if chunk is not None and i < len(chunk):
-            if self.caching:
+            if self.caching and self._keeps(self.seqs[seq], g, i):
                 self._register(b, g, chunk[i])
         elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
             self._filled(b, g, seq, i)
@@ -785,19 +814,24 @@ class Oracle:
             self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
             L, hits, _ = self._cache_hits(keys, parent.tokens)
+            child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
             self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
             child.tables = [[hits[g].get(i) for i in range(L)]
                             + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
                                for i in range(L, n)] for g in range(G)]
             for g in range(G):
                 for i in range(L, min(n, len(keys))):
-                    if self.blocks[child.tables[g][i]][1] == self.B:
+                    if self.blocks[child.tables[g][i]][1] < self.B:
+                        continue
+                    if self._keeps(child, g, i):
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
+                    else:  # left uncached: its own fork still names the parent's content
+                        child.released_keys[i] = keys[i]
                 for i in range(len(keys), n):  # full past the parent's keys (its kept drafts')
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
-            child.released_keys = {i: keys[i] for i in range(L)}
+            child.released_keys.update({i: keys[i] for i in range(L)})
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: child.tokens})
         return victims

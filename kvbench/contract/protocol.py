@@ -151,6 +151,12 @@ class Capabilities:
     # at the accept (vLLM: cache_blocks caps at the request's verified tokens when it allocates,
     # and an accept allocates nothing); a free before then never caches it.
     kept_drafts_cached_at_next_append: bool = False
+    # A sliding group's prefix cache keeps only the blocks a later hit can end on (vLLM's sparse
+    # retention, prefix_cache_retention_interval = 0): the ceil((W - 1) / B) blocks below block
+    # (P - 1) // B of a P-token prompt, and those below the hit's junction (the full groups' hit
+    # where the sliding group's was shorter); its other blocks go back uncached
+    # (kvbench.checking.window_retention).
+    sparse_window_retention: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).

@@ -1,0 +1,53 @@
+"""vLLM's sparse retention of sliding-window blocks (``Capabilities.sparse_window_retention``).
+
+SPEC §8 caches every full block of every group. vLLM at its serving default
+(``prefix_cache_retention_interval = 0``) caches a sliding group's block only where a later hit
+can end on it (``SlidingWindowManager.reachable_block_mask``): a hit of L blocks needs the
+group's ceil((W - 1) / B) blocks below L cached (SPEC §8's window below the hit), and vLLM keeps
+that run below two ends only:
+
+- the replay boundary, block (P - 1) // B of a P-token prompt (``replay_boundaries``: a resend of
+  the prompt hits at most P - 1 tokens);
+- the junction, where the prefill's hit stopped short of the full groups' (the full groups hit J
+  blocks, a sliding group fewer): ``get_computed_blocks``' ``shared_prefix_boundary``, which the
+  scheduler keeps on the request, so that the next request sharing the prefix hits all of it.
+
+The request's other blocks of the group (its decode blocks included) go back uncached when a
+window or a free releases them. Chunked-local groups keep every block (vLLM's base mask).
+"""
+from __future__ import annotations
+
+from kvbench.contract import formulas as F
+
+
+def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, block_size: int):
+    """Positions of a request's blocks that ``group`` caches under sparse retention (a frozenset),
+    or None where it caches every full block (not a sliding group). ``junction``: the full
+    groups' hit in blocks where the request's own hit was shorter, else 0."""
+    if group.family != "sliding":
+        return None
+    ends = {max(0, prompt_tokens - 1) // block_size} | ({junction} if junction else set())
+    return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
+
+
+FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
+
+
+def first_group_hit(by_hash, groups, keys, cap: int, block_size: int) -> int:
+    """The hit of vLLM's first attention group alone, at most ``cap`` blocks: the groups of one
+    kind (equal specs are one attention group), the first full-attention kind if there is one
+    (vLLM sorts those first, stably), else the first group's. Each of its groups needs the blocks
+    it holds at the hit cached."""
+    first = next((g for g in groups if g.family in FULL_SPECS), groups[0])
+    members = [g for g, group in enumerate(groups) if group.kind == first.kind]
+    top = min(cap, len(keys))
+    if first.family in FULL_SPECS:  # every block below the hit: the cached run from the first
+        run = 0
+        while run < top and all((g, keys[run]) in by_hash for g in members):
+            run += 1
+        return run
+    for L in range(top, 0, -1):
+        if all((g, keys[i]) in by_hash for g in members
+               for i in F.held_blocks(L * block_size, groups[g], block_size)):
+            return L
+    return 0
