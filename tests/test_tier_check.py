@@ -1,7 +1,9 @@
-"""Tier replays (SPEC §11) through the checker: the NumPy pool with a host and a disk tier
-passes; leases, loads, aborts and failed stores as the oracle derives them; backends without
+"""Tier replays (SPEC §11) through the checker: the NumPy and torch pools with a host and a disk
+tier pass; leases, loads, aborts and failed stores as the oracle derives them; backends without
 tiers are n/a with the reason."""
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -10,12 +12,15 @@ from conftest import make_config
 from impls.contiguous import Contiguous
 from impls.faults_tiers import LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
+from impls.torch_paged import TorchPaged
 from kvbench.checking.checker import check
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
 
 TIERS = (TierSpec("host", 4), TierSpec("disk", 8))
+POOLS = [NumpyPaged, pytest.param(TorchPaged, marks=pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed"))]
 
 
 def steps(*makers):
@@ -77,24 +82,28 @@ ROUND_TRIP = steps(
 )
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("when", ["begin", "completion"])
-def test_round_trip_passes(when, monkeypatch):
-    monkeypatch.setattr(NumpyPaged, "TRANSFER_AT", when)
-    v = run(ROUND_TRIP)
+def test_round_trip_passes(when, pool, monkeypatch):
+    monkeypatch.setattr(pool, "TRANSFER_AT", when)
+    v = run(ROUND_TRIP, pool)
     assert v.valid, v.divergence
     assert v.ops == len(ROUND_TRIP)
 
 
-def test_gather_all_passes():
-    v = run(ROUND_TRIP, gather="all")
+@pytest.mark.parametrize("pool", POOLS)
+def test_gather_all_passes(pool):
+    v = run(ROUND_TRIP, pool, gather="all")
     assert v.valid, v.divergence
 
 
-class StoresTheNextBlock(NumpyPaged):
-    """The copy down reads the block after the one it stores."""
+def stores_the_next_block(pool):
+    class StoresTheNextBlock(pool):
+        """The copy down reads the block after the one it stores."""
 
-    def _copy_down(self, t, blocks, slots):
-        super()._copy_down(t, np.asarray(blocks) + 1, slots)
+        def _copy_down(self, t, blocks, slots):
+            super()._copy_down(t, np.asarray(blocks) + 1, slots)
+    return StoresTheNextBlock
 
 
 def test_lease_ending_at_the_free_fails_there():
@@ -105,8 +114,9 @@ def test_lease_ending_at_the_free_fails_there():
     assert (d.expected, d.actual) == (2, 0)  # 2: blocks 0 and 1, leased; block 2 went back
 
 
-def test_a_wrong_copy_down_fails_at_the_completion():
-    v = run(ROUND_TRIP, StoresTheNextBlock)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_wrong_copy_down_fails_at_the_completion(pool):
+    v = run(ROUND_TRIP, stores_the_next_block(pool))
     assert v.valid is False
     d = v.divergence
     assert (d.step, d.quantity) == (4, "tier content of transfer 1")
@@ -118,8 +128,9 @@ def test_backend_without_tiers_is_not_applicable():
     assert v.valid is None and "declares no tiers" in v.not_applicable
 
 
-def test_round_trip_figures_by_hand():
-    b = NumpyPaged(make_config(num_blocks=16, prefix_caching=True))
+@pytest.mark.parametrize("pool", POOLS)
+def test_round_trip_figures_by_hand(pool):
+    b = pool(make_config(num_blocks=16, prefix_caching=True))
     t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
     try:
         assert check(t, b).valid
