@@ -3,6 +3,7 @@ tier pass; leases, loads, aborts and failed stores as the oracle derives them; b
 tiers are n/a with the reason."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -12,8 +13,10 @@ from conftest import make_config
 from impls.contiguous import Contiguous
 from impls.faults_tiers import LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_quant_paged import NumpyQuantPaged
 from impls.torch_paged import TorchPaged
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import kv_tokens
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
@@ -143,3 +146,55 @@ def test_round_trip_figures_by_hand(pool):
     assert (host["stored"], host["free"], host["hits"]) == (2, 4 - 2, 2)
     assert (host["bytes_down"], host["bytes_up"]) == (2 * bb, 2 * bb)
     assert (disk["stored"], disk["storing"], disk["free"], disk["bytes_down"]) == (0, 0, 8, 0)
+
+
+# --- quantized pools: their codes and scales go down the tiers (SPEC §4, §11) ----------------
+
+def quantized(fmt):
+    return lambda config: NumpyQuantPaged(dataclasses.replace(config, kv_format=fmt))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_pool_passes_the_round_trip(fmt):
+    v = run(ROUND_TRIP, quantized(fmt), gather="all")
+    assert v.valid, v.divergence
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_pool_loads_back_exactly_the_codes_and_scales_it_stored(fmt):
+    b = NumpyQuantPaged(make_config(num_blocks=4, prefix_caching=True, kv_format=fmt))
+    b.attach_tiers((TierSpec("host", 2),))
+    model = b.config.model
+    try:
+        b.prefill(0, 32, kv_tokens(np.zeros(32, int), np.arange(32), model), block_hashes=[1, 2])
+        before = [a[[0, 1]].copy() for a in b._storage()]  # sequence 0's two blocks: 0 and 1
+        b.store(0, 0, "host")
+        b.complete(0, True)
+        b.free(0)
+        # 64 tokens = 4 blocks: the 2 free ones, then the cached 0 and 1 (their hashes forgotten)
+        b.prefill(1, 64, kv_tokens(np.ones(64, int), np.arange(64), model))
+        b.free(1)
+        assert b.hit_blocks == 0
+        # no device hit: both blocks from host; the K/V handed over is another writer's
+        b.load(1, 2, 32, kv_tokens(np.full(32, 2), np.arange(32), model), block_hashes=[1, 2])
+        b.complete(1, True)
+        loaded = b.tables[0][b.row_of[2], :2]
+        for array, stored in zip(b._storage(), before):  # codes, scales (int4: zero points)
+            assert np.array_equal(array[loaded], stored)
+    finally:
+        b.close()
+
+
+class StoresCodesOnly(NumpyQuantPaged):
+    """A tier that keeps the codes but not their scales."""
+
+    def _copy_down(self, t, blocks, slots):
+        if len(blocks):
+            self._copy_rows(self._storage()[0], blocks, t.arrays[0], slots)
+
+
+def test_a_tier_without_the_scales_fails_at_the_stores_completion():
+    v = run(ROUND_TRIP, lambda config: StoresCodesOnly(dataclasses.replace(config, kv_format="int8")))
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (4, "tier content of transfer 1")  # 4: D(1), the store's completion
