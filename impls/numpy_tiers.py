@@ -13,10 +13,12 @@ from impls.pool_tiers import PoolTiers, slot_runs
 
 
 def copy_rows(src, rows, dst, into) -> None:
-    """dst[into] = src[rows] in one pass, without the temporary a fancy-indexed read makes:
-    where ``into`` runs over consecutive rows (a store into a tier's free slots) each run is one
-    gather written in place (np.take with ``out``; "clip": no buffered copy, and the indices are
-    the pool's own); otherwise each run of consecutive ``rows`` is one scatter from a slice."""
+    """dst[into] = src[rows] in one pass over rows of the arrays (each flattened past its first
+    axis), without the temporary a fancy-indexed read makes: where ``into`` runs over consecutive
+    rows (a store into a tier's free slots) each run is one gather written in place (np.take with
+    ``out``; "clip": no buffered copy, and the indices are the pool's own); otherwise each run of
+    consecutive ``rows`` is one scatter from a slice."""
+    src, dst = _rows_view(src), _rows_view(dst)
     rows, into = np.asarray(rows, dtype=np.intp), np.asarray(into, dtype=np.intp)
     runs = slot_runs(into)
     if 2 * len(runs) <= len(into):
@@ -30,6 +32,14 @@ def copy_rows(src, rows, dst, into) -> None:
             dst[int(into[a])] = src[i]
         else:
             dst[into[a:b]] = src[i:i + b - a]
+
+
+def _rows_view(a: np.ndarray) -> np.ndarray:
+    """``a`` as [rows, bytes of a row]: a view, so that a write lands in ``a`` (its first axis
+    indexes blocks; numpy scatters and gathers whole rows fastest)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"tier copies need C-contiguous arrays, got strides {a.strides}")
+    return a.reshape(len(a), -1).view(np.uint8)
 
 
 def tier_arrays(spec, storage, folder) -> list:
