@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from impls.numpy_paged import NumpyPaged
-from impls.numpy_tiers import _TierSlots
+from impls.pool_tiers import TierSlots
 from impls.prefix_keys import NO_EXTRA, prompt_keys
 
 
@@ -91,7 +91,7 @@ class TierKeyIgnoresSalt(NumpyPaged):
         return getattr(self, "_raw", {}).get(key, key)
 
 
-class _FlagPins(_TierSlots):
+class _FlagPins(TierSlots):
     def end_load(self, keys, seq) -> None:
         for key in keys:
             self.readers[key] = 0
@@ -102,7 +102,7 @@ class PinIsAFlag(NumpyPaged):
     shared prefix completes, its blocks are evictable again while the second still reads them."""
 
     def _make_tier(self, spec, storage):
-        return _FlagPins(spec, storage, self._tier_folder)
+        return _FlagPins(spec, self._tier_arrays(spec, storage))
 
 
 class SwapInReadsAnother(NumpyPaged):

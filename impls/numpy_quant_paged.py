@@ -18,8 +18,8 @@ from kvbench.quant.pool import scheme_of
 
 class NumpyQuantPaged(NumpyPaged):
     name = "numpy-quant"
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True, tiers=(),  # not yet
-                                       kinds=("full", "sliding", "chunked", "sinks", "mla"), swap=False)
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, quantized=True,
+                                       kinds=("full", "sliding", "chunked", "sinks", "mla"))
     compiled = None  # quantize by the compiled kernels where numba is installed, else the NumPy steps
 
     def __init__(self, config):
@@ -63,16 +63,25 @@ class NumpyQuantPaged(NumpyPaged):
 
     def _read_blocks(self, blocks, tokens: int) -> np.ndarray:
         slots = (np.asarray(blocks)[:, None] * self.B + np.arange(self.B)).reshape(-1)[:tokens]
+        return self._dequantized(self.codes[slots], self.scale[slots],
+                                 None if self.zero is None else self.zero[slots])
+
+    def _dequantized(self, codes, scale, zero) -> np.ndarray:
+        """The K/V of token slots held as ``codes`` and ``scale`` (``zero``), one row a slot."""
         d = self.config.model.head_dim
-        shape = (len(slots) * self.rows_per_slot, d)
+        shape = (len(codes) * self.rows_per_slot, d)
         meta = (shape[0], 1)
         qt = Q.QuantizedTensor(
-            codes=self.codes[slots].reshape(-1) if self.scheme.packed else self.codes[slots].reshape(shape),
-            scale=self.scale[slots].reshape(meta),
-            zero_point=None if self.zero is None else self.zero[slots].reshape(meta),
+            codes=codes.reshape(-1) if self.scheme.packed else codes.reshape(shape),
+            scale=scale.reshape(meta), zero_point=None if zero is None else zero.reshape(meta),
             shape=shape, dtype="float32", scheme=self.scheme, packed=self.scheme.packed,
             compute_dtype="float32")
         return quant_numpy.dequantize(qt, np.float32).reshape((-1,) + self.token_shape)
+
+    def _slot_kv(self, t, s) -> np.ndarray:
+        """A tier slot's K/V: its codes and scales (a block of the pool's layout), dequantized."""
+        codes, scale, *zero = (np.asarray(a[s]) for a in t.arrays)
+        return self._dequantized(codes, scale, zero[0] if zero else None)
 
     def _read_range(self, table_row, start: int, stop: int, out) -> np.ndarray:
         """Dequantized slots ``start .. stop-1``: the blocks that hold them, then the range."""

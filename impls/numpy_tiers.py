@@ -1,38 +1,46 @@
 """Lower tiers for the NumPy paged pool (SPEC §11): a host tier of NumPy arrays, and a disk tier
 (any tier whose name starts with "disk") of real files, one per storage array, memory-mapped
-(np.memmap) in a temporary folder removed at close.
-
-A tier holds full, hashed blocks by the pool's own block key (salt and adapter included), in
-slots of the same layout as the pool's blocks (every storage array the pool keeps: a quantized
-pool's codes and scales alike). Eviction is LRU: a store puts a block at the recent end, a load
-touches its blocks so that the first is the most recent, the least recent stored block no load
-reads and not one of the store's own goes first. A store's source blocks get one more reference
-(the lease) until it completes; a load's target blocks stay out of the prefix cache until it
-completes. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
-lease exists for).
-
-Preemption by swap (SPEC §13): every block of the sequence is copied to slots of the tier pinned
-to it (keyed ("swap", seq, position): stored, never a hit nor a victim; LRU makes room by
-evicting stored blocks), then the sequence is freed; a tier that cannot hold them all frees it
-only (a recompute). The resume is a prefill whose blocks past the device hit are copied up.
+(np.memmap) in a temporary folder removed at close. The tier operations are impls/pool_tiers.py's;
+this module gives them NumPy arrays and copies.
 """
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections import OrderedDict
 
 import numpy as np
 
-from impls.prefix_keys import prompt_keys
+from impls.pool_tiers import PoolTiers, slot_runs
 
 
-def _copy_rows(src, rows, dst, into) -> None:
-    """dst[into] = src[rows] without the temporary a fancy-indexed read makes: one row at a time
-    (a block of 16 KiB and up is a copy long enough to amortise the call)."""
-    for i, j in zip(np.asarray(rows).tolist(), np.asarray(into).tolist()):
-        dst[j] = src[i]
+def copy_rows(src, rows, dst, into) -> None:
+    """dst[into] = src[rows] in one pass over rows of the arrays (each flattened past its first
+    axis), without the temporary a fancy-indexed read makes: where ``into`` runs over consecutive
+    rows (a store into a tier's free slots) each run is one gather written in place (np.take with
+    ``out``; "clip": no buffered copy, and the indices are the pool's own); otherwise each run of
+    consecutive ``rows`` is one scatter from a slice."""
+    src, dst = _rows_view(src), _rows_view(dst)
+    rows, into = np.asarray(rows, dtype=np.intp), np.asarray(into, dtype=np.intp)
+    runs = slot_runs(into)
+    if 2 * len(runs) <= len(into):
+        for a, b in runs:
+            j = int(into[a])
+            np.take(src, rows[a:b], axis=0, out=dst[j:j + b - a], mode="clip")
+        return
+    for a, b in slot_runs(rows):
+        i = int(rows[a])
+        if b - a == 1:
+            dst[int(into[a])] = src[i]
+        else:
+            dst[into[a:b]] = src[i:i + b - a]
+
+
+def _rows_view(a: np.ndarray) -> np.ndarray:
+    """``a`` as [rows, bytes of a row]: a view, so that a write lands in ``a`` (its first axis
+    indexes blocks; numpy scatters and gathers whole rows fastest), a plain ndarray (a disk
+    tier's np.memmap subclass made its loads 1.45x slower)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"tier copies need C-contiguous arrays, got strides {a.strides}")
+    return a.reshape(len(a), -1).view(np.uint8).view(np.ndarray)
 
 
 def tier_arrays(spec, storage, folder) -> list:
@@ -49,289 +57,28 @@ def tier_arrays(spec, storage, folder) -> list:
     return arrays
 
 
-class _TierSlots:
-    """One tier: its arrays (one per pool storage array), slots, states and LRU order."""
+class NumpyTiers(PoolTiers):
+    """The tier operations of a NumPy pool (a mixin of NumpyPaged): PoolTiers' array hooks."""
 
-    def __init__(self, spec, storage, folder):
-        self.name, self.capacity = spec.name, spec.capacity
-        self.arrays = tier_arrays(spec, storage, folder)
-        self.free = list(range(spec.capacity - 1, -1, -1))  # pop() gives slot 0 first
-        self.slot: dict = {}  # key -> slot
-        self.ready: dict = {}  # key -> True once stored, False while storing
-        self.readers: dict = {}  # key -> loads in flight reading it
-        self.pinned: set = set()  # keys of swapped sequences' blocks: never evicted
-        self.recency: OrderedDict = OrderedDict()  # least recent first
-        self.bytes_down = self.bytes_up = self.hits = 0
+    _copy_rows = staticmethod(copy_rows)
 
-    def take(self, key, keep) -> int | None:
-        """A slot for ``key``, evicting the least recent stored block no load reads and not in
-        ``keep``; None when there is none."""
-        if not self.free:
-            victim = next((k for k in self.recency if self.evictable(k) and k not in keep), None)
-            if victim is None:
-                return None
-            self.drop(victim)
-        s = self.free.pop()
-        self.slot[key], self.ready[key] = s, False
-        self.recency[key] = None
-        return s
+    def _tier_arrays(self, spec, storage) -> list:
+        return tier_arrays(spec, storage, self._tier_folder)
 
-    def evictable(self, key) -> bool:
-        return self.ready[key] and not self.readers.get(key) and key not in self.pinned
+    def _lease(self, blocks) -> None:
+        self._add_refs(blocks, 1)
 
-    def drop(self, key) -> None:
-        self.free.append(self.slot.pop(key))
-        del self.ready[key]
-        del self.recency[key]
-        self.readers.pop(key, None)
-        self.pinned.discard(key)
+    def _end_lease(self, blocks) -> None:
+        self._release_blocks(blocks)
 
-    def touch(self, keys) -> None:
-        for k in reversed(keys):
-            self.recency.move_to_end(k)
+    def _tokens_of(self, r) -> int:
+        return int(self.tokens[r])
 
-    # --- what NumpyTiers asks of a tier (an engine's tier implements the same) -------------
+    def _row_blocks_at(self, r, lo, hi) -> np.ndarray:
+        return self.tables[0][r, lo:hi]
 
-    def loadable(self, key, seq) -> bool:
-        return bool(self.ready.get(key))
+    def _rewrite_block(self, block, kv) -> None:
+        self._write_group(0, block * self.B + np.arange(self.B), kv)
 
-    def begin_store(self, items, seq) -> list:
-        """Slots for ``items`` = [(position, device block, key)]: [(position, block, key, slot)]
-        for those begun (held keys skipped, a block without room refused)."""
-        keep = {k for _, _, k in items}
-        moved = []
-        for p, b, key in items:
-            if key in self.slot:
-                continue  # stored or storing here already
-            s = self.take(key, keep)
-            if s is not None:
-                moved.append((p, b, key, s))
-        return moved
-
-    def end_store(self, keys, ok, seq) -> None:
-        for key in keys:
-            if ok:
-                self.ready[key] = True
-            else:
-                self.drop(key)
-
-    def begin_load(self, keys, seq, positions) -> None:
-        for key in keys:
-            self.readers[key] = self.readers.get(key, 0) + 1
-        self.hits += len(keys)
-        self.touch(keys)
-
-    def end_load(self, keys, seq) -> None:
-        for key in keys:
-            self.readers[key] -= 1
-
-    def finish(self, seq) -> None:
-        """``seq`` is freed (its stores may still be in flight)."""
-
-    def figures(self) -> dict:
-        storing = sum(1 for r in self.ready.values() if not r)
-        return {"name": self.name, "capacity": self.capacity, "stored": len(self.slot) - storing,
-                "storing": storing, "loading": sum(1 for n in self.readers.values() if n),
-                "free": len(self.free), "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
-                "hits": self.hits}
-
-
-class NumpyTiers:
-    """The tier operations of a NumPy pool (a mixin of NumpyPaged)."""
-
-    TRANSFER_AT = "completion"
-
-    def attach_tiers(self, specs) -> None:
-        self.close_tiers()
-        self._tier_folder = tempfile.mkdtemp(prefix="kvbench-tiers-")
-        storage = self._storage() if self.pool is not None else []
-        self._tiers = [self._make_tier(s, storage) for s in specs]
-        self._transfers: dict = {}
-        self._stored_last: tuple = (None, [])
-        self._swapped: dict = {}  # seq -> (its tier, the slots of its blocks by position)
-
-    def _make_tier(self, spec, storage):
-        return _TierSlots(spec, storage, self._tier_folder)
-
-    def close_tiers(self) -> None:
-        folder = getattr(self, "_tier_folder", None)
-        self._tiers = []
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
-            self._tier_folder = None
-
-    def close(self) -> None:
-        self.close_tiers()
-        super().close()
-
-    def _tier(self, name: str) -> int:
-        for i, t in enumerate(self._tiers):
-            if t.name == name:
-                return i
-        raise KeyError(f"{self.name}: no tier {name!r}")
-
-    # --- copies ----------------------------------------------------------------------------
-
-    def _copy_down(self, t: _TierSlots, blocks, slots) -> None:
-        if self.pool is not None and len(blocks):
-            for src, dst in zip(self._storage(), t.arrays):
-                _copy_rows(src, blocks, dst, slots)
-
-    def _copy_up(self, t: _TierSlots, slots, blocks) -> None:
-        if self.pool is not None and len(blocks):
-            for dst, src in zip(self._storage(), t.arrays):
-                _copy_rows(src, slots, dst, blocks)
-
-    def _block_bytes_moved(self, n: int) -> int:
-        return n * self.block_bytes()
-
-    def _tier_key(self, key):
-        """The key a tier holds a device block's content under: its prefix-cache key."""
-        return key
-
-    # --- the operations --------------------------------------------------------------------
-
-    def store(self, tid, seq, tier, blocks=None, *, step=0) -> None:
-        r = self._row(seq)
-        full = int(self.tokens[r]) // self.B
-        positions = range(full) if blocks is None else [p for p in blocks if p < full]
-        items = []
-        for p in positions:
-            b = int(self.tables[0][r, p])
-            if b in self.hash_of:
-                items.append((p, b, self._tier_key(self.hash_of[b])))
-        t = self._tiers[self._tier(tier)]
-        moved = t.begin_store(items, seq)
-        src = np.array([b for _, b, _, _ in moved], dtype=np.intp)
-        if len(src):
-            self._add_refs(src, 1)  # the lease
-        if self.TRANSFER_AT == "begin":
-            self._copy_down(t, src, [s for *_, s in moved])
-        self._transfers[tid] = ("store", seq, t, moved)
-
-    def load(self, tid, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
-        keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter)) \
-            if self.config.prefix_caching else []
-        L = self._hit_plan(keys)[0] if keys else 0
-        run = []
-        for k in keys[L:]:
-            t = next((t for t in self._tiers if t.loadable(self._tier_key((0, k)), seq)), None)
-            if t is None:
-                break
-            run.append(t)
-        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)
-        r = self.row_of[seq]
-        moved = []  # (position, device block, its prefix-cache key, tier key, tier)
-        for i, t in enumerate(run):
-            p = L + i
-            b, key = int(self.tables[0][r, p]), (0, keys[p])
-            if self.hash_of.get(b) == key:  # no hit from it until the load completes
-                del self.by_hash[key]
-                del self.hash_of[b]
-            moved.append((p, b, key, self._tier_key(key), t))
-        for t in self._tiers:
-            mine = [(p, tkey) for p, _, _, tkey, u in moved if u is t]
-            if mine:
-                t.begin_load([k for _, k in mine], seq, [p for p, _ in mine])
-        if self.TRANSFER_AT == "begin":
-            self._load_data(seq, moved)
-        self._transfers[tid] = ("load", seq, None, moved)
-        return victims
-
-    def _load_data(self, seq, moved) -> None:
-        """Copy the tier blocks of a load into its target blocks."""
-        for t in self._tiers:
-            mine = [(b, t.slot[tkey]) for _, b, _, tkey, u in moved if u is t]
-            self._copy_up(t, [s for _, s in mine], np.array([b for b, _ in mine], dtype=np.intp))
-
-    def complete(self, tid, ok, kv=None, *, step=0) -> None:
-        kind, seq, t, moved = self._transfers.pop(tid)
-        if kind == "store":
-            if ok:
-                if self.TRANSFER_AT == "completion":
-                    self._copy_down(t, np.array([b for _, b, _, _ in moved], dtype=np.intp),
-                                    [s for *_, s in moved])
-                t.end_store([key for _, _, key, _ in moved], True, seq)
-                t.bytes_down += self._block_bytes_moved(len(moved))
-                self._stored_last = (tid, [(p, t, s) for p, _, _, s in moved])
-            else:
-                t.end_store([key for _, _, key, _ in moved], False, seq)
-            self._release_blocks(np.array([b for _, b, _, _ in moved], dtype=np.intp))
-            return
-        if ok and self.TRANSFER_AT == "completion":
-            self._load_data(seq, moved)
-        self._end_loads(seq, moved)
-        for i, (p, b, key, tkey, u) in enumerate(moved):
-            if ok:
-                u.bytes_up += self._block_bytes_moved(1)
-            elif self.pool is not None:  # computed again, into the same block
-                self._write_group(0, b * self.B + np.arange(self.B), kv[i * self.B:(i + 1) * self.B])
-            if key not in self.by_hash:
-                self.by_hash[key] = b
-                self.hash_of[b] = key
-
-    def abort(self, seq, *, step=0) -> None:
-        for tid, (kind, s, _, moved) in list(self._transfers.items()):
-            if kind == "load" and s == seq:
-                del self._transfers[tid]
-                self._end_loads(seq, moved)
-        self.free(seq, step=step)
-
-    def _end_loads(self, seq, moved) -> None:
-        for t in self._tiers:
-            keys = [tkey for *_, tkey, u in moved if u is t]
-            if keys:
-                t.end_load(keys, seq)
-
-    # --- preemption by swap (SPEC §13) -------------------------------------------------------
-
-    def swap_out(self, seq, tier, *, step=0) -> None:
-        r = self._row(seq)
-        t = self._tiers[self._tier(tier)]
-        n = int(self.nblocks[r])
-        slots = None
-        if len(t.free) + sum(map(t.evictable, t.recency)) >= n:
-            slots = []
-            for i in range(n):
-                key = ("swap", seq, i)
-                slots.append(t.take(key, ()))
-                t.ready[key] = True
-                t.pinned.add(key)
-            self._copy_down(t, self.tables[0][r, :n], slots)
-            t.bytes_down += self._block_bytes_moved(n)
-        self.free(seq, step=step)
-        if slots is not None:
-            self._swapped[seq] = (t, slots)
-
-    def _swap_source(self, seq) -> tuple:
-        """The tier and slots a swapped sequence's resume copies up from."""
-        return self._swapped[seq]
-
-    def swap_in(self, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
-        hits = self.hit_blocks
-        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)  # out of memory: still swapped
-        L, r = self.hit_blocks - hits, self.row_of[seq]
-        n = int(self.nblocks[r])
-        t, slots = self._swap_source(seq)
-        self._copy_up(t, slots[L:n], self.tables[0][r, L:n])
-        t.bytes_up += self._block_bytes_moved(n - L)
-        self._drop_swapped(seq)
-        return victims
-
-    def _drop_swapped(self, seq) -> bool:
-        """Drop a swapped sequence's blocks from its tier; False when none holds it."""
-        held = getattr(self, "_swapped", {}).pop(seq, None)
-        if held is None:
-            return False
-        for i in range(len(held[1])):
-            held[0].drop(("swap", seq, i))
-        return True
-
-    def tier_ledgers(self) -> list:
-        return [t.figures() for t in self._tiers]
-
-    def read_stored(self, tid) -> dict:
-        last, blocks = self._stored_last
-        if last != tid:
-            raise KeyError(f"{self.name}: store {tid} is not the last one completed")
-        return {p: np.asarray(t.arrays[0][s]).reshape((self.B,) + self.kv_shape) for p, t, s in blocks}
+    def _slot_kv(self, t, s) -> np.ndarray:
+        return np.asarray(t.arrays[0][s]).reshape((self.B,) + self.kv_shape)

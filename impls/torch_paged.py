@@ -25,6 +25,7 @@ import numpy as np
 from impls.changes import CachedQueue, StackChanges
 from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys
 from impls.states import advance_states, initial_state, read_states
+from impls.torch_tiers import TorchTiers
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
     Backend,
@@ -80,11 +81,11 @@ class _Counts:
         return self.refcount.index_select(0, index).cpu().numpy()
 
 
-class TorchPaged(StackChanges, Backend):
+class TorchPaged(TorchTiers, StackChanges, Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
-                                groups=True, cache_salt=True, block_ids=True,
+                                groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
     @classmethod
@@ -681,7 +682,8 @@ class TorchPaged(StackChanges, Backend):
         return tuple(victims)
 
     def free(self, seq, *, step=0):
-        self._drop_row(self._row(seq))
+        if not self._drop_swapped(seq):  # a swapped sequence holds blocks of a tier only
+            self._drop_row(self._row(seq))
 
     def ledger(self, seqs=None) -> Ledger:
         torch = self.torch
@@ -794,6 +796,7 @@ class TorchPaged(StackChanges, Backend):
         return report
 
     def close(self) -> None:
+        self.close_tiers()
         self.pool = None
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()

@@ -115,9 +115,10 @@ def run(backend_cls, capacity=4, **kw):
 
 # host of 4: 0's 3 blocks take the 4 - 1 (g0) = 3 free slots; 1's 3 do not fit even evicting g0
 # (0 + 1 < 3): recomputed, 40 tokens. Host of 6: 6 - 1 - 3 = 2 free, g0 evicted for the third.
+@pytest.mark.parametrize("pool", ["numpy", "torch"])
 @pytest.mark.parametrize("capacity, recomputed", [(4, 40), (6, 0)])
-def test_the_numpy_pool_passes_swaps_fallbacks_and_a_free_while_swapped(capacity, recomputed):
-    v = run(NumpyPaged, capacity, gather="all")
+def test_the_paged_pools_pass_swaps_fallbacks_and_a_free_while_swapped(pool, capacity, recomputed):
+    v = run(registry.resolve(pool).load(), capacity, gather="all")
     assert v.valid is True, str(v.divergence)
     assert (v.preemptions, v.recomputed_tokens) == (3, recomputed)
 
@@ -136,10 +137,10 @@ class TakesTheCheckersValues(NumpyPaged):
         if not getattr(self, "_resuming", False):
             super()._copy_up(t, slots, blocks)
 
-    def swap_in(self, seq, tokens, kv=None, **kw):
+    def swap_in(self, seq, prompt, kv=None, **kw):
         self._resuming = True
         try:
-            return super().swap_in(seq, tokens, kv, **kw)
+            return super().swap_in(seq, prompt, kv, **kw)
         finally:
             self._resuming = False
 
@@ -150,7 +151,7 @@ def test_a_resume_that_takes_the_values_handed_to_it_fails_at_the_resume():
     assert (v.divergence.step, v.divergence.quantity) == (8, "kv of sequence 0")
 
 
-@pytest.mark.parametrize("name", ["torch", "python-objects"])
+@pytest.mark.parametrize("name", ["contiguous-max", "python-objects"])
 def test_a_backend_without_tiers_or_swap_is_not_applicable_with_the_reason(name):
     entry = registry.resolve(name)
     ok, why = entry.available()

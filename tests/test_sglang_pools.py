@@ -67,3 +67,22 @@ def test_the_mamba_pool_clears_a_slot_to_zeros_and_copies_one_for_a_fork(torch):
     pool.clear_slots(torch.tensor([1]))  # a slot handed to a new request: a fresh state
     assert not cache.temporal[:, 1].any() and not cache.conv[0][:, 1].any()
     assert cache.temporal[:, 2].eq(7).all()
+
+
+def test_the_hicache_host_pool_pages_on_a_cpu_but_its_copies_need_cuda(torch):
+    # SGLang HiCache's host pool (pool_host/mha.py): built from a CPU device pool, its page
+    # allocator runs; its copies call sgl_kernel.kvcacheio's transfer_kv_* kernels, imported only
+    # `if _is_cuda or _is_hip` (pool_host/mha.py:60), so on a CPU they are unbound names.
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    device = MHATokenToKVPool(size=64, page_size=16, dtype=torch.float16, head_num=2, head_dim=8,
+                              layer_num=2, device="cpu", enable_memory_saver=False)
+    host = MHATokenToKVPoolHost(device._mha_buffer_info(), 2.0, 0, 16, "layer_first", pin_memory=False,
+                                device="cpu", device_capacity_tokens=64, start_layer=0, end_layer=2)
+    # 64 device tokens * ratio 2 = 128, one page of padding more: 9 pages of 16
+    assert (host.size, host.page_num, host.available_size()) == (144, 9, 144)
+    pages = host.alloc(32)
+    assert pages.tolist() == list(range(32)) and host.available_size() == 144 - 32
+    for io in ("kernel", "direct"):
+        with pytest.raises(NameError, match="transfer_kv_"):
+            host.backup_from_device_all_layer(device, pages, torch.arange(16, 48), io)

@@ -1,7 +1,10 @@
-"""Tier replays (SPEC §11) through the checker: the NumPy pool with a host and a disk tier
-passes; leases, loads, aborts and failed stores as the oracle derives them; backends without
+"""Tier replays (SPEC §11) through the checker: the NumPy and torch pools with a host and a disk
+tier pass; leases, loads, aborts and failed stores as the oracle derives them; backends without
 tiers are n/a with the reason."""
 from __future__ import annotations
+
+import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -10,12 +13,17 @@ from conftest import make_config
 from impls.contiguous import Contiguous
 from impls.faults_tiers import LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
+from impls.numpy_quant_paged import NumpyQuantPaged
+from impls.torch_paged import TorchPaged
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import Prompt, kv_tokens
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
 
 TIERS = (TierSpec("host", 4), TierSpec("disk", 8))
+POOLS = [NumpyPaged, pytest.param(TorchPaged, marks=pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed"))]
 
 
 def steps(*makers):
@@ -77,24 +85,28 @@ ROUND_TRIP = steps(
 )
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("when", ["begin", "completion"])
-def test_round_trip_passes(when, monkeypatch):
-    monkeypatch.setattr(NumpyPaged, "TRANSFER_AT", when)
-    v = run(ROUND_TRIP)
+def test_round_trip_passes(when, pool, monkeypatch):
+    monkeypatch.setattr(pool, "TRANSFER_AT", when)
+    v = run(ROUND_TRIP, pool)
     assert v.valid, v.divergence
     assert v.ops == len(ROUND_TRIP)
 
 
-def test_gather_all_passes():
-    v = run(ROUND_TRIP, gather="all")
+@pytest.mark.parametrize("pool", POOLS)
+def test_gather_all_passes(pool):
+    v = run(ROUND_TRIP, pool, gather="all")
     assert v.valid, v.divergence
 
 
-class StoresTheNextBlock(NumpyPaged):
-    """The copy down reads the block after the one it stores."""
+def stores_the_next_block(pool):
+    class StoresTheNextBlock(pool):
+        """The copy down reads the block after the one it stores."""
 
-    def _copy_down(self, t, blocks, slots):
-        super()._copy_down(t, np.asarray(blocks) + 1, slots)
+        def _copy_down(self, t, blocks, slots):
+            super()._copy_down(t, np.asarray(blocks) + 1, slots)
+    return StoresTheNextBlock
 
 
 def test_lease_ending_at_the_free_fails_there():
@@ -105,8 +117,9 @@ def test_lease_ending_at_the_free_fails_there():
     assert (d.expected, d.actual) == (2, 0)  # 2: blocks 0 and 1, leased; block 2 went back
 
 
-def test_a_wrong_copy_down_fails_at_the_completion():
-    v = run(ROUND_TRIP, StoresTheNextBlock)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_wrong_copy_down_fails_at_the_completion(pool):
+    v = run(ROUND_TRIP, stores_the_next_block(pool))
     assert v.valid is False
     d = v.divergence
     assert (d.step, d.quantity) == (4, "tier content of transfer 1")
@@ -118,8 +131,9 @@ def test_backend_without_tiers_is_not_applicable():
     assert v.valid is None and "declares no tiers" in v.not_applicable
 
 
-def test_round_trip_figures_by_hand():
-    b = NumpyPaged(make_config(num_blocks=16, prefix_caching=True))
+@pytest.mark.parametrize("pool", POOLS)
+def test_round_trip_figures_by_hand(pool):
+    b = pool(make_config(num_blocks=16, prefix_caching=True))
     t = validate(Trace(Header("tiers", tiers=TIERS), ROUND_TRIP, name="t"))
     try:
         assert check(t, b).valid
@@ -132,3 +146,55 @@ def test_round_trip_figures_by_hand():
     assert (host["stored"], host["free"], host["hits"]) == (2, 4 - 2, 2)
     assert (host["bytes_down"], host["bytes_up"]) == (2 * bb, 2 * bb)
     assert (disk["stored"], disk["storing"], disk["free"], disk["bytes_down"]) == (0, 0, 8, 0)
+
+
+# --- quantized pools: their codes and scales go down the tiers (SPEC §4, §11) ----------------
+
+def quantized(fmt):
+    return lambda config: NumpyQuantPaged(dataclasses.replace(config, kv_format=fmt))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_pool_passes_the_round_trip(fmt):
+    v = run(ROUND_TRIP, quantized(fmt), gather="all")
+    assert v.valid, v.divergence
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_pool_loads_back_exactly_the_codes_and_scales_it_stored(fmt):
+    b = NumpyQuantPaged(make_config(num_blocks=4, prefix_caching=True, kv_format=fmt))
+    b.attach_tiers((TierSpec("host", 2),))
+    model = b.config.model
+    try:
+        b.prefill(0, Prompt(32, block_hashes=[1, 2]), kv_tokens(np.zeros(32, int), np.arange(32), model))
+        before = [a[[0, 1]].copy() for a in b._storage()]  # sequence 0's two blocks: 0 and 1
+        b.store(0, 0, "host")
+        b.complete(0, True)
+        b.free(0)
+        # 64 tokens = 4 blocks: the 2 free ones, then the cached 0 and 1 (their hashes forgotten)
+        b.prefill(1, Prompt(64), kv_tokens(np.ones(64, int), np.arange(64), model))
+        b.free(1)
+        assert b.hit_blocks == 0
+        # no device hit: both blocks from host; the K/V handed over is another writer's
+        b.load(1, 2, Prompt(32, block_hashes=[1, 2]), kv_tokens(np.full(32, 2), np.arange(32), model))
+        b.complete(1, True)
+        loaded = b.tables[0][b.row_of[2], :2]
+        for array, stored in zip(b._storage(), before):  # codes, scales (int4: zero points)
+            assert np.array_equal(array[loaded], stored)
+    finally:
+        b.close()
+
+
+class StoresCodesOnly(NumpyQuantPaged):
+    """A tier that keeps the codes but not their scales."""
+
+    def _copy_down(self, t, blocks, slots):
+        if len(blocks):
+            self._copy_rows(self._storage()[0], blocks, t.arrays[0], slots)
+
+
+def test_a_tier_without_the_scales_fails_at_the_stores_completion():
+    v = run(ROUND_TRIP, lambda config: StoresCodesOnly(dataclasses.replace(config, kv_format="int8")))
+    assert v.valid is False
+    d = v.divergence
+    assert (d.step, d.quantity) == (4, "tier content of transfer 1")  # 4: D(1), the store's completion

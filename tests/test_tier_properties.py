@@ -8,8 +8,8 @@ from conftest import make_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
+from kvbench.contract.registry import create
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
@@ -100,15 +100,16 @@ def histories(draw, pool: int = 6):
     return ops
 
 
+@pytest.mark.parametrize("pool", ["numpy", "torch"])
 @pytest.mark.parametrize("when", ["begin", "completion"])
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.integers(4, 6).flatmap(lambda n: st.tuples(st.just(n), histories(n))),
        host=st.integers(0, 3))
-def test_numpy_tiers_pass_random_histories(when, case, host):
+def test_pool_tiers_pass_random_histories(pool, when, case, host):
     blocks, ops = case
     tiers = (TierSpec("host", host), TierSpec("disk", 4))
     trace = validate(Trace(Header("random", tiers=tiers), ops, name="random"))
-    backend = NumpyPaged(make_config(block_size=B, num_blocks=blocks, prefix_caching=True))
+    backend = create(pool, make_config(block_size=B, num_blocks=blocks, prefix_caching=True))
     backend.TRANSFER_AT = when
     try:
         v = check(trace, backend, gather="all")

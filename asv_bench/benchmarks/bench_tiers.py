@@ -1,10 +1,7 @@
-"""Stores and loads through the NumPy pool's tiers (SPEC §11): scattered device blocks copied into
-consecutive host (arrays) or disk (np.memmap) slots and back, by block size, beside a plain copy
-of the same bytes (scripts/tier_bandwidth.py reports the ratios)."""
-import shutil
-import tempfile
-import types
-
+"""Stores and loads through the NumPy and torch pools' tiers (SPEC §11): scattered device blocks
+copied into consecutive host (arrays) or disk (np.memmap) slots and back, by block size, beside a
+plain copy of the same bytes (scripts/tier_bandwidth.py reports the ratios). The fixture is
+kvbench.bench.tier_copies, the one the script and the ratio gate use."""
 import numpy as np
 
 BLOCK_KIB = [16, 256, 1024]
@@ -12,35 +9,31 @@ TOTAL_BYTES = 32 << 20
 
 
 class TierCopy:
-    version = "1"
-    params = [["host", "disk"], ["store", "load", "plain_copy"], BLOCK_KIB]
-    param_names = ["tier", "op", "block_kib"]
+    version = "2"  # 1: the NumPy tier alone, on bare arrays; 2: each pool's own tiers and copies
+    params = [["numpy", "torch"], ["host", "disk"], ["store", "load", "plain_copy"], BLOCK_KIB]
+    param_names = ["pool", "tier", "op", "block_kib"]
     repeat = (3, 10, 10.0)
 
-    def setup(self, tier, op, kib):
+    def setup(self, pool, tier, op, kib):
         try:
-            from impls.numpy_tiers import NumpyTiers, _TierSlots
-            from kvbench.traces.tier_ops import TierSpec
+            from kvbench.bench.tier_copies import tier_copies
         except ImportError:
-            raise NotImplementedError("no tiers at this commit")
-        n = TOTAL_BYTES // (kib << 10)
-        pool = np.random.default_rng(0).integers(0, 255, size=(n, kib << 10), dtype=np.uint8)
-        self.folder = tempfile.mkdtemp(prefix="kvbench-asv-tiers-")
-        self.tier = _TierSlots(TierSpec(tier, n), [pool], self.folder)
-        self.owner = types.SimpleNamespace(pool=pool, _storage=lambda: [pool])
-        self.blocks = np.random.default_rng(1).permutation(n).astype(np.intp)
-        self.slots = np.arange(n)
-        self.copy_down, self.copy_up = NumpyTiers._copy_down, NumpyTiers._copy_up
-        self.out = np.empty_like(pool)
-        self.copy_down(self.owner, self.tier, self.blocks, self.slots)  # pages touched once
+            raise NotImplementedError("no tier copies fixture at this commit")
+        if pool == "torch":
+            import importlib.util
+            if importlib.util.find_spec("torch") is None:
+                raise NotImplementedError("torch is not installed")
+        self.tc = tier_copies(pool, kib, TOTAL_BYTES)
+        self.out = np.empty_like(self.tc.flat)
+        self.tc.store(tier)  # pages touched once
 
     def teardown(self, *params):
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.tc.close()
 
-    def time_transfer(self, tier, op, kib):
+    def time_transfer(self, pool, tier, op, kib):
         if op == "store":
-            self.copy_down(self.owner, self.tier, self.blocks, self.slots)
+            self.tc.store(tier)
         elif op == "load":
-            self.copy_up(self.owner, self.tier, self.slots, self.blocks)
+            self.tc.load(tier)
         else:
-            np.copyto(self.out, self.owner.pool)
+            np.copyto(self.out, self.tc.flat)

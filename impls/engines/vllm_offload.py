@@ -116,7 +116,7 @@ class _VllmTier:
             ctx.set_offload_key_position(k, (p + 1) * self.B)
         return out
 
-    # --- what NumpyTiers asks of a tier ------------------------------------------------------
+    # --- what PoolTiers asks of a tier -------------------------------------------------------
 
     def loadable(self, key, seq) -> bool:
         k = self.offload_key.get(key)

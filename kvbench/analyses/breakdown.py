@@ -66,6 +66,9 @@ def summary_row(result: SimResult, over: str = "saturated") -> dict:
             "recomputed_tokens": result.recomputed_tokens, "prefix_hit_blocks": result.prefix_hit_blocks,
             "steps": result.steps, "ops": len(result.trace),
             **{f: getattr(result, f) for f in LIFECYCLE_COUNTS},
+            **{f"{name}_hit_blocks": n for name, n in result.tier_hits.items()},
+            **({"computed_blocks": result.prompt_blocks - result.prefix_hit_blocks
+                - sum(result.tier_hits.values())} if result.tier_hits else {}),
             **result.throughput(), "wall_s": result.wall_seconds, "backend_s": result.backend_seconds}
 
 

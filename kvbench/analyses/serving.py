@@ -43,6 +43,13 @@ preempted and waiting to resume) are served to the end, so that every length the
 (``final_tokens``, which the contiguous reservations use) is the one the logged trace records.
 Refused prefills are never logged (they are retried), so the trace replays with no OOM.
 
+With ``offload`` (lower tiers, SPEC §11: host, then disk), a sequence's full hashed blocks are
+stored to every tier when it is freed (write-through, as LMCache's local CPU and disk backends
+are; each store completed at once), and every admission is a load: after the device's own hit,
+the run of following blocks some tier holds is loaded (each from the nearest tier that holds it,
+completed at once), the rest computed. :attr:`SimResult.tier_hits` counts the blocks each tier
+served; ``prefix_hit_blocks`` the device's.
+
 Trace steps are operation indices (SPEC §5: the clock advances once per operation); the
 simulated step of each sample is in :attr:`SimResult.samples`.
 
@@ -56,7 +63,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -74,7 +81,7 @@ from kvbench.contract.protocol import (
 )
 from kvbench.contract.formulas import blocks_needed
 from kvbench.traces.format import Accept, Append, Free, Header, Preempt, Prefill, Resume, Trace
-from kvbench.traces.tier_ops import TierSpec
+from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
 from kvbench.traces.loaders import Request, split_block_hashes
 
 SIM_VERSION = 1
@@ -122,6 +129,10 @@ class SimResult:
     # Preemption by swap: sequences whose blocks went to the host tier, and resumed from it
     swapped_out: int = 0
     swapped_in: int = 0
+    # Offload (lower tiers): prompt blocks each tier served, by tier name (tier 1 first), of the
+    # hashed full prompt blocks admitted (each one a hit could serve; recomputes included)
+    tier_hits: dict = field(default_factory=dict)
+    prompt_blocks: int = 0
 
     @property
     def max_running(self) -> int:
@@ -183,14 +194,16 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
              step_seconds: float = STEP_SECONDS, seed: int | None = None, name: str | None = None,
              source: dict | None = None, progress=None, speculative_k: int = 0,
              acceptance: float = 0.0, token_budget: int | None = None,
-             victim: str = "newest", preemption: str = "recompute", swap_blocks: int = 0) -> SimResult:
+             victim: str = "newest", preemption: str = "recompute", swap_blocks: int = 0,
+             offload=()) -> SimResult:
     """Serve ``requests`` on one backend (a registry name, a factory or a Backend class).
     ``speculative_k`` > 0: speculative decoding with that many drafts per step, of which a
     share ``acceptance`` is kept on average (the backend must implement accept).
     ``token_budget``: the tokens one step computes at most, prompts written in chunks (the
     backend must take ``prompt_tokens``). ``victim``: which running sequence a step that does
     not fit preempts (VICTIM_ORDERS); ``preemption``: how (PREEMPTION_MODES; "swap" to a host
-    tier of ``swap_blocks`` blocks, for a backend declaring swap).
+    tier of ``swap_blocks`` blocks, for a backend declaring swap). ``offload``: TierSpecs of
+    the lower tiers freed blocks are stored to and admissions load from (nearest first).
 
     ``source`` (what the requests came from) and ``seed`` go into the trace header.
     ``progress`` (a kvbench.progress.Progress) is told the requests done after each step.
@@ -211,9 +224,23 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
     if preemption == "swap" and (isinstance(swap_blocks, bool) or not isinstance(swap_blocks, int)
                                  or swap_blocks < 1):
         raise ValueError(f"preemption='swap' needs swap_blocks, an integer >= 1, got {swap_blocks!r}")
+    offload = tuple(offload)
+    if offload and preemption == "swap":
+        raise ValueError("offload and preemption='swap' each bring their own host tier: give one")
+    if offload and token_budget is not None:
+        raise ValueError("offload loads whole prompts: it cannot serve with a token budget")
     be, label = _make_backend(backend, config)
     cfg = be.config
     tiers = (TierSpec("host", swap_blocks),) if preemption == "swap" else ()
+    if offload:
+        missing = sorted({t.policy for t in offload} - set(be.capabilities.tiers))
+        if missing:
+            raise ValueError(f"backend {label!r} runs no lower tier of policy {missing[0]!r} (SPEC "
+                             f"§11; its tiers: {', '.join(be.capabilities.tiers) or 'none'}): it "
+                             f"cannot serve with offload")
+        if not cfg.prefix_caching:
+            raise ValueError("offload moves hashed blocks: it needs prefix caching on")
+        be.attach_tiers(offload)
     if tiers:
         if not (be.capabilities.swap and "lru" in be.capabilities.tiers):
             raise ValueError(f"backend {label!r} does not preempt by swap (SPEC §13): it cannot serve "
@@ -231,6 +258,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
     server = _Server(be, reqs, max_batch)
     server.k, server.acceptance, server.budget = speculative_k, float(acceptance), token_budget
     server.victim, server.swap = victim, "host" if tiers else None
+    server.offload = [t.name for t in offload]
     server.rng = np.random.default_rng(0 if seed is None else seed)
     eligible = np.ceil(server.arrival / step_seconds).astype(np.int64)
     order = np.argsort(eligible, kind="stable")  # FCFS: arrival step, then list order
@@ -268,6 +296,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         if progress is not None:
             progress.set(server.counts["finished"] + sum(server.rejected.values()))
     wall = time.perf_counter() - wall0
+    tier_hits = {t["name"]: t["hits"] for t in be.tier_ledgers()} if offload else {}
     be.close()  # the samples hold all the ledger we need; free device memory
 
     header = Header(
@@ -279,11 +308,12 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
                 **({"token_budget": token_budget} if token_budget is not None else {}),
                 **({"victim": victim} if victim != "newest" else {}),
                 **({"preemption": preemption, "swap_blocks": swap_blocks} if tiers else {}),
+                **({"offload": {t.name: t.capacity for t in offload}} if offload else {}),
                 **(source or {})},
         seed=seed,
         settings={"model": cfg.model.name, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
                   "max_context": cfg.max_context, **({"prefix_caching": True} if cfg.prefix_caching else {})},
-        tiers=tiers)
+        tiers=tiers or offload)
     trace = Trace(header, server.ops, name=name or f"serving-{label}")  # valid by construction (tests validate)
     c = server.counts
     return SimResult(
@@ -294,7 +324,7 @@ def simulate(requests, backend="numpy", config: CacheConfig | None = None, *,
         preemptions=c["preemptions"], recomputed_tokens=c["recomputed"],
         admissions=server.admissions, steps=t, prompt_tokens=c["prompt"], output_tokens=c["output"],
         wall_seconds=wall, backend_seconds=server.backend_seconds, prefix_hit_blocks=server.hit_blocks,
-        **{f: c[f] for f in LIFECYCLE_COUNTS})
+        tier_hits=tier_hits, prompt_blocks=c["prompt_blocks"], **{f: c[f] for f in LIFECYCLE_COUNTS})
 
 
 LIFECYCLE_COUNTS = ("drafted_tokens", "rejected_tokens", "rollbacks", "draft_blocks", "rollback_blocks",
@@ -344,13 +374,15 @@ class _Server:
         self.counts = dict(admitted=0, finished=0, preemptions=0, recomputed=0, prompt=0, output=0,
                            drafted_tokens=0, rejected_tokens=0, rollbacks=0, draft_blocks=0,
                            rollback_blocks=0, chunked_prompts=0, prompt_chunks=0, swapped_out=0,
-                           swapped_in=0)
+                           swapped_in=0, prompt_blocks=0)
         self.k, self.acceptance, self.rng = 0, 0.0, None
         self.budget = self.left = None  # token_budget, and what this step has left of it
         self.victim, self.swap = "newest", None  # swap: the tier preemption moves blocks to
         self.held: dict = {}  # request -> (its sequence, its _Running, whether the tier holds it)
         self.backend_seconds = 0.0
         self.next_seq = self.hit_blocks = 0
+        self.offload: list = []  # the tiers a free stores to, nearest first
+        self.transfers = 0  # transfer ids handed out
 
     def timed(self, fn, *args, **kw):
         t0 = time.perf_counter()
@@ -363,8 +395,21 @@ class _Server:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def free(self, seq: int) -> None:
+        for tier in self.offload:  # its full hashed blocks to every tier, each store done at once
+            tid = self.transfer()
+            self.timed(self.be.store, tid, seq, tier, step=len(self.ops))
+            self.ops.append(Store(len(self.ops), tid, seq, tier))
+            self.done(tid)
         self.timed(self.be.free, seq, step=len(self.ops))
         self.ops.append(Free(len(self.ops), seq))
+
+    def transfer(self) -> int:
+        self.transfers += 1
+        return self.transfers - 1
+
+    def done(self, tid: int) -> None:
+        self.timed(self.be.complete, tid, True, step=len(self.ops))
+        self.ops.append(Done(len(self.ops), tid, True))
 
     def decode(self) -> tuple[int, int, int]:
         """Steps 1-2: one token for every running sequence as one batched append, preempting the
@@ -538,10 +583,14 @@ class _Server:
             seq = self.next_seq
             kv = kv_values(seq, 0, tokens, self.model, self.dtype) if self.store else None
             chunked = whole if tokens < whole else None  # the whole prompt's length
+            tid = self.transfer() if self.offload else None
+            prompt = Prompt(tokens, self.reqs[i].tenant, final, self.hashes[i],
+                            prompt_tokens=chunked if tid is None else None)  # a load is whole
             try:
-                self.timed(self.be.prefill, seq,
-                           Prompt(tokens, self.reqs[i].tenant, final, self.hashes[i],
-                                  prompt_tokens=chunked), kv, step=len(self.ops))
+                if tid is None:
+                    self.timed(self.be.prefill, seq, prompt, kv, step=len(self.ops))
+                else:  # after the device's hit, what the tiers hold
+                    self.timed(self.be.load, tid, seq, prompt, kv, step=len(self.ops))
             except OutOfMemory:
                 if self.running:
                     return prefilled, finished, True
@@ -550,11 +599,17 @@ class _Server:
                 continue
             queue.popleft()
             self.next_seq += 1
-            self.ops.append(Prefill(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i],
-                                    prompt_tokens=chunked))
+            if tid is None:
+                self.ops.append(Prefill(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i],
+                                        prompt_tokens=chunked))
+            else:
+                self.ops.append(Load(len(self.ops), seq, self.reqs[i].tenant, tokens, self.hashes[i],
+                                     id=tid))
+                self.done(tid)
             if self.left is not None:
                 self.left -= tokens
             self.counts["chunked_prompts"] += chunked is not None
+            self.counts["prompt_blocks"] += len(self.hashes[i] or ())
             self.admissions.append((t, i, seq))
             prefilled += 1
             self.counts["prompt"] += tokens

@@ -260,6 +260,31 @@ def quantize_vs_copy(factory=None) -> tuple[Callable, Callable]:
     return lambda _: np.copyto(dst, x), lambda _: quantize(x, scheme, out=qt)
 
 
+TIER_KIB = 256  # the smallest block of the tiers' bandwidth goal (0.8 of a copy from 256 KiB)
+TIER_BYTES = 32 << 20  # past the caches: both sides copy memory to memory
+
+
+def tier_copy_vs_copy(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject): two np.copyto of 32 MiB; the NumPy pool's store of the same 32 MiB
+    (128 scattered blocks of 256 KiB) to its host tier, then its load back (its own copies).
+    Within the caches (4 MiB) the ratio moved from 0.8 to 0.2 from one fixture to the next."""
+    if factory is not None:
+        raise NotImplementedError("tier_copy_vs_copy times the NumPy pool's own tier copies")
+    from kvbench.bench.tier_copies import tier_copies
+    tc = tier_copies("numpy", TIER_KIB, TIER_BYTES, tiers=("host",))
+    buf = np.empty_like(tc.flat)
+
+    def copies(_):
+        np.copyto(buf, tc.flat)
+        np.copyto(tc.flat, buf)
+
+    def store_load(_):
+        tc.store("host")
+        tc.load("host")
+
+    return copies, store_load
+
+
 @dataclass(frozen=True)
 class RatioGate:
     name: str
@@ -287,6 +312,9 @@ RATIO_GATES = {g.name: g for g in (
               reuse=9),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
               "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 21, reuse=7),
+    RatioGate("tier_copy_vs_copy", "two np.copyto of 32 MiB / the NumPy pool's store of the same "
+              "32 MiB (128 scattered blocks of 256 KiB) to its host tier and its load back",
+              tier_copy_vs_copy, 25, reuse=5),
 )}
 
 

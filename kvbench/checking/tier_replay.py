@@ -5,7 +5,7 @@ A backend with tiers (``Capabilities.tiers``: the policies it runs) implements::
 
     attach_tiers(specs)                       the trace's tiers (TierSpec: name, capacity, policy)
     store(id, seq, tier, blocks=None, *, step)   begin a store (blocks: positions; None: all full)
-    load(id, seq, tokens, kv, *, tenant, final_tokens, step, protect, block_hashes, ...)
+    load(id, seq, prompt, kv, *, step, protect)
                                               a prefill served from the tiers; returns its victims
     complete(id, ok, kv=None, *, step)        a transfer's completion; kv: a failed load's blocks
                                               to compute again, [blocks * block_size, 2, L, H, D]
@@ -19,7 +19,7 @@ and, declaring ``Capabilities.swap``, preemption by swap (SPEC §13, as the Tier
 
     swap_out(seq, tier, *, step)              every block of seq to the tier, then freed (or, if
                                               the tier cannot hold them, freed only)
-    swap_in(seq, tokens, kv, *, tenant, final_tokens, step, protect, block_hashes, ...)
+    swap_in(seq, prompt, kv, *, step, protect)
                                               its resume: a prefill whose blocks past the device
                                               hit take the tier's K/V; returns its victims
 
@@ -38,6 +38,7 @@ import numpy as np
 from kvbench.checking.oracle import content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.protocol import kv_tokens
+from kvbench.quant import pool as quant_pool
 from kvbench.traces.tier_ops import Abort, Done, Load, Store
 
 TIER_FIELDS = ("capacity", "stored", "storing", "loading", "free", "bytes_down", "bytes_up", "hits")
@@ -182,6 +183,13 @@ class TierReplay:
         for p in positions:
             want = segment_kv(segments, p * B, (p + 1) * B, r.model, r.dtype)
             have = np.asarray(got[p])
+            if r.quantized:  # its codes dequantized: within SPEC §4's bound of what was written
+                why = quant_pool.bound_violation(want, have, r.backend.config.kv_format, p * B)
+                if why:
+                    r.diverge(f"tier content of transfer {tid}", f"the K/V of position {p} within "
+                              "the quantization bound", why, "read back from the tier at the "
+                              "store's completion")
+                continue
             if have.shape != want.shape or not np.array_equal(have, want):
                 bad = "shape " + str(have.shape) if have.shape != want.shape else \
                     f"token {int(np.argwhere(have != want)[0][0])} of the block differs"

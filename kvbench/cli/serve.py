@@ -28,8 +28,26 @@ from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import save
 from kvbench.traces.loaders import LOADERS, Request, load_requests
+from kvbench.traces.tier_ops import TierSpec
 
 SCENARIOS = ("opt13b",)
+
+
+def offload_tiers(text: str) -> tuple:
+    """``host=N[,disk=M]``: the lower tiers, nearest first, each NAME=BLOCKS (LRU)."""
+    tiers = []
+    for part in text.split(","):
+        name, eq, blocks = part.strip().partition("=")
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"each tier is NAME=BLOCKS (host=64,disk=512), got {part!r}")
+        try:
+            tiers.append(TierSpec(name, positive_int(blocks)))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"tier {name!r}: {e}") from None
+    names = [t.name for t in tiers]
+    if len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"a tier is named twice in {text!r}")
+    return tuple(tiers)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +85,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="how a step that does not fit preempts: recompute (free, prefill again) or swap (its "
              "blocks to a host tier of --swap-blocks, back at its resume)")
     add("--swap-blocks", type=positive_int, default=0, help="--preemption swap: the host tier's blocks")
+    add("--offload", type=offload_tiers, metavar="host=N[,disk=M]",
+        help="lower tiers (SPEC §11, LRU, nearest first): a freed sequence's hashed blocks are "
+             "stored to each, an admission loads what they hold after the device's hit; the "
+             "table reports the blocks each served")
     add("--seed", type=int, default=0, help="seed of generated arrivals / lengths")
     add("--rate", type=positive_float, default=1.0, help="--format lengths: arrivals per second")
     add("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
@@ -194,6 +216,11 @@ def run_serving(args, stdout=None) -> int:
         if not args.swap_blocks:
             raise UsageError("--preemption swap needs --swap-blocks N (the host tier's blocks)")
         sim.update(preemption="swap", swap_blocks=args.swap_blocks)
+    offload = getattr(args, "offload", None)
+    if offload:
+        if args.scenario:
+            raise UsageError("--offload applies to --trace runs, not --scenario")
+        sim["offload"] = offload
     budget = getattr(args, "token_budget", None)
     if budget is not None:
         if args.scenario:
@@ -227,7 +254,8 @@ def run_serving(args, stdout=None) -> int:
         table, sims = memory_breakdown(reqs, cfg, backends, step_seconds=args.step_seconds,
                                        source=source, progress=progress, **sim)
         params = {**source, "model": cfg.model.name, "block_size": cfg.block_size,
-                  "num_blocks": cfg.num_blocks, "max_context": cfg.max_context, **sim,
+                  "num_blocks": cfg.num_blocks, "max_context": cfg.max_context,
+                  **sim, **({"offload": {t.name: t.capacity for t in offload}} if offload else {}),
                   "step_seconds": args.step_seconds, "prefix_caching": cfg.prefix_caching}
     paper = ["paper_token_states"] if "paper_token_states" in table else []
     cols = ["backend", *paper, *SERVE_COLUMNS[1:]]
@@ -237,6 +265,8 @@ def run_serving(args, stdout=None) -> int:
         cols += ["tokens_per_step", "chunked_prompts", "prompt_chunks"]
     if "preemption" in sim:
         cols += ["swapped_out", "swapped_in"]
+    if offload:  # prompt blocks each level served
+        cols += ["prefix_hit_blocks", *(f"{t.name}_hit_blocks" for t in offload), "computed_blocks"]
     print_table(table, cols)
     for r in table.itertuples():
         if r.requests and not r.finished:
