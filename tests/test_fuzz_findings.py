@@ -72,6 +72,31 @@ def test_a_rollback_under_a_chunked_group_is_not_applicable():
     assert v.valid is None and "chunked(1)" in v.not_applicable
 
 
+@pytest.mark.parametrize("groups", [("sliding(1)", "full"), ("state(127)", "full")])
+def test_a_chunk_completing_a_block_whose_cached_copy_its_append_evicts_is_cached(groups):
+    # Found by `kvbench fuzz --backend numpy --model-shapes` (seed 0, histories 348 and 361, on
+    # state models): the oracle registered a chunk's completed block while the append still
+    # took blocks, so a cached copy those allocations then evicted left the key uncached.
+    # B = 2, 4 blocks, LRU. Seq 0 writes 1 token of a 20-token prompt (block 0 of each group);
+    # seq 1 prefills p1.0's 2 tokens. Seq 0's append of 2 completes its block 0 (p1.0) and
+    # needs block 1 of both groups: 2 new blocks, 1 free, so LRU evicts seq 1 and the append
+    # takes the blocks that cached p1.0. Seq 0's block 0 is then p1.0's entry in each group.
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=2,
+                         num_blocks=4, prefix_caching=True, max_context=64, policy="lru",
+                         tenant_weights={"a": 1})
+    hashes = ("p1.0", "p1.1", "p1.2", "p1.3", "p1.4", "p1.5", "p1.6", "p1.7", "r2.8", "r2.9")
+    ops = [Prefill(0, 0, "a", 1, hashes, prompt_tokens=20), Prefill(1, 1, "a", 2, ("p1.0",)),
+           Append(2, (0,), (2,))]
+    trace = validate(Trace(Header("fuzz-finding", groups=groups, tenants={"a": 1}), ops,
+                           name="chunk_copy_evicted"))
+    backend = NumpyPaged(config)
+    v = check(trace, backend)
+    assert v.valid, v.divergence
+    # 1 = the first group's block 0 of seq 0, released at 3 tokens (sliding(1): below
+    # 3 - 1 + 1 = 3; a state: below its last token's block (3 - 1) // 2 = 1), cached under p1.0
+    assert backend.ledger().cached_blocks == 1
+
+
 # --- engine findings: pinned where the engine's rule is not kvbench's (they skip without it) ---
 
 CAMPAIGNS = Path(__file__).resolve().parents[1] / "results" / "fuzz" / "campaigns"
