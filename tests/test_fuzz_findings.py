@@ -124,10 +124,12 @@ def _with_window(trace, old: str, new: str):
                                      "earlier/vllm-kvmanager/04-blocks-used-prefill",
                                      "vllm-kvmanager/01-blocks-used-fork",
                                      "vllm-kvmanager/06-cached-blocks-preempt",
-                                     "vllm-kvmanager/09-outcome-success-expected-out-of-memory-a-fork"])
+                                     "vllm-kvmanager/09-outcome-success-expected-out-of-memory-a-fork",
+                                     "vllm-kvmanager-dense/04-cached-blocks-append",
+                                     "vllm-kvmanager-dense/05-cached-blocks-free"])
 def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
-    """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again seven ways
-    by two campaigns: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
+    """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again nine ways
+    by three campaigns: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
     it holds more blocks, caches fewer or refuses a fork SPEC admits; the same trace with
     sliding(2) passes. Held under dense retention, vllm-kvmanager-dense: at the serving
     default's sparse retention, which the oracle does not model yet, every sliding group departs."""
@@ -155,15 +157,16 @@ def test_vllm_serving_default_sparse_retention_is_not_modelled_yet(finding):
     assert _engine_check("vllm-kvmanager-dense", trace).valid
 
 
-@pytest.mark.parametrize("finding", ["03-outcome-out-of-memory-expected-success-a-prefill",
-                                     "07-blocks-used-resume"])
+@pytest.mark.parametrize("finding", ["vllm-kvmanager/03-outcome-out-of-memory-expected-success-a-prefill",
+                                     "vllm-kvmanager/07-blocks-used-resume",
+                                     "vllm-kvmanager-dense/06-blocks-used-prefill"])
 def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding):
     """A declared-rule gap (results/fuzz/campaigns.md): a prompt on one chunked(C) group takes
     only the blocks of its current chunk in vLLM (14 tokens under chunked(13) at B = 1: one
     block), where the oracle, under vLLM's window_release "next_allocation", holds every prompt
     block until the request next allocates; at dense retention too."""
     pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
-    trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
     assert len(trace.header.groups) == 1 and trace.header.groups[0].startswith("chunked")
     for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
         d = _engine_check(name, trace).divergence
@@ -172,16 +175,21 @@ def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding)
         assert fewer or (d.expected, d.actual) == ("out-of-memory", "success"), d
 
 
-def test_vllm_a_resumed_sequence_finds_its_own_unhashed_blocks():
-    """The oracle gap of results/fuzz/campaigns.md (open, as SGLang's 04 and 06): prefill 3
-    unhashed tokens at B = 1 into 4 blocks, preempt, resume, fork. vLLM caches every full block,
-    so the resume finds the sequence's 3 blocks and the fork (2 hit, 1 computed again) fits in
-    the 4th; the oracle's recompute looks up no key for unhashed blocks and refuses the fork."""
+@pytest.mark.parametrize("finding, divergence", [
+    ("08-outcome-out-of-memory-expected-success-a-fork", (3, "outcome of fork", "out-of-memory", "success")),
+    ("09-shared-blocks-fork", (5, "shared_blocks", 2, 4))])
+def test_vllm_a_resumed_sequence_finds_its_own_unhashed_blocks(finding, divergence):
+    """The oracle gap of results/fuzz/campaigns.md (open, as SGLang's 04 and 06): vLLM caches
+    every full block, so a resume finds the sequence's own unhashed blocks; the oracle's
+    recompute looks up no key for them. 08: prefill 3 tokens at B = 1 into 4 blocks, preempt,
+    resume, fork: the fork (2 hit, 1 computed again) fits in the 4th block for vLLM, the oracle
+    refuses it. 09: a fork of the resumed sequence shares the blocks it found again (on one
+    full group or two, any window)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
-    trace = load(str(CAMPAIGNS / "vllm-kvmanager" / "08-outcome-out-of-memory-expected-success-a-fork.min.jsonl"))
-    assert [op.kind for op in trace.ops] == ["prefill", "preempt", "resume", "fork"]
+    trace = load(str(CAMPAIGNS / "vllm-kvmanager-dense" / f"{finding}.min.jsonl"))
+    assert {"preempt", "resume"} <= {op.kind for op in trace.ops}
     d = _engine_check("vllm-kvmanager-dense", trace).divergence
-    assert (d.index, d.quantity, d.expected, d.actual) == (3, "outcome of fork", "out-of-memory", "success")
+    assert (d.index, d.quantity, d.expected, d.actual) == divergence
 
 
 def _sglang():
