@@ -200,32 +200,54 @@ def _sglang():
     assert ok, why
 
 
-@pytest.mark.parametrize("finding, site", [
-    ("01-cached-blocks-append", "append"),  # (a): a page per request over-evicted, B = 32
-    ("02-cached-blocks-prefill", "append"),  # (a) or (b), not separated (shrinking stopped at 60 s)
-    ("03-cached-blocks-fork", "prefill"),  # (b): a whole radix leaf evicted, B = 1
-    ("04-cached-blocks-free", "resume"),  # kvbench: a resume hits none of its own filled blocks
-    ("06-cached-blocks-resume", "resume")])
-def test_sglang_caches_fewer_blocks_than_the_oracle(finding, site):
+@pytest.mark.parametrize("backend, finding, site", [
+    ("sglang-radix", "earlier/sglang-radix/01-cached-blocks-append", "append"),  # (a): a page per request over-evicted, B = 32
+    ("sglang-radix", "earlier/sglang-radix/02-cached-blocks-prefill", "append"),  # (a) or (b), not separated (shrinking stopped at 60 s)
+    ("sglang-radix", "earlier/sglang-radix/03-cached-blocks-fork", "prefill"),  # (b): a whole radix leaf evicted, B = 1
+    ("sglang-radix", "earlier/sglang-radix/04-cached-blocks-free", "resume"),  # kvbench: a resume hits none of its own filled blocks
+    ("sglang-radix", "earlier/sglang-radix/06-cached-blocks-resume", "resume"),
+    ("sglang", "sglang/01-cached-blocks-append", "prefill"),  # (a), B = 32
+    ("sglang", "sglang/02-cached-blocks-prefill", "prefill"),  # (a), B = 16
+    ("sglang", "sglang/03-cached-blocks-fork", "prefill"),  # (b), B = 1
+    ("sglang", "sglang/04-cached-blocks-free", "resume"),  # the resume's own unhashed blocks
+    ("sglang", "sglang/07-cached-blocks-resume", "resume")])
+def test_sglang_caches_fewer_blocks_than_the_oracle(backend, finding, site):
     """SGLang's two ways of evicting more than a call needs (results/engines/sglang-radix, (a)
-    and (b)), found again; and a gap of kvbench's oracle (results/fuzz/campaigns.md): the
-    recompute of a preempted sequence looks up no key for its unhashed blocks, which SGLang
-    (caching every full page) finds in its tree, so SGLang holds its own old pages where the
-    oracle expects them cached."""
+    and (b)), found again, at the serving default (sglang) too; and a gap of kvbench's oracle
+    (results/fuzz/campaigns.md): the recompute of a preempted sequence looks up no key for its
+    unhashed blocks, which SGLang (caching every full page) finds in its tree, so SGLang holds
+    its own old pages where the oracle expects them cached."""
     _sglang()
-    trace = load(str(CAMPAIGNS / "earlier" / "sglang-radix" / f"{finding}.min.jsonl"))
-    d = _engine_check("sglang-radix", trace).divergence
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    d = _engine_check(backend, trace).divergence
     assert d is not None and d.op["op"] == site and d.quantity == "cached_blocks", d
     assert d.actual < d.expected, d
 
 
-def test_sglang_refuses_a_fork_whose_last_token_has_no_free_page():
-    """A declared-rule gap: a fork is a new request of the parent's tokens that hits all but
-    the last (hit_leaves_last_token); SGLang needs a free page to compute that token again
-    before its checkpoint drops the duplicate, while kvbench's oracle counts the memory as if
-    it had hit. 6 tokens fill the 6 one-token pages: the fork is refused."""
+@pytest.mark.parametrize("backend, finding, site", [
+    ("sglang-radix", "earlier/sglang-radix/05-outcome-success-expected-out-of-memory-a-fork", "fork"),
+    ("sglang", "sglang/05-outcome-success-expected-out-of-memory-a-fork", "fork"),
+    ("sglang", "sglang/08-outcome-success-expected-out-of-memory-a-prefill", "prefill")])
+def test_sglang_refuses_a_prompt_whose_last_token_has_no_free_page(backend, finding, site):
+    """A declared-rule gap: a fork is a new request of the parent's tokens, and a prompt hits
+    all its tokens but the last (hit_leaves_last_token); SGLang needs a free page to compute
+    that token again before its checkpoint drops the duplicate, while kvbench's oracle counts
+    the memory as if it had hit. 6 tokens fill the 6 one-token pages: the fork is refused; a
+    second prompt of one cached 4-token page, in a pool of that page alone, is refused."""
     _sglang()
-    trace = load(str(CAMPAIGNS / "earlier" / "sglang-radix" / "05-outcome-success-expected-out-of-memory-a-fork.min.jsonl"))
-    assert [op.kind for op in trace.ops] == ["prefill", "fork"] and trace.ops[0].tokens == 6
-    d = _engine_check("sglang-radix", trace).divergence
-    assert (d.index, d.quantity, d.expected, d.actual) == (1, "outcome of fork", "success", "out-of-memory")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert [op.kind for op in trace.ops] == ["prefill", site]
+    d = _engine_check(backend, trace).divergence
+    assert (d.index, d.quantity, d.expected, d.actual) == (1, f"outcome of {site}", "success", "out-of-memory")
+
+
+def test_sglang_a_fork_of_a_resumed_sequence_shares_its_own_pages():
+    """The resume's own unhashed blocks again (the oracle gap): prefill 1 token at B = 1 into
+    2 pages, preempt, resume, fork. The oracle expects the fork's token computed again into a
+    page of its own (blocks_used 2 = 1 + 1); SGLang's tree holds the resumed sequence's page,
+    so its checkpoint drops the fork's duplicate (1)."""
+    _sglang()
+    trace = load(str(CAMPAIGNS / "sglang" / "06-blocks-used-fork.min.jsonl"))
+    assert [op.kind for op in trace.ops] == ["prefill", "preempt", "resume", "fork"]
+    d = _engine_check("sglang", trace).divergence
+    assert (d.index, d.quantity, d.expected, d.actual) == (3, "blocks_used", 2, 1)
