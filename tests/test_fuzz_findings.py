@@ -227,7 +227,8 @@ def test_sglang_caches_fewer_blocks_than_the_oracle(backend, finding, site):
 @pytest.mark.parametrize("backend, finding, site", [
     ("sglang-radix", "earlier/sglang-radix/05-outcome-success-expected-out-of-memory-a-fork", "fork"),
     ("sglang", "sglang/05-outcome-success-expected-out-of-memory-a-fork", "fork"),
-    ("sglang", "sglang/08-outcome-success-expected-out-of-memory-a-prefill", "prefill")])
+    ("sglang", "sglang/08-outcome-success-expected-out-of-memory-a-prefill", "prefill"),
+    ("sglang-radix", "sglang-radix/08-outcome-success-expected-out-of-memory-a-prefill", "prefill")])
 def test_sglang_refuses_a_prompt_whose_last_token_has_no_free_page(backend, finding, site):
     """A declared-rule gap: a fork is a new request of the parent's tokens, and a prompt hits
     all its tokens but the last (hit_leaves_last_token); SGLang needs a free page to compute
