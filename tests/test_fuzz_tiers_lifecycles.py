@@ -69,7 +69,9 @@ def test_a_campaign_reads_the_lifecycles_the_backend_takes(tmp_path):
                                           (faults_tiers.LeaseEndsAtFree, 30),
                                           (faults.RollbackKeepsTailFill, 10),
                                           (faults.ResumeIntoOldBlocks, 10),
-                                          (faults.SinkReleasedEarly, 10)],
+                                          (faults.SinkReleasedEarly, 10),
+                                          (faults.StateNotZeroed, 10),
+                                          (faults_tiers.SwapInReadsAnother, 30)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_planted_tier_lifecycle_or_kind_fault_is_found_and_shrunk(fault, within, tmp_path):
     c = Campaign(registry.resolve(f"{fault.__module__}:{fault.__name__}"), tmp_path, seed=0,
@@ -88,7 +90,7 @@ def test_model_shapes_are_the_same_under_a_seed_and_keep_to_the_declared_kinds()
     assert a != [t.to_jsonl() for t, _, _ in histories(NUMPY, 60, shapes=True, seed=6)]
     drawn = histories(NUMPY, 300, shapes=True)
     families = {k.split("(")[0] for _, s, _ in drawn for k in s.kinds()}
-    assert families == {"full", "sliding", "chunked", "sinks", "mla"}
+    assert families == {"full", "sliding", "chunked", "sinks", "mla", "state"}
     sources = {s.shape for _, s, _ in drawn} - {"", "random mix"}
     assert {"gemma-3-12b", "tiny-sinks", "deepseek-v3"} & sources and sources <= set(R.shape_presets(NUMPY))
     assert all(s.spec().layers <= 4 for _, s, _ in drawn)  # scaled down: tiny bases only
@@ -98,6 +100,37 @@ def test_model_shapes_are_the_same_under_a_seed_and_keep_to_the_declared_kinds()
     hybrid = Capabilities(prefix_caching=True, groups=True)
     assert {k.split("(")[0] for _, s, _ in histories(hybrid, 150, shapes=True)
             for k in s.kinds()} == {"full", "sliding"}
+
+
+def test_a_drawn_state_fits_one_block_and_is_never_a_model_alone():
+    states = 0
+    for _, s, _ in histories(NUMPY, 300, shapes=True):
+        spec = s.spec()
+        assert any(g.per_token for g in spec.kv_groups), s.groups
+        for g in spec.kv_groups:
+            if g.state_bytes is not None:
+                states += 1
+                # a block's bytes over the group's layers: B tokens * 2 (K, V) * 2 heads * 8 dims
+                # * 2 bytes per layer, as tiny-hybrid's
+                assert len(g.layers) * g.state_bytes <= s.block_size * 2 * 2 * 8 * 2 * len(g.layers)
+    assert states > 0
+    assert R._with_token_group(["state", "state"], ["state", "chunked"]) == ["state", "chunked"]
+    assert R._with_token_group(["state"], ["state"]) == ["full"]
+
+
+def test_swaps_only_where_declared_and_resumed_first_come_first_served():
+    swapped = [t for t, _, _ in histories(NUMPY, 300) if any(getattr(op, "mode", "") == "swap" for op in t.ops)]
+    assert swapped
+    no_swap = dataclasses.replace(NUMPY, swap=False)
+    assert not any(getattr(op, "mode", "") == "swap" for t, _, _ in histories(no_swap, 300) for op in t.ops)
+    for t in swapped:  # every preempted sequence is resumed, freed or aborted by the end
+        waiting = set()
+        for op in t.ops:
+            if op.kind == "preempt":
+                waiting.add(op.seq)
+            elif op.kind in ("resume", "free", "abort"):
+                waiting.discard(op.seq)
+        assert not waiting, t.name
 
 
 def test_a_preset_pattern_is_cut_down_keeping_each_kind():

@@ -43,6 +43,7 @@ MANY_SHARERS, MANY_LIVE, LONG_PROMPT_BLOCKS = 128, 65, 17
 
 # The edge conditions a campaign reports reached or not, in the order of the summary.
 REFUSAL, POLICY_REFUSAL = "refusal", "refusal under a policy (evicting all would not do)"
+STATE_HIT = "prefix hit on a state model (its state at a cached boundary)"
 EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
@@ -51,7 +52,10 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          # SPEC §11 and §13, for a backend that declares them
          "load served from a tier", "store into a full tier", "failed transfer",
          "abort of a load in flight", "free while its store is in flight",
-         "rollback releasing a block", "resume with a prefix hit")
+         "rollback releasing a block", "resume with a prefix hit", "preempt by swap to a tier",
+         # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
+         # copies the state, an eviction takes a cached state's block
+         STATE_HIT, "fork of a state model", "eviction on a state model")
 
 
 class Watch:
@@ -72,6 +76,7 @@ class Watch:
         self.tier_hits = 0
         self.loading: set = set()  # sequences with a load in flight, and with a store in flight
         self.storing: set = set()
+        self.states = any(g.state_bytes is not None for g in oracle.groups)
 
     def update(self, _n: int = 1) -> None:
         o, op, B = self.o, self.ops[self.i], self.B
@@ -102,7 +107,18 @@ class Watch:
         if B >= 256 and any(st.tokens >= B for st in o.seqs.values()):
             self.reached.add("full block of 256+ tokens")
         self._lifecycle(op, hit)
+        if self.states:
+            self._states(op, hit)
         self._remember()
+
+    def _states(self, op, hit: bool) -> None:
+        """The edges of a model with state groups (SPEC §12) the operation reached."""
+        if hit:
+            self.reached.add(STATE_HIT)
+        if isinstance(op, Fork) and op.seq in self.o.seqs:
+            self.reached.add("fork of a state model")
+        if "eviction" in self.reached:
+            self.reached.add("eviction on a state model")
 
     def _lifecycle(self, op, hit: bool) -> None:
         """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
@@ -112,6 +128,8 @@ class Watch:
             self.reached.add("rollback releasing a block")
         if kind == "resume" and hit:
             self.reached.add("resume with a prefix hit")
+        if kind == "preempt" and op.seq in getattr(self.o, "swapped", ()):
+            self.reached.add("preempt by swap to a tier")
         if self.tiers is None:
             return
         hits = sum(t.hits for t in self.tiers.tiers)

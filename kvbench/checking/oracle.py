@@ -152,6 +152,7 @@ class Oracle:
         self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
+        self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -639,6 +640,10 @@ class Oracle:
                            if d} if drafts else {}
         if self.layout == "paged":
             self._paged_write(seqs, tokens)
+            # after every block the append takes: a cached copy its allocations evicted is gone
+            for b, g, key in self._chunk_done:
+                self._register(b, g, key)
+            self._chunk_done = []
             for s in seqs:  # blocks its last accept completed with kept drafts
                 st = self.seqs[s]
                 for g, i in st.later:
@@ -702,12 +707,13 @@ class Oracle:
 
     def _completed(self, b: int, g: int, seq, i: int) -> None:
         """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
-        a block of a chunked prompt becomes the cache entry of its key; a block holding a draft
+        a block of a chunked prompt becomes the cache entry of its key once the append has taken
+        its blocks (as an engine caches after allocating); a block holding a draft
         token is cached by no engine (its accept may still roll it back)."""
         chunk = self.seqs[seq].prompt.get("chunk_keys")
         if chunk is not None and i < len(chunk):
             if self.caching and self._keeps(self.seqs[seq], g, i):
-                self._register(b, g, chunk[i])
+                self._chunk_done.append((b, g, chunk[i]))
         elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
             self._filled(b, g, seq, i)
 

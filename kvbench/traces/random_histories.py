@@ -42,7 +42,7 @@ import numpy as np
 from kvbench.contract.formulas import PRESETS, get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
 from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks
-from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.format import Free, Header, Prefill, Preempt, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
 from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
@@ -63,6 +63,7 @@ HYBRID_LAYERS = 4  # tiny-hybrid's layers: 1, 2 or 4 groups
 TIER_RATE = 0.2  # histories with lower tiers, for a backend that runs them
 LIFECYCLES = ("chunked", "speculative", "preempt")
 LIFECYCLE_RATE = 0.35  # each lifecycle the backend takes, drawn into a history
+SWAP_PREEMPT_RATE = 0.7  # the preempt lifecycle in a tiered history, for a backend that swaps
 MAX_DRAFT = 5  # draft tokens of one speculative append
 FAIL_RATE = 0.2  # transfers that complete with ok false
 SHAPE_RATE = 0.6  # with --model-shapes: histories whose model is a drawn shape
@@ -119,7 +120,25 @@ def _scaled_kind(rng, family: str, B: int) -> str:
         return f"sinks({sinks},{_window(rng, B)})"
     if family == "mla":
         return f"mla({get_model(MLA_BASE).head_dim})"
+    if family == "state":
+        return f"state({_state_size(rng, B)})"
     return "full"
+
+
+def _state_size(rng, B: int) -> int:
+    """A state's bytes per layer at, one under or anywhere up to one block's bytes per layer of
+    tiny-hybrid (a pool keeps a state in the block of its last token, SPEC §12)."""
+    base = get_model("tiny-hybrid")
+    top = B * base.bytes_per_token // base.layers
+    return max(1, int(rng.choice([top, top - 1, 1, int(rng.integers(1, top + 1))])))
+
+
+def _with_token_group(pattern: list, families: list) -> list:
+    """``pattern`` with its last group a per-token kind of ``families`` (else full) when every
+    group of it is a state: such a model has no token blocks to size its pages by."""
+    if all(f == "state" for f in pattern):
+        pattern = pattern[:-1] + [next((f for f in families if f != "state"), "full")]
+    return pattern
 
 
 def _pattern(families: list, G: int) -> list:
@@ -146,8 +165,9 @@ def draw_shape(rng, caps: Capabilities, B: int) -> tuple[str, tuple, str]:
     """A model for --model-shapes: (base preset, group kinds, where the shape comes from).
     Half the time a preset's pattern of kinds scaled down to at most 4 groups of tiny-hybrid's
     layers (MLA presets: tiny-mla's); otherwise a random mix of the kinds the backend declares
-    (full, sliding, SPEC §12's chunked and sinks; MLA alone, its K/V arrays hold no other kind)."""
-    mixable = [f for f in ("full", "sliding", "chunked", "sinks") if f in caps.kinds]
+    (full, sliding, SPEC §12's chunked, sinks and state, a state never alone; MLA alone, its K/V
+    arrays hold no other kind)."""
+    mixable = [f for f in ("full", "sliding", "chunked", "sinks", "state") if f in caps.kinds]
     if rng.random() < 0.5:
         patterns: dict = {}  # a pattern of kinds drawn as often as any other, then a preset of it
         for name in shape_presets(caps):
@@ -168,7 +188,7 @@ def draw_shape(rng, caps: Capabilities, B: int) -> tuple[str, tuple, str]:
         base = "tiny-hybrid"
     layers = get_model(base).layers
     G = max(g for g in (1, 2, 4) if g <= min(len(families), layers))
-    groups = tuple(_scaled_kind(rng, f, B) for f in _pattern(families, G))
+    groups = tuple(_scaled_kind(rng, f, B) for f in _with_token_group(_pattern(families, G), families))
     return base, groups, source
 
 
@@ -220,7 +240,9 @@ def draw_settings(rng, caps: Capabilities, lifecycles: tuple = (), model_shapes:
         keyed = bool(caps.cache_salt and rng.random() < 0.6)
     spec = get_model(model)
     releasing = any(g.releases for g in (with_group_kinds(spec, groups) if groups else spec).kv_groups)
-    drawn = tuple(name for name in LIFECYCLES if name in lifecycles and rng.random() < LIFECYCLE_RATE
+    swaps = bool(tiers and caps.swap)  # preemption is then what the tiers serve most (SPEC §13)
+    drawn = tuple(name for name in LIFECYCLES if name in lifecycles
+                  and rng.random() < (SWAP_PREEMPT_RATE if swaps and name == "preempt" else LIFECYCLE_RATE)
                   and not (name == "speculative" and releasing))  # a rollback there: n/a
     return Settings(B, model, groups, caching, keyed, policy, tenants, budget, tight,
                     max_len=max_len, ops=ops, tiers=tiers, lifecycles=drawn, shape=shape)
@@ -240,7 +262,7 @@ class History(_Builder):
         self.own_ids = VOCAB  # token ids no shared prefix uses
         self.chunk_left: dict = {}  # sequence -> tokens of its chunked prompt not yet written
         self.drafted: dict = {}  # sequence -> draft tokens waiting for an accept
-        self.preempted: set = set()
+        self.preempted: dict = {}  # sequence -> None, in the order they were preempted
         self.loading: dict = {}  # sequence -> its load in flight
         self.in_flight: dict = {}  # transfer id -> (kind, sequence)
         self.next_id = 0
@@ -313,7 +335,7 @@ class History(_Builder):
     def _forget(self, seq) -> None:
         self.chunk_left.pop(seq, None)
         self.drafted.pop(seq, None)
-        self.preempted.discard(seq)
+        self.preempted.pop(seq, None)
 
     # transfers (SPEC §11)
     def transfer_id(self, kind: str, seq: int) -> int:
@@ -508,15 +530,28 @@ def _preempt(h: History) -> None:
         return _prefill(h)
     s = h.pick(h.forkable())
     h.preempt(s)
-    h.preempted.add(s)
+    h.preempted[s] = None
+
+
+def _preempt_swap(h: History) -> None:
+    """Preempts by swap of one to three sequences to a lower tier (SPEC §11, §13), as a
+    scheduler swaps several out at once; their resumes move them back, in any order."""
+    if not h.forkable():
+        return _prefill(h)
+    rng, cands = h.rng, h.forkable()
+    for s in rng.choice(cands, size=min(len(cands), int(rng.integers(1, 4))), replace=False):
+        tier = h.s.tiers[int(rng.integers(len(h.s.tiers)))].name
+        h.ops.append(Preempt(len(h.ops), int(s), "swap", tier))
+        h.preempted[int(s)] = None
 
 
 def _resume(h: History) -> None:
     if not h.preempted:
         return _preempt(h)
-    s = h.pick(sorted(h.preempted))
+    # half the time first come first served, as a scheduler resumes its waiting queue
+    s = next(iter(h.preempted)) if h.rng.random() < 0.5 else h.pick(sorted(h.preempted))
     h.resume(s)
-    h.preempted.discard(s)
+    del h.preempted[s]
 
 
 # --- the transfers of SPEC §11 -----------------------------------------------------------------
@@ -640,6 +675,7 @@ OP_KINDS: list[OpKind] = [
     OpKind("accept", 3, _accept, _lifecycle("speculative")),
     OpKind("preempt", 1.5, _preempt, _lifecycle("preempt")),
     OpKind("resume", 1.5, _resume, _lifecycle("preempt")),
+    OpKind("preempt by swap", 3, _preempt_swap, lambda c, s: c.swap and bool(s.tiers) and "preempt" in s.lifecycles),
     OpKind("store", 3, _store, _tiered),
     OpKind("load", 3, _load, _tiered),
     OpKind("complete a transfer", 3, _complete, _tiered),
@@ -665,6 +701,9 @@ def random_ops(rng, settings: Settings, caps: Capabilities) -> tuple[list, list,
         kind = kinds[int(rng.choice(len(kinds), p=p / p.sum()))]
         drawn.append(kind.name)
         kind.make(h)
+    for seq in list(h.preempted):  # the waiting queue served, first come first served
+        h.resume(seq)
+        del h.preempted[seq]
     if rng.random() < 0.5:
         _drain(h)
     for tid in sorted(h.in_flight):  # every transfer completes, some after their sequence's free
@@ -711,12 +750,18 @@ def _family_params(name: str, rng, s: Settings) -> dict:
         p_hi, o_hi = n(1, 4 * B), n(1, 4 * B)
         return dict(num_requests=n(4, 10), prompt=(1, p_hi), output=(1, o_hi), decode_chunk=n(1, B),
                     num_blocks=-(-(p_hi + o_hi) // B) + n(0, 8), block_size=B)
+    if name == "swap_preemption":
+        p_hi, o_hi = n(1, 4 * B), n(1, 4 * B)
+        return dict(num_requests=n(4, 10), prompt=(1, p_hi), output=(1, o_hi), decode_chunk=n(1, B),
+                    num_blocks=-(-(p_hi + o_hi) // B) + n(0, 8), block_size=B, host=n(1, 16))
     if name == "tiered_turns":
         return dict(conversations=n(4, 6), turns=n(2, 3), output=(1, max(1, B)),
                     block_size=int(rng.choice([2, 4, 8, 16])), host=n(0, 8), disk=n(0, 32))
     if name in ("eviction_edges", "decode_edges"):
         return dict(block_size=int(rng.choice([4, 8, 16])), num_blocks=n(16, 24), rounds=n(1, 2),
                     tenants={"t0": 1, "t1": 2})
+    if name == "window_hits":  # tiny-hybrid's window of 32: hits it cuts short, at an exact fit
+        return dict(rounds=n(1, 2), block_size=int(rng.choice([2, 3, 4, 8, 16])))
     if name == "window_decode":
         return dict(rounds=1, block_size=int(rng.choice([4, 8, 16])))  # it takes 3 <= B < W (32 on tiny-hybrid)
     raise ValueError(f"no random parameters for family {name!r}")
@@ -729,15 +774,17 @@ FAMILY_SOURCES = (
     ("prefix_sharing", lambda c, s: c.fork and s.prefix_caching),
     ("salted_prefixes", lambda c, s: s.keyed),
     ("window_decode", lambda c, s: c.fork and c.groups and c.layout == "paged"),
+    ("window_hits", lambda c, s: c.groups and c.layout == "paged" and s.prefix_caching),
     ("eviction_edges", lambda c, s: c.fork),
     ("decode_edges", lambda c, s: c.fork),
     ("chunked_prefill", lambda c, s: "chunked" in s.lifecycles),
     ("speculative_forks", lambda c, s: c.fork and "speculative" in s.lifecycles),
     ("preemption", lambda c, s: "preempt" in s.lifecycles),
     ("tiered_turns", lambda c, s: bool(s.tiers)),
+    ("swap_preemption", lambda c, s: c.swap and bool(s.tiers) and "preempt" in s.lifecycles),
 )
 # Built for their own budget: always run at it (tiered_turns's flush takes every block).
-OWN_BUDGET = ("eviction_edges", "decode_edges", "tiered_turns")
+OWN_BUDGET = ("eviction_edges", "decode_edges", "tiered_turns", "window_hits")
 FAMILY_RATE = 0.2  # histories drawn from a family instead of from OP_KINDS
 
 

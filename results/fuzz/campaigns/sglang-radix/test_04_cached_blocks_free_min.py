@@ -1,4 +1,4 @@
-"""Shrunk by `kvbench shrink` from kvbench fuzz seed 0 history 20 (68 ops, first divergence at step 48)
+"""Shrunk by `kvbench shrink` from kvbench fuzz seed 0 history 20 (69 ops, first divergence at step 47)
 
 3 operations; sglang-radix fails at step 2: cached_blocks expected 1, actual 0.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
