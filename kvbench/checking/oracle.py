@@ -154,6 +154,7 @@ class Oracle:
         self.tree = RadixTree(self.caps.leaf_order) if (
             self.caching and self.caps.evicts_whole_leaves) else None
         self._tree_reqs: dict = {}
+        self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -333,7 +334,8 @@ class Oracle:
         by another prompt) and that every group of ``seq`` shares at that position (so a fork
         served through the prefix cache finds the parent's blocks in every group)."""
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
-            self._register(b, g, ("filled", seq, i))
+            life = self._lives.get(seq, 0)  # a resumed sequence's blocks are new content to the cache
+            self._register(b, g, ("filled", seq, i) + ((life,) if life else ()))
 
     def _note_writers(self, seq, untagged, extra) -> None:
         for key in untagged:
@@ -524,6 +526,7 @@ class Oracle:
         """An engine that evicts before it allocates: for ``need`` blocks, or (page_per_request)
         for the new tokens plus one page per request (a decode step: a page per request), beyond
         the uncached free blocks; whole leaves of its tree, or cached blocks first released first."""
+        new_tokens = [t for t in new_tokens if t > 0]  # a request allocating nothing
         if not self.caching or not new_tokens or (
                 self.tree is None and self.caps.eviction_demand == "need"):
             return  # SPEC: a cached block goes only when a block is taken
@@ -826,6 +829,7 @@ class Oracle:
         releases them, its content kept for its resume (a prefill of all its tokens)."""
         self._dirty.add(seq)
         self._tree_checkpoint(seq, release=True)
+        self._lives[seq] = self._lives.get(seq, 0) + 1
         st = self.seqs.pop(seq)
         self._release(st)
         st.tables, st.slabs = [], []

@@ -6,8 +6,10 @@ unlocked leaves. Which blocks form a node depends on where the engine's walks en
 replays the walks the engine makes (sglang/srt/mem_cache/radix_cache.py, 0.5.23):
 
 - ``match`` (``_match_prefix_helper``, :651): touches the root and every node it walks; a match
-  that ends inside a node splits it there (``_split_node``, :677: the new upper part is created
-  now, the lower keeps its times);
+  that ends inside a node splits it there (``_split_node``, :677: the new upper part is touched
+  now, the lower keeps its times; the upper keeps the node's creation time as the serving tree's
+  Rust core does, where RadixCache's Python split stamps a new one: only ``fifo`` tells them
+  apart, and no backend runs RadixCache under fifo);
 - ``insert`` (``_insert_helper``, :705): touches the nodes it walks, splits where the key ends or
   diverges inside one, and adds one new leaf for the rest (created now); ``hit_count`` grows on the
   nodes past what the request inserted before (``inserted_len``), ``priority`` is the max over the
@@ -67,6 +69,7 @@ class RadixTree:
         """``_split_node``: a new node for ``child``'s first ``m`` blocks, above it."""
         upper = self._node(child.keys[:m], child.parent, child.priority)
         upper.hit_count = child.hit_count
+        upper.created = child.created  # the Rust core's (RadixCache's Python split stamps it new)
         upper.children = {child.keys[m]: child}
         child.parent.children[child.keys[0]] = upper
         child.keys = child.keys[m:]
