@@ -73,10 +73,11 @@ VERSION = "0.5.23"
 #   :583-585 (decode: len(seq_lens) * page_size); evict_to_free_tokens (allocator/base.py:166-168)
 #   evicts that minus available_size() before allocating; page size 1 allocates exactly
 #   (alloc_token_slots, allocation.py:152-157).
-# - capped_hit_recomputed: the hit is capped at T - 1 tokens (Req._compute_max_prefix_len), the
-#   allocation takes pages for everything past it, and the checkpoint's insert frees the pages
-#   the tree already had (RadixCache._insert_cache, radix_cache.py:451; the unified insert's
-#   prev_prefix_len), so a page-aligned prompt needs a free page for its last one.
+# - capped_hit_recomputed: the hit is capped at T - 1 tokens (Req._compute_max_prefix_len,
+#   managers/schedule_batch.py:1766-1768), the allocation takes pages for everything past it, and
+#   the checkpoint's insert frees the pages the tree already had (RadixCache._insert_cache,
+#   radix_cache.py:451-510; the unified insert's prev_prefix_len), so a page-aligned prompt, or a
+#   fork, needs a free page for its last page although the tree holds it.
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
                             hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True,
