@@ -14,7 +14,9 @@ Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on
 SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8; salted, tagged block
 keys SPEC §9. A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork
 through the prefix cache, the last prompt token computed again, every full block cached,
-duplicates kept, window blocks released at the next allocation) are followed when it declares them.
+duplicates kept, window blocks released at the next allocation, SGLang's radix tree: whole leaves
+evicted before an allocation, for a page per request, the capped hit's block computed again) are
+followed when it declares them.
 
 The paged model also fixes which physical block each operation takes (docs/writing-a-backend.md), so a backend that declares ``block_ids`` is compared with it block by block:
 
