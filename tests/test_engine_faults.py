@@ -7,11 +7,9 @@ Opt-in: each test needs its engine's environment and is skipped elsewhere with t
     PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/test_engine_faults.py
 
 On a committed workload each fault FAILs at the first operation whose effect it changes, where
-the unfaulted adapter passes the same workload; on a hand trace the step and quantity follow from
-the formulas. The whole-requirement eviction (SGLang PR #32016) is caught on a hand trace only:
-on every committed workload that evicts, the serving default itself FAILs SPEC's rule first (it
-over-evicts by design: whole leaves, a page per request), and the oracle does not model those
-rules yet, so both FAIL at the same step.
+the unfaulted adapter passes the same workload (SGLang under its declared rules: whole leaves, a
+page per request, the capped hit's page computed again); on a hand trace the step and quantity
+follow from the formulas.
 """
 from __future__ import annotations
 
@@ -103,6 +101,21 @@ def test_the_whole_requirement_eviction_fails_where_the_shortfall_was_a_leaf(sgl
     cfg = make_config(1, 4, store_kv=False, prefix_caching=True)
     d = caught(hand(*ops, block_size=1), Sglang, SglangWholeRequirement, cfg, "prefill")
     assert (d.index, d.quantity, d.expected, d.actual) == (5, "cached_blocks", 1, 0)  # 1 = 2 - 1
+
+
+def test_the_whole_requirement_eviction_fails_prefix_reuse_at_step_10(sglang):
+    """PR #32016's regression on a committed workload. prefix-reuse (B = 8, 27 pages) at step 10:
+    live 11 pages (sequence 2: 56 tokens, 7; 3: its fork, 1 of its own; 4: 12 tokens, 2; 5: its
+    fork, 1 of its own), cached 11 (sequence 0's one full block, sequence 1's 84 // 8 = 10 in two
+    leaves: its prompt's 8 and its output's 2), free 27 - 22 = 5. The append of 8 tokens to
+    sequences 4, 5, 3 asks for 24 + 3 * 8 = 48 tokens = 6 pages: the shortfall is 1 page, one
+    leaf, sequence 0's (released first): 10 stay cached. The whole requirement (48 tokens > 40
+    free) evicts 6 pages' worth: 1, then 2, then the prompt's 8: none stay."""
+    from impls.engines.faults_engines import Sglang, SglangWholeRequirement
+    trace = workload("prefix-reuse")
+    d = caught(trace, Sglang, SglangWholeRequirement,
+               config_for(trace, policy=None, prefix_caching=True), "append")
+    assert (d.index, d.quantity, d.expected, d.actual) == (10, "cached_blocks", 11 - 1, 0)
 
 
 # --- vLLM -------------------------------------------------------------------------------------

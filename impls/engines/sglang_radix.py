@@ -59,9 +59,30 @@ from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger
 NOT_INSTALLED = "sglang is not installed: its opt-in recipe is in docs/engines.md"
 VERSION = "0.5.23"
 
+# SGLang's rules that differ from SPEC's, each read off 0.5.23's source (sglang/srt/mem_cache/):
+# - evicts_whole_leaves: RadixCache.evict (radix_cache.py:552-577) pops whole unlocked leaves off a
+#   heap of get_priority (evict_policy.py) and frees each leaf's whole value, pushing its parent
+#   once childless, until num_evicted >= num_tokens; nodes are split where match_prefix
+#   (_match_prefix_helper, :651-675) or insert (_insert_helper, :705-760) end inside one.
+#   UnifiedRadixCache walks the same tree in its Rust core (evict_device_next_node,
+#   unified_radix_cache.py:869).
+# - leaf_order: the heap's key, --radix-eviction-policy (lru: last_access_time, set by every match
+#   and insert that walks the node, evict_policy.py:16-18).
+# - eviction_demand page_per_request: allocation.py:186-201 ("Over estimate the number of tokens:
+#   assume each request needs a new page": extend_num_tokens + len(seq_lens) * page_size) and
+#   :583-585 (decode: len(seq_lens) * page_size); evict_to_free_tokens (allocator/base.py:166-168)
+#   evicts that minus available_size() before allocating; page size 1 allocates exactly
+#   (alloc_token_slots, allocation.py:152-157).
+# - capped_hit_recomputed: the hit is capped at T - 1 tokens (Req._compute_max_prefix_len,
+#   managers/schedule_batch.py:1766-1768), the allocation takes pages for everything past it, and
+#   the checkpoint's insert frees the pages the tree already had (RadixCache._insert_cache,
+#   radix_cache.py:451-510; the unified insert's prev_prefix_len), so a page-aligned prompt, or a
+#   fork, needs a free page for its last page although the tree holds it.
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
-                            hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True)
+                            hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True,
+                            evicts_whole_leaves=True, eviction_demand="page_per_request",
+                            capped_hit_recomputed=True)
 
 
 def _torchvision_importable() -> None:
@@ -177,7 +198,7 @@ class SglangRadix(Backend):
         s = self._s = _sglang()
         self.page = P = config.block_size
         self.caching = bool(config.prefix_caching)
-        self.capabilities = dataclasses.replace(CAPABILITIES,
+        self.capabilities = dataclasses.replace(CAPABILITIES, leaf_order=self.radix_policy,
                                                 fork_via="prefix" if self.caching else "copy")
         size = config.num_blocks * P
         if P == 1:

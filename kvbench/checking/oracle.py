@@ -15,7 +15,8 @@ SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8; salt
 keys SPEC §9. A real engine's documented rules that differ from SPEC's (its ``Capabilities``: fork
 through the prefix cache, the last prompt token computed again, every full block cached,
 duplicates kept, window blocks released at the next allocation, only the window runs a hit can
-end on cached: window_retention) are followed when it declares them.
+end on cached: window_retention; SGLang's radix tree: whole leaves evicted before an allocation,
+for a page per request, the capped hit's block computed again) are followed when it declares them.
 
 The paged model also fixes which physical block each operation takes (docs/writing-a-backend.md), so a backend that declares ``block_ids`` is compared with it block by block:
 
@@ -49,6 +50,7 @@ from kvbench.contract.protocol import (
     Ledger,
     hash_writer,
 )
+from kvbench.checking.radix_tree import RadixTree
 from kvbench.quant import pool as quant_pool
 
 
@@ -153,6 +155,12 @@ class Oracle:
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
+        # An engine's radix tree over the cached blocks (Capabilities.evicts_whole_leaves), and
+        # per live request [its prompt's full blocks, the blocks it inserted] (one group).
+        self.tree = RadixTree(self.caps.leaf_order) if (
+            self.caching and self.caps.evicts_whole_leaves) else None
+        self._tree_reqs: dict = {}
+        self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -182,12 +190,8 @@ class Oracle:
             b = self.fresh
             self.fresh += 1
         else:  # reuse the least recently freed cached block
-            b = self.evictable.popitem(last=False)[0]
-            self._log_cached(b, False)
-            key = self.hash_of.pop(b)
-            self.by_hash[key].remove(b)
-            if not self.by_hash[key]:
-                del self.by_hash[key]
+            b = next(iter(self.evictable))
+            self._uncache(b)
         self.blocks[b] = [1, fill]
         self.group_of[b] = group
         self.filled += fill
@@ -195,6 +199,15 @@ class Oracle:
         self.refs[b] = 1
         self._free_low = min(self._free_low, self.uncached_free)
         return b
+
+    def _uncache(self, b: int) -> None:
+        """A cached free block forgets its key (it leaves the cache's free side)."""
+        del self.evictable[b]
+        self._log_cached(b, False)
+        key = self.hash_of.pop(b)
+        self.by_hash[key].remove(b)
+        if not self.by_hash[key]:
+            del self.by_hash[key]
 
     def _drop_ref(self, b: int) -> None:
         self.edits += 1
@@ -282,7 +295,7 @@ class Oracle:
         counted = L
         if self.caps.hit_leaves_last_token:
             counted = min(L, max(0, tokens - 1) // self.B)
-        if self.caps.keeps_duplicate_blocks and counted < L:
+        if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
         return L, hits, sum(1 for per in hits for i in per if i < counted)
@@ -332,7 +345,8 @@ class Oracle:
                 st.released_keys.setdefault(i, ("filled", seq, i))
             return
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
-            self._register(b, g, ("filled", seq, i))
+            life = self._lives.get(seq, 0)  # a resumed sequence's blocks are new content to the cache
+            self._register(b, g, ("filled", seq, i) + ((life,) if life else ()))
 
     def _note_writers(self, seq, untagged, extra) -> None:
         for key in untagged:
@@ -505,6 +519,71 @@ class Oracle:
             victims.append(v)
         return victims
 
+    # --- an engine's radix tree and eager eviction (Capabilities.evicts_whole_leaves,
+    # eviction_demand, capped_hit_recomputed) ----------------------------------------------
+
+    def _tree_match(self, keys, tokens: int) -> None:
+        """The engine's match at admission (refused or not): it walks the blocks it may hit."""
+        if self.tree is not None:
+            cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+            self.tree.match(list(keys[:cap]))
+
+    def _tree_checkpoint(self, seq, prompt: int | None = None, release: bool = False) -> None:
+        """The engine's checkpoint of a request: insert its full blocks, then split the path at
+        its prompt's (``prompt``: a new request's prompt blocks; ``release``: its last one)."""
+        if self.tree is None:
+            return
+        if prompt is not None:
+            self._tree_reqs[seq] = [prompt, 0]
+        st, (prompt, inserted) = self.seqs[seq], self._tree_reqs[seq]
+        keys = []
+        for b in st.tables[0][:st.tokens // self.B]:
+            if b not in self.hash_of:
+                break
+            keys.append(self.hash_of[b][1])
+        self.tree.insert(keys, inserted)
+        if 0 < prompt < len(keys):
+            self.tree.insert(keys[:prompt], prompt, priority=1)
+        self._tree_reqs[seq][1] = max(inserted, len(keys))
+        if release:
+            del self._tree_reqs[seq]
+
+    def _locked(self, keys) -> bool:
+        return any(self.by_hash[(0, k)][0] in self.blocks for k in keys)
+
+    def _evict_before_alloc(self, need: int, new_tokens: list, decode: bool = False) -> None:
+        """An engine that evicts before it allocates: for ``need`` blocks, or (page_per_request)
+        for the new tokens plus one page per request (a decode step: a page per request), beyond
+        the uncached free blocks; whole leaves of its tree, or cached blocks first released first."""
+        new_tokens = [t for t in new_tokens if t > 0]  # a request allocating nothing
+        if not self.caching or not new_tokens or (
+                self.tree is None and self.caps.eviction_demand == "need"):
+            return  # SPEC: a cached block goes only when a block is taken
+        if self.caps.eviction_demand == "page_per_request" and self.B > 1:
+            need = len(new_tokens) if decode else -(-sum(new_tokens) // self.B) + len(new_tokens)
+        short = need - self.uncached_free
+        if short <= 0:
+            return
+        if self.tree is None:
+            gone = list(self.evictable)[:short]
+        else:
+            gone = [self.by_hash[(0, k)][0] for k in self.tree.evict(short, self._locked)]
+        for b in gone:
+            self._uncache(b)
+            self.free_stack.append(b)
+            self.edits += 1
+
+    def _share_cached(self, table, g: int, i: int, key) -> None:
+        """capped_hit_recomputed: block ``i``, computed again, goes back if the cache still holds
+        its key, and the cached block is shared instead (the insert frees the duplicate)."""
+        if not self.caps.capped_hit_recomputed or (g, key) not in self.by_hash:
+            return
+        cached = self.by_hash[(g, key)][0]
+        if cached != table[i]:
+            self._drop_ref(table[i])
+            self._take_hits([{i: cached}])
+            table[i] = cached
+
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
     def _release_windows(self, seqs, lengths) -> None:
@@ -560,6 +639,7 @@ class Oracle:
             L, hits, _ = self._cache_hits(lookup, tokens)
             return G * (n - L) + self._taken_back(hits, drop)
 
+        self._tree_match(lookup, tokens)
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
         untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False) if keys else ()
         extra = extra_keys(salt, adapter)
@@ -575,6 +655,7 @@ class Oracle:
             st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)
             self._take_hits(hits)
             self.hit_blocks += counted
+            self._evict_before_alloc(G * (n - L), [tokens - L * self.B])
             st.tables = [[hits[g].get(i) for i in range(L)]
                          + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
                          for g in range(G)]
@@ -583,10 +664,12 @@ class Oracle:
                 for i in range(L, n):
                     if i < len(lookup):
                         if self._keeps(st, g, i):
+                            self._share_cached(st.tables[g], g, i, lookup[i])
                             self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g, seq, i)
             self._dirty.add(seq)
+            self._tree_checkpoint(seq, prompt=tokens // self.B)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: tokens})
         else:
@@ -639,6 +722,9 @@ class Oracle:
         self._spec_from = {s: self.seqs[s].tokens + dt - d for s, dt, d in zip(seqs, tokens, drafts)
                            if d} if drafts else {}
         if self.layout == "paged":
+            grow = [dt for dt in tokens if dt > 0]
+            self._evict_before_alloc(self._append_need(seqs, tokens), grow,
+                                     decode=all(dt == 1 for dt in grow))
             self._paged_write(seqs, tokens)
             # after every block the append takes: a cached copy its allocations evicted is gone
             for b, g, key in self._chunk_done:
@@ -778,6 +864,8 @@ class Oracle:
         """Preemption by recompute (SPEC §13): the sequence's blocks are released as a free
         releases them, its content kept for its resume (a prefill of all its tokens)."""
         self._dirty.add(seq)
+        self._tree_checkpoint(seq, release=True)
+        self._lives[seq] = self._lives.get(seq, 0) + 1
         st = self.seqs.pop(seq)
         self._release(st)
         st.tables, st.slabs = [], []
@@ -792,7 +880,9 @@ class Oracle:
             sizes = self._slab_sizes(final)
             victims = self._make_room(("fork", None, sizes), {seq, src})
         elif via != "share":
+            self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
             keys = self._fork_keys(parent, via)
+            self._tree_match(keys, parent.tokens)
 
             def need(drop):
                 L, hits, _ = self._cache_hits(keys, parent.tokens)
@@ -822,6 +912,7 @@ class Oracle:
             L, hits, _ = self._cache_hits(keys, parent.tokens)
             child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
             self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
+            self._evict_before_alloc(G * (n - L), [parent.tokens - L * self.B])
             child.tables = [[hits[g].get(i) for i in range(L)]
                             + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
                                for i in range(L, n)] for g in range(G)]
@@ -830,6 +921,7 @@ class Oracle:
                     if self.blocks[child.tables[g][i]][1] < self.B:
                         continue
                     if self._keeps(child, g, i):
+                        self._share_cached(child.tables[g], g, i, keys[i])
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
                     else:  # left uncached: its own fork still names the parent's content
                         child.released_keys[i] = keys[i]
@@ -838,6 +930,7 @@ class Oracle:
                         self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
             child.released_keys.update({i: keys[i] for i in range(L)})
+            self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: child.tokens})
         return victims
@@ -869,6 +962,7 @@ class Oracle:
             del self.preempted[seq]
             return
         self._dirty.add(seq)
+        self._tree_checkpoint(seq, release=True)
         self._release(self.seqs.pop(seq))
 
     # --- the expected ledger ---------------------------------------------------------------

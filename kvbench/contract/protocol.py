@@ -93,6 +93,7 @@ class CacheConfig:
 
 
 FORK_VIA = ("share", "prefix", "copy")
+EVICTION_DEMANDS = ("need", "page_per_request")
 WINDOW_RELEASE_RULES = ("end_of_operation", "next_allocation")
 
 
@@ -157,6 +158,21 @@ class Capabilities:
     # where the sliding group's was shorter); its other blocks go back uncached
     # (kvbench.checking.window_retention).
     sparse_window_retention: bool = False
+    # SGLang's prefix cache (radix_cache.py, unified_radix_cache.py), one rule each:
+    # cached blocks are the nodes of a radix tree and eviction frees whole unlocked leaves, in
+    # the order of ``leaf_order`` (its --radix-eviction-policy), before the allocation, for the
+    # allocation's shortfall (kvbench.checking.radix_tree models the tree; SPEC: block by block,
+    # first released first evicted, only when a block is taken).
+    evicts_whole_leaves: bool = False
+    leaf_order: str = "lru"
+    # What an allocation evicts for: "need" (the blocks it takes) or "page_per_request" (SGLang's
+    # paged allocator: the new tokens plus one page per request, or a page per request for a
+    # decode step of one token each, whatever it takes; page size 1 is exact).
+    eviction_demand: str = "need"
+    # A hit that hit_leaves_last_token capped computes the capped block again into a new block
+    # (admission and eviction count it); the insert after the call gives that block back and
+    # shares the cached one when the cache still holds its key (SGLang's checkpoint).
+    capped_hit_recomputed: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
@@ -175,6 +191,9 @@ class Capabilities:
                           "can)", DeprecationWarning, stacklevel=3)
         if self.fork_via not in FORK_VIA:
             raise ValueError(f"fork_via must be one of {FORK_VIA}, got {self.fork_via!r}")
+        if self.eviction_demand not in EVICTION_DEMANDS:
+            raise ValueError(f"eviction_demand must be one of {EVICTION_DEMANDS}, "
+                             f"got {self.eviction_demand!r}")
         if self.window_release not in WINDOW_RELEASE_RULES:
             raise ValueError(f"window_release must be one of {WINDOW_RELEASE_RULES}, "
                              f"got {self.window_release!r}")

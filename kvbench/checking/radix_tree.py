@@ -1,0 +1,162 @@
+"""A radix tree over the oracle's cached blocks: SGLang's leaf-granular eviction, modelled.
+
+An engine that declares ``Capabilities.evicts_whole_leaves`` (SGLang's ``RadixCache`` and
+``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole
+unlocked leaves. Which blocks form a node depends on where the engine's walks ended, so the model
+replays the walks the engine makes (sglang/srt/mem_cache/radix_cache.py, 0.5.23):
+
+- ``match`` (``_match_prefix_helper``, :651): touches the root and every node it walks; a match
+  that ends inside a node splits it there (``_split_node``, :677: the new upper part is touched
+  now, the lower keeps its times; the upper keeps the node's creation time as the serving tree's
+  Rust core does, where RadixCache's Python split stamps a new one: only ``fifo`` tells them
+  apart, and no backend runs RadixCache under fifo);
+- ``insert`` (``_insert_helper``, :705): touches the nodes it walks, splits where the key ends or
+  diverges inside one, and adds one new leaf for the rest (created now); ``hit_count`` grows on the
+  nodes past what the request inserted before (``inserted_len``), ``priority`` is the max over the
+  inserts that walked it;
+- ``evict`` (:552): a heap of the unlocked leaves by the policy's priority; the first goes whole,
+  its parent joins the heap when its last child goes and nothing holds it, until the tokens freed
+  reach the request.
+
+A node is locked while any of its blocks is in use (a running request's lock covers its path).
+Time is a counter: one tick per walk, and one for each node created during it, so that a node
+made by a split or an insert is later than what that walk touched.
+
+The tree knows keys and blocks only; the oracle owns the blocks (``evict`` returns the keys of
+the leaves it took, in order, and the oracle frees their blocks).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+# SGLang's get_priority of each policy (mem_cache/evict_policy.py): smaller goes first.
+LEAF_ORDERS = ("lru", "lfu", "fifo", "mru", "priority", "slru")
+SLRU_PROTECTED_HITS = 2  # SLRUStrategy's protected_threshold default
+
+
+@dataclass(eq=False)
+class Node:
+    keys: list  # block keys along the path, in order
+    parent: Node | None
+    created: int
+    last_access: int
+    children: dict = field(default_factory=dict)  # first key -> child
+    hit_count: int = 0
+    priority: int = 0
+    id: int = 0
+
+
+class RadixTree:
+    def __init__(self, order: str):
+        if order not in LEAF_ORDERS:
+            raise ValueError(f"leaf eviction order must be one of {LEAF_ORDERS}, got {order!r}")
+        self.order = order
+        self.clock = 0
+        self._ids = itertools.count()
+        self.root = self._node([], None)
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def _node(self, keys, parent, priority=0) -> Node:
+        t = self._tick()
+        return Node(list(keys), parent, created=t, last_access=t, priority=priority, id=next(self._ids))
+
+    def _split(self, child: Node, m: int) -> Node:
+        """``_split_node``: a new node for ``child``'s first ``m`` blocks, above it."""
+        upper = self._node(child.keys[:m], child.parent, child.priority)
+        upper.hit_count = child.hit_count
+        upper.created = child.created  # the Rust core's (RadixCache's Python split stamps it new)
+        upper.children = {child.keys[m]: child}
+        child.parent.children[child.keys[0]] = upper
+        child.keys = child.keys[m:]
+        child.parent = upper
+        return upper
+
+    @staticmethod
+    def _common(a, b) -> int:
+        n = 0
+        while n < len(a) and n < len(b) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def match(self, keys) -> int:
+        """``match_prefix`` on the keys given (already capped by the caller): blocks matched."""
+        now = self._tick()
+        node, at = self.root, 0
+        node.last_access = now
+        while at < len(keys) and keys[at] in node.children:
+            child = node.children[keys[at]]
+            child.last_access = now
+            m = self._common(child.keys, keys[at:])
+            at += m
+            if m < len(child.keys):
+                self._split(child, m)
+                break
+            node = child
+        return at
+
+    def insert(self, keys, inserted: int = 0, priority: int = 0) -> None:
+        """``insert`` of a request's full blocks; ``inserted``: blocks it inserted before."""
+        now = self._tick()
+        node, at = self.root, 0
+        node.last_access = now
+        node.priority = max(node.priority, priority)
+        while at < len(keys) and keys[at] in node.children:
+            node = node.children[keys[at]]
+            node.last_access = now
+            m = self._common(node.keys, keys[at:])
+            at += m
+            if m < len(node.keys):
+                node = self._split(node, m)
+            node.priority = max(node.priority, priority)
+            if at > inserted:
+                node.hit_count += 1
+        if at < len(keys):
+            leaf = self._node(keys[at:], node, priority)
+            leaf.hit_count += len(keys) > inserted
+            node.children[keys[at]] = leaf
+
+    def _rank(self, n: Node):
+        o = self.order
+        if o == "lru":
+            key = (n.last_access,)
+        elif o == "lfu":
+            key = (n.hit_count, n.last_access)
+        elif o == "fifo":
+            key = (n.created,)
+        elif o == "mru":
+            key = (-n.last_access,)
+        elif o == "priority":
+            key = (n.priority, n.last_access)
+        else:  # slru: the probationary segment first
+            key = (int(n.hit_count >= SLRU_PROTECTED_HITS), n.last_access)
+        return key + (n.id,)
+
+    def _leaves(self, locked) -> list:
+        out, todo = [], [self.root]
+        while todo:
+            for child in todo.pop().children.values():
+                if child.children:
+                    todo.append(child)
+                elif not locked(child.keys):
+                    out.append(child)
+        return out
+
+    def evict(self, blocks: int, locked) -> list:
+        """``evict``: whole unlocked leaves until ``blocks`` or more are freed (``locked(keys)``:
+        whether any of those blocks is in use). The evicted keys, in order."""
+        heap = [(self._rank(n), n) for n in self._leaves(locked)]
+        heapq.heapify(heap)
+        out = []
+        while len(out) < blocks and heap:
+            _, leaf = heapq.heappop(heap)
+            out += leaf.keys
+            parent = leaf.parent
+            del parent.children[leaf.keys[0]]
+            if parent is not self.root and not parent.children and not locked(parent.keys):
+                heapq.heappush(heap, (self._rank(parent), parent))
+        return out
