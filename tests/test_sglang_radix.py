@@ -183,7 +183,7 @@ def test_the_tree_identity_holds_after_every_operation(sglang, block_size, tree)
     be = radix(block_size=block_size, num_blocks=4096, policy=tree)
     for op in trace.ops:
         if isinstance(op, Prefill):
-            be.prefill(op.seq, Prompt(Prompt(op.tokens)))
+            be.prefill(op.seq, Prompt(op.tokens))
         elif isinstance(op, Append):
             be.append(op.seqs, op.tokens)
         elif isinstance(op, Free):
@@ -196,7 +196,7 @@ def test_the_tree_identity_holds_after_every_operation(sglang, block_size, tree)
 
 def test_a_fork_shares_the_full_pages_and_computes_the_tail_again(sglang):
     be = radix()
-    be.prefill(0, Prompt(Prompt(40)))  # 3 pages: 40 = 2 * 16 + 8
+    be.prefill(0, Prompt(40))  # 3 pages: 40 = 2 * 16 + 8
     be.fork(1, 0)
     assert be.table(1)[:2] == be.table(0)[:2] and be.table(1)[2] != be.table(0)[2]
     assert (be.ledger().blocks_used, be.ledger().shared_blocks) == (4, 2)
@@ -206,9 +206,9 @@ def test_a_fork_shares_the_full_pages_and_computes_the_tail_again(sglang):
 
 def test_a_whole_prefix_hit_counts_one_page_less_but_keeps_the_trees_copy(sglang):
     be = radix()
-    be.prefill(0, Prompt(Prompt(32, block_hashes=["a", "b"])))
+    be.prefill(0, Prompt(32, block_hashes=["a", "b"]))
     be.free(0)
-    be.prefill(1, Prompt(Prompt(32, block_hashes=["a", "b"])))
+    be.prefill(1, Prompt(32, block_hashes=["a", "b"]))
     led = be.ledger()
     assert led.prefix_hit_blocks == 1  # (32 - 1) // 16: the last token is computed again
     assert (led.blocks_used, led.cached_blocks) == (2, 0)  # its page is the tree's: no duplicate
@@ -216,10 +216,10 @@ def test_a_whole_prefix_hit_counts_one_page_less_but_keeps_the_trees_copy(sglang
 
 def test_out_of_memory_is_atomic(sglang):
     be = radix(num_blocks=4)
-    be.prefill(0, Prompt(Prompt(40)))
+    be.prefill(0, Prompt(40))
     before = be.ledger().as_dict()
     with pytest.raises(OutOfMemory):  # 3 pages held, 1 free: 33 tokens need 3 pages
-        be.prefill(1, Prompt(Prompt(33)))
+        be.prefill(1, Prompt(33))
     assert be.ledger().as_dict() == before
 
 
