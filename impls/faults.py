@@ -74,7 +74,7 @@ class SharedCountedTwice(NumpyPaged):
     """(d) blocks_used and capacity summed over block tables: a shared block counts per sharer."""
 
     def ledger(self, seqs=None):
-        led = super().ledger(seqs)
+        led = super().ledger()  # every table: it sums them all
         led.blocks_used = sum(led.seq_blocks.values())
         led.capacity_slots = led.blocks_used * self.B
         return led
