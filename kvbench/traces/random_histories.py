@@ -638,6 +638,38 @@ def _round_trip(h: History) -> None:
     h.load(tokens, h.tenant(), **kw)
 
 
+def _overlapping_reloads(h: History) -> None:
+    """Two or three loads of one stored prompt begun before any completes, completing in a
+    random order, with a store of another prompt into the same tier before the last one
+    completes: while a load still reads the tier's blocks, that store must not take them. The
+    prompt's blocks fill the tier exactly, leave one slot or overflow it by one, so the store
+    needs room that only the blocks in use could give."""
+    B, rng = h.s.block_size, h.rng
+    tier = h.s.tiers[int(rng.integers(len(h.s.tiers)))]
+    top = max(1, h.s.max_len // B)
+    blocks = min(top, max(1, tier.capacity + int(rng.choice([0, -1, 1]))))
+    tokens = blocks * B + (0 if rng.random() < 0.5 else int(rng.integers(0, h.s.max_len - blocks * B + 1)))
+    kw = dict(block_hashes=[f"c{h.next_seq}.{j}" for j in range(blocks)])
+    seq = h.prefill(tokens, h.tenant(), **kw)
+    h.store(seq, tier.name)
+    h.done(h.next_id - 1, True)  # stored: the loads below read it
+    h.free(seq)
+    _flush(h)  # the device's copy gone: every load reads the tier
+    loads = []
+    for _ in range(int(rng.integers(2, 4))):
+        h.load(tokens, h.tenant(), **kw)
+        loads.append(h.next_id - 1)
+    other_tokens = int(rng.integers(1, top + 1)) * B
+    other = h.prefill(other_tokens, h.tenant(),
+                      block_hashes=[f"c{h.next_seq}.{j}" for j in range(other_tokens // B)])
+    order = [loads[i] for i in rng.permutation(len(loads)).tolist()]
+    at = int(rng.integers(1, len(order)))  # after the first completion, before the last
+    for i, tid in enumerate(order):
+        if i == at:
+            h.store(other, tier.name)
+        h.done(tid, rng.random() >= FAIL_RATE)
+
+
 @dataclass(frozen=True)
 class OpKind:
     """One weighted choice of :func:`random_ops`: ``make(history)`` adds operations to it;
@@ -682,6 +714,7 @@ OP_KINDS: list[OpKind] = [
     OpKind("abort", 0.8, _abort, _tiered),
     OpKind("flush the device", 0.7, _flush, _tiered),
     OpKind("offload and reload", 4, _round_trip, _tiered),
+    OpKind("overlapping reloads", 2, _overlapping_reloads, _tiered),
 ]
 
 
