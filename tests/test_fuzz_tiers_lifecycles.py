@@ -71,7 +71,8 @@ def test_a_campaign_reads_the_lifecycles_the_backend_takes(tmp_path):
                                           (faults.ResumeIntoOldBlocks, 10),
                                           (faults.SinkReleasedEarly, 10),
                                           (faults.StateNotZeroed, 10),
-                                          (faults_tiers.SwapInReadsAnother, 30)],
+                                          (faults_tiers.SwapInReadsAnother, 30),
+                                          (faults_tiers.PinIsAFlag, 30)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_planted_tier_lifecycle_or_kind_fault_is_found_and_shrunk(fault, within, tmp_path):
     c = Campaign(registry.resolve(f"{fault.__module__}:{fault.__name__}"), tmp_path, seed=0,
@@ -168,5 +169,9 @@ def test_a_campaign_reaches_the_edges_of_transfers_and_lifecycles(tmp_path):
     edges = s["coverage"]["edges"]
     for edge in ("load served from a tier", "store into a full tier", "failed transfer",
                  "abort of a load in flight", "free while its store is in flight",
-                 "rollback releasing a block", "resume with a prefix hit"):
+                 "rollback releasing a block", "resume with a prefix hit",
+                 "store into a full tier while a load reads it"):
         assert edges[edge] > 0, (edge, edges)
+
+
+

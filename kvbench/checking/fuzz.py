@@ -50,7 +50,8 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "fork at a partial tail", "wide decode (9+ sequences)", "128+ sharers of a block",
          "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens",
          # SPEC §11 and §13, for a backend that declares them
-         "load served from a tier", "store into a full tier", "failed transfer",
+         "load served from a tier", "store into a full tier",
+         "store into a full tier while a load reads it", "failed transfer",
          "abort of a load in flight", "free while its store is in flight",
          "rollback releasing a block", "resume with a prefix hit", "preempt by swap to a tier",
          # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
@@ -136,9 +137,12 @@ class Watch:
         if hits > self.tier_hits:
             self.reached.add("load served from a tier")
         self.tier_hits = hits
-        if kind == "store" and any(len(t.entries) >= t.spec.capacity for t in self.tiers.tiers
-                                   if t.spec.name == op.tier):
+        full = [t for t in self.tiers.tiers if t.spec.name == op.tier and len(t.entries) >= t.spec.capacity] \
+            if kind == "store" else []
+        if full:
             self.reached.add("store into a full tier")
+        if any(e.loads for t in full for e in t.entries.values()):  # its room only the read blocks'
+            self.reached.add("store into a full tier while a load reads it")
         if kind == "done" and not op.ok:
             self.reached.add("failed transfer")
         if kind == "abort" and op.seq in self.loading:
