@@ -17,7 +17,8 @@ sequence (the wide decode path), forks, a fork and a write into the tail it shar
 blocks left for later prompts); for a backend that declares them, SPEC §13's lifecycles
 (chunked prompts and their next chunks, appends with drafts and accepts, preempt and resume)
 and SPEC §11's transfers (stores, loads, completions that may fail, aborts, offload-and-reload
-round trips, flushes of the device's cache). A new operation is one more :class:`OpKind` in the
+round trips, half of them followed by two or three overlapping reloads of a prompt sized to
+its tier, flushes of the device's cache). A new operation is one more :class:`OpKind` in the
 list, with its ``needs`` predicate. With ``model_shapes`` the model may also be a preset's
 pattern of group kinds or a random mix of the kinds declared (:func:`draw_shape`), scaled down to
 tiny-hybrid's and tiny-mla's layers. One history in five comes instead
@@ -66,6 +67,7 @@ LIFECYCLE_RATE = 0.35  # each lifecycle the backend takes, drawn into a history
 SWAP_PREEMPT_RATE = 0.7  # the preempt lifecycle in a tiered history, for a backend that swaps
 MAX_DRAFT = 5  # draft tokens of one speculative append
 FAIL_RATE = 0.2  # transfers that complete with ok false
+OVERLAP_RATE = 0.5  # round trips followed by overlapping reloads of another stored prompt
 SHAPE_RATE = 0.6  # with --model-shapes: histories whose model is a drawn shape
 MLA_BASE = "tiny-mla"  # the base of MLA shapes (kv_heads 1, head_dim = the latent)
 
@@ -636,6 +638,8 @@ def _round_trip(h: History) -> None:
         h.done(tid, h.rng.random() >= FAIL_RATE)
     _flush(h)
     h.load(tokens, h.tenant(), **kw)
+    if h.rng.random() < OVERLAP_RATE:  # drawn last: the round trip as before it
+        _overlapping_reloads(h)
 
 
 def _overlapping_reloads(h: History) -> None:
@@ -714,7 +718,6 @@ OP_KINDS: list[OpKind] = [
     OpKind("abort", 0.8, _abort, _tiered),
     OpKind("flush the device", 0.7, _flush, _tiered),
     OpKind("offload and reload", 4, _round_trip, _tiered),
-    OpKind("overlapping reloads", 2, _overlapping_reloads, _tiered),
 ]
 
 
