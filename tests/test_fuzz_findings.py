@@ -101,6 +101,7 @@ def test_a_chunk_completing_a_block_whose_cached_copy_its_append_evicts_is_cache
 # --- engine findings: pinned where the engine's rule is not kvbench's (they skip without it) ---
 
 CAMPAIGNS = Path(__file__).resolve().parents[1] / "results" / "fuzz" / "campaigns"
+SERVING_FUZZ = Path(__file__).resolve().parents[1] / "results" / "engines" / "vllm-kvmanager" / "serving" / "fuzz"
 
 
 def _engine_check(name: str, trace, **rules):
@@ -181,6 +182,53 @@ def test_vllm_serving_default_findings_of_sparse_retention_pass_under_the_declar
     v = _engine_check("vllm-kvmanager", trace)
     assert v.valid, v.divergence
     assert _engine_check("vllm-kvmanager-dense", trace).valid
+
+
+@pytest.mark.parametrize("finding", ["vllm-kvmanager/03-outcome-out-of-memory-expected-success-a-prefill",
+                                     "vllm-kvmanager/07-blocks-used-resume",
+                                     "vllm-kvmanager-dense/06-blocks-used-prefill"])
+def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding):
+    """A declared-rule gap (results/fuzz/campaigns.md): a prompt on one chunked(C) group takes
+    only the blocks of its current chunk in vLLM (14 tokens under chunked(13) at B = 1: one
+    block), where the oracle, under vLLM's window_release "next_allocation", holds every prompt
+    block until the request next allocates; at dense retention too."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert len(trace.header.groups) == 1 and trace.header.groups[0].startswith("chunked")
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        d = _engine_check(name, trace).divergence
+        assert d is not None and d.index == 0, d
+        fewer = d.quantity == "blocks_used" and d.actual < d.expected
+        assert fewer or (d.expected, d.actual) == ("out-of-memory", "success"), d
+
+
+@pytest.mark.parametrize("finding", ["vllm-kvmanager-dense/08-outcome-out-of-memory-expected-success-a-fork",
+                                     "vllm-kvmanager-dense/09-shared-blocks-fork",
+                                     "vllm-kvmanager/08-outcome-out-of-memory-expected-success-a-fork"])
+def test_vllm_findings_of_a_resumed_sequence_pass_now(finding):
+    """Found as "a resume finds its own unhashed blocks" (results/fuzz/campaigns.md); they were
+    two kvbench bugs, both fixed: the oracle gave a resume's blocks the keys of the sequence's
+    blocks before its preemption (test_a_resumed_sequence_caches_its_blocks_anew), and the
+    adapter made a resume a request of the prompt's token ids alone, fewer than its tokens. 08:
+    prefill 3 tokens at B = 1 into 4 blocks, preempt, resume, fork; 09: a fork of the resumed
+    sequence. Each passes to its last operation at both retentions."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert {"preempt", "resume"} <= {op.kind for op in trace.ops}
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        v = _engine_check(name, trace)
+        assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)
+
+
+def test_vllm_a_resume_is_a_request_of_all_its_tokens():
+    """The serving default's campaign (results/engines/vllm-kvmanager/serving/fuzz, seed 1, 05): a
+    1-token prompt named by its token id, 1 token appended, preempted, resumed, forked. The
+    resume recomputes 2 tokens, so the fork is a request of 2 (the adapter once gave the resume
+    the prompt's 1 id alone, and the fork came out 1 token long)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(SERVING_FUZZ / "seed1" / "05-tokens-fork.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)  # tokens checked each op
 
 
 def _sglang():

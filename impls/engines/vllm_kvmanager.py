@@ -252,16 +252,17 @@ class VllmKVManager(Backend):
         return [next(self._ids) for _ in range(n)]
 
     def _prompt_ids(self, tokens: int, hashes, token_ids=None) -> list:
-        """Token ids of a prompt: the trace's, or a hashed block's its hash's (equal hashes,
-        equal vLLM block hashes, since the trace's hashes name a block with its whole prefix)."""
+        """Token ids of a prompt of ``tokens`` tokens: the trace's, or a hashed block's its hash's
+        (equal hashes, equal vLLM block hashes, since the trace's hashes name a block with its
+        whole prefix); past them (a recompute writes more tokens than its prompt named), new ones."""
         if token_ids is not None:
-            return list(token_ids)
-        B = self.block_size
-        ids = []
-        for h in hashes:
-            if h not in self._hash_ids:
-                self._hash_ids[h] = self._new_ids(B)
-            ids += self._hash_ids[h]
+            ids = list(token_ids)[:tokens]
+        else:
+            ids = []
+            for h in hashes:
+                if h not in self._hash_ids:
+                    self._hash_ids[h] = self._new_ids(self.block_size)
+                ids += self._hash_ids[h]
         return ids + self._new_ids(tokens - len(ids))
 
     def _lora(self, adapter):
