@@ -119,7 +119,7 @@ def test_a_setting_run_settings_gains_later_is_a_grid_setting(tmp_path, monkeypa
     @dataclasses.dataclass(frozen=True)
     class WithSalts(RunSettings):
         salts: int | None = dataclasses.field(default=None, metadata={
-            "check": lambda v: "" if isinstance(v, int) else "must be a count", "what": "salts"})
+            "check": lambda v: "" if isinstance(v, int) else "must be a count"})
 
         def config(self, trace, policy=None):
             seen.append(self.salts)

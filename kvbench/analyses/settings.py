@@ -26,11 +26,13 @@ def _count(most: int):
     return check
 
 
-def _one_of(*names):
+def one_of(*names):
+    """The check of a setting whose value is one of ``names``."""
     return lambda v: "" if v in names else f"must be one of {', '.join(names)}"
 
 
-def _flag(v) -> str:
+def flag(v) -> str:
+    """The check of a true-or-false setting."""
     return "" if isinstance(v, bool) else "must be true or false"
 
 
@@ -43,8 +45,8 @@ def _budget(v) -> str:
     return "" if ok else "must be blocks (1024, '1024') or bytes ('12GiB')"
 
 
-def _setting(default, check, what: str):
-    return dataclasses.field(default=default, metadata={"check": check, "what": what})
+def _setting(default, check):
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +57,13 @@ class RunSettings:
     these before its first cell runs, and a RunSettings made with a wrong value says which.
     """
 
-    model: str | None = _setting(None, _text, "model preset (default: the header's, else tiny)")
-    block_size: int | None = _setting(None, _count(F.MAX_BLOCK_SIZE), "tokens per block (16)")
-    budget: str | int | None = _setting(None, _budget, "blocks ('1024') or bytes ('12GiB')")
-    max_context: int | None = _setting(None, _count(INT64_MAX),
-                                       "contiguous `max` reservation (next pow2 of the longest)")
-    device: str = _setting("cpu", _text, "device of the torch backend")
-    store_kv: bool | None = _setting(None, _flag, "hold K/V (default: the header's, else yes)")
-    prefix_caching: bool | None = _setting(None, _flag, "reuse blocks by hash (on for hashed traces)")
+    model: str | None = _setting(None, _text)  # a preset (default: the header's, else tiny)
+    block_size: int | None = _setting(None, _count(F.MAX_BLOCK_SIZE))  # default 16
+    budget: str | int | None = _setting(None, _budget)  # blocks ('1024') or bytes ('12GiB')
+    max_context: int | None = _setting(None, _count(INT64_MAX))  # contiguous `max`: pow2 of longest
+    device: str = _setting("cpu", _text)  # the torch backend's
+    store_kv: bool | None = _setting(None, flag)  # default: the header's, else yes
+    prefix_caching: bool | None = _setting(None, flag)  # default: on for a hashed trace
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -168,4 +169,4 @@ def machine_memory() -> int:
         return 1 << 62
 
 
-__all__ = ["RunSettings", "POLICIES", "blocks_of_budget", "machine_memory"]
+__all__ = ["RunSettings", "POLICIES", "blocks_of_budget", "flag", "machine_memory", "one_of"]

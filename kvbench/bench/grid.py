@@ -66,7 +66,7 @@ from kvbench.bench import records
 from kvbench import provenance
 from kvbench.analyses import suite
 from kvbench.contract import registry
-from kvbench.analyses.settings import POLICIES, RunSettings
+from kvbench.analyses.settings import POLICIES, RunSettings, flag, one_of
 from kvbench.traces.format import Trace, load
 
 # What a cell's code version covers: edits elsewhere (docs, results) leave finished cells valid.
@@ -85,17 +85,15 @@ def known_settings() -> dict[str, str]:
 
 
 # The settings of how a run checks (suite.run_one), beside RunSettings' fields.
-RUN_SETTINGS = {"gather": lambda v: "" if v in ("touched", "all", "end", "none")
-                else "must be one of touched, all, end, none",
-                "keep_going": lambda v: "" if isinstance(v, bool) else "must be true or false"}
+RUN_SETTINGS = {"gather": one_of("touched", "all", "end", "none"), "keep_going": flag}
+POLICY_SETTING = one_of("auto", "all", "none", *POLICIES)
 
 
 def setting_problem(name: str, value) -> str:
     """Why ``value`` is not a value of setting ``name`` ('' when it is): a grid is typed before
     its first cell runs."""
     if name == "policy":
-        names = ("auto", "all", "none", *POLICIES)
-        return "" if value in names else f"must be one of {', '.join(names)}"
+        return POLICY_SETTING(value)
     if name in RUN_SETTINGS:
         return RUN_SETTINGS[name](value)
     return RunSettings.problem(name, value)
