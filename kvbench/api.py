@@ -6,6 +6,7 @@ plug-in backends, notebooks. Names are only ever added here, never moved or remo
 """
 from kvbench import quant
 from kvbench.checking.checker import Divergence, Verdict, check
+from kvbench.checking.driver import replay, replay_figures
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.shrink import ShrinkResult, shrink
 from kvbench.contract import registry
@@ -37,4 +38,4 @@ __all__ = ["quant", "check", "Verdict", "Divergence", "Oracle", "registry", "Mod
            "blocks_needed", "budget_blocks", "get_model", "Backend", "CacheConfig", "Capabilities",
            "Ledger", "OutOfMemory", "kv_tokens", "kv_values", "Append", "Fork", "Free", "Header",
            "Prefill", "Trace", "TraceError", "load", "loads", "save", "shrink", "ShrinkResult",
-           "Prompt"]
+           "Prompt", "replay", "replay_figures"]

@@ -20,8 +20,10 @@ Two kinds, run by ``tests/test_gates.py`` on every submission and by ``kvbench g
   :mod:`kvbench.bench.ratios`; scripts/gate_power.py measures how often a planted 1.1x-2x
   slowdown fails them and how often an unchanged tree does (results/gates/power.md).
 
-The figures come from the asv suite's fixtures and replay driver (asv_bench/benchmarks/common.py,
-loaded by path), so the gates and the ``track_`` benchmarks measure the same thing.
+The cases, their settings and their backends are the asv suite's fixtures
+(asv_bench/benchmarks/common.py, loaded by path: the suite's own lists, which stored results are
+keyed by), and each case replays through kvbench's one driver (:func:`kvbench.checking.driver.replay_figures`,
+which common.py imports too), so the gates and the ``track_`` benchmarks measure the same thing.
 
 The ratio gates are in :mod:`kvbench.bench.ratios`; `kvbench gates` in :mod:`kvbench.cli.gates`.
 """
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
+from kvbench.checking.driver import replay_figures
 from kvbench.contract import registry
 from kvbench.outputs import write_text
 from kvbench.progress import Progress
@@ -56,7 +59,7 @@ REL_TOL = 1e-9
 
 
 def bench_common():
-    """The asv suite's common.py (fixtures, replay driver), one copy shared with the gates."""
+    """The asv suite's common.py (its fixtures), one copy shared with the gates."""
     mod = sys.modules.get("kvbench_asv_common")
     if mod is None:
         if not COMMON_PATH.exists():
@@ -142,7 +145,7 @@ def measure_replay(backends=None, factories: dict | None = None, cases=None) -> 
                     trace = common.load_workload(workload)
                     backend = factories[name](common.replay_config(trace, policy))
                     try:
-                        figures = common.ledger_stats(backend, trace)
+                        figures = replay_figures(backend, trace)
                     finally:
                         backend.close()
                 else:

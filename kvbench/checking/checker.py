@@ -17,10 +17,10 @@ and every live sequence at the end. The window is read through ``gather(..., out
 buffer where the backend's gather takes ``out``. ``gather='all'`` verifies every live sequence
 after every operation instead.
 
-One trace operation may take several backend calls: a sequence that was evicted is recomputed
-(re-prefilled to its current length, with the content it had) in the same step before the
-operation touches it. Each call is atomic on its own. A prefill or fork that fails for lack of
-memory leaves its sequence refused, and later operations on it are dropped, on both sides.
+Which backend calls each trace operation makes (a recompute of an evicted sequence before the
+operation touches it, the refused sequences whose later operations are dropped) are the replay
+rules of driver.py, the same for the backend alone. A recompute gets the content the sequence
+had. Each call is atomic on its own.
 
 Three verdicts, never mixed up: pass; FAIL, the backend diverged from the oracle or raised in any
 call (prefill, append, fork, free, ledger, gather, close); ERROR, the harness could not do its part
@@ -39,6 +39,7 @@ import numpy as np
 
 from kvbench.checking import identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
+from kvbench.checking.driver import Driver
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.checking.tiered import TieredOracle
@@ -232,8 +233,9 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
     return verdict
 
 
-class _Replay:
-    """One replay of a trace: the backend beside the oracle, operation by operation.
+class _Replay(Driver):
+    """One replay of a trace: the backend beside the oracle, operation by operation, by the
+    replay rules of driver.py (this side follows the oracle's victims).
 
     Each operation fills ``changed``: sequence -> (start, stop) of the positions whose K/V it
     may have changed (stop None: to the end), or None when only its ledger entries changed.
@@ -241,6 +243,7 @@ class _Replay:
 
     def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized,
                  keep_going=False):
+        super().__init__(trace)
         self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
         self.keep_going = keep_going
         self.gather, self.series, self.writes_kv, self.quantized = gather, series, writes_kv, quantized
@@ -255,11 +258,8 @@ class _Replay:
         self.live = LiveSet(seed=0)  # the seeded sample of each operation draws from it
         self.next_full = 0  # the operation whose ledger is compared whole next
         self.changed: dict = {}
-        self.final = trace.final_lengths()
         self.tenant_of = trace.tenant_of()
         self.touches: dict = {}  # tenant -> [hits, misses]
-        self.refused: set = set()
-        self.drafted: dict = {}  # sequence -> draft tokens its last append wrote, not yet accepted
         self.index, self.op = -1, None
         self.traceback = ""
         self.tiered = tier_replay.TierReplay(self) if trace.header.tiers else None
@@ -389,6 +389,17 @@ class _Replay:
         verdict.evictions += len(actual)
         return actual
 
+    def needs_restore(self, seq) -> bool:
+        return seq in self.oracle.preempted
+
+    def dropped(self, seq) -> bool:
+        return seq in self.oracle.preempted and not (self.tiered is not None
+                                                     and seq in self.oracle.swapped)
+
+    def releasing(self, seq) -> None:
+        if self.gather == "touched":
+            self.verify([(seq, 0, None)])  # whole, while it is still there to read
+
     def touch(self, seq):
         """Count a re-touch: a hit if the sequence is resident, a miss if it was evicted."""
         miss = seq in self.oracle.preempted
@@ -416,14 +427,14 @@ class _Replay:
             self.mark(seq)
         return got
 
-    # --- the trace operations: each marks what it may have changed ----------------------------
+    # --- the trace operations' calls: each marks what it may have changed -----------------------
 
     def apply(self, op) -> dict:
         self.changed = {}
         if isinstance(op, TIER_OPS):  # SPEC §11's transfers: the tier replay's
             self.tiered.apply(op)
         else:
-            getattr(self, op.kind)(op)  # one handler per trace operation, named as the operation
+            super().apply(op)
         for s in self.changed:
             if s in self.oracle.seqs:
                 self.live.add(s)
@@ -433,7 +444,7 @@ class _Replay:
                     self.kv.forget(s)
         return self.changed
 
-    def prefill(self, op) -> None:
+    def call_prefill(self, op):
         oracle = self.oracle
 
         keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
@@ -451,22 +462,13 @@ class _Replay:
                         lambda: oracle.prefill(op.seq, op.tokens, op.tenant, self.final[op.seq],
                                                op.step, hashes=op.block_hashes, **keys, **chunked),
                         op.tokens, kv)
-        if got is None:
-            self.refused.add(op.seq)
-            return
-        self.mark(op.seq)  # whole: a prefix hit reads blocks other sequences wrote
+        if got is not None:
+            self.mark(op.seq)  # whole: a prefix hit reads blocks other sequences wrote
+        return got
 
-    def append(self, op) -> None:
+    def call_append(self, op, pairs):
         oracle = self.oracle
-        drafts = op.draft or (0,) * len(op.seqs)
-        pairs = [(s, t, d) for s, t, d in zip(op.seqs, op.tokens, drafts) if s not in self.refused]
         seqs = [s for s, _, _ in pairs]
-        for s in seqs:
-            self.touch(s)
-            if s in oracle.preempted and self.restore(s, set(seqs)) is None:
-                return
-        if not seqs:
-            return
         toks = np.array([t for _, t, _ in pairs], dtype=np.int64)
         starts = np.array([oracle.seqs[s].tokens for s in seqs], dtype=np.int64)
         sharers = self._tail_sharers(seqs)
@@ -494,15 +496,13 @@ class _Replay:
                                               **({"drafts": drafts} if drafts else {})),
                         sum(toks_list), kv)
         if got is None:
-            return
-        for s, d in zip(seqs, drafts or ()):
-            if d:
-                self.drafted[s] = d
+            return None
         B = oracle.B if oracle.layout == "paged" else 1
         for s, start in zip(seqs, starts.tolist()):
             self.mark(s, start // B * B)  # from the tail block on: it may have been copied
         for s, start in sharers.items():  # a write into their block must not show in their reads
             self.mark(s, start, start + B)
+        return got
 
     def _tail_sharers(self, seqs) -> dict:
         """Other live sequences that share the partial tail block a writer of ``seqs`` is about to
@@ -521,37 +521,21 @@ class _Replay:
         return {t: i * oracle.B for t, st in oracle.seqs.items() for b, i in tails.items()
                 if len(st.table) > i and st.table[i] == b}
 
-    def fork(self, op) -> None:
-        oracle = self.oracle
-        if op.src in self.refused:
-            self.refused.add(op.seq)
-            return
-        self.touch(op.src)
-        if op.src in oracle.preempted and self.restore(op.src, {op.src, op.seq}) is None:
-            self.refused.add(op.seq)
-            return
+    def call_fork(self, op):
         got = self.call("fork",
                         lambda kv: self.backend.fork(op.seq, op.src,
                                                      final_tokens=self.final[op.seq], step=op.step),
-                        lambda: oracle.fork(op.seq, op.src, self.final[op.seq], op.step))
-        if got is None:
-            self.refused.add(op.seq)
-            return
-        self.mark(op.seq)
-        self.mark(op.src, kv=False)
+                        lambda: self.oracle.fork(op.seq, op.src, self.final[op.seq], op.step))
+        if got is not None:
+            self.mark(op.seq)
+            self.mark(op.src, kv=False)
+        return got
 
-    def free(self, op) -> None:
-        if op.seq in self.refused:
-            return
+    def call_free(self, op, dropped) -> None:
         swapped = self.tiered is not None and op.seq in self.oracle.swapped  # a tier holds it
-        evicted = op.seq in self.oracle.preempted  # the backend dropped it when it evicted it
-        if not evicted and self.gather == "touched":
-            self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
-        evicted = evicted and not swapped
         self.oracle.free(op.seq)
-        self.drafted.pop(op.seq, None)
         self.mark(op.seq, kv=False)
-        if self.backend is not None and not evicted:
+        if self.backend is not None and not dropped:
             self.free_call(op.seq, op.step)
         if swapped:  # its blocks left the tier
             self.tiered.compare()
@@ -567,27 +551,18 @@ class _Replay:
             self.raised(e)
         self.verdict.backend_seconds += time.perf_counter() - t0
 
-    def accept(self, op) -> None:
+    def call_accept(self, op, drafted) -> None:
         """Keep ``n`` of the drafts (SPEC §13); the rolled-back positions are gone from the
         sequence, its tail block is read again."""
-        drafted = self.drafted.pop(op.seq, None)
-        if drafted is None:  # its speculative append was refused or dropped: so is this
-            return
-        if op.seq in self.oracle.preempted and self.restore(op.seq, {op.seq}) is None:
-            return  # evicted since: recomputed with its drafts first
         new = self.oracle.seqs[op.seq].tokens - (drafted - op.n)
         self.call("accept", lambda kv: self.backend.accept(op.seq, op.n, drafted=drafted, step=op.step),
                   lambda: self.oracle.accept(op.seq, drafted, op.n, op.step))
         B = self.oracle.B if self.paged else 1
         self.mark(op.seq, max(0, new - B))
 
-    def preempt(self, op) -> None:
+    def call_preempt(self, op) -> None:
         """Preemption (SPEC §13): by recompute the backend frees the sequence, the oracle keeps
         its content for the resume; by swap both move it to a tier (the tier replay's)."""
-        if op.seq in self.refused or op.seq in self.oracle.preempted:
-            return  # refused, or already evicted: nothing left to free
-        if self.gather == "touched":
-            self.verify([(op.seq, 0, None)])  # whole, while it is still there to read
         self.mark(op.seq, kv=False)
         self.verdict.preemptions += 1
         if op.mode == "swap":
@@ -596,13 +571,6 @@ class _Replay:
         self.oracle.preempt(op.seq)
         if self.backend is not None:
             self.free_call(op.seq, op.step)
-
-    def resume(self, op) -> None:
-        """A new prefill of all the preempted sequence's tokens (prefix hits allowed), with the
-        K/V it had: read back whole."""
-        if op.seq in self.refused or op.seq not in self.oracle.preempted:
-            return  # refused; or recomputed already (an operation before needed it)
-        self.restore(op.seq, {op.seq})  # refused for lack of room: the next use recomputes it
 
     # --- what is compared after every operation ------------------------------------------------
 
