@@ -4,8 +4,8 @@ re-exports them; they live apart so that the columnar form (columns.py) can make
 
 A new operation is a class here with ``kind`` and ``FIELDS`` (its trace fields, in the order a
 trace writes them), added to ``OPS``; format.py parses it with ``parse_<kind>`` and checks its
-history with ``_Validator.<kind>``; the checker replays it with ``Driver.<kind>`` (kvbench/checking/driver.py) (transfers:
-with kvbench.checking.tier_replay).
+history with ``_Validator.<kind>``; a replay drives it with ``Driver.<kind>``
+(kvbench/checking/driver.py; transfers: kvbench.checking.tier_replay).
 """
 from __future__ import annotations
 
