@@ -6,7 +6,7 @@ The trace is a tenant mix (``tenant_mixes``, seed 0): 28,800 requests over 160 b
 "steady" tenant of short requests (8-48 prompt, 8-40 output tokens) runs from the start and fits
 the budget on its own, so nothing is evicted; a "late" tenant of long requests (200-400 + 50-200
 tokens) joins at request 17,856, and its first requests force the first evictions, past step
-50,000. The backend is fault (f) of the catalogue (tests/test_faults.py): LRU that breaks a tie
+50,000. The backend is fault (f) of the catalogue (tests/impls/test_faults.py): LRU that breaks a tie
 on last access towards the larger sequence id, under ``--policy lru``. The checker passes every
 operation until the first eviction with a tie.
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the catalogue's faults: --backend test_faults:...
+sys.path.insert(0, str(ROOT))  # impls, for the catalogue's fault
 
 from kvbench.checking.shrink import DEFAULT_MAX_SECONDS  # noqa: E402
 from kvbench.cli import main  # noqa: E402
@@ -34,7 +34,7 @@ TENANTS = [
     {"name": "late", "weight": 1, "law": {"name": "uniform", "prompt": [200, 400], "output": [50, 200]},
      "start": int(REQUESTS * 0.62)},
 ]
-FAULT = "test_faults:LruTiesWrongWay"
+FAULT = "impls.faults:LruTiesWrongWay"
 
 
 def deep_trace():

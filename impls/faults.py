@@ -3,7 +3,7 @@
 `kvbench faults` replays the default suite (every committed workload, as `kvbench run` does)
 through each of them and reports where the checker first parts ways with it: each bug of issue
 14's list (an upstream engine bug, reproduced in kvbench's terms), and the faults the tests plant
-at a hand-picked step (tests/test_faults.py). A fault is a subclass, never a flag in a backend:
+at a hand-picked step (tests/impls/test_faults.py). A fault is a subclass, never a flag in a backend:
 the backends stay what they are.
 
 Over 500 lines: one flat list of small planted bugs, each beside the report it reproduces and
@@ -27,7 +27,7 @@ from impls.numpy_quant_paged import NumpyQuantSteps
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import OutOfMemory
 
-# --- the faults tests/test_faults.py plants at a chosen step --------------------------------
+# --- the faults tests/impls/test_faults.py plants at a chosen step --------------------------------
 
 class NoCopyOnWrite(NumpyPaged):
     """(a) Writes into a shared tail in place."""

@@ -15,7 +15,7 @@ over arrays with one entry per group. Here a row's groups are done where they ar
   then runs in NumPy, over one entry per channel).
 
 The kernels compute exactly what the NumPy path computes (IEEE float32 and float64 steps in the
-same order, no fused multiply-add, no fast-math): tests/test_quant_kernels.py holds the two to
+same order, no fused multiply-add, no fast-math): tests/quant/test_quant_kernels.py holds the two to
 identical codes, scales and zero points. Where they do not apply (float64 input, an external
 scale, a zero point too large for the rounding trick) the NumPy path runs.
 """

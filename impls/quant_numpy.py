@@ -19,7 +19,7 @@ Speed comes from (the naive whole-array float64 version, ``kvbench.quant.quantiz
 
 With numba installed (``kvbench[fast]``), float16 / float32 input with scales from the data is
 quantized by the compiled kernels of :mod:`impls.quant_kernels` instead: the same codes, scales
-and zero points (tests/test_quant_kernels.py), at 0.3-0.6 of a copy where these steps reach
+and zero points (tests/quant/test_quant_kernels.py), at 0.3-0.6 of a copy where these steps reach
 0.03-0.26 (a min and max per token or group is a NumPy reduction over a short inner axis, one
 inner loop per group). ``quantize(..., compiled=False)`` runs these steps.
 

@@ -3,7 +3,7 @@
 For every entry of kvbench/checking/checks.CHECKS, one edit of the checker's source that removes
 that check alone (its condition made false, or what it reads left out), applied to a copy of
 the tree in a temporary directory (the repository is never edited); then the check's self-test
-(tests/test_checker_selftest.py, or test_ledger_quantities.py for a ledger field) runs there
+(tests/checking/test_checker_selftest.py, or test_ledger_quantities.py for a ledger field) runs there
 and must fail. Prints one line per check, ``check -> failing test`` (or ``NOT CAUGHT``), and the
 checks whose removal no self-test notices; exits 1 if there are any but the IMPLIED ones.
 
@@ -121,8 +121,8 @@ def tests_of(name: str) -> list:
     from test_checker_selftest import CASES
     if name.startswith("ledger: ") and name not in CASES:
         f = name.split(": ", 1)[1]
-        return [f"tests/test_ledger_quantities.py::test_paged_backend_wrong_in_one_quantity_fails_there[{f}]"]
-    return [f"tests/test_checker_selftest.py::test_a_backend_wrong_in_one_respect_fails_that_check[{name}]"]
+        return [f"tests/contract/test_ledger_quantities.py::test_paged_backend_wrong_in_one_quantity_fails_there[{f}]"]
+    return [f"tests/checking/test_checker_selftest.py::test_a_backend_wrong_in_one_respect_fails_that_check[{name}]"]
 
 
 def mutate(text: str, old: str, new: str, occurrence: int) -> str:

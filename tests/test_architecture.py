@@ -218,7 +218,7 @@ def test_every_registered_backend_is_exercised_by_the_checker_tests_and_the_asv_
     common = bench_common()
     in_asv = set(common.PAGED) | set(common.REPLAYED) | set(common.POOLS)  # the lists benchmarks take
     checked = set(backends())
-    tests = " ".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    tests = " ".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     missing = []
     for entry in registry.BUILTIN:
         if "engine" in entry.tags:  # their own opt-in environments and test files
@@ -253,3 +253,22 @@ def test_no_scope_defines_a_function_or_class_twice():
                     twice.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
                 seen.add(node.name)
     assert not twice, twice
+
+
+def test_tests_mirror_the_packages():
+    """A test file lives in the folder named as what it tests: a wing of kvbench
+    (tests/checking/ for kvbench/checking/), impls/ or engines/ (impls/engines/); at the root only
+    the project-wide tests and those of kvbench's top-level modules. Every folder is on pytest's
+    pythonpath, where test modules import each other's helpers by name."""
+    import tomllib
+
+    wings = {p.name for p in (ROOT / "kvbench").iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in (ROOT / "tests").iterdir()
+               if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders <= wings | {"impls", "engines"}, folders - wings
+    at_root = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    top_modules = {f"test_{p.stem}" for p in (ROOT / "kvbench").glob("*.py")}
+    assert at_root <= top_modules | {"test_architecture", "test_docs"}, at_root - top_modules
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    path = pyproject["tool"]["pytest"]["ini_options"]["pythonpath"]
+    assert sorted(path) == sorted(["tests"] + [f"tests/{f}" for f in folders])

@@ -2,7 +2,7 @@
 engine object (SGLang's allocator, vLLM's manager) does one thing its code must not.
 
 Opt-in like the adapters (each needs its engine's environment); never registered as backends:
-tests/test_engine_faults.py builds them and says at which workload and step each FAILs.
+tests/engines/test_engine_faults.py builds them and says at which workload and step each FAILs.
 
 - ``SglangWholeRequirement``: the eviction SGLang PR #32016 removed. Before it an allocation
   evicted its whole requirement from the tree whenever the pool was short; since, only the

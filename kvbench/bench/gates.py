@@ -1,6 +1,6 @@
 """Regression gates that CI can trust on a noisy shared machine.
 
-Two kinds, run by ``tests/test_gates.py`` on every submission and by ``kvbench gates``:
+Two kinds, run by ``tests/bench/test_gates.py`` on every submission and by ``kvbench gates``:
 
 * **Exact gates** on deterministic quantities. Every committed workload is replayed through every
   gated backend (no oracle: the backend's own ledger after each operation) and the quantization

@@ -4,8 +4,8 @@ One entry per check: the function that makes it (``site``, as ``Class.method`` o
 of its module) and the template of the quantity it reports (``{}`` for what a format string
 fills in; ``{name}`` where the whole quantity is a variable, such as the ledger field ``f``).
 Several checks may share a site and a template (a call that raises, and one that refuses what
-fits, both report ``outcome of {}``); the self-tests (tests/test_checker_selftest.py) tell them
-apart by the step and the figures. tests/test_checker_selftest.py reads the checker's modules
+fits, both report ``outcome of {}``); the self-tests (tests/checking/test_checker_selftest.py) tell them
+apart by the step and the figures. tests/checking/test_checker_selftest.py reads the checker's modules
 and asserts that each site and template there is named here, and that each entry here has a
 self-test: a new check without an entry, or an entry without a test, fails.
 """

@@ -4,7 +4,7 @@
 - :func:`failure_trace`: a failing trace under a header with the settings `kvbench check` reads
   back, the backend, the divergence and where the trace came from (shrunk traces, the histories
   the hypothesis state machines save);
-- :func:`emit_pytest`: the trace as a test case in the style of tests/test_faults.py, the
+- :func:`emit_pytest`: the trace as a test case in the style of tests/impls/test_faults.py, the
   operations inline with the ledger after each as a comment, to paste into an issue or a suite.
 """
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""Planted regressions over the real engine classes (impls/engines/faults_engines.py) FAIL where
+the engine they are planted in passes.
+
+Opt-in: each test needs its engine's environment and is skipped elsewhere with the reason. Run::
+
+    PYTHONPATH=$PWD /work/sglang-env/bin/python -m pytest tests/engines/test_engine_faults.py
+    PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/engines/test_engine_faults.py
+
+On a committed workload each fault FAILs at the first operation whose effect it changes, where
+the unfaulted adapter passes the same workload (SGLang under its declared rules: whole leaves, a
+page per request, the capped hit's page computed again); on a hand trace the step and quantity
+follow from the formulas.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+
+from kvbench.analyses.suite import config_for, load_traces
+from kvbench.checking.checker import check
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
+
+
+def _engine(module: str, not_installed: str, why: str):
+    import importlib
+    ok, reason = importlib.import_module(module).available()
+    if not ok and reason == not_installed:
+        pytest.skip(why)
+    assert ok, reason  # installed but broken: say so, never skip
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    from impls.engines.sglang_radix import NOT_INSTALLED
+    _engine("impls.engines.sglang_radix", NOT_INSTALLED,
+            "SGLang is not installed (opt-in): see docs/engines.md for its recipe")
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from impls.engines.vllm_blockpool import NOT_INSTALLED
+    _engine("impls.engines.vllm_kvmanager", NOT_INSTALLED,
+            "vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+
+
+def workload(name: str):
+    return load_traces([WORKLOADS / f"{name}.jsonl"])[0]
+
+
+def hand(*ops, block_size: int):
+    return validate(Trace(Header(family="test", settings={"block_size": block_size}), list(ops),
+                          name="hand"))
+
+
+def caught(trace, good, bad, cfg, op: str):
+    """``good`` passes ``trace``; ``bad`` FAILs it, at an operation of kind ``op``."""
+    v = check(trace, good(cfg))
+    assert v.valid, str(v.divergence)
+    w = check(trace, bad(cfg))
+    assert w.valid is False and w.divergence is not None, w.status
+    assert w.divergence.op["op"] == op, str(w.divergence)
+    return w.divergence
+
+
+# --- SGLang -----------------------------------------------------------------------------------
+
+def test_an_eviction_of_a_locked_node_fails_fork_wide(sglang):
+    """fork-wide fills its pool with forks of one prompt: an append has to evict, and with the
+    locks dropped the tree takes pages running requests hold, which the pool hands out again."""
+    from impls.engines.faults_engines import Sglang, SglangEvictsLocked
+    trace = workload("fork-wide")
+    d = caught(trace, Sglang, SglangEvictsLocked, config_for(trace, policy=None, prefix_caching=True),
+               "append")
+    assert d.quantity in ("blocks_used", "blocks_used + blocks_free", "shared_blocks"), str(d)
+
+
+def test_an_eviction_of_a_locked_node_fails_where_a_cached_leaf_was_enough(sglang):
+    """Page size 1, 4 pages: sequence 0 holds 2 (locked), sequence 1 leaves 1 cached; a 2-token
+    prefill finds 1 free and evicts the cached leaf (1 = 2 - 1, exactly the shortfall). With the
+    locks dropped the least recently used leaf is sequence 0's, in use."""
+    from impls.engines.faults_engines import Sglang, SglangEvictsLocked
+    ops = [Prefill(0, 0, "a", 2, ()), Prefill(1, 1, "a", 1, ()), Free(2, 1),
+           Prefill(3, 2, "a", 2, ())]
+    cfg = make_config(1, 4, store_kv=False, prefix_caching=True)
+    d = caught(hand(*ops, block_size=1), Sglang, SglangEvictsLocked, cfg, "prefill")
+    assert d.index == 3
+
+
+def test_the_whole_requirement_eviction_fails_where_the_shortfall_was_a_leaf(sglang):
+    """SGLang PR #32016 ("evict only the KV shortfall"). Page size 1 (exact demand), 4 pages:
+    two 1-token leaves cached, one page live; a 2-token prefill finds 1 free, so the shortfall is
+    2 - 1 = 1 page: one leaf goes (the oldest, as kvbench's rule) and 1 stays cached. The whole
+    requirement (2) takes both leaves: cached_blocks 0."""
+    from impls.engines.faults_engines import Sglang, SglangWholeRequirement
+    ops = [Prefill(0, 0, "a", 1, ()), Free(1, 0), Prefill(2, 1, "a", 1, ()), Free(3, 1),
+           Prefill(4, 2, "a", 1, ()), Prefill(5, 3, "a", 2, ())]
+    cfg = make_config(1, 4, store_kv=False, prefix_caching=True)
+    d = caught(hand(*ops, block_size=1), Sglang, SglangWholeRequirement, cfg, "prefill")
+    assert (d.index, d.quantity, d.expected, d.actual) == (5, "cached_blocks", 1, 0)  # 1 = 2 - 1
+
+
+def test_the_whole_requirement_eviction_fails_prefix_reuse_at_step_10(sglang):
+    """PR #32016's regression on a committed workload. prefix-reuse (B = 8, 27 pages) at step 10:
+    live 11 pages (sequence 2: 56 tokens, 7; 3: its fork, 1 of its own; 4: 12 tokens, 2; 5: its
+    fork, 1 of its own), cached 11 (sequence 0's one full block, sequence 1's 84 // 8 = 10 in two
+    leaves: its prompt's 8 and its output's 2), free 27 - 22 = 5. The append of 8 tokens to
+    sequences 4, 5, 3 asks for 24 + 3 * 8 = 48 tokens = 6 pages: the shortfall is 1 page, one
+    leaf, sequence 0's (released first): 10 stay cached. The whole requirement (48 tokens > 40
+    free) evicts 6 pages' worth: 1, then 2, then the prompt's 8: none stay."""
+    from impls.engines.faults_engines import Sglang, SglangWholeRequirement
+    trace = workload("prefix-reuse")
+    d = caught(trace, Sglang, SglangWholeRequirement,
+               config_for(trace, policy=None, prefix_caching=True), "append")
+    assert (d.index, d.quantity, d.expected, d.actual) == (10, "cached_blocks", 11 - 1, 0)
+
+
+# --- vLLM -------------------------------------------------------------------------------------
+
+def test_a_block_freed_twice_fails_prefix_reuse(vllm):
+    """prefix-reuse's requests share their prompt's blocks: freeing one request's blocks twice
+    puts a block another request holds back on the free queue."""
+    from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
+    trace = workload("prefix-reuse")
+    d = caught(trace, VllmKVManager, VllmFreedTwice, config_for(trace, policy=None), "free")
+    assert d.quantity == "blocks_used" and d.actual < d.expected, str(d)
+
+
+def test_a_block_freed_twice_under_sparse_retention_fails_hybrid_windows(vllm):
+    """hybrid-windows with prefix caching, at vLLM's serving default (sparse retention of window
+    blocks, the declared rule the unfaulted manager passes): its requests share prompt blocks in
+    both groups, and the free of sequence 1 at step 9 hands blocks sequences still hold back to
+    the pool, so fewer blocks are in use than the tables hold."""
+    from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
+    trace = workload("hybrid-windows")
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    assert VllmKVManager(cfg).capabilities.sparse_window_retention
+    d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
+    assert (d.step, d.op["seq"], d.quantity) == (9, 1, "sum of group_blocks"), str(d)
+    assert d.expected < d.actual  # blocks_used below the blocks the tables hold
+
+
+def test_a_window_block_released_early_fails_hybrid_decode(vllm):
+    """hybrid-decode decodes past the sliding window: a release one block ahead of the tokens
+    computed drops a block the window still covers (fewer blocks in use than the rule keeps),
+    at its first append (step 3), at the serving default."""
+    from impls.engines.faults_engines import VllmKVManager, VllmWindowEarly
+    trace = workload("hybrid-decode")
+    d = caught(trace, VllmKVManager, VllmWindowEarly, config_for(trace, policy=None), "append")
+    assert d.step == 3 and d.quantity == "blocks_used" and d.actual < d.expected, str(d)

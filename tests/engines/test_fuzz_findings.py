@@ -1,0 +1,301 @@
+"""What `kvbench fuzz` found (results/fuzz/campaigns.md), each minimal trace as a test: these
+pass on the fixed backends."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from impls.numpy_paged import NumpyPaged
+from kvbench.checking.checker import check
+from kvbench.contract.formulas import get_model, with_group_kinds
+from kvbench.contract.protocol import CacheConfig
+from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, validate
+from kvbench.traces.ops import Preempt, Resume
+
+
+def _chunk_past_the_window():
+    """One-token blocks, sliding(3) beside full: a chunked prompt of 4 tokens written 1 + 3.
+    The append completes the block of position 1 and the window slides past it in the same
+    operation (4 - 3 + 1 = 2: positions 0 and 1 released)."""
+    groups = ("sliding(3)", "full")
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=1,
+                         num_blocks=16, prefix_caching=True, max_context=8)
+    hashes = ("h0", "h1", "h2", "h3")
+    ops = [Prefill(0, 0, "a", 1, hashes, prompt_tokens=4), Append(1, (0,), (3,))]
+    trace = validate(Trace(Header("fuzz-finding", groups=groups), ops, name="chunk_past_the_window"))
+    return trace, config
+
+
+@pytest.mark.parametrize("pool", ["numpy", "torch"])
+def test_a_chunk_block_the_window_passes_in_the_same_append_stays_cached(pool):
+    # Found by `kvbench fuzz --backend numpy` (seed 0, history 4): the pool cached a chunk's
+    # completed blocks after the window released them, so the block of position 1 went back
+    # uncached (cached_blocks 1, the oracle 2).
+    trace, config = _chunk_past_the_window()
+    if pool == "torch":
+        pytest.importorskip("torch")
+        from impls.torch_paged import TorchPaged as Pool
+    else:
+        Pool = NumpyPaged
+    backend = Pool(config)
+    v = check(trace, backend)
+    assert v.valid, v.divergence
+    # 2 = the sliding group's blocks of positions 0 and 1, both complete, both released
+    assert backend.ledger().cached_blocks == 2
+
+
+def test_an_abort_of_a_preempted_sequence_is_its_free():
+    # Found by `kvbench fuzz --backend numpy` (campaign 01): the tier replay called the
+    # backend's abort of a sequence its preemption had already freed (KeyError).
+    from kvbench.traces.ops import Abort, Preempt
+    from kvbench.traces.tier_ops import TierSpec
+    ops = [Prefill(0, 0, "a", 1), Preempt(1, 0), Abort(2, 0)]
+    trace = validate(Trace(Header("fuzz-finding", tiers=(TierSpec("host", 16),)), ops, name="abort"))
+    config = CacheConfig(model=get_model("tiny"), block_size=1, num_blocks=1, prefix_caching=True,
+                         max_context=2)
+    v = check(trace, NumpyPaged(config))
+    assert v.valid, v.divergence
+
+
+def test_a_rollback_under_a_chunked_group_is_not_applicable():
+    # Found by `kvbench fuzz --backend numpy` (campaign 02): accept under chunked(1) rolled
+    # back into blocks the group had released (seq_blocks -2); the checker said n/a for
+    # sliding windows only.
+    from kvbench.traces.ops import Accept
+    groups = ("chunked(1)",)
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=1,
+                         num_blocks=4, prefix_caching=True, max_context=16)
+    ops = [Prefill(0, 0, "a", 1), Append(1, (0,), (4,), (4,)), Accept(2, 0, 0)]
+    v = check(validate(Trace(Header("fuzz-finding", groups=groups), ops, name="rollback")),
+              NumpyPaged(config))
+    assert v.valid is None and "chunked(1)" in v.not_applicable
+
+
+@pytest.mark.parametrize("groups", [("sliding(1)", "full"), ("state(127)", "full")])
+def test_a_chunk_completing_a_block_whose_cached_copy_its_append_evicts_is_cached(groups):
+    # Found by `kvbench fuzz --backend numpy --model-shapes` (seed 0, histories 348 and 361, on
+    # state models): the oracle registered a chunk's completed block while the append still
+    # took blocks, so a cached copy those allocations then evicted left the key uncached.
+    # B = 2, 4 blocks, LRU. Seq 0 writes 1 token of a 20-token prompt (block 0 of each group);
+    # seq 1 prefills p1.0's 2 tokens. Seq 0's append of 2 completes its block 0 (p1.0) and
+    # needs block 1 of both groups: 2 new blocks, 1 free, so LRU evicts seq 1 and the append
+    # takes the blocks that cached p1.0. Seq 0's block 0 is then p1.0's entry in each group.
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups), block_size=2,
+                         num_blocks=4, prefix_caching=True, max_context=64, policy="lru",
+                         tenant_weights={"a": 1})
+    hashes = ("p1.0", "p1.1", "p1.2", "p1.3", "p1.4", "p1.5", "p1.6", "p1.7", "r2.8", "r2.9")
+    ops = [Prefill(0, 0, "a", 1, hashes, prompt_tokens=20), Prefill(1, 1, "a", 2, ("p1.0",)),
+           Append(2, (0,), (2,))]
+    trace = validate(Trace(Header("fuzz-finding", groups=groups, tenants={"a": 1}), ops,
+                           name="chunk_copy_evicted"))
+    backend = NumpyPaged(config)
+    v = check(trace, backend)
+    assert v.valid, v.divergence
+    # 1 = the first group's block 0 of seq 0, released at 3 tokens (sliding(1): below
+    # 3 - 1 + 1 = 3; a state: below its last token's block (3 - 1) // 2 = 1), cached under p1.0
+    assert backend.ledger().cached_blocks == 1
+
+
+# --- engine findings: pinned where the engine's rule is not kvbench's (they skip without it) ---
+
+CAMPAIGNS = Path(__file__).resolve().parents[2] / "results" / "fuzz" / "campaigns"
+SERVING_FUZZ = Path(__file__).resolve().parents[2] / "results" / "engines" / "vllm-kvmanager" / "serving" / "fuzz"
+
+
+def _engine_check(name: str, trace, **rules):
+    """``rules``: declared rules put back to SPEC's."""
+    from kvbench.analyses import suite
+    from kvbench.contract import registry
+    config = suite.config_for(trace, policy=suite.policies_for(trace, None)[0])
+    backend = registry.create(name, dataclasses.replace(config, store_kv=False))
+    backend.capabilities = dataclasses.replace(backend.capabilities, **rules)
+    try:
+        return check(trace, backend)
+    finally:
+        getattr(backend, "close", lambda: None)()
+
+
+def _with_window(trace, old: str, new: str):
+    groups = tuple(new if g == old else g for g in trace.header.groups)
+    return dataclasses.replace(trace, header=dataclasses.replace(trace.header, groups=groups))
+
+
+@pytest.mark.parametrize("finding", ["earlier/vllm-kvmanager/01-cached-blocks-append",
+                                     "earlier/vllm-kvmanager/02-blocks-used-fork",
+                                     "earlier/vllm-kvmanager/03-cached-blocks-free",
+                                     "earlier/vllm-kvmanager/04-blocks-used-prefill",
+                                     "vllm-kvmanager/01-blocks-used-fork",
+                                     "vllm-kvmanager/06-cached-blocks-preempt",
+                                     "vllm-kvmanager/09-outcome-success-expected-out-of-memory-a-fork",
+                                     "vllm-kvmanager-dense/04-cached-blocks-append",
+                                     "vllm-kvmanager-dense/05-cached-blocks-free"])
+def test_vllm_a_one_token_window_costs_every_prefix_hit(finding):
+    """vLLM's bug candidate 1 (results/engines/vllm-kvmanager/README.md), found again nine ways
+    by three campaigns: with a sliding(1) group vLLM caches none of its blocks and hits nothing, so
+    it holds more blocks, caches fewer or refuses a fork SPEC admits; the same trace with
+    sliding(2) passes. Held under dense retention, vllm-kvmanager-dense; the serving default's
+    sparse retention: the next test."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert "sliding(1)" in trace.header.groups
+    d = _engine_check("vllm-kvmanager-dense", trace).divergence
+    assert d is not None
+    fewer_cached = d.quantity == "cached_blocks" and d.actual < d.expected
+    more_used = d.quantity == "blocks_used" and d.actual > d.expected
+    refused = (d.expected, d.actual) == ("success", "out-of-memory")
+    assert fewer_cached or more_used or refused, d
+    assert _engine_check("vllm-kvmanager-dense", _with_window(trace, "sliding(1)", "sliding(2)")).valid
+
+
+@pytest.mark.parametrize("finding", ["01-cached-blocks-append", "02-blocks-used-fork",
+                                     "03-cached-blocks-free", "04-blocks-used-prefill"])
+def test_vllm_under_its_sparse_retention_a_one_token_window_still_costs_a_forks_hit(finding):
+    """The same four at vLLM's serving default, held to its declared sparse retention (which
+    caches no sliding(1) block either: a hit needs cdiv(1 - 1, B) = 0 of them). Three pass: 01
+    and 03 only showed the uncached window blocks, which the rule now declares; in 04 the
+    sliding(28) group keeps no block of an 8-token prompt (the run below (8 - 1) // 8 = 0 is
+    empty), so neither hits. 02 still FAILs: a prompt of 2 one-token blocks, then a fork (a new
+    request of the 2 tokens): the rule hits the full group's (2 - 1) // 1 = 1 block and sliding(1)
+    needs none, so the parent's 2 * 2 blocks and 2 * (2 - 1) new ones, 6 in use; vLLM's hit search
+    wants one cached block of the group at the hit's end, finds none, hits nothing: 4 + 2 * 2 = 8."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / "earlier" / "vllm-kvmanager" / f"{finding}.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    if finding != "02-blocks-used-fork":
+        assert v.valid, v.divergence
+        return
+    d = v.divergence
+    assert (d.step, d.op["op"], d.quantity, d.expected, d.actual) == (1, "fork", "blocks_used", 6, 8)
+    assert _engine_check("vllm-kvmanager", _with_window(trace, "sliding(1)", "sliding(2)")).valid
+
+
+@pytest.mark.parametrize("finding", ["02-cached-blocks-free", "04-cached-blocks-append",
+                                     "05-blocks-used-prefill"])
+def test_vllm_serving_default_findings_of_sparse_retention_pass_under_the_declared_rule(finding):
+    """Found at vLLM's serving default before the oracle modelled its sparse retention of sliding
+    groups' blocks (retention 0; results/fuzz/campaigns.md): held to the declared rule, each
+    passes, as it passes under dense retention (vllm-kvmanager-dense) held to SPEC's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    assert v.valid, v.divergence
+    assert _engine_check("vllm-kvmanager-dense", trace).valid
+
+
+@pytest.mark.parametrize("finding", ["vllm-kvmanager/03-outcome-out-of-memory-expected-success-a-prefill",
+                                     "vllm-kvmanager/07-blocks-used-resume",
+                                     "vllm-kvmanager-dense/06-blocks-used-prefill"])
+def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding):
+    """A declared-rule gap (results/fuzz/campaigns.md): a prompt on one chunked(C) group takes
+    only the blocks of its current chunk in vLLM (14 tokens under chunked(13) at B = 1: one
+    block), where the oracle, under vLLM's window_release "next_allocation", holds every prompt
+    block until the request next allocates; at dense retention too."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert len(trace.header.groups) == 1 and trace.header.groups[0].startswith("chunked")
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        d = _engine_check(name, trace).divergence
+        assert d is not None and d.index == 0, d
+        fewer = d.quantity == "blocks_used" and d.actual < d.expected
+        assert fewer or (d.expected, d.actual) == ("out-of-memory", "success"), d
+
+
+@pytest.mark.parametrize("finding", ["vllm-kvmanager-dense/08-outcome-out-of-memory-expected-success-a-fork",
+                                     "vllm-kvmanager-dense/09-shared-blocks-fork",
+                                     "vllm-kvmanager/08-outcome-out-of-memory-expected-success-a-fork"])
+def test_vllm_findings_of_a_resumed_sequence_pass_now(finding):
+    """Found as "a resume finds its own unhashed blocks" (results/fuzz/campaigns.md); they were
+    two kvbench bugs, both fixed: the oracle gave a resume's blocks the keys of the sequence's
+    blocks before its preemption (test_a_resumed_sequence_caches_its_blocks_anew), and the
+    adapter made a resume a request of the prompt's token ids alone, fewer than its tokens. 08:
+    prefill 3 tokens at B = 1 into 4 blocks, preempt, resume, fork; 09: a fork of the resumed
+    sequence. Each passes to its last operation at both retentions."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    assert {"preempt", "resume"} <= {op.kind for op in trace.ops}
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        v = _engine_check(name, trace)
+        assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)
+
+
+def test_vllm_a_resume_is_a_request_of_all_its_tokens():
+    """The serving default's campaign (results/engines/vllm-kvmanager/serving/fuzz, seed 1, 05): a
+    1-token prompt named by its token id, 1 token appended, preempted, resumed, forked. The
+    resume recomputes 2 tokens, so the fork is a request of 2 (the adapter once gave the resume
+    the prompt's 1 id alone, and the fork came out 1 token long)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(SERVING_FUZZ / "seed1" / "05-tokens-fork.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)  # tokens checked each op
+
+
+def _sglang():
+    from impls.engines.sglang_radix import NOT_INSTALLED, available
+    ok, why = available()
+    if why == NOT_INSTALLED:
+        pytest.skip("SGLang is not installed (opt-in): see docs/engines.md for its recipe")
+    assert ok, why
+
+
+SGLANG_SPEC_RULES = {"evicts_whole_leaves": False, "eviction_demand": "need",
+                     "capped_hit_recomputed": False}
+SGLANG_FINDINGS = ["01-cached-blocks-append", "02-cached-blocks-prefill", "03-cached-blocks-fork",
+                   "04-cached-blocks-free", "05-outcome-success-expected-out-of-memory-a-fork",
+                   "06-cached-blocks-resume"]
+
+
+@pytest.mark.parametrize("finding", SGLANG_FINDINGS)
+def test_sglang_findings_are_its_declared_rules(finding):
+    """Every SGLang finding of the campaign was a rule it now declares (results/fuzz/campaigns.md):
+    a page per request over-evicted (01, B = 32), a whole radix leaf evicted (03, 04 and 06 at
+    B = 1 and 2: the resumed sequence's 3 tokens need 2 of its 3 cached ones' pages, and its
+    node goes whole), the capped hit's page computed again (05: a fork of 6 tokens in 6 pages is
+    refused). Its whole history checks clean under them; its shrunk trace, held to SPEC's rules,
+    diverges as it was found (the divergence its header records)."""
+    _sglang()
+    whole = load(str(CAMPAIGNS / "earlier" / "sglang-radix" / f"{finding}.jsonl"))
+    v = _engine_check("sglang-radix", whole)
+    assert v.valid is True and v.ops == len(whole.ops), str(v.divergence)
+    shrunk = load(str(CAMPAIGNS / "earlier" / "sglang-radix" / f"{finding}.min.jsonl"))
+    assert _engine_check("sglang-radix", shrunk).valid is True
+    d = _engine_check("sglang-radix", shrunk, **SGLANG_SPEC_RULES).divergence
+    found = shrunk.header.params["divergence"]
+    assert (d.index, d.quantity, d.expected, d.actual) == (
+        found["index"], found["quantity"], found["expected"], found["actual"])
+
+
+def test_a_resumed_sequence_caches_its_blocks_anew():
+    """SGLang's 02, 04 and 06 histories, shrunk again under the declared rules, showed an oracle
+    bug (fixed): the blocks a resume computed again got the keys of the sequence's blocks before
+    its preemption, so they were never cached (no duplicates kept) and a fork found none of them.
+    B = 1, 4 pages: 1 token, preempted (cached), resumed into a new page (its token ids are
+    new to the cache), freed: 2 pages cached; forked instead: the fork shares the resumed page
+    (the capped hit's page computed again, then shared), 1 page in use."""
+    _sglang()
+    head = [Prefill(0, 0, "a", 1, ()), Preempt(1, 0, "recompute"), Resume(2, 0)]
+    for last, quantity, value in ((Free(3, 0), "cached_blocks", 2), (Fork(3, 1, 0), "blocks_used", 1)):
+        trace = validate(Trace(Header("fuzz-finding", settings={"block_size": 1, "num_blocks": 4,
+                                                               "prefix_caching": True}),
+                               head + [last], name="resume"))
+        v = _engine_check("sglang-radix", trace)
+        assert v.valid is True and v.final_ledger[quantity] == value, str(v.divergence)
+
+
+CAMPAIGN_SGLANG = [f"{backend}/{name}" for backend in ("sglang", "sglang-radix") for name in (
+    "01-cached-blocks-append", "02-cached-blocks-prefill", "03-cached-blocks-fork",
+    "04-cached-blocks-free", "05-outcome-success-expected-out-of-memory-a-fork",
+    "06-blocks-used-fork", "07-cached-blocks-resume",
+    "08-outcome-success-expected-out-of-memory-a-prefill")]
+
+
+@pytest.mark.parametrize("finding", CAMPAIGN_SGLANG)
+def test_sglang_campaign_findings_pass_under_its_declared_rules(finding):
+    """The last campaigns' SGLang findings, found before its rules were modelled (over-eviction
+    by a page per request and by whole leaves, the capped hit's page, the resume's blocks):
+    held to the rules its adapter declares, each minimal trace passes to its last operation."""
+    _sglang()
+    trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
+    v = _engine_check(finding.split("/")[0], trace)
+    assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)

@@ -1,0 +1,152 @@
+"""vLLM's ``CPUOffloadingManager`` as the lower tiers of the NumPy pool, under the checker
+(impls/engines/vllm_offload.py).
+
+vLLM is opt-in (docs/engines.md's recipe builds /work/vllm-env); CI does not install it, so every test
+that needs it is skipped there with the reason. Run them from the repository root with::
+
+    PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/engines/test_vllm_offload.py
+
+The adapter declares the two rules where vLLM differs from SPEC §11 (``tier_rules``); each has a
+small trace here on which vLLM passes as declared and diverges, at the step named, when held to
+SPEC's rule instead: evidence that the declaration is what vLLM does, and that the checker holds
+vLLM to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_tier_properties import histories
+from test_vllm_kvmanager import NO_ENGINES
+
+from kvbench.analyses.suite import committed_workloads, config_for, load_traces
+from kvbench.checking.checker import check
+from kvbench.contract.registry import entries
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
+
+SKIP_REASON = "vLLM is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
+B = 4
+ROOT = Path(__file__).resolve().parents[2]
+TIER_WORKLOADS = [p for p in committed_workloads() if load_traces([p])[0].header.tiers]
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
+def offload(num_blocks=8, rules=None, block_size=B):
+    """The adapter; ``rules``: the tier rules it is held to instead of those it declares."""
+    from impls.engines.vllm_offload import VllmOffload
+    backend = VllmOffload(make_config(block_size=block_size, num_blocks=num_blocks,
+                                      prefix_caching=True))
+    if rules is not None:
+        backend.capabilities = dataclasses.replace(backend.capabilities, tier_rules=rules)
+    return backend
+
+
+def with_policy(trace: Trace, policy: str) -> Trace:
+    tiers = tuple(dataclasses.replace(t, policy=policy) for t in trace.header.tiers)
+    return Trace(dataclasses.replace(trace.header, tiers=tiers), trace.ops, name=trace.name)
+
+
+def checked(trace, backend, **kw):
+    try:
+        return check(trace, backend, **kw)
+    finally:
+        backend.close()
+
+
+def test_registered_as_an_engine():
+    entry = entries()["vllm-offload"]
+    assert "engine" in entry.tags and entry.target == "impls.engines.vllm_offload:VllmOffload"
+
+
+def test_without_vllm_it_is_listed_unavailable_with_the_recipe(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's kvbench, not an installed one
+    got = subprocess.run([sys.executable, "-c", NO_ENGINES], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr
+    line = next(ln for ln in got.stdout.splitlines() if ln.split()[:1] == ["vllm-offload"])
+    assert line.split()[1:3] == ["built-in", "no"], line
+    assert "vllm is not installed: its opt-in recipe is in docs/engines.md" in line
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("path", TIER_WORKLOADS, ids=lambda p: p.stem)
+def test_passes_the_tier_workloads(vllm, path, policy):
+    from impls.engines.vllm_offload import VllmOffload
+    trace = with_policy(load_traces([path])[0], policy)
+    v = checked(trace, VllmOffload(config_for(trace)), gather="all")
+    if any(op.kind == "preempt" and op.mode == "swap" for op in trace.ops):  # SPEC §13 over §11
+        assert v.valid is None and "does not preempt by swap" in v.not_applicable, v.not_applicable
+        return
+    assert v.valid is True, str(v.divergence)
+    assert v.ops == len(trace.ops)
+    # the content checks read vLLM's chunk ids; its copies need CUDA, and the verdict says so
+    assert "CUDA" in v.skipped["tier copies"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.integers(4, 6).flatmap(lambda n: st.tuples(st.just(n), histories(n))),
+       host=st.integers(0, 3))
+def test_passes_random_histories(vllm, policy, case, host):
+    blocks, ops = case
+    tiers = (TierSpec("host", host, policy), TierSpec("disk", 4, policy))
+    trace = validate(Trace(Header("random", tiers=tiers), ops, name="random"))
+    v = checked(trace, offload(blocks), gather="all")
+    assert v.valid is True, (v.divergence, v.error)
+
+
+# --- the rules vLLM declares, each shown by a trace that needs it --------------------------------
+
+def store_two_into_one() -> Trace:
+    """``kvbench shrink`` of a 46-operation random history held to SPEC's refusal: a store of 2
+    new blocks to a host tier of 1 with nothing to evict."""
+    ops = [Prefill(0, 0, "a", 2 * B, (1, 2), "x"), Store(1, 0, 0, "host")]
+    return validate(Trace(Header("whole-store", tiers=(TierSpec("host", 1),)), ops, name="whole-store"))
+
+
+def test_a_store_without_room_for_every_block_is_refused_whole(vllm):
+    """vLLM's prepare_store returns None when it cannot evict room for all the new blocks
+    (manager.py:321-336): nothing begins. SPEC begins the one that fits."""
+    v = checked(store_two_into_one(), offload(2))
+    assert v.valid is True, str(v.divergence)
+    spec = checked(store_two_into_one(), offload(2, rules=("request_recency",)))
+    d = spec.divergence
+    assert spec.valid is False and d.step == 1 and d.quantity == "tier host storing"
+    assert (d.expected, d.actual) == (1, 0)  # SPEC: min(2 blocks, capacity 1); vLLM: none
+
+
+def recency_by_request() -> Trace:
+    """Blocks 1, 2 stored to a host tier of 2 by one request, which is freed; block 3 stored by
+    another needs one victim; the device then forgets everything, and a load asks for 1, 2."""
+    H = (TierSpec("host", 2),)
+    ops = [Prefill(0, 0, "a", 2 * B, (1, 2)), Store(1, 0, 0, "host"), Done(2, 0, True), Free(3, 0),
+           Prefill(4, 1, "a", B, (3,)), Store(5, 1, 1, "host"), Done(6, 1, True), Free(7, 1),
+           Prefill(8, 2, "flush", 8 * B), Free(9, 2),
+           Load(10, 3, "a", 2 * B, (1, 2), id=2), Done(11, 2, True), Free(12, 3)]
+    return validate(Trace(Header("recency", tiers=H), ops, name="recency"))
+
+
+def test_recency_is_the_requests_first_block_most_recent_at_its_finish(vllm):
+    """vLLM ranks a request's blocks (rank, -position) and, when it finishes, makes each most
+    recent, its first block last (lru.py:267-277, :314-323): block 2 is the victim of block 3's
+    store, so the load finds block 1 on the host. SPEC's LRU (a store's last block the most
+    recent) evicts block 1, and the load finds nothing."""
+    v = checked(recency_by_request(), offload(), gather="all")
+    assert v.valid is True, str(v.divergence)
+    assert v.final_ledger["prefix_hit_blocks"] == 0  # the flush left the device no hit
+    spec = checked(recency_by_request(), offload(rules=("whole_store_refused",)), gather="all")
+    d = spec.divergence
+    assert spec.valid is False and d.step == 10 and d.quantity == "tier host loading"
+    assert (d.expected, d.actual) == (0, 1)  # SPEC: block 1 evicted, nothing loads; vLLM: 1 block
