@@ -28,7 +28,9 @@ class TierCopy:
         self.tc.store(tier)  # pages touched once
 
     def teardown(self, *params):
-        self.tc.close()
+        tc = self.__dict__.pop("tc", None)  # None where setup said n/a
+        if tc is not None:
+            tc.close()
 
     def time_transfer(self, pool, tier, op, kib):
         if op == "store":

@@ -289,7 +289,10 @@ def kv_buffer(trace, config):
     calls = [max(trace.final_lengths().values(), default=0)]
     calls += [sum(op.tokens) for op in trace.ops if isinstance(op, Append)]
     m = config.model
-    return np.zeros((max(calls), 2, m.layers, m.kv_heads, m.head_dim), dtype=config.kv_dtype)
+    # A token's K/V as the model lays it out (an MLA latent is one part, not K and V); commits
+    # from before ModelSpec.kv_shape had K and V only.
+    shape = getattr(m, "kv_shape", None) or (2, m.layers, m.kv_heads, m.head_dim)
+    return np.zeros((max(calls),) + tuple(shape), dtype=config.kv_dtype)
 
 
 def replay(backend, trace, kv=None, after_op=None) -> dict:
