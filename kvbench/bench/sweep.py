@@ -34,7 +34,7 @@ from kvbench.bench import records
 from kvbench.bench.grid import Cell, Grid, check_cells, code_version, expand, known_settings
 from kvbench.bench.store import Store
 from kvbench import provenance
-from kvbench.progress import Progress as Reporter
+from kvbench.progress import Progress
 from kvbench.quant.pool import pool_block_bytes
 from kvbench.analyses import suite
 from kvbench.traces.format import Trace
@@ -109,7 +109,7 @@ def _run_claimed(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
 # --- progress ------------------------------------------------------------------------------------
 
 
-class Progress(Reporter):
+class CellProgress(Progress):
     """Cells done / total with the FAIL, ERROR and lost counts beside them; a last line at close."""
 
     def __init__(self, name: str, total: int, done: int, *, stream=None, interval: float = 5.0,
@@ -297,7 +297,7 @@ class SweepRun:
 def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors: bool = False,
               progress: dict | None = None, **options) -> SweepRun:
     """Run the cells of ``grid`` that ``store`` lacks on ``executor`` (its ``options``);
-    ``progress``: options of :class:`Progress` (interval, enabled, stream, tty)."""
+    ``progress``: options of :class:`CellProgress` (interval, enabled, stream, tty)."""
     commit = code_version()
     cells, traces = expand(grid, commit["code"])
     check_cells(grid, cells, traces)
@@ -307,7 +307,7 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
         stored = store.read(grid.name, columns=["cell_id", "status"])
         done -= set(stored.loc[stored.status == "ERROR", "cell_id"])
     todo = [c for c in cells if c.id not in done]
-    progress = Progress(grid.name, len(cells), len(cells) - len(todo), **(progress or {}))
+    progress = CellProgress(grid.name, len(cells), len(cells) - len(todo), **(progress or {}))
     progress.say(f"{grid.name}: {len(cells)} cells, {len(cells) - len(todo)} already in {store.url}, "
                  f"{len(todo)} to run ({executor})")
     used = {c.trace_key for c in todo}
@@ -319,5 +319,5 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
     return SweepRun(grid, cells, len(cells) - len(todo), progress.counts, out["lost"], out["interrupted"], wall)
 
 
-__all__ = ["run_cell", "run_sweep", "run_local", "run_ray", "Progress", "SweepRun", "RUN_COLUMNS", "ELSEWHERE",
+__all__ = ["run_cell", "run_sweep", "run_local", "run_ray", "CellProgress", "SweepRun", "RUN_COLUMNS", "ELSEWHERE",
            "EXECUTORS", "ship_code_env"]

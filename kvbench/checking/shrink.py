@@ -170,7 +170,7 @@ class Candidate:
 
 
 @dataclass
-class Progress:
+class ShrinkStatus:
     """Where a shrink stands, passed to the ``progress`` callback after every replay."""
 
     phase: str
@@ -224,7 +224,7 @@ class _Shrinker:
             out = replay(trace, self.factory, cand.config, self.gather)
         self.seen[key] = out
         if self.progress is not None:
-            self.progress(Progress(self.phase, len(self.best.ops) if self.best else len(cand.ops),
+            self.progress(ShrinkStatus(self.phase, len(self.best.ops) if self.best else len(cand.ops),
                                    len(self.trace), self.attempts, self.elapsed()))
         return out
 
@@ -414,7 +414,7 @@ class _Shrinker:
 
 def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *,
            gather: str = "touched", max_seconds: float = DEFAULT_MAX_SECONDS,
-           max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: Callable[[Progress], None] | None = None,
+           max_attempts: int = DEFAULT_MAX_ATTEMPTS, progress: Callable[[ShrinkStatus], None] | None = None,
            backend: str | None = None, source: str | None = None) -> ShrinkResult:
     """Cut ``trace`` down to a small trace on which ``backend_factory(config)`` fails the same way.
 
@@ -467,5 +467,5 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     return result
 
 
-__all__ = ["shrink", "ShrinkResult", "Progress", "Outcome", "replay", "divergence_kind",
+__all__ = ["shrink", "ShrinkResult", "ShrinkStatus", "Outcome", "replay", "divergence_kind",
            "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_ATTEMPTS"]

@@ -418,7 +418,7 @@ def test_no_child_outlives_a_sweep_driver_killed_with_sigkill(tmp_path):
 
 def test_progress_in_a_log_is_plain_lines():
     out = io.StringIO()
-    p = sweep.Progress("s", total=10, done=4, stream=out, interval=0.0, tty=False)
+    p = sweep.CellProgress("s", total=10, done=4, stream=out, interval=0.0, tty=False)
     for status in ("pass", "FAIL", "ERROR"):
         p.update(status)
     p.close()
@@ -431,7 +431,7 @@ def test_progress_in_a_log_is_plain_lines():
 
 def test_progress_on_a_terminal_is_a_tqdm_bar():
     out = io.StringIO()
-    p = sweep.Progress("s", total=10, done=0, stream=out, tty=True)
+    p = sweep.CellProgress("s", total=10, done=0, stream=out, tty=True)
     p.update("pass")
     p.close()
     assert p.bar is not None and p.bar.n == 1 and "\r" in out.getvalue()

@@ -299,7 +299,7 @@ def test_the_header_names_the_policy_so_check_replays_only_that_one(tmp_path, ca
 def test_progress_lines_when_not_on_a_terminal(monkeypatch, capsys):
     report = shrink_cli._Report(quiet=False)
     report.progress.every = 0.0
-    report(S.Progress("drop sequences", 12, 162, 7, 1.5))
+    report(S.ShrinkStatus("drop sequences", 12, 162, 7, 1.5))
     err = capsys.readouterr().err
     assert err.startswith("shrink: 7 replays (") and "\r" not in err
     assert err.rstrip().endswith(", 12 ops left of 162, drop sequences)")
