@@ -196,7 +196,7 @@ class ForkWithoutData(Contiguous):
 
 
 
-# --- engine bugs (issue 14) ------------------------------------------------------------------
+# --- engine bugs, as upstream shipped them -----------------------------------------------------
 
 class DoubleWindowRelease(NumpyPaged):
     """A sliding window's release names its first block twice, and the free path drops one
@@ -694,7 +694,7 @@ class Bug:
     name: str
     upstream: str  # the engine bug it reproduces, or "kvbench" for a fault the tests plant
     fault: type
-    why: bool  # one of issue 14's list: the default suite must catch it
+    why: bool  # an engine bug as shipped upstream: the default suite must catch it
 
 
 CATALOGUE = [

@@ -1,4 +1,4 @@
-"""Single-line bugs of a paged pool, planted to measure what the default run reaches (issue 12).
+"""Single-line bugs of a paged pool, planted to measure what the default run reaches.
 
 Each is the kind of slip a pool's author makes once: an off-by-one at the budget's last block, a
 refusal that keeps a block, a batch applied writer by writer, a counter one byte wide. Most show

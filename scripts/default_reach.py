@@ -1,5 +1,5 @@
 """What the default `kvbench run` catches of the single-line bugs of impls/faults_edges.py,
-before the edge workloads of issue 12 and after: docs/workloads.md's table ("What the default run reaches").
+before the edge workloads and after: docs/workloads.md's table ("What the default run reaches").
 
     python scripts/default_reach.py
 

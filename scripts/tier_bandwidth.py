@@ -10,7 +10,7 @@ seconds / tier seconds (1.0: as fast as the plain copy), the median over ``--rep
 wall clock (``ratio``) and by this process's CPU clock (``cpu_ratio``: what the copy costs,
 whatever else holds the cores). The disk
 tier writes np.memmap pages and the baseline a file with write(), neither synced: both measure
-what reaches the page cache. The goal (issue 24): >= 0.8 for blocks of 256 KiB and up.
+what reaches the page cache. The goal: >= 0.8 for blocks of 256 KiB and up.
 
     python scripts/tier_bandwidth.py [--mib 32] [--repeat 15]    # results/tiers/bandwidth.{json,csv,png}
     python scripts/tier_bandwidth.py --draw                      # csv and png again from the json

@@ -585,7 +585,7 @@ def pool_bytes_per_token(name: str) -> float:
         backend.close()
 
 
-# --- scale (issue 13): traces as columns, the incremental checker ------------------------------
+# --- scale: traces as columns, the incremental checker ------------------------------
 
 SCALE_DECODE_REQUESTS = [200, 2000]  # decode traces of ~1,150 and ~8,000 operations
 SCALE_GATHER_TOKENS = 4096  # a long sequence, of which one block is read back

@@ -47,7 +47,7 @@ CANONICAL = [
                   {"name": "late", "weight": 1, "rate": 2, "law": "alpaca", "start": 24}],
       "num_requests": 48, "max_prompt": 100, "max_output": 100, "concurrency": 8, "max_batch": 3,
       "decode_chunk": 8, "block_size": 16, "budget_fraction": 0.5}, 0),
-    # Prefix caching (issue 18): full hits of block-aligned prompts, partial hits, misses after
+    # Prefix caching: full hits of block-aligned prompts, partial hits, misses after
     # hits, cached blocks evicted and reused over a tight budget; then the same under eviction
     # policies, so evicted sequences are recomputed and hit their cached prefixes again.
     ("prefix-reuse.jsonl", "prefix_sharing",
@@ -60,7 +60,7 @@ CANONICAL = [
       "decode_chunk": 6, "block_size": 8, "budget_fraction": 0.5,
       "tenants": [{"name": "chat", "weight": 2, "rate": 0.7},
                   {"name": "batch", "weight": 1, "rate": 0.3}]}, 0),
-    # Hybrid models (issue 14): prompts over a small sliding window, decode past it, forks on
+    # Hybrid models: prompts over a small sliding window, decode past it, forks on
     # either side of its edge, prefix reuse under four tenants' salts and adapters (alice's
     # salt "x" is bob's adapter name), cached blocks evicted over a tight budget. `kvbench
     # faults` shows what it catches.
@@ -69,7 +69,7 @@ CANONICAL = [
       "aligned_rate": 0.3, "own_rate": 0.4, "own_tokens": [1, 24], "output": [8, 48],
       "fork_rate": 0.25, "concurrency": 5, "max_batch": 3, "decode_chunk": 6, "block_size": 8,
       "budget_fraction": 0.6}, 0),
-    # The budget's edges (issue 12): what `kvbench run` must reach that the others never do.
+    # The budget's edges: what `kvbench run` must reach that the others never do.
     # Refusals of every kind at Mooncake's block size 256, prompts over 16 blocks;
     ("edge-refusals.jsonl", "refusals",
      {"block_size": 256, "num_blocks": 40, "rounds": 2, "prompt_blocks": [17, 20]}, 0),

@@ -1,4 +1,4 @@
-"""Prefix caching by block hash, through the paths a trace can reach (issue 18): a prompt whose
+"""Prefix caching by block hash, through the paths a trace can reach: a prompt whose
 every block is a hit, operations that write no token or take no block, and the committed
 workloads that put these paths into the default `kvbench run`."""
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_the_default_run_replays_prefix_caching_workloads():
 
 def test_prefix_reuse_reaches_every_prefix_cache_path():
     e = events("prefix-reuse")
-    assert e["all_hit"] >= 1  # a block-aligned prompt seen before (the crash of issue 18)
+    assert e["all_hit"] >= 1  # a block-aligned prompt seen before (it once crashed the oracle)
     assert e["partial_hit"] >= 1 and e["miss_after_hit"] >= 1
     assert e["cached_block_reused"] >= 1  # a cached block evicted to make room, then reused
 

@@ -26,7 +26,7 @@ from kvbench.traces import edits
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, load, loads, validate
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
-MAX_OPS = 20  # "a trace of at most ~20 operations" (issue 17)
+MAX_OPS = 20  # small enough to read a failure by hand
 
 # Each planted fault with a committed workload that catches it: (fault, workload, policy, budget
 # in blocks or None for the header's, CacheConfig overrides the fault needs).
