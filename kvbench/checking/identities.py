@@ -5,6 +5,10 @@ returns the first identity that fails as ``(quantity, expected, actual, detail)`
 They read only what the backend reports (its ledger, and its block structures when it exposes
 them), so they hold any backend, engines included, to the same arithmetic. Also here: the
 explanation of a hit across salts (SPEC §9), which names both requests.
+
+Over 500 lines: the identities over the whole pool, the Mirror that checks the same identities
+at an operation's blocks, and the references a tier's leases add are one arithmetic (each reads
+the others' counts); split, every part would import the rest.
 """
 from __future__ import annotations
 
