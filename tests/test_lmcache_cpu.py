@@ -14,6 +14,7 @@ from conftest import make_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tier_properties import histories
+from test_vllm_offload import checked
 
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
@@ -34,13 +35,6 @@ def lmcache():
 def adapter(num_blocks=8):
     from impls.engines.lmcache_cpu import LMCacheCPU
     return LMCacheCPU(make_config(block_size=B, num_blocks=num_blocks, prefix_caching=True))
-
-
-def checked(trace, backend, **kw):
-    try:
-        return check(trace, backend, **kw)
-    finally:
-        backend.close()
 
 
 def test_registered_as_an_engine():

@@ -28,8 +28,8 @@ import types
 
 import numpy as np
 
+from impls.engines.engine_tiers import EngineTiers
 from impls.numpy_paged import NumpyPaged
-from kvbench.contract.protocol import CacheConfig
 
 NOT_INSTALLED = ("lmcache is not installed: it is opt-in, "
                  "see the LMCache recipe in docs/tiers-and-lifecycles.md")
@@ -160,7 +160,7 @@ class _LMCacheTier:
         self.backend.close()
 
 
-class LMCacheCPU(NumpyPaged):
+class LMCacheCPU(EngineTiers):
     """The NumPy pool whose lower tiers are LMCache's ``LocalCPUBackend``s."""
 
     name = "lmcache-cpu"
@@ -168,16 +168,7 @@ class LMCacheCPU(NumpyPaged):
     # stores and retrieves prefix chunks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False)
     tier_skips = {"tier copies": CONNECTOR_SKIP}
-
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        return available()
-
-    def __init__(self, config: CacheConfig):
-        ok, why = self.available()
-        if not ok:
-            raise RuntimeError(f"{self.name}: {why}")
-        super().__init__(config)
+    probe = staticmethod(available)
 
     def _make_tier(self, spec, storage):
         return _LMCacheTier(spec, storage)
