@@ -72,6 +72,8 @@ def _numpy_backed(shape, dtype):
     viewed as ``dtype``: bfloat16 has no NumPy dtype."""
     torch = _torch()
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    if not np.prod(shape):  # a tier of no capacity: no bytes to view
+        return torch.zeros(shape, dtype=dtype)
     raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
 
