@@ -1,5 +1,5 @@
 """Lower tiers for the torch paged pool (SPEC §11): a host tier of CPU tensors (pinned when the pool
-is on CUDA, so that copies to and from the device are DMA transfers), and a disk tier (any tier
+is on CUDA, so that copies to and from the device are DMA transfers; else in NumPy's memory), and a disk tier (any tier
 whose name starts with "disk") of real files, memory-mapped (np.memmap) and viewed as tensors.
 The tier operations are impls/pool_tiers.py's; this module gives them tensors and copies.
 """
