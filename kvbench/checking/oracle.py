@@ -298,7 +298,22 @@ class Oracle:
         if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
+        start = self._chunk_start(tokens)
+        if start > L:  # below every group's current chunk: nothing to look up, nothing taken
+            L, hits = start, [{} for _ in self.groups]
         return L, hits, sum(1 for per in hits for i in per if i < counted)
+
+    def _chunk_start(self, tokens: int) -> int:
+        """``chunk_start_hit``: on a model of chunked groups of one chunk size C, the blocks of a
+        ``tokens``-token prompt left of the chunk holding the last token a hit may cover; 0
+        otherwise (vLLM's groups of two sizes each look up the other's start: no hit)."""
+        chunks = {g.chunk for g in self.groups}
+        if not (self.caching and self.caps.chunk_start_hit and len(chunks) == 1
+                and all(g.family == "chunked" for g in self.groups)):
+            return 0
+        C = chunks.pop()
+        cap = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        return cap // C * C // self.B
 
     def _taken_back(self, hits, drop) -> int:
         """Cached blocks of ``hits`` a request takes back from the free pool."""
