@@ -2,7 +2,7 @@
 on a model of chunked groups alone a lookup counts every block left of the chunk that holds the
 hit's last allowed token (P - 1 for vLLM) as computed, named by the trace or not; the oracle's
 own hit covers only blocks the trace names. The vLLM campaign findings it explains run in
-tests/test_fuzz_findings.py."""
+tests/engines/test_fuzz_findings.py."""
 from __future__ import annotations
 
 import pytest
