@@ -4,6 +4,8 @@ catalogue (impls/faults.py) lists them; the default run catches each on tier-tur
 tier-agentic (the swap fault on lifecycle-swap)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from impls.numpy_paged import NumpyPaged
@@ -118,6 +120,24 @@ class SwapInReadsAnother(NumpyPaged):
         return t, theirs[:len(slots)] + slots[len(theirs):]
 
 
+class LeasesOutOfRefcounts(NumpyPaged):
+    """The pool keeps a store's leases in a count of its own, beside the blocks' reference
+    counts (as an offloading connector holds blocks beside its engine's block pool): it holds
+    a leased block all the same, but the counts block_state() reports leave the leases out, so
+    a leased block whose sequence was freed reads as in use with no reference. Only the block
+    structures show it: the ledger, the tiers and the K/V are right."""
+
+    def block_state(self, seqs=None, *, changed_since=None):
+        state = super().block_state(seqs, changed_since=changed_since)
+        leased = [b for kind, _, _, moved in getattr(self, "_transfers", {}).values()
+                  if kind == "store" for _, b, _, _ in moved]
+        if not leased:
+            return state
+        refcount = np.array(state.refcount)
+        np.subtract.at(refcount, leased, 1)
+        return dataclasses.replace(state, refcount=refcount)
+
+
 # (name, upstream, fault): each caught by the default run (tier-turns, tier-agentic or lifecycle-swap)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
@@ -128,6 +148,8 @@ TIER_BUGS = [
     ("the tiers key blocks on raw tokens: salted requests match", "vLLM #53495", TierKeyIgnoresSalt),
     ("a tier block's readers kept as a flag: the first of two loads to complete unpins it",
      "kvbench #24", PinIsAFlag),
+    ("the reference counts leave a store's leases out: a leased block reads as held by none",
+     "kvbench §10, §11", LeasesOutOfRefcounts),
 ]
 
 # (name, upstream, fault): caught by the default run on lifecycle-swap

@@ -9,7 +9,9 @@ import os
 
 import numpy as np
 
-from impls.pool_tiers import PoolTiers, slot_runs
+from impls.pool_tiers import PoolTiers, run_count, slot_runs
+
+PAGE = 4096
 
 
 def copy_rows(src, rows, dst, into) -> None:
@@ -20,9 +22,8 @@ def copy_rows(src, rows, dst, into) -> None:
     consecutive ``rows`` is one scatter from a slice."""
     src, dst = _rows_view(src), _rows_view(dst)
     rows, into = np.asarray(rows, dtype=np.intp), np.asarray(into, dtype=np.intp)
-    runs = slot_runs(into)
-    if 2 * len(runs) <= len(into):
-        for a, b in runs:
+    if 2 * run_count(into) <= len(into):
+        for a, b in slot_runs(into):
             j = int(into[a])
             np.take(src, rows[a:b], axis=0, out=dst[j:j + b - a], mode="clip")
         return
@@ -43,15 +44,25 @@ def _rows_view(a: np.ndarray) -> np.ndarray:
     return a.reshape(len(a), -1).view(np.uint8).view(np.ndarray)
 
 
-def tier_arrays(spec, storage, folder) -> list:
+def tier_arrays(spec, storage, folder, offsets=None) -> list:
     """A tier's slots, one array per pool storage array: a file memory-mapped in ``folder`` for
-    a tier whose name starts with "disk", NumPy arrays otherwise."""
+    a tier whose name starts with "disk", NumPy arrays otherwise.
+
+    A mapped file starts on a page; the view of it starts where the pool's array does within a
+    page (``offsets``: those of the arrays, by default their own addresses'), so that a block
+    and its slot lie alike in their pages. A copy between two buffers 16 bytes apart within
+    their pages ran at a third of the speed here for rows of 16 to 256 KiB (memcpy's string
+    moves; from 512 KiB it streams), and a pool's array from malloc starts 16 bytes in."""
     arrays = []
-    for i, a in enumerate(storage):
+    if offsets is None:
+        offsets = [a.ctypes.data % PAGE if a.size else 0 for a in storage]
+    for i, (a, shift) in enumerate(zip(storage, offsets)):
         shape = (spec.capacity,) + a.shape[1:]
         if spec.name.startswith("disk") and spec.capacity:
             path = os.path.join(folder, f"{spec.name}-{i}.bin")
-            arrays.append(np.memmap(path, dtype=a.dtype, mode="w+", shape=shape))
+            size = int(np.prod(shape)) * a.itemsize
+            mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=(shift + size,))
+            arrays.append(mapped[shift:].view(a.dtype).reshape(shape))
         else:
             arrays.append(np.zeros(shape, dtype=a.dtype))
     return arrays

@@ -49,6 +49,13 @@ def slot_runs(slots) -> list:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def run_count(slots) -> int:
+    """How many runs :func:`slot_runs` would give, without building them (a copy asks first
+    whether its runs are few: for scattered blocks there are as many runs as blocks)."""
+    s = np.asarray(slots, dtype=np.int64)
+    return 1 + int(np.count_nonzero(np.diff(s) != 1)) if len(s) else 0
+
+
 class TierSlots:
     """One tier: its arrays (one per pool storage array), slots, states and LRU order."""
 

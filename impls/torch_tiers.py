@@ -1,5 +1,5 @@
 """Lower tiers for the torch paged pool (SPEC §11): a host tier of CPU tensors (pinned when the pool
-is on CUDA, so that copies to and from the device are DMA transfers), and a disk tier (any tier
+is on CUDA, so that copies to and from the device are DMA transfers; else in NumPy's memory), and a disk tier (any tier
 whose name starts with "disk") of real files, memory-mapped (np.memmap) and viewed as tensors.
 The tier operations are impls/pool_tiers.py's; this module gives them tensors and copies.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from impls.numpy_tiers import copy_rows, tier_arrays
-from impls.pool_tiers import PoolTiers, slot_runs
+from impls.numpy_tiers import PAGE, copy_rows, tier_arrays
+from impls.pool_tiers import PoolTiers, run_count, slot_runs
 from impls.prefix_keys import hit_plan, tagged_extra
 from kvbench.contract import formulas as F
 
@@ -25,10 +25,9 @@ def copy_tensor_rows(src, rows, dst, into) -> None:
         return
     torch_ = _torch()
     rows, into = np.asarray(rows, dtype=np.int64), np.asarray(into, dtype=np.int64)
-    runs = slot_runs(into)
-    if 2 * len(runs) <= len(into):
+    if 2 * run_count(into) <= len(into):
         index = torch_.from_numpy(rows).to(src.device)
-        for a, b in runs:
+        for a, b in slot_runs(into):
             j = int(into[a])
             dst[j:j + b - a].copy_(src.index_select(0, index[a:b]))
         return
@@ -58,9 +57,25 @@ def torch_tier_arrays(spec, storage, folder) -> list:
     torch = _torch()
     if spec.name.startswith("disk") and spec.capacity:
         like = [np.empty((0,) + tuple(a.shape[1:]), dtype=_numpy_dtype(a)) for a in storage]
-        return [torch.from_numpy(m) for m in tier_arrays(spec, like, folder)]
-    return [torch.zeros((spec.capacity,) + tuple(a.shape[1:]), dtype=a.dtype,
-                        pin_memory=a.device.type == "cuda") for a in storage]
+        offsets = [a.data_ptr() % PAGE for a in storage]
+        return [torch.from_numpy(m) for m in tier_arrays(spec, like, folder, offsets)]
+    if any(a.device.type == "cuda" for a in storage):
+        return [torch.zeros((spec.capacity,) + tuple(a.shape[1:]), dtype=a.dtype, pin_memory=True)
+                for a in storage]
+    return [_numpy_backed((spec.capacity,) + tuple(a.shape[1:]), a.dtype) for a in storage]
+
+
+def _numpy_backed(shape, dtype):
+    """A zeroed CPU tensor in memory NumPy allocates: NumPy asks for transparent huge pages for
+    large arrays and torch's CPU allocator does not (unless THP_MEM_ALLOC_ENABLE=1), and a copy
+    into 4 KiB pages took 8-11% longer here (a store of 32 MiB, 256 KiB to 1 MiB blocks). Bytes,
+    viewed as ``dtype``: bfloat16 has no NumPy dtype."""
+    torch = _torch()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if not np.prod(shape):  # a tier of no capacity: no bytes to view
+        return torch.zeros(shape, dtype=dtype)
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _numpy_dtype(tensor) -> np.dtype:

@@ -36,7 +36,10 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   (block_pool.py:281), so their release gives them back uncached (block_pool.py:837-847).
   Declared: ``sparse_window_retention`` (kvbench/checking/window_retention.py models it).
 - SPEC §12's kinds: ``ChunkedLocalAttentionSpec`` (its manager releases the chunks before the
-  current one at the next allocation, as a window), ``MLAAttentionSpec`` (full attention over one
+  current one at the next allocation, as a window; its hit search counts every block left of
+  the chunk holding token ``max_length`` as computed, null blocks looked up in no cache, so a
+  prompt on chunked groups alone computes only that chunk, its blocks named or not:
+  single_type_kv_cache_manager.py:1350-1368; declared: ``chunk_start_hit``), ``MLAAttentionSpec`` (full attention over one
   latent), ``MambaSpec`` without prefix caching (``MAMBA_ALIGN``: why not with it). Not sinks(S, W):
   vLLM's ``SinkFullAttentionSpec`` is full attention (``CAPABILITIES``).
 - salts, LoRA adapters, token ids (SPEC §9): the trace's ``salt`` is the request's
@@ -98,7 +101,8 @@ CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_w
                             # beside kept sinks.
                             kinds=("full", "sliding", "chunked", "mla", "state"),
                             lookahead_slots=True, kept_drafts_cached_at_next_append=True,
-                            sparse_window_retention=True)  # the serving default's, 0
+                            sparse_window_retention=True,  # the serving default's, 0
+                            chunk_start_hit=True)
 
 
 def capabilities_for(caching: bool, retention_interval) -> Capabilities:

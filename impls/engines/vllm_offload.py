@@ -46,10 +46,10 @@ import types
 
 import numpy as np
 
+from impls.engines.engine_tiers import EngineTiers
 from impls.engines.vllm_blockpool import importable
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_tiers import tier_arrays
-from kvbench.contract.protocol import CacheConfig
 
 WORKER_SKIP = ("vLLM's worker-side copies (vllm/v1/kv_offload/cpu/gpu_worker.py) need CUDA: the "
                "adapter copies at the chunk ids vLLM's CPULoadStoreSpec gives, so the content "
@@ -167,7 +167,7 @@ class _VllmTier:
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
 
-class VllmOffload(NumpyPaged):
+class VllmOffload(EngineTiers):
     """The NumPy pool whose lower tiers are vLLM's ``CPUOffloadingManager``s."""
 
     name = "vllm-offload"
@@ -177,21 +177,7 @@ class VllmOffload(NumpyPaged):
                                        tier_rules=("whole_store_refused", "request_recency"),
                                        swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
-
-    @classmethod
-    def available(cls) -> tuple[bool, str]:
-        return available()
-
-    def __init__(self, config: CacheConfig):
-        ok, why = self.available()
-        if not ok:
-            raise RuntimeError(f"{self.name}: {why}")
-        super().__init__(config)
+    probe = staticmethod(available)
 
     def _make_tier(self, spec, storage):
         return _VllmTier(spec, storage, self._tier_folder, self.B)
-
-    def free(self, seq, *, step=0):
-        super().free(seq, step=step)
-        for t in getattr(self, "_tiers", ()):
-            t.finish(seq)

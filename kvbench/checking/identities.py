@@ -5,6 +5,10 @@ returns the first identity that fails as ``(quantity, expected, actual, detail)`
 They read only what the backend reports (its ledger, and its block structures when it exposes
 them), so they hold any backend, engines included, to the same arithmetic. Also here: the
 explanation of a hit across salts (SPEC §9), which names both requests.
+
+Over 500 lines: the identities over the whole pool, the Mirror that checks the same identities
+at an operation's blocks, and the references a tier's leases add are one arithmetic (each reads
+the others' counts); split, every part would import the rest.
 """
 from __future__ import annotations
 
@@ -31,7 +35,12 @@ class Figures:
     checked at the blocks each operation took, released, cached, evicted or shared, against a
     copy of its structures kept from those changes (:class:`Mirror`): the cost follows the work,
     not the pool, and a corruption no operation touches shows at the next sweep. A backend that
-    gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them)."""
+    gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them).
+
+    A tier replay (SPEC §11) sets ``leases``: a callable giving the transfers in flight by device
+    block, ``({block: stores copying it}, {block: the load writing it})``. A store's lease is one
+    reference beside the tables' (a block may stay leased after its sequence is freed); a load's
+    target is its sequence's alone, so its one reference is that table's."""
 
     def __init__(self, backend, oracle, paged: bool, skipped: dict):
         self.backend, self.oracle, self.paged, self.skipped = backend, oracle, paged, skipped
@@ -42,6 +51,10 @@ class Figures:
         self.mark = self.oracle_mark = None  # of the last states read, to ask what changed since
         self.mirror: Mirror | None = None
         self.found = None  # what block_ids() reports: the last check's block-id divergence
+        self.leases = None  # () -> (store leases, load targets) by device block: a tier replay's
+
+    def _leases(self) -> tuple:
+        return self.leases() if self.leases is not None else NO_LEASES
 
     def check(self, led: Ledger, seqs=None, *, last: bool = False):
         """After an operation: ``seqs`` the sequences it changed (None: every live one)."""
@@ -86,7 +99,7 @@ class Figures:
     def _follow(self, state: BlockState, led: Ledger, seqs):
         """An operation's changes: the identities at the blocks it moved; its block ids."""
         expected = self._expected(seqs)
-        why, differs = self.mirror.apply(state, led, seqs, expected)
+        why, differs = self.mirror.apply(state, led, seqs, expected, self._leases())
         if why is None and self.exact:
             self.found = compare_structures(expected, state, whole=False)
             if self.found is None and differs is not None:  # the whole lists name where
@@ -103,8 +116,9 @@ class Figures:
             if last and self.exact and self.found is None:
                 self.found = compare_structures(self._expected_whole(), state, whole=True)
             return None
-        why, counts = _pool_identities(state, led, N, whole=True)
-        self.mirror = Mirror(state, N, *counts) \
+        leases = self._leases()
+        why, counts = _pool_identities(state, led, N, whole=True, leases=leases)
+        self.mirror = Mirror(state, N, *counts, leases) \
             if why is None and self.changes and state.mark is not None else None
         if why is None and self.exact and self.found is None:
             self.found = compare_structures(self._expected_whole(), state, whole=True)
@@ -132,9 +146,10 @@ class Mirror:
     last sweep, then from the changes it reports, so that an operation's blocks are checked alone
     (every identity of :func:`structure_identities` at those blocks, and the counts as counters)."""
 
-    def __init__(self, state: BlockState, num_blocks: int, count, holders, group):
+    def __init__(self, state: BlockState, num_blocks: int, count, holders, group, leases=None):
         """From a whole state that passed :func:`_pool_identities`, and its counts: the times
-        each block is in the free structure, the table entries holding it, their group."""
+        each block is in the free structure, the table entries holding it, their group; and the
+        transfers in flight then (``leases``, as :class:`Figures` takes them)."""
         self.N = num_blocks
         free = np.asarray(state.free, dtype=np.int64).reshape(-1)
         # The free list bottom first (the top is taken next), in 4 bytes an id where they fit.
@@ -146,6 +161,7 @@ class Mirror:
         self.ref = np.array(state.refcount).reshape(-1)  # as last read, in the backend's dtype
         self.used = int(np.count_nonzero(self.ref))
         self.tables = {s: [_held(t) for t in per] for s, per in state.tables.items()}
+        self.leases = _copy_leases(leases or NO_LEASES)
 
     def same(self, state: BlockState) -> bool:
         """Whether a whole state is the one this mirror holds: O(pool) compares, no counting."""
@@ -162,9 +178,10 @@ class Mirror:
                         np.array_equal(_held(t), m) for t, m in zip(per, self.tables[s]))
                     for s, per in state.tables.items()))
 
-    def apply(self, state: BlockState, led: Ledger, seqs, expected: BlockState | None):
+    def apply(self, state: BlockState, led: Ledger, seqs, expected: BlockState | None,
+              leases=None):
         """Follow the changes of ``state`` (tables of ``seqs``, None: all) and check the blocks
-        they moved. Returns (the identity that fails, or None; with ``expected``, the oracle's
+        they moved, and those whose transfers in flight (``leases``) changed. Returns (the identity that fails, or None; with ``expected``, the oracle's
         changes, a block-id divergence of the free or cached order, or None)."""
         N, c = self.N, state.changes
         head = np.asarray(c.free_head, dtype=np.int64).reshape(-1)
@@ -195,7 +212,11 @@ class Mirror:
         seqs = sorted(set(self.tables) | set(state.tables)) if seqs is None else seqs
         old = [ids for s in seqs for ids in self.tables.pop(s, ())]
         new = [np.asarray(ids, dtype=np.int64).reshape(-1) for s in seqs for ids in state.tables.get(s, ())]
-        touched = np.unique(np.concatenate([removed, pooled, *old, *[i[(i >= 0) & (i < N)] for i in new]]))
+        leases = _copy_leases(leases or NO_LEASES)
+        leased = np.fromiter(_moved_leases(self.leases, leases), dtype=np.int64)
+        self.leases = leases
+        touched = np.unique(np.concatenate([removed, pooled, leased, *old,
+                                            *[i[(i >= 0) & (i < N)] for i in new]]))
         ref = np.asarray(state.refcount[touched], dtype=np.int64).reshape(-1) if len(touched) \
             else np.zeros(0, np.int64)
         why = self._free_identities(touched, ref, led)
@@ -205,11 +226,7 @@ class Mirror:
                 self.group[ids[self.holders[ids] == 0]] = -1
             why = self._add_tables({s: state.tables[s] for s in seqs if s in state.tables})
         if why is None:
-            wrong = np.flatnonzero(self.holders[touched] != ref)
-            if len(wrong):
-                b = int(touched[wrong[0]])
-                why = (f"reference count of block {b}", int(self.holders[b]), int(self.ref[b]),
-                       "one reference per table that holds it (a free call drops one per sequence)")
+            why = _reference_identities(touched, self.holders[touched], ref, leases)
         return why, differs
 
     def _free_identities(self, touched, ref, led: Ledger):
@@ -351,6 +368,46 @@ def _negative_count(led: Ledger):
     return None
 
 
+NO_LEASES = ({}, {})
+
+
+def _copy_leases(leases) -> tuple:
+    stores, loads = leases
+    return dict(stores), dict(loads)
+
+
+def _moved_leases(old, new):
+    """The blocks whose store leases or load targets differ between two ``leases``."""
+    for a, b in zip(old, new):
+        yield from (k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def _reference_identities(blocks, holders, ref, leases):
+    """At ``blocks`` (their table entries ``holders``, reference counts ``ref``): one reference
+    per table that holds a block and one per store in flight copying it (SPEC §11's lease);
+    a load's target held by its loading sequence's table alone."""
+    stores, loads = leases
+    extra = np.array([stores.get(int(b), 0) for b in blocks], dtype=np.int64) if stores \
+        else np.zeros(len(blocks), np.int64)
+    wrong = np.flatnonzero(holders + extra != ref)
+    if len(wrong):
+        i = wrong[0]
+        b, n = int(blocks[i]), int(extra[i])
+        lease = f" and {n} for the store(s) in flight copying it (SPEC §11: a lease)" if n else ""
+        return (f"reference count of block {b}", int(holders[i] + n), int(ref[i]),
+                f"one reference per table that holds it{lease} (a free call drops one per sequence)")
+    if loads:
+        target = np.array([int(b) in loads for b in blocks], dtype=bool)
+        shared = np.flatnonzero(target & (ref != 1))
+        if len(shared):
+            i = shared[0]
+            b = int(blocks[i])
+            return (f"block {b}", f"the target of load {loads[b]} alone (1 reference)",
+                    f"{int(ref[i])} references", "SPEC §11: until a load completes its target "
+                    "blocks belong to the loading sequence")
+    return None
+
+
 def structure_identities(state: BlockState, led: Ledger, config: CacheConfig, whole: bool = True):
     """No block twice in the free structure, nor free and in use (or in a table) at once; the
     structures agree with the ledger's counts (evictable + protected + free = pool); a held
@@ -359,9 +416,10 @@ def structure_identities(state: BlockState, led: Ledger, config: CacheConfig, wh
     return _pool_identities(state, led, config.num_blocks, whole)[0]
 
 
-def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool):
+def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool, leases=NO_LEASES):
     """structure_identities, and when they hold the counts a :class:`Mirror` starts from: the
-    times each block is in the free structure, the table entries holding it, their group."""
+    times each block is in the free structure, the table entries holding it, their group.
+    ``leases``: the transfers in flight, as :class:`Figures` takes them."""
     free = np.asarray(state.free, dtype=np.int64).reshape(-1)
     cached = np.asarray(state.cached, dtype=np.int64).reshape(-1)
     pooled = np.concatenate([free, cached]) if len(cached) else free
@@ -398,11 +456,16 @@ def _pool_identities(state: BlockState, led: Ledger, N: int, whole: bool):
         if why:
             return why, None
     if whole:
-        wrong = np.flatnonzero(holders != ref)
-        if len(wrong):
-            b = int(wrong[0])
-            return (f"reference count of block {b}", int(holders[b]), int(ref[b]),
-                    "one reference per table that holds it (a free call drops one per sequence)"), None
+        stores, loads = leases
+        expect = holders.astype(np.int64)
+        if stores:
+            np.add.at(expect, np.fromiter(stores, dtype=np.int64),
+                      np.fromiter(stores.values(), dtype=np.int64))
+        at = np.flatnonzero(expect != ref)
+        at = np.union1d(at[:1], np.fromiter(loads, dtype=np.int64))  # the first wrong, the targets
+        why = _reference_identities(at, holders[at], ref[at], leases)
+        if why:
+            return why, None
     return None, (seen, holders, group)
 
 

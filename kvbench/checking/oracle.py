@@ -298,7 +298,22 @@ class Oracle:
         if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
+        start = self._chunk_start(tokens)
+        if start > L:  # below every group's current chunk: nothing to look up, nothing taken
+            L, hits = start, [{} for _ in self.groups]
         return L, hits, sum(1 for per in hits for i in per if i < counted)
+
+    def _chunk_start(self, tokens: int) -> int:
+        """``chunk_start_hit``: on a model of chunked groups of one chunk size C, the blocks of a
+        ``tokens``-token prompt left of the chunk holding the last token a hit may cover; 0
+        otherwise (vLLM's groups of two sizes each look up the other's start: no hit)."""
+        chunks = {g.chunk for g in self.groups}
+        if not (self.caching and self.caps.chunk_start_hit and len(chunks) == 1
+                and all(g.family == "chunked" for g in self.groups)):
+            return 0
+        C = chunks.pop()
+        cap = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        return cap // C * C // self.B
 
     def _taken_back(self, hits, drop) -> int:
         """Cached blocks of ``hits`` a request takes back from the free pool."""
@@ -345,8 +360,13 @@ class Oracle:
                 st.released_keys.setdefault(i, ("filled", seq, i))
             return
         if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
-            life = self._lives.get(seq, 0)  # a resumed sequence's blocks are new content to the cache
-            self._register(b, g, ("filled", seq, i) + ((life,) if life else ()))
+            self._register(b, g, self._filled_key(seq, i))
+
+    def _filled_key(self, seq, i: int) -> tuple:
+        """The key of ``seq``'s block ``i`` cached once full (``_filled``): a resumed sequence's
+        blocks are new content to the cache."""
+        life = self._lives.get(seq, 0)
+        return ("filled", seq, i) + ((life,) if life else ())
 
     def _note_writers(self, seq, untagged, extra) -> None:
         for key in untagged:
@@ -881,7 +901,7 @@ class Oracle:
             victims = self._make_room(("fork", None, sizes), {seq, src})
         elif via != "share":
             self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
-            keys = self._fork_keys(parent, via)
+            keys = self._fork_keys(src, via)
             self._tree_match(keys, parent.tokens)
 
             def need(drop):
@@ -935,12 +955,15 @@ class Oracle:
                 self._release_windows([seq], {seq: child.tokens})
         return victims
 
-    def _fork_keys(self, parent: SeqState, via: str) -> list:
-        """Cache keys a fork served as a new request looks up: the parent's full blocks' (those
-        its windows released included, in a model of sliding groups only; none with ``copy``,
+    def _fork_keys(self, src, via: str) -> list:
+        """Cache keys a fork of ``src`` served as a new request looks up: the parent's full
+        blocks' (those its windows released included, in a model of sliding groups only, and
+        those its kept drafts filled, which it caches at its next append; none with ``copy``,
         or without a prefix cache)."""
         if via == "copy" or not self.caching:
             return []
+        parent = self.seqs[src]
+        later = {i for _, i in parent.later}
         p = parent.prompt
         prompt = self.prompt_keys(parent.tokens, p.get("hashes"), p.get("token_ids"), p.get("salt"),
                                   p.get("adapter")) if p else ()
@@ -951,6 +974,8 @@ class Oracle:
                 keys.append(self.hash_of[held[0]][1])
             elif i in parent.released_keys:
                 keys.append(parent.released_keys[i])
+            elif i in later:  # the child's block holds the content the parent's will be cached as
+                keys.append(self._filled_key(src, i))
             elif i < len(prompt):
                 keys.append(prompt[i])
             else:

@@ -29,7 +29,10 @@ every store, the K/V of each block it stored, read back from the tier, against w
 sequence had written (so a copy made at completion from a block already reused shows); after
 every load and swap-in, the sequence's K/V whole (the positions a tier holds were handed to the
 backend as another writer's values, so one that writes those instead of the tier's shows); the device
-ledger as after every operation (a leased block is in use).
+ledger as after every operation (a leased block is in use); and, for a backend exposing its block
+structures and declaring ``block_ids``, SPEC §10's structure identities with each store in flight
+counted as one reference more on each block it copies, and each load's targets its sequence's
+alone (identities.Figures' ``leases``).
 """
 from __future__ import annotations
 
@@ -88,10 +91,14 @@ class TierReplay:
         self.dropped: set = set()  # transfer ids whose begin was refused or dropped on both sides
         self.loads: dict = {}  # load id -> (seq, first position, positions loaded)
         if replay.backend is not None:
-            replay.figures.structures = replay.figures.exact = False
-            replay.verdict.skipped["block structures"] = (
-                "tier replay: a lease is a reference that no table holds, so SPEC §10's one "
-                "reference per table does not hold")
+            if replay.backend.capabilities.block_ids:  # the oracle's block ids are the backend's
+                tiers = replay.oracle.tiers
+                replay.figures.leases = lambda: (tiers.leases, tiers.load_targets)
+            elif replay.figures.structures:
+                replay.figures.structures = False
+                replay.verdict.skipped["block structures"] = (
+                    f"tier replay: the leases are known by the oracle's block ids, and "
+                    f"{replay.backend.name} does not declare block_ids")
             # what an engine's tiers cannot show here (its worker side needs CUDA, say)
             replay.verdict.skipped.update(getattr(replay.backend, "tier_skips", {}))
 

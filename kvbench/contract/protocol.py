@@ -158,6 +158,11 @@ class Capabilities:
     # where the sliding group's was shorter); its other blocks go back uncached
     # (kvbench.checking.window_retention).
     sparse_window_retention: bool = False
+    # On a model of chunked groups alone, a prefix-cache lookup counts every block left of the
+    # chunk that holds the hit's last allowed token as computed, with no lookup, named by the
+    # trace or not (vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit: null blocks);
+    # kvbench's oracle hits only blocks the trace names.
+    chunk_start_hit: bool = False
     # SGLang's prefix cache (radix_cache.py, unified_radix_cache.py), one rule each:
     # cached blocks are the nodes of a radix tree and eviction frees whole unlocked leaves, in
     # the order of ``leaf_order`` (its --radix-eviction-policy), before the allocation, for the

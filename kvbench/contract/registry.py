@@ -137,6 +137,7 @@ BUILTIN = [
     _builtin("vllm-kvmanager-dense", "impls.engines.vllm_kvmanager:VllmKVManagerDense", "engine",
              "paged"),
     _builtin("vllm-offload", "impls.engines.vllm_offload:VllmOffload", "engine", "paged"),
+    _builtin("lmcache-cpu", "impls.engines.lmcache_cpu:LMCacheCPU", "engine", "paged"),
     # SGLang's serving default (UnifiedRadixCache, lru), then its other policies and RadixCache.
     *(_builtin(name, f"impls.engines.sglang_radix:{cls}", "engine", "paged")
       for name, cls in (("sglang", "Sglang"), ("sglang-lfu", "SglangLFU"),

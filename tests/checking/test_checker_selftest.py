@@ -24,15 +24,16 @@ from test_ledger_quantities import PAGED
 
 from impls.faults import CopyWithoutData, LruTiesWrongWay, StateNotZeroed
 from impls.faults_edges import ExactFitRefused, Int4CopyWithoutZeroPoint, PrefillKeepsBlockOnRefusal
+from impls.faults_tiers import LeasesOutOfRefcounts
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking import checks
 from kvbench.checking.checker import check
 from kvbench.checking.verdict import OOM, SUCCESS
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import BlockChanges, BlockState, OutOfMemory
-from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.ops import Preempt
-from kvbench.traces.tier_ops import Done, Store, TierSpec
+from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 8  # blocks in the pools below, of 16 tokens
@@ -192,6 +193,22 @@ def reads_stored(corrupt: Callable):
     return ReadsStored
 
 
+class SharesALoadTarget(NumpyPaged):
+    """Its whole states show a table of sequence 99 holding the first target of each load in
+    flight, with its reference: every count agrees, but the target is not its loader's alone."""
+
+    def block_state(self, seqs=None, *, changed_since=None):
+        state = super().block_state(seqs, changed_since=changed_since)
+        targets = [b for kind, _, _, moved in getattr(self, "_transfers", {}).values()
+                   if kind == "load" for _, b, *_ in moved[:1]]
+        if state.changes is not None or not targets:
+            return state
+        state = _copy(state)
+        state.refcount[targets] += 1
+        state.tables[99] = [targets]
+        return state
+
+
 def tier_field(f: str):
     """Each tier's ``f`` one more than it is; for capacity, stored and storing, free moved so
     that stored + storing + free = capacity still holds (loading one above stored breaks
@@ -221,6 +238,13 @@ TIERS = (TierSpec("host", 4),)
 TIER_TRACE = validate(Trace(Header("tiers", tiers=TIERS),
                             [Prefill(0, 0, "a", 40, [1, 2]), Store(1, 1, 0, "host", None),
                              Done(2, 1, True), Free(3, 0)], name="tiers"))
+# A load (op 7, a sweep) into 4 blocks: 0's blocks 0, 1 (hashes 1, 2) stored to host and cached
+# at its free (tail first: [1, 0]); 1 takes 2, 3 and evicts 1 then 0 (table [2, 3, 1, 0]), and
+# its free pushes them tail first, so the load takes 2, 3 from the top: targets of load 2.
+LOAD_TRACE = validate(Trace(Header("tiers", tiers=TIERS), [
+    Prefill(0, 0, "a", 32, [1, 2]), Store(1, 1, 0, "host", None), Done(2, 1, True), Free(3, 0),
+    Prefill(4, 1, "a", 48), Append(5, (1,), (16,)), Free(6, 1),
+    Load(7, 2, "a", 32, [1, 2], id=2)], name="load"))
 # Prefix caching: 0's three full hashed blocks (48 = 3 * 16) are cached when it is freed at op 4;
 # the others' at the end.
 CACHED = make_trace(*[Prefill(0, s, "a", n, list(range(10 * s, 10 * s + n // 16)))
@@ -339,6 +363,15 @@ CASES = {
     "structure: a block serves one group": Case(reports_state(edit(tables=lambda s: {0: [[0, 1, 2], [2]]})),
                                                 TRACE, 0, "block 2", "in tables of group 0 only",
                                                 "also in group 1"),
+
+    # TIER_TRACE's store begins at op 1 (a sweep): block 0 held by 0's table and leased, 2
+    # references; reported without the lease.
+    "structure: a store's lease, one reference more": Case(
+        LeasesOutOfRefcounts, TIER_TRACE, 1, "reference count of block 0", 1 + 1, 1,
+        "store(s) in flight", config={"prefix_caching": True, "num_blocks": 16}),
+    "structure: a load's target, its sequence's alone": Case(
+        SharesALoadTarget, LOAD_TRACE, 7, "block 2", "the target of load 2 alone (1 reference)",
+        "2 references", config={"prefix_caching": True, "num_blocks": 4}),
 
     # --- the same between the sweeps: op 2 (sweeps after ops 1, 2, 4, ...: indices 0, 1, 3) ---
     # op 2 copies the shared tail into block 3 (the top of the free list [3 .. 7]): 4 stay free.

@@ -118,3 +118,23 @@ def test_an_eagle_hit_short_of_its_lookahead_block_fails_at_the_hit():
     v = check(trace, EagleBlockUncached(config), gather="all")
     d = v.divergence
     assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 1, "blocks_used", 5, 6)
+
+
+def test_a_second_fork_hits_the_blocks_a_first_fork_computed_of_its_parents_kept_drafts():
+    # vLLM's rules (a fork is a new request of the parent's tokens; a block kept drafts filled is
+    # cached at the parent's next append). One-token blocks: 0 prefills 1 token, 1 is its fork,
+    # 1 appends 5 drafts and keeps 2 (3 tokens: blocks 1 and 2 full of kept drafts, uncached).
+    # Fork 2 hits block 0 and computes blocks 1 and 2 (the parent's content); fork 3 then hits
+    # those, up to its last token: 2 blocks, 1 new.
+    caps = Capabilities(prefix_caching=True, caches_every_full_block=True, keeps_duplicate_blocks=True,
+                        hit_leaves_last_token=True, fork_via="prefix", lookahead_slots=True,
+                        kept_drafts_cached_at_next_append=True)
+    o = Oracle(make_config(block_size=1, num_blocks=11, prefix_caching=True), capabilities=caps)
+    o.prefill(0, 1, "a", 1, 0)
+    o.fork(1, 0, 1, 1)  # hits (1 - 1) // 1 = 0: 1 + 1 = 2 in use
+    o.append([1], [5], 2, drafts=[5])  # 1 + 5 = 6 tokens: 2 + 5 = 7 in use
+    o.accept(1, 5, 2, 3)  # 3 tokens, 3 kept lookahead blocks: still 7
+    o.fork(2, 1, 3, 4)  # hits block 0 alone: 7 + (3 - 1) = 9
+    assert o.expected_ledger().blocks_used == 9
+    o.fork(3, 1, 3, 5)  # hits (3 - 1) // 1 = 2 blocks (0, and 1 from fork 2): 9 + (3 - 2) = 10
+    assert o.expected_ledger().blocks_used == 10

@@ -186,17 +186,23 @@ def test_vllm_serving_default_findings_of_sparse_retention_pass_under_the_declar
 
 @pytest.mark.parametrize("finding", ["vllm-kvmanager/03-outcome-out-of-memory-expected-success-a-prefill",
                                      "vllm-kvmanager/07-blocks-used-resume",
-                                     "vllm-kvmanager-dense/06-blocks-used-prefill"])
+                                     "vllm-kvmanager-dense/02-outcome-out-of-memory-expected-success-a-prefill",
+                                     "vllm-kvmanager-dense/06-blocks-used-prefill",
+                                     "vllm-kvmanager-dense/07-blocks-used-resume"])
 def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding):
-    """A declared-rule gap (results/fuzz/campaigns.md): a prompt on one chunked(C) group takes
-    only the blocks of its current chunk in vLLM (14 tokens under chunked(13) at B = 1: one
-    block), where the oracle, under vLLM's window_release "next_allocation", holds every prompt
-    block until the request next allocates; at dense retention too."""
+    """A declared-rule gap, now modelled (``chunk_start_hit``): a prompt on one chunked(C) group
+    computes only the chunk holding its last token in vLLM, whose hit search counts the blocks
+    left of it as computed, unnamed as these prompts are (14 tokens under chunked(13) at B = 1:
+    (14 - 1) // 13 * 13 = 13 blocks skipped, 14 - 13 = 1 block). Held to the declared rule each
+    passes at both retentions; held to the oracle's own (a hit only over blocks the trace names:
+    none) it fails at its prefill, where every prompt block is taken."""
     pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
     trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
     assert len(trace.header.groups) == 1 and trace.header.groups[0].startswith("chunked")
     for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
-        d = _engine_check(name, trace).divergence
+        v = _engine_check(name, trace)
+        assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)
+        d = _engine_check(name, trace, chunk_start_hit=False).divergence
         assert d is not None and d.index == 0, d
         fewer = d.quantity == "blocks_used" and d.actual < d.expected
         assert fewer or (d.expected, d.actual) == ("out-of-memory", "success"), d
@@ -229,6 +235,67 @@ def test_vllm_a_resume_is_a_request_of_all_its_tokens():
     trace = load(str(SERVING_FUZZ / "seed1" / "05-tokens-fork.min.jsonl"))
     v = _engine_check("vllm-kvmanager", trace)
     assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)  # tokens checked each op
+
+
+# The serving default's sliding(1) findings: (finding, step, quantity, SPEC's value, vLLM's).
+ONE_TOKEN_WINDOW_AT_SERVING = [
+    # sliding(1) alone, B = 32: the hit is (33 - 1) // 32 = 1 block, and sliding(1) needs no
+    # cached block below it, so 1 block computed; vLLM hits nothing: ceil(33 / 32) = 2
+    ("seed0/03-blocks-used-prefill", 0, "blocks_used", 1, 2),
+    # (sliding(1), full), B = 1, 6 blocks: the prompt's 2 * 2 = 4, then the fork hits the full
+    # group's (2 - 1) // 1 = 1 block: 2 * (2 - 1) = 2 new fit; vLLM's 2 * 2 = 4 do not
+    ("seed0/05-outcome-success-expected-out-of-memory-a-fork", 1, "outcome of fork", "success",
+     "out-of-memory"),
+    # four groups, B = 8, 12 blocks: 4 * ceil(9 / 8) = 8, the second prompt hits (9 - 1) // 8 = 1
+    # block (sliding(16)'s block 0 cached, sliding(1) needing none): 4 * 1 new fit; 4 * 2 do not
+    ("seed0/06-outcome-success-expected-out-of-memory-a-prefill", 1, "outcome of prefill",
+     "success", "out-of-memory"),
+    # (sliding(1), sliding(9)), B = 8: 2 * 2 = 4, the fork hits 1 block: 4 + 2 * 1 = 6; vLLM 4 + 4
+    ("seed1/01-blocks-used-fork", 1, "blocks_used", 6, 8),
+    # (full, sliding(1), full, full), B = 1, 12 blocks: 4 * 2 = 8, the fork 4 * (2 - 1) = 4 fit
+    ("seed1/02-outcome-success-expected-out-of-memory-a-fork", 1, "outcome of fork", "success",
+     "out-of-memory"),
+    # sliding(1) alone, B = 2: (3 - 1) // 2 = 1 block hit, 1 computed; vLLM ceil(3 / 2) = 2
+    ("seed1/03-blocks-used-prefill", 0, "blocks_used", 1, 2),
+    # sliding(1) alone, B = 3, 1 block: (4 - 1) // 3 = 1 hit, 1 block fits; ceil(4 / 3) = 2 do not
+    ("seed1/04-outcome-success-expected-out-of-memory-a-prefill", 0, "outcome of prefill",
+     "success", "out-of-memory"),
+]
+
+
+@pytest.mark.parametrize("finding, step, quantity, expected, actual", ONE_TOKEN_WINDOW_AT_SERVING)
+def test_vllm_at_its_serving_default_a_one_token_window_finds_no_hit(finding, step, quantity,
+                                                                       expected, actual):
+    """vLLM's bug candidate 1 at the serving default (results/engines/vllm-kvmanager/README.md):
+    SPEC §8's hit needs every sliding group's blocks covering [max(0, L - W + 1), L) cached,
+    none for W = 1, so the other groups' hit stands, and on a model of sliding(1) groups alone
+    every block below the prompt's last token is a hit with nothing cached (as vLLM's own
+    ChunkedLocalAttentionManager counts blocks outside its attention). vLLM's
+    SlidingWindowManager.find_longest_cache_hit accepts a hit only at a cached block, and caches
+    none of the group's: it computes the whole prompt. Each fails at the engine's step, at
+    both retentions, and passes with sliding(2), whose hit needs a cached block."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(SERVING_FUZZ / f"{finding}.min.jsonl"))
+    assert "sliding(1)" in trace.header.groups
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        d = _engine_check(name, trace).divergence
+        assert d is not None
+        assert (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), d
+    assert _engine_check("vllm-kvmanager", _with_window(trace, "sliding(1)", "sliding(2)")).valid
+
+
+def test_vllm_a_second_fork_hits_what_a_first_computed_of_kept_drafts():
+    """The serving default's campaign, seed 1, 08 (a kvbench oracle bug, fixed): B = 1, 1 token,
+    its fork appends 5 drafts and keeps 2 (blocks 1 and 2 full of kept drafts, which vLLM caches
+    at the fork's next allocate_slots), then two forks of it. The first computes blocks 1 and 2
+    and caches them; the second hits them (vLLM: 10 blocks in use). The oracle keyed the first
+    fork's blocks as its own, so the second hit block 0 alone (11)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(SERVING_FUZZ / "seed1" / "08-blocks-used-free.min.jsonl"))
+    for name in ("vllm-kvmanager", "vllm-kvmanager-dense"):
+        v = _engine_check(name, trace)
+        # 10 = 1 (0's) + 6 (the fork's 1 + 5, kept as lookahead) + 2 (fork 2) + (3 - 2) (fork 3)
+        assert v.valid is True and v.final_ledger["blocks_used"] == 10, str(v.divergence)
 
 
 def _sglang():

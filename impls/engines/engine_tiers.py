@@ -1,0 +1,30 @@
+"""The NumPy pool whose lower tiers (SPEC §11) an engine's own tier manager runs: what the opt-in
+tier adapters share (impls/engines/vllm_offload.py, impls/engines/lmcache_cpu.py). A subclass
+gives ``probe`` (whether its engine imports, and why not) and ``_make_tier``; each tier it makes
+answers what PoolTiers asks of a tier (impls/pool_tiers.py's TierSlots), ``finish(seq)`` when
+the sequence is freed included."""
+from __future__ import annotations
+
+from impls.numpy_paged import NumpyPaged
+from kvbench.contract.protocol import CacheConfig
+
+
+class EngineTiers(NumpyPaged):
+    @staticmethod
+    def probe() -> tuple[bool, str]:
+        raise NotImplementedError
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return cls.probe()
+
+    def __init__(self, config: CacheConfig):
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"{self.name}: {why}")
+        super().__init__(config)
+
+    def free(self, seq, *, step=0):
+        super().free(seq, step=step)
+        for t in getattr(self, "_tiers", ()):
+            t.finish(seq)

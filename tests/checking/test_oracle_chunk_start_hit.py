@@ -1,0 +1,52 @@
+"""The oracle's model of vLLM's hit left of the current chunk (``Capabilities.chunk_start_hit``):
+on a model of chunked groups alone a lookup counts every block left of the chunk that holds the
+hit's last allowed token (P - 1 for vLLM) as computed, named by the trace or not; the oracle's
+own hit covers only blocks the trace names. The vLLM campaign findings it explains run in
+tests/engines/test_fuzz_findings.py."""
+from __future__ import annotations
+
+import pytest
+
+from kvbench.checking.oracle import Oracle
+from kvbench.contract.formulas import get_model, with_group_kinds
+from kvbench.contract.protocol import CacheConfig
+
+from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM  # importable without vLLM
+
+
+def blocks_after_prefill(groups, block_size: int, tokens: int, declared: bool, caching=True) -> int:
+    caps = VLLM if declared else VLLM.__class__(**{**VLLM.__dict__, "chunk_start_hit": False})
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups),
+                         block_size=block_size, num_blocks=64, prefix_caching=caching)
+    o = Oracle(config, capabilities=caps)
+    o.prefill(0, tokens, "a", tokens, 0)  # no block hashes: no block the trace names
+    return o.expected_ledger().blocks_used
+
+
+@pytest.mark.parametrize("groups, block_size, tokens, declared, oracles", [
+    # chunked(8), B = 1, 9 tokens: (9 - 1) // 8 * 8 = 8 blocks skipped, 9 - 8 = 1 taken;
+    # the oracle's own rule takes all ceil(9 / 1) = 9 (released at the next allocation)
+    (("chunked(8)",), 1, 9, 1, 9),
+    # chunked(6), B = 4, 15 tokens: (15 - 1) // 6 * 6 = 12 tokens, 12 // 4 = 3 blocks skipped,
+    # ceil(15 / 4) - 3 = 1 taken; the oracle's ceil(15 / 4) = 4
+    (("chunked(6)",), 4, 15, 1, 4),
+    # chunked(5), B = 4, 15 tokens: (15 - 1) // 5 * 5 = 10 tokens, 10 // 4 = 2 blocks skipped
+    # (vLLM's null blocks: block 1, tokens 4 .. 7, is below the start), ceil(15 / 4) - 2 = 2
+    (("chunked(5)",), 4, 15, 2, 4),
+    # two groups of one chunk: 2 * (9 - 8) = 2; the oracle's 2 * 9 = 18
+    (("chunked(8)", "chunked(8)"), 1, 9, 2, 18),
+    # chunks of two sizes: each group's lookup starts below the other's chunk start, so vLLM
+    # hits nothing (9 + 9 = 18, as vLLM takes)
+    (("chunked(8)", "chunked(3)"), 1, 9, 18, 18),
+    # beside a full group, whose blocks must all be cached: no hit either way, 2 * 9 = 18
+    (("chunked(8)", "full"), 1, 9, 18, 18),
+])
+def test_a_chunked_model_computes_only_the_chunk_of_its_last_token_where_declared(
+        groups, block_size, tokens, declared, oracles):
+    assert blocks_after_prefill(groups, block_size, tokens, declared=True) == declared
+    assert blocks_after_prefill(groups, block_size, tokens, declared=False) == oracles
+
+
+def test_without_a_prefix_cache_a_chunked_prompt_takes_every_block():
+    # no lookup, no hit: ceil(9 / 1) = 9 blocks, released at the next allocation
+    assert blocks_after_prefill(("chunked(8)",), 1, 9, declared=True, caching=False) == 9
