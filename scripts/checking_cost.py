@@ -151,7 +151,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", type=int, metavar="LOG2", help="profile one check at this size")
     p.add_argument("--out", help="folder: checking-cost-<backend>.json each")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch's intra-op threads (an engine's tensor ops on the CPU): on a shared "
+                        "machine more threads than free cores make each op wait for the others")
     args = p.parse_args(argv)
+    try:
+        import torch
+        torch.set_num_threads(args.torch_threads)
+    except ImportError:
+        pass
     requests = load_requests(args.trace, "mooncake")[:args.requests]
     for backend in args.backends:
         if args.profile is not None:
@@ -166,7 +174,8 @@ def main(argv=None) -> int:
             continue
         row = measure(backend, requests, args)
         row.update(command=f"scripts/checking_cost.py {backend} --sizes {' '.join(map(str, args.sizes))} "
-                           f"--repeats {args.repeats}" + (f" --requests {args.requests}" if args.requests else ""),
+                           f"--repeats {args.repeats} --torch-threads {args.torch_threads}"
+                           + (f" --requests {args.requests}" if args.requests else ""),
                    versions=versions(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
                    loadavg=os.getloadavg())
         print(json.dumps({k: row[k] for k in ("backend", "ratio", "backend_ratio")}), flush=True)
