@@ -9,9 +9,10 @@ engine's (vllm-offload) the tier is the cache that grows: each request a load, a
 blocks to a tier as large as the pool, their two dones, an append and a free (6 operations too). Ledger only (store_kv off): the cost is
 the checker's and the backend's bookkeeping, which is what should not grow with the pool.
 
-Per backend and size: seconds per operation of the whole check and of the backend's own calls
-(``verdict.backend_seconds``), the median of ``--repeats``; and the ratio of the largest size to
-the smallest. Each engine runs in its own env:
+Per backend and size: seconds per operation of the whole check (wall and this process's CPU
+time: on a shared machine the CPU time is the steadier) and of the backend's own calls
+(``verdict.backend_seconds``, wall), the median of ``--repeats``; and the ratios of the largest
+size to the smallest. Each engine runs in its own env:
 
     PYTHONPATH=$PWD nice -n 10 /work/vllm-env/bin/python scripts/checking_cost.py vllm-kvmanager vllm-blockpool vllm-offload
     PYTHONPATH=$PWD nice -n 10 /work/sglang-env/bin/python scripts/checking_cost.py sglang sglang-radix
@@ -96,10 +97,11 @@ def config(block_size: int, num_blocks: int) -> CacheConfig:
 
 def one(backend: str, trace: Trace, num_blocks: int) -> dict:
     be = registry.create(backend, config(trace.header.settings["block_size"], num_blocks))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     v = check(trace, be, gather="none")
-    wall = time.perf_counter() - t0
-    return {"status": v.status, "ops": v.ops, "seconds": wall, "backend_seconds": v.backend_seconds,
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"status": v.status, "ops": v.ops, "seconds": wall, "cpu_seconds": cpu,
+            "backend_seconds": v.backend_seconds,
             "divergence": str(v.divergence) if v.divergence else "", "refused": v.ooms,
             "evictions": v.evictions, "hit_blocks": v.final_ledger.get("prefix_hit_blocks")}
 
@@ -120,12 +122,15 @@ def measure(backend: str, requests, args) -> dict:
                      "evictions": runs[0]["evictions"], "hit_blocks": runs[0]["hit_blocks"],
                      "divergence": runs[0]["divergence"][:300],
                      "ms_per_op": 1e3 * statistics.median(r["seconds"] for r in runs) / max(1, ops),
+                     "cpu_ms_per_op": 1e3 * statistics.median(r["cpu_seconds"] for r in runs) / max(1, ops),
                      "backend_ms_per_op": 1e3 * statistics.median(r["backend_seconds"] for r in runs)
-                     / max(1, ops), "repeats": [r["seconds"] for r in runs]}
+                     / max(1, ops), "repeats": [r["seconds"] for r in runs],
+                     "cpu_repeats": [r["cpu_seconds"] for r in runs]}
         print(backend, exp, {k: v for k, v in rows[exp].items() if k != "divergence"}, flush=True)
     lo, hi = rows[min(args.sizes)], rows[max(args.sizes)]
     return {"backend": backend, "sizes": rows,
             "ratio": hi["ms_per_op"] / lo["ms_per_op"],
+            "cpu_ratio": hi["cpu_ms_per_op"] / lo["cpu_ms_per_op"],
             "backend_ratio": hi["backend_ms_per_op"] / lo["backend_ms_per_op"]
             if lo["backend_ms_per_op"] else None}
 
@@ -178,7 +183,7 @@ def main(argv=None) -> int:
                            + (f" --requests {args.requests}" if args.requests else ""),
                    versions=versions(), machine=f"{platform.machine()}, {os.cpu_count()} cores",
                    loadavg=os.getloadavg())
-        print(json.dumps({k: row[k] for k in ("backend", "ratio", "backend_ratio")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("backend", "ratio", "cpu_ratio", "backend_ratio")}), flush=True)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             path = Path(args.out) / f"checking-cost-{backend}.json"
