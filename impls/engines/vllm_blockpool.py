@@ -65,6 +65,107 @@ def _vllm():
     return types.SimpleNamespace(BlockPool=block_pool.BlockPool, BlockHash=kv_cache_utils.BlockHash)
 
 
+class BlockTally:
+    """The pool-wide figures of a vLLM adapter's ledger, kept from the blocks operations touched:
+    never a scan of the pool.
+
+    The operations mark the sequences they touched (``touch``); the next ``sync`` (the ledger's)
+    compares each one's tables with the copy taken at its previous sync, and recounts the blocks
+    in either, reading each block's own ``ref_cnt`` and ``block_hash`` (vLLM's ``KVCacheBlock``):
+    in use, shared, cached (free and hashed), and its fill. Every block whose ``ref_cnt`` or hash
+    can change is in such a table before or after: a hit, a new block (an evicted cached one
+    included), a release, a free, a copy-on-write. Syncing at the ledger, not in the operation,
+    counts whatever the operation did to those tables, a subclass's extra calls included.
+    Tokens past the length (lookahead slots) fill nothing."""
+
+    def __init__(self, block_size: int, groups: int, tables, reservation):
+        """``tables(seq)``: the sequence's tables, one list of blocks per group, and its tokens
+        (None once it is gone); ``reservation(seq)``: its tail reservation (SPEC §10) and the ids
+        of the blocks whose ``ref_cnt`` it read."""
+        self.B, self.tables, self.reservation_of = block_size, tables, reservation
+        self.counted: dict = {}  # block id -> (in use, shared, cached, fill) as last counted
+        self.used = self.shared = self.cached = self.token_states = self.reservation = 0
+        self.group_refs = [{} for _ in range(groups)]  # per group: block id -> table entries
+        self.copy: dict = {}  # seq -> (its tables at its last sync, tokens)
+        self.reserved: dict = {}  # seq -> its reservation at its last sync
+        self.tails: dict = {}  # seq -> the blocks its reservation read
+        self.tail_of: dict = {}  # block id -> the sequences whose reservation read it
+        self.dirty: set = set()
+        self.pending: dict = {}  # block id -> block: in a table before an operation, not copied
+
+    def touch(self, *seqs) -> None:
+        """Before an operation on ``seqs``: where a sequence's tables may differ from its copy
+        (changed since its last sync, or never synced), their blocks now are counted again too."""
+        for s in seqs:
+            if s in self.dirty or s not in self.copy:
+                now = self.tables(s)
+                for table in now[0] if now is not None else ():
+                    for b in table:
+                        if not b.is_null:
+                            self.pending.setdefault(b.block_id, b)
+        self.dirty.update(seqs)
+
+    def seq_blocks(self, seq) -> int:
+        return sum(len(t) for t in self.copy[seq][0])
+
+    def tokens(self, seq) -> int:
+        return self.copy[seq][1]
+
+    def sync(self) -> None:
+        touched = {bid: (b, None) for bid, b in self.pending.items()}  # block id -> (block, fill or None: as counted)
+        dirty, self.dirty, self.pending = self.dirty, set(), {}
+        for s in dirty:
+            old = self.copy.pop(s, None)
+            if old is not None:
+                for refs, table in zip(self.group_refs, old[0]):
+                    for b in table:
+                        if refs[b.block_id] == 1:
+                            del refs[b.block_id]
+                        else:
+                            refs[b.block_id] -= 1
+                        touched.setdefault(b.block_id, (b, None))
+            now = self.tables(s)
+            if now is None:
+                continue
+            tables, n = now
+            held = tuple([b for b in table if not b.is_null] for table in tables)
+            for refs, table in zip(self.group_refs, tables):
+                for i, b in enumerate(table):
+                    if not b.is_null:
+                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                        touched[b.block_id] = (b, max(0, min(self.B, n - i * self.B)))
+            self.copy[s] = (held, n)
+        for b, fill in touched.values():
+            self._recount(b, fill)
+        # A sequence's reservation follows its tail's ref_cnt, which another's operation moves.
+        again = set(dirty)
+        for bid in touched:
+            again.update(self.tail_of.get(bid, ()))
+        for s in again:
+            for bid in self.tails.pop(s, ()):
+                holders = self.tail_of[bid]
+                holders.discard(s)
+                if not holders:
+                    del self.tail_of[bid]
+            r, tails = self.reservation_of(s) if s in self.copy else (0, ())
+            self.reservation += r - self.reserved.pop(s, 0)
+            if s in self.copy:
+                self.reserved[s], self.tails[s] = r, tails
+                for bid in tails:
+                    self.tail_of.setdefault(bid, set()).add(s)
+
+    def _recount(self, b, fill) -> None:
+        used0, shared0, cached0, fill0 = self.counted.get(b.block_id, (False, False, False, 0))
+        fill = fill0 if fill is None else fill
+        used, shared = b.ref_cnt > 0, b.ref_cnt > 1
+        cached = b.ref_cnt == 0 and b.block_hash is not None
+        self.used += used - used0
+        self.shared += shared - shared0
+        self.cached += cached - cached0
+        self.token_states += fill * used - fill0 * used0
+        self.counted[b.block_id] = (used, shared, cached, fill)
+
+
 def _block_hash(h) -> bytes:
     """A trace's block hash (int or str) as vLLM's ``BlockHash`` (bytes; a group id is appended)."""
     if isinstance(h, bytes):
@@ -99,6 +200,7 @@ class VllmBlockPool(Backend):
         self.tokens: dict[int, int] = {}
         self.final: dict[int, int] = {}
         self.hit_blocks = 0
+        self.tally = BlockTally(config.block_size, 1, self._tables_of, self._reservation_of)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -106,6 +208,18 @@ class VllmBlockPool(Backend):
         free = self.pool.get_num_free_blocks()
         if need > free:
             raise OutOfMemory(f"{self.name}: {what} needs {need} blocks, {free} free")
+
+    def _tables_of(self, seq):
+        return ((self.tables[seq],), self.tokens[seq]) if seq in self.tables else None
+
+    def _reservation_of(self, seq):
+        """A private tail's free slots the sequence's later tokens will use (SPEC §10)."""
+        table = self.tables[seq]
+        if not table:
+            return 0, ()
+        n = self.tokens[seq]
+        r = F.tail_reservation((-n) % self.block_size, self.final[seq] - n) if table[-1].ref_cnt == 1 else 0
+        return r, (table[-1].block_id,)
 
     def _table(self, seq: int) -> list:
         try:
@@ -133,6 +247,7 @@ class VllmBlockPool(Backend):
             raise ValueError(f"{self.name}: prefill of sequence {seq} with {tokens} tokens")
         B = self.block_size
         n = -(-tokens // B)
+        self.tally.touch(seq)
         # Only full blocks carry a hash. vLLM's BlockPool takes the hashes its caller computed (the
         # KVCacheManager chains the salt and the LoRA name into them): so do the same here.
         keys = prompt_keys(prompt, B) if self.caching else []
@@ -159,6 +274,7 @@ class VllmBlockPool(Backend):
         B = self.block_size
         seqs, tokens = list(seqs), list(tokens)
         tables = [self._table(s) for s in seqs]
+        self.tally.touch(*seqs)
         # What the whole batch needs, copies of shared tails included, writers in batch order.
         need = 0
         refs_dropped: dict[int, int] = {}
@@ -185,6 +301,7 @@ class VllmBlockPool(Backend):
         if seq in self.tables:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self._table(src)
+        self.tally.touch(seq, src)
         self.pool.touch(parent)  # every block in use: ref_cnt += 1
         self.tables[seq] = list(parent)
         self.tokens[seq] = self.tokens[src]
@@ -193,29 +310,23 @@ class VllmBlockPool(Backend):
 
     def free(self, seq, *, step=0):
         table = self._table(seq)
+        self.tally.touch(seq)
         # As vLLM's KVCacheManager does: reversed, so a freed prefix's tail is evicted first.
         self.pool.free_blocks(reversed(table))
         del self.tables[seq], self.tokens[seq], self.final[seq]
 
     def ledger(self, seqs=None) -> Ledger:
-        B = self.block_size
-        # Fill of each block in use, from the tables; sharers of a block agree on it.
-        fill: dict[int, int] = {}
-        for s, table in self.tables.items():
-            for i, blk in enumerate(table):
-                fill[blk.block_id] = min(B, self.tokens[s] - i * B)
-        used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
-        reservation = 0
-        for s, table in self.tables.items():
-            if table and table[-1].ref_cnt == 1:
-                reservation += F.tail_reservation((-self.tokens[s]) % B, self.final[s] - self.tokens[s])
+        """From the tally (the blocks operations touched) and vLLM's free count: no pool scan."""
+        tally = self.tally
+        tally.sync()
+        live = self.tables if seqs is None else [s for s in seqs if s in self.tables]
         return Ledger.paged(
-            num_blocks=self.config.num_blocks, block_size=B,
-            block_bytes=B * self.config.model.bytes_per_token,
-            blocks_used=len(used), blocks_free=self.pool.get_num_free_blocks(),
-            tokens=dict(self.tokens), seq_blocks={s: len(t) for s, t in self.tables.items()},
-            token_states=sum(fill.get(b.block_id, 0) for b in used), reservation=reservation,
-            shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
-            cached_blocks=sum(1 for b in self.pool.blocks
-                              if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
+            num_blocks=self.config.num_blocks, block_size=self.block_size,
+            block_bytes=self.block_size * self.config.model.bytes_per_token,
+            # BlockPool.get_num_free_blocks: the free queue's own count (block_pool.py:912-919).
+            blocks_used=tally.used, blocks_free=self.pool.get_num_free_blocks(),
+            tokens={s: self.tokens[s] for s in live},
+            seq_blocks={s: len(self.tables[s]) for s in live},
+            token_states=tally.token_states, reservation=tally.reservation,
+            shared_blocks=tally.shared, cached_blocks=tally.cached,
             prefix_hit_blocks=self.hit_blocks, self_report={})

@@ -74,7 +74,7 @@ import functools
 import itertools
 import types
 
-from impls.engines.vllm_blockpool import importable
+from impls.engines.vllm_blockpool import BlockTally, importable
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
@@ -243,6 +243,7 @@ class VllmKVManager(Backend):
         self._trace_hash: dict = {}  # vLLM block hash -> the trace's
         self._loras: dict = {}  # adapter name -> its LoRARequest
         self.hit_blocks = 0
+        self.tally = BlockTally(B, len(self._groups), self._tables_of, self._reservation_of)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -251,6 +252,28 @@ class VllmKVManager(Backend):
             return self.requests[seq]
         except KeyError:
             raise KeyError(f"{self.name}: unknown sequence {seq}") from None
+
+    def _tables_of(self, seq):
+        req = self.requests.get(seq)
+        if req is None:
+            return None
+        return ([m.req_to_blocks.get(req.request_id, ()) for m in self._groups],
+                req.num_computed_tokens)
+
+    def _reservation_of(self, seq):
+        """Per group, a private tail's free slots the sequence's later tokens will use (SPEC
+        §10); the tail is the block of the last computed token (lookahead slots lie past it)."""
+        req, B = self.requests[seq], self.block_size
+        n = req.num_computed_tokens
+        r, tails = 0, []
+        for manager in self._groups:
+            table = manager.req_to_blocks.get(req.request_id, ())
+            tail = table[F.blocks_needed(n, B) - 1] if n and table else None
+            if tail is not None and not tail.is_null:
+                tails.append(tail.block_id)
+                if tail.ref_cnt == 1:
+                    r += F.tail_reservation((-n) % B, self.final[seq] - n)
+        return r, tuple(tails)
 
     def _new_ids(self, n: int) -> list:
         return [next(self._ids) for _ in range(n)]
@@ -287,6 +310,7 @@ class VllmKVManager(Backend):
         req = v.Request(request_id=str(seq), prompt_token_ids=token_ids,
                         sampling_params=self._sampling, pooling_params=None,
                         lora_request=lora, cache_salt=salt, block_hasher=self._hasher)
+        self.tally.touch(seq)
         if not token_ids:  # nothing to compute: vLLM has no empty request, and holds no block
             self.requests[seq] = req
             self.final[seq] = final_tokens
@@ -345,6 +369,7 @@ class VllmKVManager(Backend):
     def append(self, seqs, tokens, kv=None, *, step=0, draft=None):
         seqs, tokens = list(seqs), list(tokens)
         reqs = [self._request(s) for s in seqs]
+        self.tally.touch(*seqs)
         coordinator = self.manager.coordinator
         empty = self.manager.empty_kv_cache_blocks.blocks
         need = 0
@@ -382,6 +407,7 @@ class VllmKVManager(Backend):
         """The scheduler's update after verification: the kept drafts join the output, the
         computed tokens drop by the rejected ones; no block is freed."""
         req = self._request(seq)
+        self.tally.touch(seq)
         kept, req.spec_token_ids = req.spec_token_ids[:n], []
         req.append_output_token_ids(kept)
         req.num_computed_tokens -= drafted - n
@@ -391,6 +417,7 @@ class VllmKVManager(Backend):
         if seq in self.requests:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self._request(src)
+        self.tally.touch(src)  # the child's hits are the parent's blocks
         final = final_tokens if final_tokens is not None else parent.num_tokens
         # Parallel sampling: children of one request, with its salt and LoRA adapter.
         if self._admit(seq, list(parent.all_token_ids), final, count_hits=False,
@@ -402,6 +429,7 @@ class VllmKVManager(Backend):
 
     def free(self, seq, *, step=0):
         req = self._request(seq)
+        self.tally.touch(seq)
         self.manager.free(req)
         del self.requests[seq], self.final[seq]
 
@@ -411,36 +439,24 @@ class VllmKVManager(Backend):
         return list(self._groups[group].req_to_blocks.get(self._request(seq).request_id, ()))
 
     def ledger(self, seqs=None) -> Ledger:
-        B = self.block_size
-        fill: dict[int, int] = {}
-        tokens: dict[int, int] = {}
-        seq_blocks: dict[int, int] = {}
-        per_group = [set() for _ in self._groups]
-        reservation = 0
-        for s, req in self.requests.items():
-            n = req.num_computed_tokens
-            tokens[s], seq_blocks[s] = n, 0
-            for held, manager in zip(per_group, self._groups):
-                table = manager.req_to_blocks.get(req.request_id, ())
-                for i, blk in enumerate(table):
-                    if not blk.is_null:  # a lookahead slot past the length holds nothing
-                        fill[blk.block_id] = max(0, min(B, n - i * B))
-                        held.add(blk.block_id)
-                        seq_blocks[s] += 1
-                tail = table[F.blocks_needed(n, B) - 1] if n and table else None
-                if tail is not None and not tail.is_null and tail.ref_cnt == 1:
-                    reservation += F.tail_reservation((-n) % B, self.final[s] - n)
-        used = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
+        """From the tally (the blocks operations touched) and vLLM's own counts: no pool scan."""
+        tally = self.tally
+        tally.sync()
+        live = self.requests if seqs is None else [s for s in seqs if s in self.requests]
         return Ledger.paged(
-            num_blocks=self.config.num_blocks, block_size=B,
-            block_bytes=B * self.config.model.slot_bytes,
-            blocks_used=len(used), blocks_free=self.pool.get_num_free_blocks(), tokens=tokens,
-            seq_blocks=seq_blocks, token_states=sum(fill.get(b.block_id, 0) for b in used),
-            reservation=reservation, shared_blocks=sum(1 for b in used if b.ref_cnt > 1),
-            cached_blocks=sum(1 for b in self.pool.blocks
-                              if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
-            prefix_hit_blocks=self.hit_blocks, group_blocks=tuple(len(g) for g in per_group),
-            self_report={"block_usage": self.manager.usage})  # vLLM's own (logged) usage figure
+            num_blocks=self.config.num_blocks, block_size=self.block_size,
+            block_bytes=self.block_size * self.config.model.slot_bytes,
+            # BlockPool.get_num_free_blocks: the free queue's own count (block_pool.py:912-919).
+            blocks_used=tally.used, blocks_free=self.pool.get_num_free_blocks(),
+            tokens={s: tally.tokens(s) for s in live},
+            seq_blocks={s: tally.seq_blocks(s) for s in live},
+            token_states=tally.token_states, reservation=tally.reservation,
+            shared_blocks=tally.shared, cached_blocks=tally.cached,
+            prefix_hit_blocks=self.hit_blocks,
+            group_blocks=tuple(len(refs) for refs in tally.group_refs),
+            # KVCacheManager.usage, vLLM's own (logged) figure: BlockPool.get_usage, from the
+            # same free count (kv_cache_manager.py:229, block_pool.py:921-932).
+            self_report={"block_usage": self.manager.usage})
 
     def cached_order(self) -> list:
         """vLLM's eviction order: the cached blocks of its free queue, the next one evicted first,

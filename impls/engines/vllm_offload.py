@@ -72,11 +72,12 @@ def available() -> tuple[bool, str]:
     return importable(_vllm)
 
 
-def _chunks(policy) -> list:
-    """Every chunk a vLLM cache policy holds (``ChunkStatus``: ref_cnt, chunk_id)."""
+def _chunk_count(policy) -> int:
+    """How many chunks a vLLM cache policy holds: its own maps' sizes (ARC's ghost lists hold
+    keys, no chunk)."""
     if hasattr(policy, "chunks"):  # LRUCachePolicy
-        return list(policy.chunks.values())
-    return list(policy.t1.values()) + list(policy.t2.values())  # ARCCachePolicy
+        return len(policy.chunks)
+    return len(policy.t1) + len(policy.t2)  # ARCCachePolicy
 
 
 class _VllmTier:
@@ -159,11 +160,13 @@ class _VllmTier:
             self.finished[seq] = ctx
 
     def figures(self) -> dict:
-        refs = [c.ref_cnt for c in _chunks(self.manager._policy)]
-        storing = sum(1 for r in refs if r < 0)
-        return {"name": self.name, "capacity": self.capacity, "stored": len(refs) - storing,
-                "storing": storing, "loading": sum(1 for r in refs if r > 0),
-                "free": self.manager._get_num_free_chunks(), "bytes_down": self.bytes_down,
+        """From the manager's own counters (cpu/manager.py:82-85, :100-101), no walk of its
+        chunks: a chunk is storing (ref_cnt -1), evictable (0) or read by loads (> 0)."""
+        m = self.manager
+        held, storing = _chunk_count(m._policy), m._num_write_pending_chunks
+        return {"name": self.name, "capacity": self.capacity, "stored": held - storing,
+                "storing": storing, "loading": held - storing - m._num_evictable_cache_chunks,
+                "free": m._get_num_free_chunks(), "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
 

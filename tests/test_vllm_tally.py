@@ -1,0 +1,107 @@
+"""The vLLM adapters' ledgers come from a tally of the blocks operations touched (BlockTally), not a
+scan of the pool: after every operation of the committed workloads, the tally's pool-wide figures
+are those a scan of every vLLM block gives.
+
+Opt-in: needs vLLM (docs/engines.md); skipped elsewhere. Run::
+
+    PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/test_vllm_tally.py
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbench.analyses.suite import config_for, load_traces
+from kvbench.checking.checker import check
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+# Shared prefixes, forks, copy-on-write, sliding windows, lookahead slots, preemption, refusals.
+NAMES = ("prefix-reuse", "fork-wide", "fork-beam", "hybrid-windows", "hybrid-decode",
+         "lifecycle-speculative", "lifecycle-preempt", "lifecycle-chunked", "edge-refusals")
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from impls.engines.vllm_blockpool import NOT_INSTALLED
+    from impls.engines.vllm_kvmanager import available
+    ok, why = available()
+    if not ok and why == NOT_INSTALLED:
+        pytest.skip("vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    assert ok, why
+
+
+def scanned(be) -> dict:
+    """The pool-wide figures from every block of vLLM's pool, and the tables' fills."""
+    B = be.block_size
+    tables = be.tally.tables
+    fill, held, reservation = {}, [set() for _ in be.tally.group_refs], 0
+    for s in list(be.tally.copy):
+        now = tables(s)
+        if now is None:
+            continue
+        for g, table in enumerate(now[0]):
+            for i, b in enumerate(table):
+                if not b.is_null:
+                    fill[b.block_id] = max(0, min(B, now[1] - i * B))
+                    held[g].add(b.block_id)
+        reservation += be._reservation_of(s)[0]
+    used = [b for b in be.pool.blocks if b.ref_cnt > 0 and not b.is_null]
+    return {"blocks_used": len(used), "shared_blocks": sum(1 for b in used if b.ref_cnt > 1),
+            "cached_blocks": sum(1 for b in be.pool.blocks
+                                 if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None),
+            "token_states": sum(fill.get(b.block_id, 0) for b in used),
+            "reservation": reservation, "group_blocks": tuple(len(h) for h in held)}
+
+
+def scanning(cls):
+    """The adapter, its every ledger checked against the scan."""
+
+    class Scanned(cls):
+        def ledger(self, seqs=None):
+            led = super().ledger(seqs)
+            want = scanned(self)
+            got = {k: getattr(led, k) for k in want}
+            if not got["group_blocks"]:  # one group: the ledger reports none
+                want.pop("group_blocks"), got.pop("group_blocks")
+            assert got == want, (got, want)
+            return led
+
+    return Scanned
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("adapter", ["VllmKVManager", "VllmBlockPool"])
+def test_the_tally_is_the_scan(vllm, name, adapter):
+    import impls.engines.vllm_blockpool as bp
+    import impls.engines.vllm_kvmanager as km
+    cls = {"VllmKVManager": km.VllmKVManager, "VllmBlockPool": bp.VllmBlockPool}[adapter]
+    trace = load_traces([WORKLOADS / f"{name}.jsonl"])[0]
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    be = scanning(cls)(cfg)
+    v = check(trace, be)
+    if v.not_applicable:
+        pytest.skip(v.not_applicable)
+    # A divergence the unscanned adapter shares is the engine's, not the tally's.
+    plain = check(trace, cls(cfg))
+    assert (v.valid, str(v.divergence)) == (plain.valid, str(plain.divergence)), v.error or v.traceback
+    assert not v.error, v.traceback
+    assert v.ops == len(trace.ops) or not v.valid
+
+
+def test_a_copy_on_write_gives_the_sharer_its_reservation_back(vllm):
+    """B = 4. Sequence 0: 6 tokens, final 8; its fork 1 shares its tail (2 free slots), so
+    neither reserves them. Sequence 1's append copies the tail: sequence 0's is its own again,
+    an operation on sequence 1 alone that moves sequence 0's reservation."""
+    from conftest import make_config
+
+    from impls.engines.vllm_blockpool import VllmBlockPool
+    from kvbench.contract.protocol import Prompt
+    be = VllmBlockPool(make_config(4, 8, store_kv=False))
+    be.prefill(0, Prompt(6, final_tokens=8))
+    be.fork(1, 0, final_tokens=7)
+    assert be.ledger().reservation == 0  # the shared tail: no one's
+    be.append([1], [1])
+    # seq 0: min(2 free, 8 - 6) = 2; seq 1's copy: 7 tokens, min(1 free, 7 - 7 = 0) = 0
+    assert be.ledger().reservation == 2
+    assert be.ledger().reservation == scanned(be)["reservation"]
