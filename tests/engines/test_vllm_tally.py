@@ -4,7 +4,7 @@ are those a scan of every vLLM block gives.
 
 Opt-in: needs vLLM (docs/engines.md); skipped elsewhere. Run::
 
-    PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/test_vllm_tally.py
+    PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/engines/test_vllm_tally.py
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from kvbench.analyses.suite import config_for, load_traces
 from kvbench.checking.checker import check
 
-WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
+WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
 # Shared prefixes, forks, copy-on-write, sliding windows, lookahead slots, preemption, refusals.
 NAMES = ("prefix-reuse", "fork-wide", "fork-beam", "hybrid-windows", "hybrid-decode",
          "lifecycle-speculative", "lifecycle-preempt", "lifecycle-chunked", "edge-refusals")
