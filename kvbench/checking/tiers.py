@@ -95,9 +95,6 @@ class Tier:
     # SPEC §13's swap: sequence -> blocks of it the tier holds (stored, by no key: never a hit,
     # never a victim of the policy, dropped at the resume or the free)
     swapped: dict = field(default_factory=dict)
-    # Counted as entries change, so that the ledger reads no entry: STORING ones, read ones.
-    storing: int = 0
-    loading: int = 0
 
     def __post_init__(self):
         classes = REQUEST_POLICY_CLASSES if self.by_request else POLICY_CLASSES
@@ -114,8 +111,10 @@ class Tier:
         return len(self.entries) + sum(self.swapped.values())
 
     def ledger(self) -> TierLedger:
-        stored = self.held() - self.storing
-        return TierLedger(self.spec.name, self.spec.capacity, stored, self.storing, self.loading,
+        storing = sum(1 for e in self.entries.values() if e.state == STORING)
+        loading = sum(1 for e in self.entries.values() if e.loads)
+        stored = self.held() - storing
+        return TierLedger(self.spec.name, self.spec.capacity, stored, storing, loading,
                           self.spec.capacity - self.held(), self.bytes_down, self.bytes_up,
                           self.hits)
 
@@ -237,7 +236,6 @@ class Tiers:
                     continue
                 self._evict(t, victim[0], plan)
             t.entries[key] = Entry(STORING)
-            t.storing += 1
             t.policy.insert(key, seq, where[key])
             if self.by_request:
                 t.access(seq).inserted.add(key)
@@ -304,7 +302,6 @@ class Tiers:
                 raise TransferError(f"load of block {key!r} from tier {self.tiers[tier].spec.name}, "
                                     f"where it is {entry.state}")
             entry.loads += 1
-            self.tiers[tier].loading += entry.loads == 1
             if target is not None:
                 self.load_targets[target] = tid
             self.tiers[tier].hits += 1
@@ -336,7 +333,6 @@ class Tiers:
         self.finished.add(tid)
         if tr.kind == "store":
             t = self.tiers[tr.tier]
-            t.storing -= len(tr.blocks)
             for key, block in tr.blocks:
                 if ok:
                     t.entries[key].state = STORED
@@ -361,7 +357,6 @@ class Tiers:
         for key, tier, target in tr.blocks:
             t = self.tiers[tier]
             t.entries[key].loads -= 1
-            t.loading -= not t.entries[key].loads
             self.load_targets.pop(target, None)
             if moved:
                 t.bytes_up += self.block_bytes
