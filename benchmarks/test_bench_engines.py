@@ -8,7 +8,7 @@ times the engines its environment has (``vllm-kvmanager``: vLLM's whole ``KVCach
 ``sglang``: SGLang's serving default, ``UnifiedRadixCache``, and its allocator) beside ``numpy``.
 Every backend keeps the ledger only (``store_kv=False``), no eviction policy, each trace under the
 settings ``kvbench run`` gives it; one call replays the whole trace on a fresh backend built in the
-untimed setup, through the asv suite's replay driver, with no checker. Traces: every committed
+untimed setup, through kvbench's replay driver (the asv suite's), with no checker. Traces: every committed
 workload, and the Mooncake prefix-cache trace (first 500 requests, 512-token blocks, prefix caching
 on, 1000 blocks) when the shared traces are present. ``extra_info``: ``us_per_op`` (median /
 operations), and in the numpy row ``<engine>_vs_numpy`` = the engine's median / numpy's (above 1:
@@ -20,6 +20,7 @@ import dataclasses
 
 import pytest
 
+from kvbench.checking.driver import replay
 from kvbench.contract import registry
 
 ENGINES = [n for n in ("vllm-kvmanager", "sglang") if registry.resolve(n).available()[0]]
@@ -39,8 +40,6 @@ CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in (*ENGINES, "n
 
 @pytest.mark.parametrize("workload,kind,impl", CASES, ids=[f"{impl}-{w}" for w, _, impl in CASES])
 def test_replay(benchmark, workload, kind, impl):
-    from kvbench.bench.gates import bench_common  # the asv suite's replay driver, loaded by path
-
     from kvbench.checking.checker import applicable
 
     trace, cfg = trace_and_config(workload)
@@ -48,7 +47,6 @@ def test_replay(benchmark, workload, kind, impl):
     why = applicable(trace, entry.create(dataclasses.replace(cfg)))
     if why:  # a hybrid model on an engine without window groups (SGLang's RadixCache)
         pytest.skip(why)
-    replay = bench_common().replay
     counts = []
 
     def fresh():

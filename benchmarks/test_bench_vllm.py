@@ -13,7 +13,7 @@ eviction policy.
   blocks/s, and in the numpy row ``numpy_vs_vllm_pool`` and ``numpy_vs_vllm_blockpool`` = their
   median time / numpy's (above 1: NumPy is faster).
 - ``replay``: one call replays a whole trace on a fresh backend (built in the untimed setup),
-  driven by the asv suite's replay driver with no checker: every committed workload under the
+  driven by kvbench's replay driver with no checker: every committed workload under the
   settings ``kvbench run`` gives it, and the Mooncake prefix-cache trace (first 500 requests,
   512-token blocks, prefix caching on, 1000 blocks) when /work/shared/traces is present. The numpy
   row carries ``numpy_vs_vllm_blockpool``.
@@ -28,6 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see the READ
 
 from impls.engines.vllm_blockpool import VllmBlockPool, _vllm  # noqa: E402
 from impls.numpy_paged import NumpyPaged  # noqa: E402
+from kvbench.checking.driver import replay  # noqa: E402
 from kvbench.contract.formulas import get_model  # noqa: E402
 from kvbench.contract.protocol import CacheConfig  # noqa: E402
 from replay_traces import replay_cases, trace_and_config  # noqa: E402
@@ -92,12 +93,7 @@ REPLAY_CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in ("vllm
                          ids=[f"{impl}-{w}" for w, _, impl in REPLAY_CASES])
 def test_replay(benchmark, workload, kind, impl):
     trace, cfg = trace_and_config(workload)
-    from kvbench.bench.gates import (
-        bench_common,  # the asv suite's replay driver, loaded by path
-    )
-
     factory = NumpyPaged if impl == "numpy" else VllmBlockPool
-    replay = bench_common().replay
     counts = []
 
     def fresh():

@@ -48,6 +48,7 @@ def child(mode: str, path: str) -> dict:
     """One measurement in this process: load the trace, replay it (backend) or check it."""
     t0 = time.perf_counter()
     from kvbench.bench.gates import bench_common
+    from kvbench.checking.driver import replay
     from kvbench.analyses import suite
     from kvbench.checking.checker import check
     from kvbench.contract import registry
@@ -60,7 +61,7 @@ def child(mode: str, path: str) -> dict:
     t1 = time.perf_counter()
     if mode == "backend":
         common = bench_common()
-        common.replay(backend, trace, common.kv_buffer(trace, cfg))
+        replay(backend, trace, common.kv_buffer(trace, cfg))
         status = "replayed"
     else:
         v = check(trace, backend, gather=mode.removeprefix("checker-") if "-" in mode else "touched")
@@ -135,6 +136,7 @@ def workloads(repeats: int, backend: str) -> list:
     from kvbench.bench.gates import bench_common
     from kvbench.analyses import suite
     from kvbench.checking.checker import check
+    from kvbench.checking.driver import replay
     from kvbench.contract import registry
     common = bench_common()
     rows = []
@@ -148,7 +150,7 @@ def workloads(repeats: int, backend: str) -> list:
                 gc.collect()
                 b = registry.create(backend, cfg)
                 t0 = time.perf_counter()
-                common.replay(b, trace, kv)
+                replay(b, trace, kv)
                 b_s.append(time.perf_counter() - t0)
                 b = registry.create(backend, cfg)
                 t0 = time.perf_counter()

@@ -226,6 +226,7 @@ def check_vs_replay(factory=None, gather: str = "touched") -> tuple[Callable, Ca
     A checker whose cost grows with sequence length drops the ratio many times."""
     from kvbench.analyses import suite
     from kvbench.checking.checker import check
+    from kvbench.checking.driver import replay
     from kvbench.contract import registry
     common = bench_common()
     trace = _decode_trace()
@@ -238,7 +239,7 @@ def check_vs_replay(factory=None, gather: str = "touched") -> tuple[Callable, Ca
         if not v.valid:
             raise AssertionError(f"check_vs_replay: the checker failed its own trace: {v.divergence}")
 
-    return lambda _: common.replay(make(), trace, kv), checked
+    return lambda _: replay(make(), trace, kv), checked
 
 
 QUANT_ROWS = 8192  # 4 MiB of float32 rows of 128 channels (one KV head per row)
