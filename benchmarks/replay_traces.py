@@ -20,8 +20,10 @@ MOONCAKE_REQUESTS, MOONCAKE_BLOCK, MOONCAKE_CACHE = 500, 512, 1000
 
 
 def replay_cases() -> list:
-    """(name, kind): kind "small" for a committed workload, "mooncake" for the shared trace."""
-    cases = [(p.stem, "small") for p in committed_workloads()]
+    """(name, kind): kind "small" for a committed workload, "mooncake" for the shared trace.
+    The tier workloads are left out: their transfers are the checker's alone (SPEC §11)."""
+    cases = [(p.stem, "small") for p in committed_workloads()
+             if not load_traces([p])[0].header.tiers]
     if MOONCAKE.exists():
         cases.append(("mooncake-500", "mooncake"))
     return cases
