@@ -147,7 +147,8 @@ class TierReplay:
             r.refused.add(op.seq)
             self.dropped.add(op.id)
             return
-        self.loads[op.id] = (op.seq, lo, hi)  # not marked: nothing reads it until it completes
+        self.loads[op.id] = (op.seq, lo, hi)
+        r.mark(op.seq, kv=False)  # its table is new; its K/V are read once the load completes
 
     def store(self, op) -> None:
         r, oracle = self.r, self.r.oracle
