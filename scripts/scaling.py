@@ -63,6 +63,10 @@ def child(mode: str, path: str) -> dict:
         common = bench_common()
         replay(backend, trace, common.kv_buffer(trace, cfg))
         status = "replayed"
+    elif mode == "oracle":  # the oracle alone: what expectations cached per trace would save at most
+        from kvbench.checking.checker import oracle_for
+        check(trace, None, model=oracle_for(trace, backend))
+        status = "replayed"
     else:
         v = check(trace, backend, gather=mode.removeprefix("checker-") if "-" in mode else "touched")
         status = v.status if v.valid is not False else f"FAIL {v.divergence}"
@@ -107,14 +111,16 @@ def curve(sizes, repeats, backend, cache: Path) -> list:
 
 
 def breakdown(ops: int, repeats: int, backend: str, cache: Path) -> list:
-    """Where the checker's time goes on one decode trace: the backend's replay alone, the checker
-    with the ledger only (the oracle, the ledger comparison, the identities), and with K/V
-    content read back (touched): each a fresh process, alternated, the median of ``repeats``."""
+    """Where the checker's time goes on one decode trace: the backend's replay alone, the oracle
+    alone (its expected ledgers, victims and hits: all that depends on the trace and settings
+    only), the checker with the ledger only (the oracle, the ledger comparison, the identities),
+    and with K/V content read back (touched): each a fresh process, alternated, the median of
+    ``repeats``."""
     path = cache / f"decode-{ops}.jsonl"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         make_trace(ops, path)
-    modes = ("backend", "checker-none", "checker")
+    modes = ("backend", "oracle", "checker-none", "checker")
     runs = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:

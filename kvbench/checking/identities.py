@@ -210,21 +210,23 @@ class Mirror:
                 del self.cached[b]
                 self.count[b] -= 1
         seqs = sorted(set(self.tables) | set(state.tables)) if seqs is None else seqs
+        # All the sequences' tables in one array each way: a call per table costs more than its entries.
         old = [ids for s in seqs for ids in self.tables.pop(s, ())]
-        new = [np.asarray(ids, dtype=np.int64).reshape(-1) for s in seqs for ids in state.tables.get(s, ())]
+        old = np.concatenate(old) if old else np.zeros(0, np.int64)
+        tables = {s: state.tables[s] for s in seqs if s in state.tables}
+        flat = _flatten(tables)
+        new = np.concatenate([ids for ids, _ in flat]) if flat else np.zeros(0, np.int64)
         leases = _copy_leases(leases or NO_LEASES)
         leased = np.fromiter(_moved_leases(self.leases, leases), dtype=np.int64)
         self.leases = leases
-        touched = np.unique(np.concatenate([removed, pooled, leased, *old,
-                                            *[i[(i >= 0) & (i < N)] for i in new]]))
+        touched = np.unique(np.concatenate([removed, pooled, leased, old, new[(new >= 0) & (new < N)]]))
         ref = np.asarray(state.refcount[touched], dtype=np.int64).reshape(-1) if len(touched) \
             else np.zeros(0, np.int64)
         why = self._free_identities(touched, ref, led)
         if why is None:
-            for ids in old:
-                np.subtract.at(self.holders, ids, 1)
-                self.group[ids[self.holders[ids] == 0]] = -1
-            why = self._add_tables({s: state.tables[s] for s in seqs if s in state.tables})
+            np.subtract.at(self.holders, old, 1)
+            self.group[old[self.holders[old] == 0]] = -1  # holders only fall here: once is enough
+            why = self._add_tables(tables, flat)
         if why is None:
             why = _reference_identities(touched, self.holders[touched], ref, leases)
         return why, differs
@@ -249,11 +251,12 @@ class Mirror:
         self.ref[touched] = ref
         return _count_identities(self.size, len(self.cached), self.used, led, self.N)
 
-    def _add_tables(self, tables: dict):
-        """Count the tables' entries in; the first table identity that fails, or None."""
+    def _add_tables(self, tables: dict, flat: list):
+        """Count the tables' entries in (``flat``: :func:`_flatten` of them); the first table
+        identity that fails, or None."""
         for s in tables:
             self.tables[s] = [_held(t) for t in tables[s]]
-        for g, (ids, owner) in enumerate(_flatten(tables)):
+        for g, (ids, owner) in enumerate(flat):
             why = _group_identities(g, ids, owner, self.ref, self.count, self.holders, self.group, self.N)
             if why:
                 return why
