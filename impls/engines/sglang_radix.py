@@ -45,6 +45,9 @@ What is the adapter's (the scheduler's glue, each step cited):
 
 With ``prefix_caching`` off the tree is built ``disable=True`` (matches, inserts and evictions do
 nothing), and a fork computes every block again (``fork_via="copy"``).
+
+Over 500 lines: one adapter, the scheduler's glue its eight backends share (the tree class and
+its policy are all that differ), with SGLang's rules cited beside the calls that follow them.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import functools
 import itertools
 import types
 
+from impls.engines.block_tally import BlockTally
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
@@ -214,6 +218,10 @@ class SglangRadix(Backend):
         self._ids = itertools.count(1 << 48)  # token ids made up here: above any a trace gives
         self._hash_ids: dict = {}
         self.hit_blocks = 0
+        # Only the requests an operation names change their tables (an eviction takes unlocked
+        # tree nodes, which no table holds), so the ledger recounts their pages alone; SGLang
+        # counts no holders per page (its tree locks nodes): the tally counts the tables' entries.
+        self.tally = BlockTally(P, 1, self._tables_of, self._reservation_of)
 
     @classmethod
     def serving_departures(cls) -> tuple:
@@ -338,6 +346,7 @@ class SglangRadix(Backend):
 
     def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
         tokens, token_ids = prompt.tokens, prompt.token_ids
+        self.tally.touch(seq)
         if seq in self.reqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         if tokens < 0:
@@ -360,6 +369,7 @@ class SglangRadix(Backend):
 
     def append(self, seqs, tokens, kv=None, *, step=0):
         seqs, tokens = list(seqs), list(tokens)
+        self.tally.touch(*seqs)
         reqs = [self._req(s) for s in seqs]
         pages = sum(self._pages(len(r.kv) + d) - self._pages(len(r.kv)) for r, d in zip(reqs, tokens))
         self._refuse(f"append of {tokens} tokens to sequences {seqs}", pages)
@@ -371,6 +381,7 @@ class SglangRadix(Backend):
         return ()
 
     def fork(self, seq, src, *, final_tokens=None, step=0):
+        self.tally.touch(seq, src)  # the parent's checkpoint repoints its table
         if seq in self.reqs:
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self._req(src)
@@ -383,6 +394,7 @@ class SglangRadix(Backend):
         return ()
 
     def free(self, seq, *, step=0):
+        self.tally.touch(seq)
         r = self._req(seq)
         if self.caching:
             self._checkpoint(r)
@@ -399,36 +411,39 @@ class SglangRadix(Backend):
 
     def table(self, seq) -> list:
         """The sequence's pages, in order."""
-        kv = self._req(seq).kv
-        return [int(x) // self.page for x in kv[::self.page]]
+        return [x // self.page for x in self._req(seq).kv[::self.page].tolist()]
+
+    def _tables_of(self, seq):
+        """The tally's view of ``seq``: its one table of pages and its tokens; None once gone."""
+        if seq not in self.reqs:
+            return None
+        return [self.tally.uncounted(self.table(seq))], len(self.reqs[seq].kv)
+
+    def _reservation_of(self, seq) -> tuple:
+        """SPEC §10's reservation of ``seq``: the free slots of its tail page, when no other
+        table holds that page, that its later tokens will use; and the page it read."""
+        r, P = self.reqs[seq], self.page
+        n = len(r.kv)
+        if not n % P:
+            return 0, ()
+        tail = int(r.kv[(n - 1) // P * P]) // P
+        own = self.tally.group_refs[0].get(tail, 0) == 1
+        return (F.tail_reservation(P - n % P, r.final - n) if own else 0), (tail,)
 
     def ledger(self, seqs=None) -> Ledger:
-        P = self.page
-        fill: dict[int, int] = {}
-        holders: dict[int, int] = {}
-        tokens, seq_blocks = {}, {}
-        for s, r in self.reqs.items():
-            pages = self.table(s)
-            n = len(r.kv)
-            tokens[s], seq_blocks[s] = n, len(pages)
-            for i, p in enumerate(pages):
-                fill[p] = min(P, n - i * P)
-                holders[p] = holders.get(p, 0) + 1
-        # Reserved: the free slots of a private tail that the sequence's later tokens will use.
-        reservation = 0
-        for s, r in self.reqs.items():
-            n = len(r.kv)
-            if n % P and holders[self.table(s)[-1]] == 1:
-                reservation += F.tail_reservation(P - n % P, r.final - n)
-        f = self.figures()
-        free_pages = (f["available"] + f["evictable"]) // P
+        """From the tally (the pages of the tables operations changed) and SGLang's figures."""
+        tally, P, f = self.tally, self.page, self.figures()
+        tally.sync()
+        live = self.reqs if seqs is None else [s for s in seqs if s in self.reqs]
         return Ledger.paged(
             num_blocks=self.config.num_blocks, block_size=P,
             block_bytes=P * self.config.model.bytes_per_token,
-            blocks_used=len(fill), blocks_free=free_pages, tokens=tokens, seq_blocks=seq_blocks,
-            token_states=sum(fill.values()), reservation=reservation,
-            shared_blocks=sum(1 for h in holders.values() if h > 1),
-            cached_blocks=f["evictable"] // P, prefix_hit_blocks=self.hit_blocks, self_report={})
+            blocks_used=tally.used, blocks_free=(f["available"] + f["evictable"]) // P,
+            tokens={s: len(self.reqs[s].kv) for s in live},
+            seq_blocks={s: self._pages(len(self.reqs[s].kv)) for s in live},
+            token_states=tally.token_states, reservation=tally.reservation,
+            shared_blocks=tally.shared, cached_blocks=f["evictable"] // P,
+            prefix_hit_blocks=self.hit_blocks, self_report={})
 
 
 class SglangRadixLFU(SglangRadix):

@@ -74,7 +74,8 @@ import functools
 import itertools
 import types
 
-from impls.engines.vllm_blockpool import BlockTally, importable
+from impls.engines.block_tally import BlockTally
+from impls.engines.vllm_blockpool import importable
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 

@@ -5,6 +5,7 @@ victims among those the tier says are evictable; the tier model (tiers.py) keeps
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 
@@ -62,6 +63,12 @@ class RequestLRUPolicy(LRUPolicy):
         self.rank: dict = {}  # key -> (rank, -position)
         self.request_rank: dict = {}  # seq -> its rank
         self.next = 0
+        # The victim order without a sort per search: a heap of (rank, arrival, key), an entry
+        # stale once its key's rank changed or it left. ``arrival`` (when the key entered
+        # ``rank``) breaks equal ranks as sorting the dict in its own order does.
+        self.heap: list = []
+        self.arrival: dict = {}  # key -> its arrival
+        self.arrivals = 0
 
     def _bump(self) -> int:
         self.next += 1
@@ -72,21 +79,50 @@ class RequestLRUPolicy(LRUPolicy):
             self.request_rank[seq] = self._bump()
         return self.request_rank[seq]
 
+    def _set(self, key, rank) -> None:
+        if self.rank.get(key) == rank:
+            return
+        if key not in self.rank:
+            self.arrivals += 1
+            self.arrival[key] = self.arrivals
+        self.rank[key] = rank
+        heapq.heappush(self.heap, (rank, self.arrival[key], key))
+        if len(self.heap) > 2 * len(self.rank) + 32:  # stale entries at most half, amortised
+            self.heap = [(r, self.arrival[k], k) for k, r in self.rank.items()]
+            heapq.heapify(self.heap)
+
+    def _current(self, entry) -> bool:
+        rank, arrival, key = entry
+        return self.rank.get(key) == rank and self.arrival.get(key) == arrival
+
     def insert(self, key, seq=None, position=None) -> None:
-        self.rank[key] = (self._bump(), 0) if position is None else (self._request(seq), -position)
+        self._set(key, (self._bump(), 0) if position is None else (self._request(seq), -position))
 
     def remove(self, key) -> None:
         del self.rank[key]
+        del self.arrival[key]
 
     evict = remove
 
     def touch(self, keys) -> None:
         for key in reversed(list(keys)):
             if key in self.rank:
-                self.rank[key] = (self._bump(), 0)
+                self._set(key, (self._bump(), 0))
 
     def victims(self, n: int, evictable) -> list | None:
-        found = sorted((k for k in self.rank if evictable(k)), key=self.rank.__getitem__)[:n]
+        """The ``n`` evictable keys of least rank, in rank order (the tier sorted by rank, equal
+        ranks in arrival order), popping the heap as far as the last of them; the current
+        entries popped go back, the stale ones not."""
+        found, popped, seen = [], [], set()
+        while self.heap and len(found) < n:
+            entry = heapq.heappop(self.heap)
+            if self._current(entry) and entry[2] not in seen:  # a rank set twice: one entry back
+                seen.add(entry[2])
+                popped.append(entry)
+                if evictable(entry[2]):
+                    found.append(entry[2])
+        for entry in popped:
+            heapq.heappush(self.heap, entry)
         return found if len(found) == n else None
 
     def order_of(self) -> list:
@@ -96,7 +132,7 @@ class RequestLRUPolicy(LRUPolicy):
         rank = self._request(seq)
         for key, position in items:
             if position is not None and key in self.rank and self.rank[key] < (rank, -position):
-                self.rank[key] = (rank, -position)
+                self._set(key, (rank, -position))
 
     def on_request_finished(self, ordered, insertion_only, reused, seq) -> None:
         self.touch(ordered)
