@@ -166,7 +166,9 @@ class LMCacheCPU(EngineTiers):
     name = "lmcache-cpu"
     # LRU only (LMCache's LFU, FIFO and MRU are not SPEC policies); no swap (SPEC §13): LMCache
     # stores and retrieves prefix chunks, not a preempted request's whole state.
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False)
+    # LMCache's allocate evicts by its policy alone: a store's own blocks already stored go too.
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False,
+                                       tier_rules=("store_evicts_skipped",))
     tier_skips = {"tier copies": CONNECTOR_SKIP}
     probe = staticmethod(available)
 

@@ -17,9 +17,12 @@ target first).
 
 A backend may declare rules of its own (``Capabilities.tier_rules``, TIER_RULES), and the model
 runs them: ``whole_store_refused`` (vLLM's ``prepare_store``: the victims for every new block are
-found first, together, or the store is refused whole) and ``request_recency`` (vLLM's connector:
+found first, together, or the store is refused whole), ``request_recency`` (vLLM's connector:
 recency per request, LRU ranks ``(request, -position)`` and ARC promotions applied when the
-request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py).
+request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py) and
+``store_evicts_skipped`` (LMCache's ``allocate``: the policy may evict, for a store's new blocks,
+the blocks of the same store it skipped as already stored; without it they are kept, as vLLM's
+``prepare_store`` keeps a request's own blocks).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from kvbench.checking.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSE
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
-TIER_RULES = ("whole_store_refused", "request_recency")
+TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class Tier:
     # SPEC §13's swap: sequence -> blocks of it the tier holds (stored, by no key: never a hit,
     # never a victim of the policy, dropped at the resume or the free)
     swapped: dict = field(default_factory=dict)
+    # Counted as entries change, so that the ledger reads no entry: STORING ones, read ones.
+    storing: int = 0
+    loading: int = 0
 
     def __post_init__(self):
         classes = REQUEST_POLICY_CLASSES if self.by_request else POLICY_CLASSES
@@ -111,10 +117,8 @@ class Tier:
         return len(self.entries) + sum(self.swapped.values())
 
     def ledger(self) -> TierLedger:
-        storing = sum(1 for e in self.entries.values() if e.state == STORING)
-        loading = sum(1 for e in self.entries.values() if e.loads)
-        stored = self.held() - storing
-        return TierLedger(self.spec.name, self.spec.capacity, stored, storing, loading,
+        stored = self.held() - self.storing
+        return TierLedger(self.spec.name, self.spec.capacity, stored, self.storing, self.loading,
                           self.spec.capacity - self.held(), self.bytes_down, self.bytes_up,
                           self.hits)
 
@@ -155,6 +159,7 @@ class Tiers:
             raise ValueError(f"unknown tier rule {unknown[0]!r} (known: {', '.join(TIER_RULES)})")
         self.whole_store = "whole_store_refused" in rules
         self.by_request = "request_recency" in rules
+        self.own_evictable = "store_evicts_skipped" in rules
         self.tiers = [Tier(s, by_request=self.by_request) for s in specs]
         self.block_bytes = block_bytes
         self.transfers: dict = {}  # id -> Transfer, in flight
@@ -204,7 +209,7 @@ class Tiers:
         self._new_id(tid)
         t = self.tiers[tier]
         plan = StorePlan()
-        mine = {k for k, _ in blocks}
+        mine = {k for k, _ in blocks if not (self.own_evictable and k in t.entries)}
         where = dict(zip([k for k, _ in blocks], positions or [None] * len(blocks)))
         new = [(k, b) for k, b in blocks if k not in t.entries]
         plan.skipped = [k for k, _ in blocks if k in t.entries]
@@ -236,6 +241,7 @@ class Tiers:
                     continue
                 self._evict(t, victim[0], plan)
             t.entries[key] = Entry(STORING)
+            t.storing += 1
             t.policy.insert(key, seq, where[key])
             if self.by_request:
                 t.access(seq).inserted.add(key)
@@ -302,6 +308,7 @@ class Tiers:
                 raise TransferError(f"load of block {key!r} from tier {self.tiers[tier].spec.name}, "
                                     f"where it is {entry.state}")
             entry.loads += 1
+            self.tiers[tier].loading += entry.loads == 1
             if target is not None:
                 self.load_targets[target] = tid
             self.tiers[tier].hits += 1
@@ -333,6 +340,7 @@ class Tiers:
         self.finished.add(tid)
         if tr.kind == "store":
             t = self.tiers[tr.tier]
+            t.storing -= len(tr.blocks)
             for key, block in tr.blocks:
                 if ok:
                     t.entries[key].state = STORED
@@ -357,6 +365,7 @@ class Tiers:
         for key, tier, target in tr.blocks:
             t = self.tiers[tier]
             t.entries[key].loads -= 1
+            t.loading -= not t.entries[key].loads
             self.load_targets.pop(target, None)
             if moved:
                 t.bytes_up += self.block_bytes

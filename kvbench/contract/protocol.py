@@ -184,7 +184,8 @@ class Capabilities:
     tiers: tuple = ()
     # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.checking.tiers.TIER_RULES):
     # "whole_store_refused" (a store without room for all its blocks is refused whole),
-    # "request_recency" (vLLM's connector: recency per request, applied when it finishes).
+    # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
+    # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored).
     tier_rules: tuple = ()
     # SPEC §13: preempts by swap through those tiers (swap_out, swap_in: tier_replay names them).
     swap: bool = False

@@ -20,6 +20,9 @@ def host(capacity, policy="lru"):
 def counts(tiers, i=0):
     led = tiers.ledgers()[i]
     assert led.stored + led.storing + led.free == led.capacity
+    entries = tiers.tiers[i].entries.values()  # the counters kept as entries change, recounted
+    assert led.storing == sum(e.state == "storing" for e in entries)
+    assert led.loading == sum(e.loads > 0 for e in entries)
     return led.stored, led.storing, led.loading, led.free
 
 
@@ -204,6 +207,22 @@ def test_whole_store_refused_begins_nothing_without_room_for_all():
     t.complete(2, True)
     plan = t.store_begin(3, 2, 0, [("b", 2), ("c", 3)], [0, 1])  # needs 2 - 1 free = 1 victim: a
     assert plan.evicted == ["a"] and [k for k, _ in plan.begun] == ["b", "c"]
+
+
+@pytest.mark.parametrize("rules, evicted, stored", [
+    ((), [], ["a"]),  # the store's own "a" is kept: "b" finds no room and is refused
+    (("store_evicts_skipped",), ["a"], ["b"]),  # LMCache's allocate: "a" goes for "b"
+])
+def test_a_store_evicts_its_own_skipped_blocks_only_under_the_rule(rules, evicted, stored):
+    t = Tiers([TierSpec("host", 1)], BB, rules)
+    t.store_begin(1, 0, 0, [("a", 1)])
+    t.complete(1, True)
+    plan = t.store_begin(2, 1, 0, [("a", 2), ("b", 3)])  # "a" stored there already: skipped
+    assert plan.skipped == ["a"] and plan.evicted == evicted
+    assert plan.refused == ([] if evicted else ["b"])
+    t.complete(2, True)
+    assert sorted(t.stored_keys(0)) == stored
+    assert counts(t) == (1, 0, 0, 0)  # 1 = capacity: one stored either way, 0 free
 
 
 def test_request_recency_ranks_and_finish():

@@ -19,7 +19,7 @@ from test_vllm_offload import checked
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
 from kvbench.contract.registry import entries
-from kvbench.traces.format import Header, Prefill, Trace, validate
+from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Done, Store, TierSpec
 
 SKIP_REASON = "LMCache is not installed (opt-in, not in CI): see docs/tiers-and-lifecycles.md"
@@ -78,5 +78,25 @@ def test_a_failed_store_leaves_no_trace_in_lmcache(lmcache):
         tier = backend._tiers[0]
         assert len(tier.backend.hot_cache) == 0 and len(tier.allocator.free_blocks) == 4
         assert not any(tier.backend.contains(k) for k in tier.keys.values())
+    finally:
+        backend.close()
+
+
+def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
+    # Found by test_passes_random_histories, cut down by hand. A host tier of 1 page holds block
+    # key 1; sequence 1's store offers keys 1 and 2: 1 is skipped (stored), and LMCache's
+    # allocate for 2 evicts 1 by its LRU, the store's own block or not. The adapter declares it
+    # (store_evicts_skipped): after the store, 1 stored + 0 storing + 0 free = 1 page, block 2.
+    ops = [Prefill(0, 0, "t", B, (1,)), Store(1, 0, 0, "host"), Done(2, 0, True),
+           Free(3, 0), Prefill(4, 1, "t", 2 * B, (1, 2)), Store(5, 1, 1, "host"),
+           Done(6, 1, True)]
+    trace = validate(Trace(Header("own-evicted", tiers=(TierSpec("host", 1),)), ops,
+                           name="own-evicted"))
+    backend = adapter()
+    try:
+        assert "store_evicts_skipped" in backend.capabilities.tier_rules
+        v = check(trace, backend, gather="all")
+        assert v.valid is True, str(v.divergence)
+        assert v.ops == len(ops)
     finally:
         backend.close()
