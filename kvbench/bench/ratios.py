@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -350,21 +351,51 @@ RATIO_GATES = {g.name: g for g in (
 )}
 
 
-def sample(name: str, *, factory=None, blocks: int | None = None, slowdown: float = 1.0) -> list:
-    """The log ratios (ln reference / subject seconds) of ``blocks`` blocks of gate ``name``
-    (default: its own count); ``factory`` builds the subject (default: the NumPy backend),
-    ``slowdown`` plants a busy wait after each subject call (a measurement hook). Raises
-    NotImplementedError when the gate cannot run here."""
+def _blocks(name: str, factory=None, slowdown: float = 1.0):
+    """Gate ``name``'s blocks one at a time, as log ratios (ln reference / subject seconds), on
+    fixtures built afresh every ``reuse`` blocks; NotImplementedError when it cannot run here."""
     gate = RATIO_GATES[name]
-    out = []
-    for b in range(gate.blocks if blocks is None else blocks):
+    for b in itertools.count():
         if b % gate.reuse == 0:
             reference, subject = gate.pair(factory)
             subject = slowed(subject, slowdown)
         ref, subj = _fastest(reference, subject, gate.trials, warm=b % gate.reuse == 0,
                              clock=time.process_time)
-        out.append(math.log(ref / subj))
-    return out
+        yield math.log(ref / subj)
+
+
+def sample_in_turn(counts: dict, *, factory=None, slowdowns: dict | None = None) -> tuple[dict, dict]:
+    """({gate: log ratios}, {gate: why it cannot run here}): ``counts[gate]`` blocks of each
+    gate, the gates taking turns block by block (the one furthest behind its count next), so
+    that each gate's blocks span the whole run: the neighbours' load moved a gate's ratio by
+    5-15% from one minute to the next, and a gate timed in one stretch drew one such minute.
+    ``factory`` builds the subjects, ``slowdowns`` plants slowdowns ({gate: factor})."""
+    slowdowns = slowdowns or {}
+    streams = {n: _blocks(n, factory, slowdowns.get(n, 1.0)) for n in counts}
+    logs, skipped = {n: [] for n in counts}, {}
+    order = list(counts)
+    while True:
+        behind = [n for n in order if n in logs and len(logs[n]) < counts[n]]
+        if not behind:
+            return logs, skipped
+        name = min(behind, key=lambda n: len(logs[n]) / counts[n])
+        try:
+            logs[name].append(next(streams[name]))
+        except NotImplementedError as e:
+            skipped[name] = str(e)
+            del logs[name]
+
+
+def sample(name: str, *, factory=None, blocks: int | None = None, slowdown: float = 1.0) -> list:
+    """The log ratios (ln reference / subject seconds) of ``blocks`` blocks of gate ``name``
+    (default: its own count); ``factory`` builds the subject (default: the NumPy backend),
+    ``slowdown`` plants a busy wait after each subject call (a measurement hook). Raises
+    NotImplementedError when the gate cannot run here."""
+    logs, skipped = sample_in_turn({name: RATIO_GATES[name].blocks if blocks is None else blocks},
+                                   factory=factory, slowdowns={name: slowdown})
+    if skipped:
+        raise NotImplementedError(skipped[name])
+    return logs[name]
 
 
 def compare(baseline, candidate, *, alpha: float = ALPHA) -> tuple[float, float]:
@@ -466,27 +497,25 @@ def ratio_gate(name: str, baseline: dict | None = None, *, factory=None,
 
 def ratio_gates(baseline: dict | None = None, names=None, blocks: int | None = None,
                 factor: float = FACTOR) -> list:
+    """Every gate (or those ``names`` names) against ``baseline``, timed in turn block by block
+    (:func:`sample_in_turn`); ``blocks`` per gate (default: each one's own count)."""
     baseline = read_baseline() if baseline is None else baseline
-    return [ratio_gate(n, baseline, blocks=blocks, factor=factor) for n in names or RATIO_GATES]
+    names = list(names or RATIO_GATES)
+    planted = planted_slowdowns()
+    logs, skipped = sample_in_turn({n: blocks or RATIO_GATES[n].blocks for n in names},
+                                   slowdowns=planted)
+    return [RatioResult(n, [], baseline_of(baseline, n), skipped=skipped[n], factor=factor)
+            if n in skipped else RatioResult(n, logs[n], baseline_of(baseline, n),
+                                             planted=planted.get(n, 1.0), factor=factor)
+            for n in names]
 
 
 def record_baseline(names=None, runs: int = BASELINE_RUNS) -> dict:
     """A fresh baseline: each gate's blocks ``runs`` times over (a baseline with less noise than
-    the run it judges), the gates taken in turn ``runs`` times, so that each one's blocks span
-    the whole recording and the load's drift over it; with the commit, machine, load and date
-    it was measured on."""
+    the run it judges), the gates timed in turn as a run times them, so that each one's blocks
+    span the whole recording; with the commit, machine, load and date it was measured on."""
     from kvbench.provenance import commit_info, machine_info
-    logs, skipped = {}, {}
-    names = list(names or RATIO_GATES)
-    for _ in range(runs):
-        for name in names:
-            if name in skipped:
-                continue
-            try:
-                logs.setdefault(name, []).extend(sample(name))
-            except NotImplementedError as e:
-                skipped[name] = str(e)
-                logs.pop(name, None)
+    logs, skipped = sample_in_turn({n: RATIO_GATES[n].blocks * runs for n in names or RATIO_GATES})
     gates = {name: {"about": RATIO_GATES[name].about, "blocks": len(got),
                     "trials": RATIO_GATES[name].trials,
                     "median_ratio": round(math.exp(float(np.median(got))), 4),
