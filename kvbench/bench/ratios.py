@@ -340,7 +340,7 @@ RATIO_GATES = {g.name: g for g in (
               "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto, 40,
               trials=MANY_TRIALS, reuse=5),
     RatioGate("check_vs_replay", "a 170-operation decode trace: the NumPy backend's replay "
-              "alone / the checker's replay of it, K/V read back", check_vs_replay, 12, trials=2,
+              "alone / the checker's replay of it, K/V read back", check_vs_replay, 12, trials=3,
               reuse=12),
     RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
               "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 35,
