@@ -98,7 +98,8 @@ def write(runs: list[dict], prov: dict) -> None:
     levels = sorted({r["level"] for r in runs})
     walls = sorted(r["wall_s"] for r in runs)
     cpus = sorted(r["cpu_s"] for r in runs if "cpu_s" in r)
-    cpu = (f"; its CPU time (what it takes on an idle machine) median {cpus[len(cpus) // 2]:.1f} s"
+    cpu = (f"; its CPU time (the neighbours' use of the caches inflates it) median "
+           f"{cpus[len(cpus) // 2]:.1f} s"
            if cpus else "")
     loads = [r["load_average"][0] for r in runs]
     lines = [
