@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# the repository in place of scripts/, whose coverage.py would shadow the package numba imports
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
 
 from kvbench.bench import ratios as R  # noqa: E402
 from kvbench.outputs import write_text  # noqa: E402
@@ -97,17 +98,20 @@ def write(runs: list[dict], prov: dict) -> None:
     levels = sorted({r["level"] for r in runs})
     walls = sorted(r["wall_s"] for r in runs)
     cpus = sorted(r["cpu_s"] for r in runs if "cpu_s" in r)
-    cpu = (f"; its CPU time (what it takes on an idle machine) median {cpus[len(cpus) // 2]:.1f} s"
+    cpu = (f"; its CPU time (the neighbours' use of the caches inflates it) median "
+           f"{cpus[len(cpus) // 2]:.1f} s"
            if cpus else "")
     loads = [r["load_average"][0] for r in runs]
     lines = [
         "# Ratio gates: detection and false-alarm rates",
         "",
         f"Runs of every ratio gate (`kvbench gates --skip-exact`, a fresh process each) with a "
-        f"planted slowdown of every gated subject (`{R.SLOWDOWN_ENV}`, a busy wait after each "
-        f"subject call). At 1x (the unchanged tree) a failure is a false alarm; above, a "
-        f"detection. A gate fails on an estimated slowdown above {R.FACTOR:g}x against "
-        f"results/gates/ratios.json whose bootstrap lower bound at {1 - R.ALPHA:.0%} is above 1.",
+        f"planted slowdown of every gated subject (`{R.SLOWDOWN_ENV}`, a busy wait by the CPU "
+        f"clock after each subject call, of (factor - 1) times its CPU time). At 1x (the "
+        f"unchanged tree) a failure is a false alarm; above, a detection. A gate fails when its "
+        f"blocks are estimated more than {R.FACTOR:g}x slower than results/gates/ratios.json's "
+        f"(the Hodges-Lehmann shift of the log ratios) and the Mann-Whitney lower bound of the "
+        f"shift at {1 - R.ALPHA:.0%} is above 1.",
         "",
         "| gate | " + " | ".join(f"failed at {v:g}x" for v in levels) + " | "
         + " | ".join(f"median estimate at {v:g}x" for v in levels) + " | estimates at 1x |",
@@ -120,7 +124,7 @@ def write(runs: list[dict], prov: dict) -> None:
                      + f" | {row['estimates at 1x']} |")
     lines += [
         "",
-        f"{len(runs)} runs; a run's wall time (all seven gates, the process's start excluded): "
+        f"{len(runs)} runs; a run's wall time (all {len(rows) - 1} gates, the process's start excluded): "
         f"median {walls[len(walls) // 2]:.1f} s, {walls[0]:.1f}..{walls[-1]:.1f} s{cpu}. "
         f"1-minute load average during the runs {min(loads):.1f}..{max(loads):.1f} on "
         f"{prov['machine']['cpus']} cores: other jobs were running throughout (the machine is "

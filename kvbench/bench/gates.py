@@ -15,8 +15,9 @@ Two kinds, run by ``tests/bench/test_gates.py`` on every submission and by ``kvb
 
 * **Ratio gates** on speed. Never an absolute time: a ratio of two CPU timings taken in the same
   run, interleaved (reference, subject, reference, subject, ...), higher is better, over repeated
-  blocks, compared with a recorded baseline distribution by a bootstrap of the medians: a gate
-  fails on a slowdown estimated above 1.15x that the bootstrap says is real. See
+  blocks (the gates taking turns), compared with a recorded baseline distribution by a
+  Mann-Whitney test: a gate fails on a slowdown estimated above 1.12x (the Hodges-Lehmann shift)
+  whose lower confidence bound at 99% is above 1. See
   :mod:`kvbench.bench.ratios`; scripts/gate_power.py measures how often a planted 1.1x-2x
   slowdown fails them and how often an unchanged tree does (results/gates/power.md).
 
