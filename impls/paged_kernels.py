@@ -30,7 +30,7 @@ def kernels():
     if not _KERNELS:
         try:
             import numba
-        except ImportError:
+        except Exception:  # not installed, or its import broken (a module shadowing one it imports)
             _KERNELS.append(None)
         else:
             jit = numba.njit(cache=True, nogil=True, boundscheck=False)
