@@ -121,7 +121,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         # The compiled decode step (impls.paged_kernels): one group, nothing released, no
         # states, and no subclass's own vectorized step (a planted fault's) to bypass.
         self.compiled = (self.compiled_decode and self.G == 1 and not self.releasing
-                         and not self.state_groups and type(self)._decode_one is NumpyPaged._decode_one)
+                         and not self.state_groups and type(self)._decode_one is NumpyPaged._decode_one
+                         and paged_kernels.kernels() is not None)
         self.scratch = np.zeros((4, 0), dtype=np.int64)  # its rows, tails, fills and slots
         self.no_blocks = np.zeros(0, dtype=np.intp)
         self.last_batch = None  # (the last compiled step's ids, as given, and as an array)
@@ -741,19 +742,17 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         if type(tokens) not in (list, tuple) or type(seqs) not in (list, tuple) \
                 or tokens.count(1) != len(tokens):
             return False
-        kernels = paged_kernels.kernels()
         table, n = self.tables[0], len(seqs)
         rows = len(self.nblocks)
-        if kernels is None or not (len(self.tokens) == len(self.last_access) == len(self.use_count)
-                                   == len(self.dirty_rows) == table.shape[0] == rows) \
-                or self.fill.dtype != np.int32 or self.refcount.dtype != np.int32:
+        if not (len(self.tokens) == len(self.last_access) == len(self.use_count) == len(self.dirty_rows)
+                == table.shape[0] == rows) or self.fill.dtype != np.int32 or self.refcount.dtype != np.int32:
             return False  # (arrays a planted fault changed: the NumPy step, as it is)
         ids = self._batch_ids(seqs)
         if ids is None:
             return False
         if self.scratch.shape[1] < n:
             self.scratch = np.zeros((4, 2 * n), dtype=np.int64)
-        plan, apply = kernels
+        plan, apply = paged_kernels.kernels()
         need, widest = plan(ids, self.row_index, self.nblocks, table, self.fill, self.refcount, self.B,
                             self.scratch)
         if need == paged_kernels.NOT_HERE:

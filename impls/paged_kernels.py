@@ -25,8 +25,10 @@ _KERNELS = []  # [(decode_plan, decode_apply)] once compiled, [None] where numba
 
 
 def kernels():
-    """(decode_plan, decode_apply) compiled, or None where numba is not installed (imported on
-    first use: a process that never decodes a wide batch does not pay for numba's import)."""
+    """(decode_plan, decode_apply) compiled, or None where numba is not installed; imported on
+    first use (a process that makes no NumPy pool does not pay for numba's import), and called
+    once on a pool's array types, so that loading them from numba's cache lands in the pool's
+    construction, not in its first timed step."""
     if not _KERNELS:
         try:
             import numba
@@ -34,7 +36,15 @@ def kernels():
             _KERNELS.append(None)
         else:
             jit = numba.njit(cache=True, nogil=True, boundscheck=False)
-            _KERNELS.append((jit(decode_plan), jit(decode_apply)))
+            plan, apply = jit(decode_plan), jit(decode_apply)
+            i64, ip, i32 = np.int64, np.intp, np.int32
+            scratch = np.zeros((4, 1), i64)
+            table = np.zeros((1, 1), ip)
+            plan(np.zeros(1, i64), np.zeros(1, i64), np.ones(1, ip), table, np.zeros(1, i32),
+                 np.zeros(1, i32), 1, scratch)
+            apply(0, np.zeros(0, ip), np.ones(1, ip), table, np.zeros(1, i32), np.zeros(1, i64),
+                  np.zeros(1, i64), np.zeros(1, i64), np.zeros(1, np.bool_), 1, 0, scratch)
+            _KERNELS.append((plan, apply))
     return _KERNELS[0]
 
 
