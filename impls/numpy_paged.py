@@ -118,6 +118,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.res_total = 0
         self.dirty: set = set()
         self.dirty_rows = np.zeros(rows, dtype=bool)  # rows the compiled decode step touched
+        self.marked = False  # whether it touched any since the last reservation
         # The compiled decode step (impls.paged_kernels): one group, nothing released, no
         # states, and no subclass's own vectorized step (a planted fault's) to bypass.
         self.compiled = (self.compiled_decode and self.G == 1 and not self.releasing
@@ -770,6 +771,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             self.group_used[0] += need
         apply(n, taken, self.nblocks, table, self.fill, self.tokens, self.last_access, self.use_count,
               self.dirty_rows, self.B, step, self.scratch)
+        self.marked = True
         self.filled += n
         if self.pool is not None:
             self._write_group(0, self.scratch[3, :n], kv)
@@ -873,12 +875,15 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         row's share recomputed only if the row was touched or may share a block."""
         rows = self.dirty | self.sharing_rows
         self.dirty = set()
-        marked = np.flatnonzero(self.dirty_rows)
-        if rows or len(marked):
+        marked = None
+        if self.marked:
+            self.marked = False
+            marked = np.flatnonzero(self.dirty_rows)
+            self.dirty_rows[marked] = False
+        if rows or marked is not None:
             rows = np.fromiter(rows, dtype=np.int64, count=len(rows))
-            if len(marked):
-                self.dirty_rows[marked] = False
-                rows = np.union1d(rows, marked)
+            if marked is not None:
+                rows = np.union1d(rows, marked) if len(rows) else marked
             rows = rows[self.live[rows]]
             B = self.B
             res = np.zeros(len(rows), dtype=np.int64)
