@@ -30,7 +30,7 @@ from impls.engines.vllm_blockpool import VllmBlockPool, _vllm  # noqa: E402
 from impls.numpy_paged import NumpyPaged  # noqa: E402
 from kvbench.checking.driver import replay  # noqa: E402
 from kvbench.contract.formulas import get_model  # noqa: E402
-from kvbench.contract.protocol import CacheConfig  # noqa: E402
+from kvbench.contract.protocol import CacheConfig, Prompt  # noqa: E402
 from replay_traces import replay_cases, trace_and_config  # noqa: E402
 
 BLOCK = 16
@@ -58,7 +58,7 @@ def alloc_round_trip(impl: str, n: int):
     backend = (NumpyPaged if impl == "numpy" else VllmBlockPool)(ledger_config())
 
     def call():
-        backend.prefill(0, n * BLOCK)
+        backend.prefill(0, Prompt(n * BLOCK))
         backend.free(0)
     return call, lambda: backend.ledger().blocks_free
 

@@ -13,10 +13,12 @@ module docstring), so the checker compares block ids one by one.
 """
 from __future__ import annotations
 
+from array import array
 from fractions import Fraction
 
 import numpy as np
 
+from impls import paged_kernels
 from impls.changes import CachedQueue, StackChanges
 from impls.numpy_tiers import NumpyTiers
 from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys, tagged_extra
@@ -54,6 +56,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                                 prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
                                 groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
+
+    compiled_decode = True  # the one-token decode step by impls.paged_kernels where numba is installed
 
     def __init__(self, config: CacheConfig):
         super().__init__(config)
@@ -113,6 +117,16 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.res_row = np.zeros(rows, dtype=np.int64)
         self.res_total = 0
         self.dirty: set = set()
+        self.dirty_rows = np.zeros(rows, dtype=bool)  # rows the compiled decode step touched
+        self.marked = False  # whether it touched any since the last reservation
+        # The compiled decode step (impls.paged_kernels): one group, nothing released, no
+        # states, and no subclass's own vectorized step (a planted fault's) to bypass.
+        self.compiled = (self.compiled_decode and self.G == 1 and not self.releasing
+                         and not self.state_groups and type(self)._decode_one is NumpyPaged._decode_one
+                         and paged_kernels.kernels() is not None)
+        self.scratch = np.zeros((4, 0), dtype=np.int64)  # its rows, tails, fills and slots
+        self.no_blocks = np.zeros(0, dtype=np.intp)
+        self.last_batch = None  # (the last compiled step's ids, as given, and as an array)
 
     @property
     def table(self) -> np.ndarray:
@@ -195,7 +209,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         extra = old
         self.tables = [np.vstack([t, np.full((extra, t.shape[1]), -1, np.intp)]) for t in self.tables]
         self.first = [np.concatenate([f, np.zeros(extra, f.dtype)]) for f in self.first]
-        for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx", "res_row"):
+        for name in ("nblocks", "tokens", "final", "last_access", "use_count", "tenant_idx", "res_row",
+                     "dirty_rows"):
             arr = getattr(self, name)
             setattr(self, name, np.concatenate([arr, np.zeros(extra, arr.dtype)]))
         self.live = np.concatenate([self.live, np.zeros(extra, bool)])
@@ -266,9 +281,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     def _set_fill(self, blocks: np.ndarray, values) -> None:
         """fill of blocks in use (each named once), keeping the count of filled slots."""
-        values = np.broadcast_to(np.asarray(values, dtype=np.int64), blocks.shape)
+        values = np.asarray(values, dtype=np.int64)  # a scalar or one per block: no broadcast_to,
+        # which costs more than the rest at a block or two
         used = self.refcount[blocks] > 0  # as a recount would see them
-        self.filled += int(values[used].sum()) - int(self.fill[blocks][used].sum())
+        self.filled += int(((values - self.fill[blocks]) * used).sum())
         self.fill[blocks] = values
 
     def _give_back(self, dead: np.ndarray) -> None:
@@ -276,7 +292,9 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         queue, the others pushed on the free stack."""
         self.n_used -= len(dead)
         self.filled -= int(self.fill[dead].sum())
-        if len(dead):
+        if self.G == 1:  # every block is group 0's
+            self.group_used[0] -= len(dead)
+        elif len(dead):
             self.group_used -= np.bincount(self.block_group[dead], minlength=self.G)
         if self.hash_of:
             cached = np.array([b in self.hash_of for b in dead.tolist()], dtype=bool)
@@ -325,6 +343,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.res_total -= int(self.res_row[r])
         self.res_row[r] = 0
         self.dirty.discard(r)
+        self.dirty_rows[r] = False
         self.live[r] = False
         self.seq_of_row[r] = -1
         self.free_rows.append(r)
@@ -540,7 +559,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
             self.block_group[fresh] = g
             self.group_used[g] += len(fresh)
             if len(held):  # full blocks; the last holds what is left
-                fills = np.full(len(held), self.B, dtype=np.int64)
+                fills = np.empty(len(held), dtype=np.int64)
+                fills[:] = self.B
                 fills[-1] = tokens - (n - 1) * self.B
                 self._set_fill(held, fills)
         self.dirty.add(r)
@@ -620,6 +640,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     def _append(self, seqs, tokens, kv, step):
         if len(seqs) <= SMALL_BATCH and self._decode_small(seqs, tokens, kv, step):
+            return ()
+        if self.compiled and self._decode_compiled(seqs, tokens, kv, step):
             return ()
         rows = self._rows(seqs)
         dts = np.asarray(tokens, dtype=np.int64)
@@ -715,6 +737,59 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.filled += len(plan)
         return True
 
+    def _decode_compiled(self, seqs, tokens, kv, step) -> bool:
+        """The one-token decode step of a batch given as lists by the compiled kernels; False,
+        having changed nothing, where they do not apply (or numba is not installed)."""
+        if type(tokens) not in (list, tuple) or type(seqs) not in (list, tuple) \
+                or tokens.count(1) != len(tokens):
+            return False
+        table, n = self.tables[0], len(seqs)
+        rows = len(self.nblocks)
+        if not (len(self.tokens) == len(self.last_access) == len(self.use_count) == len(self.dirty_rows)
+                == table.shape[0] == rows) or self.fill.dtype != np.int32 or self.refcount.dtype != np.int32:
+            return False  # (arrays a planted fault changed: the NumPy step, as it is)
+        ids = self._batch_ids(seqs)
+        if ids is None:
+            return False
+        if self.scratch.shape[1] < n:
+            self.scratch = np.zeros((4, 2 * n), dtype=np.int64)
+        plan, apply = paged_kernels.kernels()
+        need, widest = plan(ids, self.row_index, self.nblocks, table, self.fill, self.refcount, self.B,
+                            self.scratch)
+        if need == paged_kernels.NOT_HERE:
+            return False
+        self._check_kv(kv, n)
+        if need > self.n_free:
+            return False
+        taken = self.no_blocks
+        if need:
+            if widest >= table.shape[1]:
+                self._grow_cols(widest + 1)
+                table = self.tables[0]
+            taken = self._take(need)
+            self.block_group[taken] = 0
+            self.group_used[0] += need
+        apply(n, taken, self.nblocks, table, self.fill, self.tokens, self.last_access, self.use_count,
+              self.dirty_rows, self.B, step, self.scratch)
+        self.marked = True
+        self.filled += n
+        if self.pool is not None:
+            self._write_group(0, self.scratch[3, :n], kv)
+        return True
+
+    def _batch_ids(self, seqs):
+        """A batch's ids as an int64 array (None: not all fit), the last one's again when this
+        batch names the same ids (a decode batch is mostly the same sequences step to step)."""
+        last = self.last_batch
+        if last is not None and type(seqs) is type(last[0]) and seqs == last[0]:
+            return last[1]
+        try:
+            ids = np.frombuffer(array("q", seqs), dtype=np.int64)
+        except (TypeError, OverflowError):
+            return None
+        self.last_batch = (seqs if type(seqs) is tuple else list(seqs), ids)
+        return ids
+
     def _decode_one(self, rows, dts, kv, step) -> bool:
         """The common decode step (one token each, no shared tail, room free): few array ops.
 
@@ -800,8 +875,15 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         row's share recomputed only if the row was touched or may share a block."""
         rows = self.dirty | self.sharing_rows
         self.dirty = set()
-        if rows:
+        marked = None
+        if self.marked:
+            self.marked = False
+            marked = np.flatnonzero(self.dirty_rows)
+            self.dirty_rows[marked] = False
+        if rows or marked is not None:
             rows = np.fromiter(rows, dtype=np.int64, count=len(rows))
+            if marked is not None:
+                rows = np.union1d(rows, marked) if len(rows) else marked
             rows = rows[self.live[rows]]
             B = self.B
             res = np.zeros(len(rows), dtype=np.int64)

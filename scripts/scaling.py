@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "scaling"
+# Not a package folder: its coverage.py would shadow the coverage package numba tries to import
+# (numba then fails to import, and the NumPy pool's compiled steps go unmeasured).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
 
 
 def make_trace(ops: int, path: Path) -> None:

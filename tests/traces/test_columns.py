@@ -110,6 +110,17 @@ def test_columns_know_what_the_ops_know(trace):
     assert table.ops[1:4] == trace.ops[1:4]
 
 
+@pytest.mark.parametrize("trace", TRACES, ids=lambda t: t.name)
+def test_columns_built_a_few_rows_at_a_time_hold_the_same_ops(trace):
+    saved, C._CHUNK = C._CHUNK, 3  # every column grown in place several times, read back in chunks
+    try:
+        table = OpTable.from_ops(trace.ops)
+        assert list(table) == list(trace.ops)
+        assert len(table.flat_seq) == sum(len(op.seqs) for op in trace.ops if isinstance(op, Append))
+    finally:
+        C._CHUNK = saved
+
+
 def test_bytes_per_operation():
     trace = G.generate("decode_streams", 0, num_requests=64, max_batch=16).columnar()
     t = trace.ops
