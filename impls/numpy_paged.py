@@ -121,9 +121,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.marked = False  # whether it touched any since the last reservation
         # The compiled decode step (impls.paged_kernels): one group, nothing released, no
         # states, and no subclass's own vectorized step (a planted fault's) to bypass.
-        self.compiled = (self.compiled_decode and self.G == 1 and not self.releasing
-                         and not self.state_groups and type(self)._decode_one is NumpyPaged._decode_one
-                         and paged_kernels.kernels() is not None)
+        self.decode_step_compiled = (self.compiled_decode and self.G == 1 and not self.releasing
+                                     and not self.state_groups
+                                     and type(self)._decode_one is NumpyPaged._decode_one
+                                     and paged_kernels.kernels() is not None)
         self.scratch = np.zeros((4, 0), dtype=np.int64)  # its rows, tails, fills and slots
         self.no_blocks = np.zeros(0, dtype=np.intp)
         self.last_batch = None  # (the last compiled step's ids, as given, and as an array)
@@ -641,7 +642,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     def _append(self, seqs, tokens, kv, step):
         if len(seqs) <= SMALL_BATCH and self._decode_small(seqs, tokens, kv, step):
             return ()
-        if self.compiled and self._decode_compiled(seqs, tokens, kv, step):
+        if self.decode_step_compiled and self._decode_compiled(seqs, tokens, kv, step):
             return ()
         rows = self._rows(seqs)
         dts = np.asarray(tokens, dtype=np.int64)

@@ -144,3 +144,13 @@ def test_the_compiled_step_declines_what_it_does_not_decide():
     b.append(np.arange(1, 11), [1] * 10, ones, step=3)  # ids as an array: the NumPy step
     assert b.compiled_steps == 1
     assert paged_kernels.kernels() is not None
+
+
+def test_the_quantized_pools_keep_their_own_quantizer_choice():
+    # The decode step's flag is its own: numpy-int4-steps quantizes by the NumPy steps (its
+    # class's compiled = False), the compiled kernels or not, and still takes the compiled step.
+    from kvbench.contract import registry
+    steps = registry.create("numpy-int4-steps", make_config(block_size=4, num_blocks=16))
+    assert steps.compiled is False and steps.decode_step_compiled
+    fast = registry.create("numpy-int4", make_config(block_size=4, num_blocks=16))
+    assert fast.compiled is None and fast.decode_step_compiled
