@@ -13,6 +13,7 @@ import numpy as np
 from kvbench import quant as Q
 from kvbench.contract import formulas as F
 from kvbench.contract.formulas import ModelSpec
+from kvbench.quant.reference import reference_scale
 
 # name -> the scheme of every (token, K/V, layer, head) row
 POOL_FORMATS = {
@@ -63,8 +64,7 @@ def bound_violation(expected: np.ndarray, got: np.ndarray, name: str, first_posi
     if x.size == 0:
         return ""
     rows = x.reshape(-1, x.shape[-1])
-    ref = Q.quantize(rows, scheme)
-    scale = np.asarray(ref.scale, dtype=np.float64).reshape(-1, 1)
+    scale = np.asarray(reference_scale(rows, scheme), dtype=np.float64).reshape(-1, 1)
     u = Q.unit_roundoff("float32")
     hat = x_hat.reshape(rows.shape)
     bound = scale / 2 + 2 * u * np.abs(rows) + u * scale + u * np.abs(hat)
