@@ -94,6 +94,13 @@ def backends(*tags: str, where=None, without=("engine",)) -> list:
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _expectations_cache(tmp_path_factory):
+    """The checks of the tests store their expectations in a folder of their own, never the
+    user's cache."""
+    os.environ["KVBENCH_CACHE"] = str(tmp_path_factory.mktemp("kvbench-cache"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``timing`` run only when asked (KVBENCH_TIMING_TESTS=1): on a shared machine
     their ratio sits within the load's noise of the floor, and a verdict of noise gates nothing."""

@@ -85,6 +85,7 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
                    "blocks_used": [None if b < 0 else b for b in series.column("blocks_used").tolist()],
                    "fragmentation": series.column("fragmentation").tolist()},
         "backend_ms": v.backend_seconds * 1e3,
+        "expectations": v.expectations, "expectations_saved_s": v.expectations_saved,
         "ops_per_s": v.ops / v.backend_seconds if v.backend_seconds else float("nan"),
         "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),
         # Prefix caching: prompt blocks found cached, of all the trace's hashed prompt blocks.
@@ -101,17 +102,19 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
 
 
 def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched",
-            keep_going: bool = False, *, progress=None) -> dict:
+            keep_going: bool = False, *, progress=None, cache=None) -> dict:
     """One backend on one trace under the checker, as a row. A backend that cannot be made here
     is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs.
     ``keep_going``: past the divergences that leave the states comparable (check's keep_going).
-    ``progress``: a :class:`kvbench.progress.Progress` of the operations checked."""
+    ``progress``: a :class:`kvbench.progress.Progress` of the operations checked. ``cache``: the
+    folder of stored expectations (check's)."""
     try:
         backend = registry.resolve(backend_name).create(config)
     except registry.BackendUnavailable as e:
         v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
         return verdict_row(trace, backend_name, config, v, unavailable=str(e))
-    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going, progress=progress)
+    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going, progress=progress,
+              cache=cache)
     try:
         guarded("close", backend.close)
     except BackendRaised as e:
@@ -125,10 +128,11 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
 
 def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(), *,
               policy: str | None = "auto", progress: bool = False, gather: str = "touched",
-              rows: list | None = None, default_run: bool = False) -> list[dict]:
+              rows: list | None = None, default_run: bool = False, cache=None) -> list[dict]:
     """One row per trace, policy and backend. ``rows``: a list each row is appended to as its run
     finishes (a caller interrupted part way keeps the finished ones). ``default_run``: the
-    committed workloads through the default backends, each on its ``default_workloads``."""
+    committed workloads through the default backends, each on its ``default_workloads``.
+    ``cache``: the folder of stored expectations (check's)."""
     entries = registry.entries()
     jobs = []
     for trace in traces:
@@ -141,7 +145,7 @@ def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(
     rows = [] if rows is None else rows
     bar = Progress(len(jobs), "replaying", "runs") if progress else None
     for t, n, c in jobs:
-        rows.append(run_one(t, n, c, gather))
+        rows.append(run_one(t, n, c, gather, cache=cache))
         if bar is not None:
             bar.update()
     if bar is not None:

@@ -37,7 +37,7 @@ import traceback
 
 import numpy as np
 
-from kvbench.checking import identities, tier_replay
+from kvbench.checking import expectations, identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.driver import Driver
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
@@ -137,7 +137,8 @@ def _forks(trace: Trace) -> bool:
 
 
 def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,
-          progress=None, model: Oracle | None = None, keep_going: bool = False) -> Verdict:
+          progress=None, model: Oracle | None = None, keep_going: bool = False,
+          cache=None) -> Verdict:
     """Replay ``trace`` through ``backend`` and the oracle; the verdict names the first divergence.
 
     ``gather``: 'touched' verifies the K/V each operation could have changed (the positions it
@@ -154,11 +155,16 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     class, first divergence and count in ``verdict.divergences``) and the replay goes on, the
     oracle as it was; it still stops where going on would not be sound: an operation's outcome,
     its victims, K/V content, an identity the backend breaks about itself, a call that raises.
+
+    ``cache``: a folder of stored expectations (kvbench.checking.expectations): the oracle's
+    expected ledgers and usages are read from there where this trace, these settings and this
+    oracle code stored them, and stored there when not (``verdict.expectations`` says which).
     """
     if backend is None:
         return _replay(trace, None, model, Verdict(trace=trace.name, backend=f"model:{type(model).__name__}",
                                                    valid=True), gather="none", series=series,
-                       progress=progress, writes_kv=False, quantized=False, keep_going=False)
+                       progress=progress, writes_kv=False, quantized=False, keep_going=False,
+                       cache=None)
     verdict = Verdict(trace=trace.name, backend=backend.name, valid=True)
     reason = applicable(trace, backend)
     if reason:
@@ -183,7 +189,7 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     if trace.header.tiers:
         backend.attach_tiers(trace.header.tiers)
     return _replay(trace, backend, oracle, verdict, gather=gather, series=series, progress=progress,
-                   writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
+                   writes_kv=writes_kv, quantized=quantized, keep_going=keep_going, cache=cache)
 
 
 def oracle_for(trace: Trace, backend: Backend, skipped: dict | None = None) -> Oracle:
@@ -202,10 +208,10 @@ def oracle_for(trace: Trace, backend: Backend, skipped: dict | None = None) -> O
 
 
 def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes_kv, quantized,
-            keep_going):
+            keep_going, cache):
     """The replay loop of check(): ``backend`` None drives the oracle alone."""
     replay = _Replay(trace, backend, oracle, verdict, gather=gather, series=series,
-                     writes_kv=writes_kv, quantized=quantized, keep_going=keep_going)
+                     writes_kv=writes_kv, quantized=quantized, keep_going=keep_going, cache=cache)
     last = len(trace.ops) - 1
     try:
         for index, op in enumerate(trace.ops):
@@ -242,7 +248,7 @@ class _Replay(Driver):
     """
 
     def __init__(self, trace, backend, oracle, verdict, *, gather, series, writes_kv, quantized,
-                 keep_going=False):
+                 keep_going=False, cache=None):
         super().__init__(trace)
         self.trace, self.backend, self.oracle, self.verdict = trace, backend, oracle, verdict
         self.keep_going = keep_going
@@ -263,6 +269,9 @@ class _Replay(Driver):
         self.index, self.op = -1, None
         self.traceback = ""
         self.tiered = tier_replay.TierReplay(self) if trace.header.tiers else None
+        self.tape, self.recorder = expectations.open_for(trace, oracle, gather, cache) \
+            if backend is not None else (None, None)
+        self.usage = None  # the tenants' usage after this operation
 
     def diverge(self, quantity, expected, actual, detail="", *, soft=False):
         """Stop at this divergence; with ``keep_going``, a ``soft`` one (a figure or block id that
@@ -579,12 +588,13 @@ class _Replay(Driver):
         for every sequence at the end and once per as many operations as there are live ones
         (amortised O(1) per operation). Returns the expected ledger."""
         if self.backend is None:
+            self.usage = self.oracle.tenant_usage() if self.series else None
             return self.oracle.expected_ledger(())
         whole = self.gather == "all" or last or self.index >= self.next_full
         if whole:
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
-        expected = self.oracle.expected_ledger(seqs)
+        expected = self.expected(seqs)
         actual = self.ask("ledger", self.backend.ledger, seqs)
         try:
             why = self.figures.check(actual, seqs, last=last)
@@ -600,17 +610,38 @@ class _Replay(Driver):
                 continue
             if q.tolerance:
                 if abs(e - a) > q.tolerance:
+                    self.confirm(expected, seqs)
                     self.diverge(f, e, a, soft=True)
                 continue
             if seqs is not None and q.per_sequence:
                 e = {s: e[s] for s in seqs if s in e}
                 a = {s: a[s] for s in seqs if s in a}
             if e != a:
+                self.confirm(expected, seqs)
                 self.diverge(f, e, a, dict_diff(e, a) if isinstance(e, dict) else "", soft=True)
         why = self.figures.block_ids(seqs)
         if why:
             self.diverge(*why, soft=True)
         return expected
+
+    def expected(self, seqs):
+        """The oracle's expected ledger after this operation (``seqs``: as expected_ledger's),
+        stored where this check's are; the tenants' usage into ``usage``."""
+        tape, recorder = self.tape, self.recorder
+        if tape is not None:
+            self.usage = tape.usage(self.index) if self.series else None
+            return tape.ledger(self.index)
+        t0 = time.perf_counter()
+        led = self.oracle.expected_ledger(seqs)
+        self.usage = self.oracle.tenant_usage() if self.series or recorder else None
+        if recorder is not None:
+            recorder.add(led, self.usage, time.perf_counter() - t0)
+        return led
+
+    def confirm(self, expected, seqs) -> None:
+        """A backend's figure differs from a stored one: the oracle's own must be the same."""
+        if self.tape is not None and self.oracle.expected_ledger(seqs) != expected:
+            raise self.tape.stale(f"the expected ledger after operation #{self.index}")
 
     def verify(self, ranges, into=None) -> None:
         """Compare the K/V of ``[(seq, start, stop)]`` (stop None: to the end), and of ``into``,
@@ -655,7 +686,7 @@ class _Replay(Driver):
         self.verify(ranges, window)
 
     def record(self, expected) -> None:
-        self.verdict.series.append(self.op.step, expected, self.oracle.tenant_usage())
+        self.verdict.series.append(self.op.step, expected, self.usage)
 
     def finish(self) -> None:
         """Per-tenant figures and the final ledger into the verdict."""
@@ -665,6 +696,7 @@ class _Replay(Driver):
             verdict.tenants.setdefault(t, {"evictions": 0, "recomputed_tokens": 0}).update(
                 hits=hits, misses=misses)
         final_ledger = oracle.expected_ledger()
+        self.settle_expectations(final_ledger)
         if verdict.valid is False:  # what the failing backend says it holds, if it can say
             try:
                 final_ledger = guarded("ledger", self.backend.ledger)
@@ -674,3 +706,17 @@ class _Replay(Driver):
                                 if not QUANTITIES[k].per_sequence}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
+
+    def settle_expectations(self, final_ledger) -> None:
+        """Store this replay's expectations once it has gone through every operation; those read
+        from a file must end where the oracle ends (else the check is an ERROR)."""
+        verdict = self.verdict
+        done = verdict.ops == len(self.trace.ops) and not verdict.error
+        if self.recorder is not None and done and self.recorder.save():
+            verdict.expectations = "stored"
+        if self.tape is None:
+            return
+        verdict.expectations = "reused"
+        verdict.expectations_saved = self.tape.recorded_seconds - self.tape.seconds
+        if done and self.tape.ledger(len(self.trace.ops) - 1) != final_ledger:
+            verdict.valid, verdict.error = None, str(self.tape.stale("the final ledger"))

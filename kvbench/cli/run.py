@@ -12,6 +12,7 @@ import pandas as pd
 from kvbench.analyses import eviction, suite
 from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
+from kvbench.checking import expectations
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -39,6 +40,31 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="reuse cached blocks by block hash (default: on when the trace has hashes)")
     g.add_argument("--gather", default="touched", choices=["touched", "all", "end", "none"],
                    help="which sequences' K/V to verify after each operation")
+
+
+def add_expectations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expectations-cache", default=True, action=argparse.BooleanOptionalAction,
+                   help="read the oracle's expected figures where an earlier check of the same "
+                        "trace, settings and oracle code stored them, and store those computed "
+                        "(in $KVBENCH_CACHE/expectations, else ~/.cache/kvbench/expectations)")
+
+
+def expectations_folder(args):
+    return expectations.cache_dir() if args.expectations_cache else None
+
+
+def print_expectations(df: pd.DataFrame, folder) -> None:
+    """How many checks reused stored expectations, and the time that saved."""
+    if folder is None or "expectations" not in df:
+        return
+    reused = df[df.expectations == "reused"]
+    if len(reused):
+        print(f"expectations: {len(reused)} of {len(df)} checks reused those stored in {folder}: "
+              f"{reused.expectations_saved_s.sum():.1f} s of the oracle's work saved (reading "
+              f"them counted)")
+    stored = int((df.expectations == "stored").sum())
+    if stored:
+        print(f"expectations: {stored} checks stored theirs in {folder} for the next run")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -172,7 +198,8 @@ def run_workloads(args, stdout) -> int:
     try:
         suite.run_suite(traces, backends, settings(args), policy=args.policy,
                         progress=not args.quiet, gather=args.gather, rows=rows,
-                        default_run=not args.traces and not args.backend)
+                        default_run=not args.traces and not args.backend,
+                        cache=expectations_folder(args))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
             stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
@@ -196,6 +223,7 @@ def run_workloads(args, stdout) -> int:
         print(f"FAIL {msg}")
     rec = records.record("run", rows, params, device=args.device)
     path = records.write(rec, args.output, stdout=stdout)
+    print_expectations(df, expectations_folder(args))
     counts = df.status.value_counts()
     print(f"{len(df)} runs: {counts.get('pass', 0)} pass, {counts.get('FAIL', 0)} fail, "
           f"{counts.get('ERROR', 0)} error, {counts.get('n/a', 0)} n/a; results in {path}")
@@ -263,7 +291,7 @@ def cmd_check(args) -> int:
             cfg = settings(args).config(trace, pol)
             with Progress(len(trace.ops), f"{name} on {trace.name}", "ops") as bar:
                 row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going,
-                                    progress=bar)
+                                    progress=bar, cache=expectations_folder(args))
             rows.append(row)
             line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
             if row["divergence"]:
@@ -277,7 +305,9 @@ def cmd_check(args) -> int:
             if row["skipped"]:
                 line += f"\n     not checked: {row['skipped']}"
             print(line)
-    return exit_code(pd.DataFrame(rows) if rows else pd.DataFrame({"status": []}))
+    df = pd.DataFrame(rows) if rows else pd.DataFrame({"status": []})
+    print_expectations(df, expectations_folder(args))
+    return exit_code(df)
 
 
 def register(sub) -> None:
@@ -288,6 +318,7 @@ def register(sub) -> None:
                                     "results/runs/run-<time>-<pid>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_backend_args(p)
+    add_expectations_arg(p)
     add_cache_args(p)
     serve.add_serve_args(p)
     p.set_defaults(func=cmd_run)
@@ -302,5 +333,6 @@ def register(sub) -> None:
                    help="backend name or package.module:Factory (repeatable; default: every "
                         "default backend that can run here)")
     add_backend_args(p)
+    add_expectations_arg(p)
     add_cache_args(p)
     p.set_defaults(func=cmd_check)
