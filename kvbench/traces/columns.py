@@ -23,9 +23,13 @@ from kvbench.traces.ops import OPS, Append, Fork, Free, Prefill, final_lengths
 
 KINDS = tuple(OPS)  # the kind column's codes: prefill, append, fork, free, then the rest
 PREFILL, APPEND, FORK, FREE = range(4)
-_CHUNK = 1 << 16  # operations converted from Python lists to arrays at a time
-# The builder's columns: kind, step, seq, src, tokens, tenant, batch sizes, members' seqs and tokens
-COLUMN_DTYPES = (np.int8, np.int64, np.int64, np.int64, np.int64, np.int32, np.int64, np.int64, np.int64)
+_CHUNK = 1 << 16  # operations converted from Python lists to arrays (or back) at a time
+_CHUNK_MEMBERS = 1 << 16  # and batch members: the lists of a chunk stay a few MB
+# The builder's columns: kind, step, seq, src, tokens, tenant, batch sizes, members' seqs and
+# tokens. They start as int32 (half of int64's bytes) and a column is widened to WIDE by the first
+# chunk holding a value beyond int32's range, so that any id, step or count the format allows loads.
+COLUMN_DTYPES = (np.int8, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32)
+WIDE = np.int64
 
 
 class TableBuilder:
@@ -67,7 +71,7 @@ class TableBuilder:
         if hashes is not None:
             self.hashes[self.n] = tuple(hashes)
         self.n += 1
-        if len(self.kind) >= _CHUNK:
+        if len(self.kind) >= _CHUNK or len(self.flat_seq) >= _CHUNK_MEMBERS:
             self._flush()
 
     def add(self, op) -> None:
@@ -99,11 +103,18 @@ class TableBuilder:
         freed chunks stayed in the C heap, and the load's peak RSS was 2.1x the columns."""
         if not self.kind:
             return
-        for col, values in zip(self.columns, (self.kind, self.step, self.seq, self.src, self.tokens,
-                                              self.tenant, self.nbatch, self.flat_seq, self.flat_tok)):
+        for k, values in enumerate((self.kind, self.step, self.seq, self.src, self.tokens,
+                                    self.tenant, self.nbatch, self.flat_seq, self.flat_tok)):
+            col = self.columns[k]
             at = len(col)
             col.resize(at + len(values), refcheck=False)  # the builder holds the only reference
-            col[at:] = values
+            try:
+                col[at:] = values
+            except OverflowError:  # a value beyond int32: this column is WIDE from now on
+                if col.dtype == WIDE:
+                    raise
+                col = self.columns[k] = col.astype(WIDE)
+                col[at:] = values
         self._reset()
 
     def table(self) -> OpTable:
@@ -155,8 +166,7 @@ class OpTable:
         return Free(step, seq)
 
     def __iter__(self):
-        for lo in range(0, len(self), _CHUNK):
-            hi = min(len(self), lo + _CHUNK)
+        for lo, hi in op_chunks(self, _CHUNK_MEMBERS, _CHUNK):
             cols = [a[lo:hi].tolist() for a in (self.kind, self.step, self.seq, self.src, self.tokens,
                                                 self.tenant)]
             b = self.batch[lo:hi + 1]
@@ -203,26 +213,22 @@ class OpTable:
         ids, made = self.creators()
         order = np.argsort(ids, kind="stable")
         sid = ids[order]
-        base = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order]
-        appended = np.zeros(len(sid), np.int64)
-        for lo in range(0, len(self.flat_seq), VALIDATE_CHUNK_MEMBERS):  # a chunk at a time
-            hi = lo + VALIDATE_CHUNK_MEMBERS
-            np.add.at(appended, np.searchsorted(sid, self.flat_seq[lo:hi]), self.flat_tok[lo:hi])
+        length = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order].astype(np.int64)
+
+        def add(lo, hi):  # the appends of members lo..hi, a chunk at a time
+            for a in range(lo, hi, VALIDATE_CHUNK_MEMBERS):
+                b = min(hi, a + VALIDATE_CHUNK_MEMBERS)
+                np.add.at(length, np.searchsorted(sid, self.flat_seq[a:b]), self.flat_tok[a:b])
+
+        done = 0  # members added so far, in op order: a child starts at its source's length
         forks = np.flatnonzero(self.kind == FORK)
-        if len(forks):  # a child starts at its source's length at the fork
-            owner = np.searchsorted(sid, self.flat_seq)  # each appended run's sequence, as an index
-            op_of = np.repeat(np.arange(len(self)), np.diff(self.batch))
-            by_seq = np.lexsort((op_of, owner))  # each sequence's appends, in op order
-            own, when = owner[by_seq], op_of[by_seq]
-            cum = np.concatenate([[0], np.cumsum(self.flat_tok[by_seq])])
-            lo = np.searchsorted(own, np.arange(len(sid)))
-            hi = np.searchsorted(own, np.arange(len(sid)), side="right")
-            src_i = np.searchsorted(sid, self.src[forks])
-            child_i = np.searchsorted(sid, self.seq[forks])
-            for f, s, c in zip(forks.tolist(), src_i.tolist(), child_i.tolist()):  # in op order
-                k = lo[s] + int(np.searchsorted(when[lo[s]:hi[s]], f))
-                base[c] = base[s] + cum[k] - cum[lo[s]]
-        return dict(zip(sid.tolist(), (base + appended).tolist()))
+        for f, s, c in zip(self.batch[forks].tolist(), np.searchsorted(sid, self.src[forks]).tolist(),
+                           np.searchsorted(sid, self.seq[forks]).tolist()):
+            add(done, f)
+            done = f
+            length[c] = length[s]
+        add(done, len(self.flat_seq))
+        return dict(zip(sid.tolist(), length.tolist()))
 
     def tenant_of(self) -> dict:
         ids, made = self.creators()
@@ -304,14 +310,21 @@ def first_invalid(t: OpTable) -> int | None:
 VALIDATE_CHUNK_MEMBERS = 1 << 20  # batch members validated at a time (about 40 MB of temporaries)
 
 
-def _member_chunks(t: OpTable, nb):
-    """(first op, end op, each member's operation, members' sequences, members' tokens) over
-    chunks of whole operations of about VALIDATE_CHUNK_MEMBERS batch members each."""
+def op_chunks(t: OpTable, members: int, ops: int | None = None):
+    """(first op, end op) of consecutive chunks of whole operations holding at most ``members``
+    batch members (and ``ops`` operations) each, but at least one operation, however wide."""
     n = len(t)
     a = 0
     while a < n:
-        b = int(np.searchsorted(t.batch, t.batch[a] + VALIDATE_CHUNK_MEMBERS, side="right")) - 1
-        b = min(max(b, a + 1), n)  # at least one operation, however wide its batch
+        b = int(np.searchsorted(t.batch, t.batch[a] + members, side="right")) - 1
+        b = min(max(b, a + 1), n, a + ops if ops else n)
+        yield a, b
+        a = b
+
+
+def _member_chunks(t: OpTable, nb):
+    """(first op, end op, each member's operation, members' sequences, members' tokens) over
+    chunks of whole operations of about VALIDATE_CHUNK_MEMBERS batch members each."""
+    for a, b in op_chunks(t, VALIDATE_CHUNK_MEMBERS):
         lo, hi = int(t.batch[a]), int(t.batch[b])
         yield a, b, np.repeat(np.arange(a, b), nb[a:b]), t.flat_seq[lo:hi], t.flat_tok[lo:hi]
-        a = b
