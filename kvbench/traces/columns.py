@@ -245,37 +245,20 @@ def first_invalid(t: OpTable) -> int | None:
     tenant; an append batch naming a sequence twice; a sequence created twice; append, fork
     (from) or free of a sequence that is not live (unknown, or freed).
 
-    Arrays of one entry per operation or per sequence are made whole; those of one entry per
-    batch member (most of a decode trace) a chunk of operations at a time, so that validating
-    costs a fraction of the columns, not several times them."""
+    Arrays of one entry per sequence are made whole (each one's creation and first free); the
+    operations and their batch members are checked a chunk at a time (VALIDATE_CHUNK_OPS,
+    VALIDATE_CHUNK_MEMBERS), in order, up to the first chunk with an error: validating costs a
+    few MB of temporaries whatever the trace's length."""
     n = len(t)
     if n == 0:
         return None
     if t.side:  # lifecycle operations: only the scalar rules (format._Validator) know them
         return 0
-    bad = []
-    out_of_order = np.flatnonzero(np.diff(t.step) <= 0)
-    if len(out_of_order):
-        bad.append(int(out_of_order[0]) + 1)
-    nb = np.diff(t.batch)
-    fields = ((t.step < 0) | ((t.kind != APPEND) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
-              | ((t.kind == FORK) & (t.src < 0)) | ((t.kind == APPEND) & (nb == 0)))
-    empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
-    if empty:
-        fields |= (t.kind == PREFILL) & np.isin(t.tenant, empty)
-    for a, b, op_of, seqs, toks in _member_chunks(t, nb):
-        fields[op_of[(seqs < 0) | (toks < 1)]] = True
-        order = np.lexsort((seqs, op_of))
-        twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
-        fields[op_of[order][1:][twice]] = True
-    if fields.any():
-        bad.append(int(np.argmax(fields)))
     ids, made = t.creators()
     order = np.argsort(ids, kind="stable")
     sid, smade = ids[order], made[order]
     again = sid[1:] == sid[:-1]
-    if again.any():
-        bad.append(int(smade[1:][again].min()))
+    created_twice = int(smade[1:][again].min()) if again.any() else n
     first = np.ones(len(sid), bool)
     first[1:] = ~again
     uniq, born = sid[first], smade[first]
@@ -285,29 +268,61 @@ def first_invalid(t: OpTable) -> int | None:
     ok = fi < len(uniq)
     ok[ok] = uniq[fi[ok]] == t.seq[frees][ok]
     np.minimum.at(freed_at, fi[ok], frees[ok])
+    lives = (uniq, born, freed_at)
+    empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
+    for a, b in op_chunks(t, VALIDATE_CHUNK_MEMBERS, VALIDATE_CHUNK_OPS):
+        if a >= created_twice:
+            break
+        bad = _first_bad_in(t, a, b, lives, empty)
+        if bad is not None:
+            return min(bad, created_twice)
+    return created_twice if created_twice < n else None
 
-    def first_dead(use_op, use_seq, is_free) -> int | None:
-        """The first (operation, sequence) whose sequence is not live there."""
-        k = np.searchsorted(uniq, use_seq)
-        known = k < len(uniq)
-        known[known] = uniq[k[known]] == use_seq[known]
-        k = np.where(known, k, 0)
-        live = known
-        if len(uniq):
-            live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
-        return int(use_op[~live].min()) if not live.all() else None
 
+def _first_bad_in(t: OpTable, a: int, b: int, lives, empty: list) -> int | None:
+    """The first of operations a..b that breaks a rule (a field, the step order, a batch, a
+    sequence not live), given each sequence's creation and first free (``lives``)."""
+    kind, step, seq, src = t.kind[a:b], t.step[a:b], t.seq[a:b], t.src[a:b]
+    nb = np.diff(t.batch[a:b + 1])
+    fields = ((step < 0) | ((kind != APPEND) & (seq < 0)) | ((kind == PREFILL) & (t.tokens[a:b] < 1))
+              | ((kind == FORK) & (src < 0)) | ((kind == APPEND) & (nb == 0)))
+    fields[1:] |= step[1:] <= step[:-1]  # steps strictly increase, from the chunk before too
+    if a:
+        fields[0] |= step[0] <= t.step[a - 1]
+    if empty:
+        fields |= (kind == PREFILL) & np.isin(t.tenant[a:b], empty)
+    lo, hi = int(t.batch[a]), int(t.batch[b])
+    seqs, toks = t.flat_seq[lo:hi], t.flat_tok[lo:hi]
+    op_of = np.repeat(np.arange(b - a), nb)  # each member's operation, from a
+    fields[op_of[(seqs < 0) | (toks < 1)]] = True
+    order = np.lexsort((seqs, op_of))
+    twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
+    fields[op_of[order][1:][twice]] = True
     # every (operation, sequence) that needs a live sequence: append members, fork sources, frees
-    forks = np.flatnonzero(t.kind == FORK)
-    dead = [first_dead(np.concatenate([forks, frees]), np.concatenate([t.src[forks], t.seq[frees]]),
-                       np.concatenate([np.zeros(len(forks), bool), np.ones(len(frees), bool)]))]
-    for a, b, op_of, seqs, _ in _member_chunks(t, nb):
-        dead.append(first_dead(op_of, seqs, np.zeros(len(seqs), bool)))
-    bad += [d for d in dead if d is not None]
+    forks, frees = np.flatnonzero(kind == FORK), np.flatnonzero(kind == FREE)
+    dead = _first_dead(lives, a + np.concatenate([op_of, forks, frees]),
+                       np.concatenate([seqs, src[forks], seq[frees]]),
+                       np.arange(len(op_of) + len(forks) + len(frees)) >= len(op_of) + len(forks))
+    bad = [d for d in (dead, a + int(np.argmax(fields)) if fields.any() else None) if d is not None]
     return min(bad) if bad else None
 
 
-VALIDATE_CHUNK_MEMBERS = 1 << 20  # batch members validated at a time (about 40 MB of temporaries)
+def _first_dead(lives, use_op, use_seq, is_free) -> int | None:
+    """The first (operation, sequence) whose sequence is not live there (a free: the operation
+    that ends it may be its first free)."""
+    uniq, born, freed_at = lives
+    k = np.searchsorted(uniq, use_seq)
+    known = k < len(uniq)
+    known[known] = uniq[k[known]] == use_seq[known]
+    k = np.where(known, k, 0)
+    live = known
+    if len(uniq):
+        live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
+    return int(use_op[~live].min()) if not live.all() else None
+
+
+VALIDATE_CHUNK_MEMBERS = 1 << 18  # batch members validated at a time (about 10 MB of temporaries)
+VALIDATE_CHUNK_OPS = 1 << 18  # and operations
 
 
 def op_chunks(t: OpTable, members: int, ops: int | None = None):
@@ -320,11 +335,3 @@ def op_chunks(t: OpTable, members: int, ops: int | None = None):
         b = min(max(b, a + 1), n, a + ops if ops else n)
         yield a, b
         a = b
-
-
-def _member_chunks(t: OpTable, nb):
-    """(first op, end op, each member's operation, members' sequences, members' tokens) over
-    chunks of whole operations of about VALIDATE_CHUNK_MEMBERS batch members each."""
-    for a, b in op_chunks(t, VALIDATE_CHUNK_MEMBERS):
-        lo, hi = int(t.batch[a]), int(t.batch[b])
-        yield a, b, np.repeat(np.arange(a, b), nb[a:b]), t.flat_seq[lo:hi], t.flat_tok[lo:hi]

@@ -62,12 +62,14 @@ def test_columns_validate_like_the_op_by_op_validator(drawn):
 
 @contextlib.contextmanager
 def members_at_a_time(n):
-    """Validation and lengths a few batch members at a time: every chunk edge reached."""
-    saved, C.VALIDATE_CHUNK_MEMBERS = C.VALIDATE_CHUNK_MEMBERS, n
+    """Validation and lengths a few batch members (and operations) at a time: every chunk edge
+    reached."""
+    saved = C.VALIDATE_CHUNK_MEMBERS, C.VALIDATE_CHUNK_OPS
+    C.VALIDATE_CHUNK_MEMBERS = C.VALIDATE_CHUNK_OPS = n
     try:
         yield
     finally:
-        C.VALIDATE_CHUNK_MEMBERS = saved
+        C.VALIDATE_CHUNK_MEMBERS, C.VALIDATE_CHUNK_OPS = saved
 
 
 @settings(max_examples=300, deadline=None)
@@ -153,6 +155,16 @@ def test_chunked_validation_names_the_first_bad_line_at_a_chunk_edge(members):
               json.dumps({"step": 5, "op": "append", "seqs": [0, 2], "tokens": [1, 1]}),
               json.dumps({"step": 6, "op": "append", "seqs": [0, 1], "tokens": [1, 1]})]
     with members_at_a_time(members), pytest.raises(T.TraceError, match="^t.jsonl:8: append to freed sequence 1"):
+        T.loads("\n".join(lines), path="t.jsonl")
+
+
+@pytest.mark.parametrize("ops", [1, 2, 3, 4])
+def test_chunked_validation_sees_a_step_out_of_order_across_a_chunk_edge(ops):
+    # Steps 0, 1, 2, 2: op 3 (line 5) repeats op 2's step, in the same chunk or the next one.
+    lines = [json.dumps(HEADER.to_dict() | {"kvbench_trace": 1})]
+    lines += [json.dumps({"step": step, "op": "prefill", "seq": i, "tenant": "a", "tokens": 4})
+              for i, step in enumerate([0, 1, 2, 2])]
+    with members_at_a_time(ops), pytest.raises(T.TraceError, match="^t.jsonl:5: step 2 is out of order"):
         T.loads("\n".join(lines), path="t.jsonl")
 
 
