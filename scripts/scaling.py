@@ -6,6 +6,7 @@ and of the checker (K/V content checked) on decode traces of 10^4, 10^5 and 10^6
     .venv/bin/python scripts/scaling.py --workloads              # the committed workloads
     .venv/bin/python scripts/scaling.py --breakdown              # where the checker's time goes
     .venv/bin/python scripts/scaling.py --draw                   # curve.csv, curve.png again
+    .venv/bin/python scripts/scaling.py --stages checker --limit 100000  # peak RSS stage by stage
 
 Every measurement runs in a fresh process (its peak RSS is its own: imports, trace, pool and
 checker); the backend and the checker alternate, and the ratio checker / backend is taken per
@@ -28,9 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "scaling"
-# Not a package folder: its coverage.py would shadow the coverage package numba tries to import
-# (numba then fails to import, and the NumPy pool's compiled steps go unmeasured).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
+# This tree's kvbench first (an editable install would import another checkout's). Not the
+# scripts folder: its coverage.py would shadow the coverage package numba tries to import (numba
+# then fails to import, and the NumPy pool's compiled steps go unmeasured).
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
 
 
 def make_trace(ops: int, path: Path) -> None:
@@ -78,6 +80,76 @@ def child(mode: str, path: str) -> dict:
             "us_per_op": seconds / len(trace.ops) * 1e6, "load_seconds": load_s,
             "trace_bytes": getattr(trace.ops, "nbytes", None), "status": status,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+class _Enough(BaseException):
+    """Stops a staged check after its --limit operations (not an Exception: the checker's own
+    handler would take it for the harness's failure)."""
+
+
+def stages(mode: str, path: str, limit: int | None) -> list:
+    """Peak RSS (ru_maxrss) and RSS now after each stage of one measurement in this process:
+    imports, loading (parsing, then validation), the settings, the pool, the K/V buffer (backend)
+    and every 10^5 operations of the replay or the check, stopped after ``limit`` operations."""
+    rows = []
+
+    def mark(stage):
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        rows.append({"stage": stage, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                     "rss_mb": round(now, 1), "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{stage:34} peak {rows[-1]['peak_rss_mb']:7.1f} MB  now {rows[-1]['rss_mb']:7.1f} MB  "
+              f"{rows[-1]['seconds']:7.1f} s", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    mark("start")
+    from kvbench.analyses import suite
+    from kvbench.bench.gates import bench_common
+    from kvbench.checking.checker import check
+    from kvbench.checking.driver import replay
+    from kvbench.contract import registry
+    from kvbench.traces import columns as C
+    from kvbench.traces import format as T
+    mark("imports")
+    first_invalid = C.first_invalid
+
+    def validate(table):
+        mark("parsed into columns")
+        bad = first_invalid(table)
+        mark("validated (columns.first_invalid)")
+        return bad
+
+    C.first_invalid = validate
+    trace = T.load(path)
+    C.first_invalid = first_invalid
+    mark(f"loaded: {trace.ops.nbytes / 2**20:.0f} MiB of columns")
+    cfg = suite.config_for(trace, policy=None)
+    mark("settings (config_for)")
+    backend = registry.create(os.environ.get("KVBENCH_SCALING_BACKEND", "numpy"), cfg)
+    mark("pool made (registry.create)")
+
+    class Progress:
+        n = 0
+
+        def update(self, k=1, *_):
+            self.n += k
+            if self.n % 100_000 == 0:
+                mark(f"{self.n:,} operations")
+            if limit and self.n >= limit:
+                raise _Enough
+
+    progress = Progress()
+    try:
+        if mode == "backend":
+            kv = bench_common().kv_buffer(trace, cfg)
+            mark("K/V buffer (kv_buffer)")
+            replay(backend, trace, kv, lambda op: progress.update())
+        else:
+            check(trace, backend, progress=progress)
+    except _Enough:
+        pass
+    mark(f"end ({progress.n:,} operations)")
+    return rows
 
 
 def measure(mode: str, path: Path, backend: str) -> dict:
@@ -230,6 +302,9 @@ def main() -> int:
                    help="checker / backend replay over the committed workloads instead")
     p.add_argument("--breakdown", action="store_true",
                    help="backend / checker ledger-only / checker with K/V at the first --ops size")
+    p.add_argument("--stages", choices=("backend", "checker"),
+                   help="peak RSS after each stage of one run in this process (the first --ops size)")
+    p.add_argument("--limit", type=int, help="with --stages: stop after this many operations")
     p.add_argument("--draw", action="store_true",
                    help="only redraw curve.csv and curve.png from results/scaling/curve.json")
     args = p.parse_args()
@@ -239,6 +314,13 @@ def main() -> int:
         return 0
     if args.child:
         print(json.dumps(child(*args.child)))
+        return 0
+    if args.stages:
+        path = Path(args.cache) / f"decode-{(args.ops or [1_000_000])[0]}.jsonl"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            make_trace((args.ops or [1_000_000])[0], path)
+        print(json.dumps(stages(args.stages, str(path), args.limit)))
         return 0
     if args.breakdown:
         rows = breakdown((args.ops or [10_000])[0], args.repeats, args.backend, Path(args.cache))

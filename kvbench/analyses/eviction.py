@@ -32,8 +32,7 @@ import bisect
 import dataclasses
 import math
 from fractions import Fraction
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from kvbench.charts import finish
 from kvbench.checking.checker import Verdict, check
@@ -42,6 +41,9 @@ from kvbench.contract.formulas import blocks_needed, jain_index
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
+
+if TYPE_CHECKING:  # imported where a table is made: a run that only checks skips its ~70 MB
+    import pandas as pd
 
 ONLINE_POLICIES = ("lru", "lfu", "fair")
 
@@ -205,6 +207,7 @@ def _present(trace: Trace, n_ops: int) -> list[set]:
 
 def usage_frame(trace: Trace, verdict: Verdict) -> pd.DataFrame:
     """One row per (operation, tenant present): step, usage, exact quota, usage/quota, over."""
+    import pandas as pd
     if not verdict.series or "usage" not in verdict.series[0]:
         raise ValueError(f"{verdict.backend} on {verdict.trace}: no usage series; "
                          f"make the verdict with check(..., series=True)")
@@ -286,6 +289,7 @@ def tenant_table(trace: Trace, runs) -> pd.DataFrame:
     :func:`kvbench.analyses.suite.verdict_row` that carry ``tenant_metrics`` (rows of other workloads are
     skipped).
     """
+    import pandas as pd
     rows = []
     if isinstance(runs, dict):
         for policy, v in runs.items():
@@ -307,6 +311,7 @@ def policy_table(trace: Trace, config: CacheConfig, layout: str = "paged") -> pd
     The ``belady`` column says whether Belady's hit rate is a bound on this trace or only a
     reference (and why).
     """
+    import pandas as pd
     reason = unit_paging_reason(trace, config, layout)
     rows = []
     for policy in (*ONLINE_POLICIES, "belady"):

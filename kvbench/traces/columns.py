@@ -23,9 +23,13 @@ from kvbench.traces.ops import OPS, Append, Fork, Free, Prefill, final_lengths
 
 KINDS = tuple(OPS)  # the kind column's codes: prefill, append, fork, free, then the rest
 PREFILL, APPEND, FORK, FREE = range(4)
-_CHUNK = 1 << 16  # operations converted from Python lists to arrays at a time
-# The builder's columns: kind, step, seq, src, tokens, tenant, batch sizes, members' seqs and tokens
-COLUMN_DTYPES = (np.int8, np.int64, np.int64, np.int64, np.int64, np.int32, np.int64, np.int64, np.int64)
+_CHUNK = 1 << 16  # operations converted from Python lists to arrays (or back) at a time
+_CHUNK_MEMBERS = 1 << 16  # and batch members: the lists of a chunk stay a few MB
+# The builder's columns: kind, step, seq, src, tokens, tenant, batch sizes, members' seqs and
+# tokens. They start as int32 (half of int64's bytes) and a column is widened to WIDE by the first
+# chunk holding a value beyond int32's range, so that any id, step or count the format allows loads.
+COLUMN_DTYPES = (np.int8, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32, np.int32)
+WIDE = np.int64
 
 
 class TableBuilder:
@@ -67,7 +71,7 @@ class TableBuilder:
         if hashes is not None:
             self.hashes[self.n] = tuple(hashes)
         self.n += 1
-        if len(self.kind) >= _CHUNK:
+        if len(self.kind) >= _CHUNK or len(self.flat_seq) >= _CHUNK_MEMBERS:
             self._flush()
 
     def add(self, op) -> None:
@@ -99,11 +103,18 @@ class TableBuilder:
         freed chunks stayed in the C heap, and the load's peak RSS was 2.1x the columns."""
         if not self.kind:
             return
-        for col, values in zip(self.columns, (self.kind, self.step, self.seq, self.src, self.tokens,
-                                              self.tenant, self.nbatch, self.flat_seq, self.flat_tok)):
+        for k, values in enumerate((self.kind, self.step, self.seq, self.src, self.tokens,
+                                    self.tenant, self.nbatch, self.flat_seq, self.flat_tok)):
+            col = self.columns[k]
             at = len(col)
             col.resize(at + len(values), refcheck=False)  # the builder holds the only reference
-            col[at:] = values
+            try:
+                col[at:] = values
+            except OverflowError:  # a value beyond int32: this column is WIDE from now on
+                if col.dtype == WIDE:
+                    raise
+                col = self.columns[k] = col.astype(WIDE)
+                col[at:] = values
         self._reset()
 
     def table(self) -> OpTable:
@@ -155,8 +166,7 @@ class OpTable:
         return Free(step, seq)
 
     def __iter__(self):
-        for lo in range(0, len(self), _CHUNK):
-            hi = min(len(self), lo + _CHUNK)
+        for lo, hi in op_chunks(self, _CHUNK_MEMBERS, _CHUNK):
             cols = [a[lo:hi].tolist() for a in (self.kind, self.step, self.seq, self.src, self.tokens,
                                                 self.tenant)]
             b = self.batch[lo:hi + 1]
@@ -203,26 +213,22 @@ class OpTable:
         ids, made = self.creators()
         order = np.argsort(ids, kind="stable")
         sid = ids[order]
-        base = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order]
-        appended = np.zeros(len(sid), np.int64)
-        for lo in range(0, len(self.flat_seq), VALIDATE_CHUNK_MEMBERS):  # a chunk at a time
-            hi = lo + VALIDATE_CHUNK_MEMBERS
-            np.add.at(appended, np.searchsorted(sid, self.flat_seq[lo:hi]), self.flat_tok[lo:hi])
+        length = np.where(self.kind[made] == PREFILL, self.tokens[made], 0)[order].astype(np.int64)
+
+        def add(lo, hi):  # the appends of members lo..hi, a chunk at a time
+            for a in range(lo, hi, VALIDATE_CHUNK_MEMBERS):
+                b = min(hi, a + VALIDATE_CHUNK_MEMBERS)
+                np.add.at(length, np.searchsorted(sid, self.flat_seq[a:b]), self.flat_tok[a:b])
+
+        done = 0  # members added so far, in op order: a child starts at its source's length
         forks = np.flatnonzero(self.kind == FORK)
-        if len(forks):  # a child starts at its source's length at the fork
-            owner = np.searchsorted(sid, self.flat_seq)  # each appended run's sequence, as an index
-            op_of = np.repeat(np.arange(len(self)), np.diff(self.batch))
-            by_seq = np.lexsort((op_of, owner))  # each sequence's appends, in op order
-            own, when = owner[by_seq], op_of[by_seq]
-            cum = np.concatenate([[0], np.cumsum(self.flat_tok[by_seq])])
-            lo = np.searchsorted(own, np.arange(len(sid)))
-            hi = np.searchsorted(own, np.arange(len(sid)), side="right")
-            src_i = np.searchsorted(sid, self.src[forks])
-            child_i = np.searchsorted(sid, self.seq[forks])
-            for f, s, c in zip(forks.tolist(), src_i.tolist(), child_i.tolist()):  # in op order
-                k = lo[s] + int(np.searchsorted(when[lo[s]:hi[s]], f))
-                base[c] = base[s] + cum[k] - cum[lo[s]]
-        return dict(zip(sid.tolist(), (base + appended).tolist()))
+        for f, s, c in zip(self.batch[forks].tolist(), np.searchsorted(sid, self.src[forks]).tolist(),
+                           np.searchsorted(sid, self.seq[forks]).tolist()):
+            add(done, f)
+            done = f
+            length[c] = length[s]
+        add(done, len(self.flat_seq))
+        return dict(zip(sid.tolist(), length.tolist()))
 
     def tenant_of(self) -> dict:
         ids, made = self.creators()
@@ -239,37 +245,20 @@ def first_invalid(t: OpTable) -> int | None:
     tenant; an append batch naming a sequence twice; a sequence created twice; append, fork
     (from) or free of a sequence that is not live (unknown, or freed).
 
-    Arrays of one entry per operation or per sequence are made whole; those of one entry per
-    batch member (most of a decode trace) a chunk of operations at a time, so that validating
-    costs a fraction of the columns, not several times them."""
+    Arrays of one entry per sequence are made whole (each one's creation and first free); the
+    operations and their batch members are checked a chunk at a time (VALIDATE_CHUNK_OPS,
+    VALIDATE_CHUNK_MEMBERS), in order, up to the first chunk with an error: validating costs a
+    few MB of temporaries whatever the trace's length."""
     n = len(t)
     if n == 0:
         return None
     if t.side:  # lifecycle operations: only the scalar rules (format._Validator) know them
         return 0
-    bad = []
-    out_of_order = np.flatnonzero(np.diff(t.step) <= 0)
-    if len(out_of_order):
-        bad.append(int(out_of_order[0]) + 1)
-    nb = np.diff(t.batch)
-    fields = ((t.step < 0) | ((t.kind != APPEND) & (t.seq < 0)) | ((t.kind == PREFILL) & (t.tokens < 1))
-              | ((t.kind == FORK) & (t.src < 0)) | ((t.kind == APPEND) & (nb == 0)))
-    empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
-    if empty:
-        fields |= (t.kind == PREFILL) & np.isin(t.tenant, empty)
-    for a, b, op_of, seqs, toks in _member_chunks(t, nb):
-        fields[op_of[(seqs < 0) | (toks < 1)]] = True
-        order = np.lexsort((seqs, op_of))
-        twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
-        fields[op_of[order][1:][twice]] = True
-    if fields.any():
-        bad.append(int(np.argmax(fields)))
     ids, made = t.creators()
     order = np.argsort(ids, kind="stable")
     sid, smade = ids[order], made[order]
     again = sid[1:] == sid[:-1]
-    if again.any():
-        bad.append(int(smade[1:][again].min()))
+    created_twice = int(smade[1:][again].min()) if again.any() else n
     first = np.ones(len(sid), bool)
     first[1:] = ~again
     uniq, born = sid[first], smade[first]
@@ -279,39 +268,70 @@ def first_invalid(t: OpTable) -> int | None:
     ok = fi < len(uniq)
     ok[ok] = uniq[fi[ok]] == t.seq[frees][ok]
     np.minimum.at(freed_at, fi[ok], frees[ok])
+    lives = (uniq, born, freed_at)
+    empty = [i for i, name in enumerate(t.tenants) if not isinstance(name, str) or not name]
+    for a, b in op_chunks(t, VALIDATE_CHUNK_MEMBERS, VALIDATE_CHUNK_OPS):
+        if a >= created_twice:
+            break
+        bad = _first_bad_in(t, a, b, lives, empty)
+        if bad is not None:
+            return min(bad, created_twice)
+    return created_twice if created_twice < n else None
 
-    def first_dead(use_op, use_seq, is_free) -> int | None:
-        """The first (operation, sequence) whose sequence is not live there."""
-        k = np.searchsorted(uniq, use_seq)
-        known = k < len(uniq)
-        known[known] = uniq[k[known]] == use_seq[known]
-        k = np.where(known, k, 0)
-        live = known
-        if len(uniq):
-            live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
-        return int(use_op[~live].min()) if not live.all() else None
 
+def _first_bad_in(t: OpTable, a: int, b: int, lives, empty: list) -> int | None:
+    """The first of operations a..b that breaks a rule (a field, the step order, a batch, a
+    sequence not live), given each sequence's creation and first free (``lives``)."""
+    kind, step, seq, src = t.kind[a:b], t.step[a:b], t.seq[a:b], t.src[a:b]
+    nb = np.diff(t.batch[a:b + 1])
+    fields = ((step < 0) | ((kind != APPEND) & (seq < 0)) | ((kind == PREFILL) & (t.tokens[a:b] < 1))
+              | ((kind == FORK) & (src < 0)) | ((kind == APPEND) & (nb == 0)))
+    fields[1:] |= step[1:] <= step[:-1]  # steps strictly increase, from the chunk before too
+    if a:
+        fields[0] |= step[0] <= t.step[a - 1]
+    if empty:
+        fields |= (kind == PREFILL) & np.isin(t.tenant[a:b], empty)
+    lo, hi = int(t.batch[a]), int(t.batch[b])
+    seqs, toks = t.flat_seq[lo:hi], t.flat_tok[lo:hi]
+    op_of = np.repeat(np.arange(b - a), nb)  # each member's operation, from a
+    fields[op_of[(seqs < 0) | (toks < 1)]] = True
+    order = np.lexsort((seqs, op_of))
+    twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
+    fields[op_of[order][1:][twice]] = True
     # every (operation, sequence) that needs a live sequence: append members, fork sources, frees
-    forks = np.flatnonzero(t.kind == FORK)
-    dead = [first_dead(np.concatenate([forks, frees]), np.concatenate([t.src[forks], t.seq[frees]]),
-                       np.concatenate([np.zeros(len(forks), bool), np.ones(len(frees), bool)]))]
-    for a, b, op_of, seqs, _ in _member_chunks(t, nb):
-        dead.append(first_dead(op_of, seqs, np.zeros(len(seqs), bool)))
-    bad += [d for d in dead if d is not None]
+    forks, frees = np.flatnonzero(kind == FORK), np.flatnonzero(kind == FREE)
+    dead = _first_dead(lives, a + np.concatenate([op_of, forks, frees]),
+                       np.concatenate([seqs, src[forks], seq[frees]]),
+                       np.arange(len(op_of) + len(forks) + len(frees)) >= len(op_of) + len(forks))
+    bad = [d for d in (dead, a + int(np.argmax(fields)) if fields.any() else None) if d is not None]
     return min(bad) if bad else None
 
 
-VALIDATE_CHUNK_MEMBERS = 1 << 20  # batch members validated at a time (about 40 MB of temporaries)
+def _first_dead(lives, use_op, use_seq, is_free) -> int | None:
+    """The first (operation, sequence) whose sequence is not live there (a free: the operation
+    that ends it may be its first free)."""
+    uniq, born, freed_at = lives
+    k = np.searchsorted(uniq, use_seq)
+    known = k < len(uniq)
+    known[known] = uniq[k[known]] == use_seq[known]
+    k = np.where(known, k, 0)
+    live = known
+    if len(uniq):
+        live &= (born[k] < use_op) & ((freed_at[k] > use_op) | (is_free & (freed_at[k] == use_op)))
+    return int(use_op[~live].min()) if not live.all() else None
 
 
-def _member_chunks(t: OpTable, nb):
-    """(first op, end op, each member's operation, members' sequences, members' tokens) over
-    chunks of whole operations of about VALIDATE_CHUNK_MEMBERS batch members each."""
+VALIDATE_CHUNK_MEMBERS = 1 << 18  # batch members validated at a time (about 10 MB of temporaries)
+VALIDATE_CHUNK_OPS = 1 << 18  # and operations
+
+
+def op_chunks(t: OpTable, members: int, ops: int | None = None):
+    """(first op, end op) of consecutive chunks of whole operations holding at most ``members``
+    batch members (and ``ops`` operations) each, but at least one operation, however wide."""
     n = len(t)
     a = 0
     while a < n:
-        b = int(np.searchsorted(t.batch, t.batch[a] + VALIDATE_CHUNK_MEMBERS, side="right")) - 1
-        b = min(max(b, a + 1), n)  # at least one operation, however wide its batch
-        lo, hi = int(t.batch[a]), int(t.batch[b])
-        yield a, b, np.repeat(np.arange(a, b), nb[a:b]), t.flat_seq[lo:hi], t.flat_tok[lo:hi]
+        b = int(np.searchsorted(t.batch, t.batch[a] + members, side="right")) - 1
+        b = min(max(b, a + 1), n, a + ops if ops else n)
+        yield a, b
         a = b

@@ -62,12 +62,14 @@ def test_columns_validate_like_the_op_by_op_validator(drawn):
 
 @contextlib.contextmanager
 def members_at_a_time(n):
-    """Validation and lengths a few batch members at a time: every chunk edge reached."""
-    saved, C.VALIDATE_CHUNK_MEMBERS = C.VALIDATE_CHUNK_MEMBERS, n
+    """Validation and lengths a few batch members (and operations) at a time: every chunk edge
+    reached."""
+    saved = C.VALIDATE_CHUNK_MEMBERS, C.VALIDATE_CHUNK_OPS
+    C.VALIDATE_CHUNK_MEMBERS = C.VALIDATE_CHUNK_OPS = n
     try:
         yield
     finally:
-        C.VALIDATE_CHUNK_MEMBERS = saved
+        C.VALIDATE_CHUNK_MEMBERS, C.VALIDATE_CHUNK_OPS = saved
 
 
 @settings(max_examples=300, deadline=None)
@@ -112,22 +114,67 @@ def test_columns_know_what_the_ops_know(trace):
 
 @pytest.mark.parametrize("trace", TRACES, ids=lambda t: t.name)
 def test_columns_built_a_few_rows_at_a_time_hold_the_same_ops(trace):
-    saved, C._CHUNK = C._CHUNK, 3  # every column grown in place several times, read back in chunks
+    saved = C._CHUNK, C._CHUNK_MEMBERS
+    C._CHUNK, C._CHUNK_MEMBERS = 3, 2  # every column grown in place several times, read back in chunks
     try:
         table = OpTable.from_ops(trace.ops)
         assert list(table) == list(trace.ops)
         assert len(table.flat_seq) == sum(len(op.seqs) for op in trace.ops if isinstance(op, Append))
     finally:
+        C._CHUNK, C._CHUNK_MEMBERS = saved
+
+
+def test_a_value_beyond_int32_widens_its_column_and_loads_whole(tmp_path):
+    big_id, big_step = 2**40 + 5, 2**33
+    ops = [Prefill(0, 0, "a", 5), Prefill(1, 1, "b", 3), Append(2, (0, 1), (1, 1)),  # a chunk: int32
+           Append(3, (0,), (1,)), Prefill(big_step, big_id, "a", 7),
+           Append(big_step + 1, (big_id, 0), (1, 2)), Free(big_step + 2, big_id)]
+    saved, C._CHUNK = C._CHUNK, 3
+    try:
+        table = OpTable.from_ops(ops)
+        path = tmp_path / "t.jsonl"
+        T.save(T.Trace(HEADER, ops, name="t"), str(path))
+        loaded = T.load(str(path)).ops
+    finally:
         C._CHUNK = saved
+    for t in (table, loaded):
+        assert list(t) == ops
+        assert t.step.dtype == t.seq.dtype == t.flat_seq.dtype == np.int64  # widened
+        assert t.src.dtype == t.tokens.dtype == t.flat_tok.dtype == np.int32  # still narrow
+        assert t.final_lengths() == {0: 5 + 1 + 1 + 2, 1: 3 + 1, big_id: 7 + 1}
+
+
+@pytest.mark.parametrize("members", [1, 2, 3])
+def test_chunked_validation_names_the_first_bad_line_at_a_chunk_edge(members):
+    # Ops (line = index + 2): prefills of 0, 1, 2; append (0, 1, 2); free 1; append (0, 2);
+    # append (0, 1): 1 is freed, the error is op 6, line 8, whatever the chunk edges.
+    lines = [json.dumps(HEADER.to_dict() | {"kvbench_trace": 1})]
+    lines += [json.dumps({"step": i, "op": "prefill", "seq": i, "tenant": "a", "tokens": 4}) for i in range(3)]
+    lines += [json.dumps({"step": 3, "op": "append", "seqs": [0, 1, 2], "tokens": [1, 1, 1]}),
+              json.dumps({"step": 4, "op": "free", "seq": 1}),
+              json.dumps({"step": 5, "op": "append", "seqs": [0, 2], "tokens": [1, 1]}),
+              json.dumps({"step": 6, "op": "append", "seqs": [0, 1], "tokens": [1, 1]})]
+    with members_at_a_time(members), pytest.raises(T.TraceError, match="^t.jsonl:8: append to freed sequence 1"):
+        T.loads("\n".join(lines), path="t.jsonl")
+
+
+@pytest.mark.parametrize("ops", [1, 2, 3, 4])
+def test_chunked_validation_sees_a_step_out_of_order_across_a_chunk_edge(ops):
+    # Steps 0, 1, 2, 2: op 3 (line 5) repeats op 2's step, in the same chunk or the next one.
+    lines = [json.dumps(HEADER.to_dict() | {"kvbench_trace": 1})]
+    lines += [json.dumps({"step": step, "op": "prefill", "seq": i, "tenant": "a", "tokens": 4})
+              for i, step in enumerate([0, 1, 2, 2])]
+    with members_at_a_time(ops), pytest.raises(T.TraceError, match="^t.jsonl:5: step 2 is out of order"):
+        T.loads("\n".join(lines), path="t.jsonl")
 
 
 def test_bytes_per_operation():
     trace = G.generate("decode_streams", 0, num_requests=64, max_batch=16).columnar()
     t = trace.ops
     n, flat = len(t), int(t.batch[-1])
-    # kind 1 byte, step / seq / src / tokens 8 each, tenant 4, batch offsets 8 (n + 1 of them);
-    # each (sequence, tokens) of a batch 16 bytes.
-    assert t.nbytes == n * (1 + 8 * 4 + 4 + 8) + 8 + 16 * flat
+    # kind 1 byte, step / seq / src / tokens 4 each (int32: the values fit), tenant 4, batch
+    # offsets 8 (n + 1 of them); each (sequence, tokens) of a batch 8 bytes.
+    assert t.nbytes == n * (1 + 4 * 4 + 4 + 8) + 8 + 8 * flat
     assert t.nbytes / n < 16 * 16 + 64  # batches of up to 16: a few hundred bytes at most
 
 
