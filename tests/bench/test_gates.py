@@ -443,7 +443,7 @@ def test_the_numpy_steps_fail_the_quantize_gate():
     if not quant_kernels.available()[0]:
         pytest.skip(quant_kernels.available()[1])
     steps = lambda x, scheme, out=None: quant_numpy.quantize(x, scheme, out=out, compiled=False)  # noqa: E731
-    result = R.ratio_gate("quantize_vs_copy", factory=steps, blocks=5, slowdown=1.0)
+    result = R.ratio_gate("quantize_vs_steps", factory=steps, blocks=5, slowdown=1.0)
     assert not result.ok, f"the uncompiled steps passed: {result}"
 
 
