@@ -4,7 +4,8 @@
 Each gate times a reference and a subject (the path it guards) alternately. A *block* times
 ``trials`` interleaved pairs, on fresh fixtures warmed up (or, for a subject that changes
 nothing, on those of the block before, ``reuse`` blocks a set); the fastest of each side gives
-the block's log ratio. A gate takes ``blocks`` of them and compares them with the baseline's
+the block's log ratio (check_vs_replay's block is one replay each side, in lockstep: see
+:func:`check_vs_replay`). A gate takes ``blocks`` of them and compares them with the baseline's
 blocks, recorded on purpose (``kvbench gates --update-ratios``) in results/gates/ratios.json
 with its commit and machine, by the Mann-Whitney test asv's comparisons use: the slowdown is
 estimated by the Hodges-Lehmann shift (the median of every baseline block's log ratio less every
@@ -342,6 +343,10 @@ def quantize_vs_steps(factory=None) -> tuple[Callable, Callable]:
     x = np.random.default_rng(0).standard_normal((QUANT_ROWS, 128), dtype=np.float32)
     scheme = Q.QuantScheme(8, False, "token")
     quantize = factory or quant_numpy.quantize
+    # glibc's malloc serves a block this large from fresh pages (mmap) until one as large was
+    # freed (its threshold then rises to it): freed here, the steps' temporaries come from the
+    # heap whatever ran before (from fresh pages, faults and all, the ratio was 8.0, not 3.8)
+    np.empty(4 << 20, np.uint8)  # freed at once
     qt, qs = quantize(x, scheme), quant_numpy.quantize(x, scheme, compiled=False)
     def steps(_):
         for _ in range(QUANT_CALLS):
