@@ -333,8 +333,8 @@ def quantize_vs_steps(factory=None) -> tuple[Callable, Callable]:
     The reference does the subject's work on the same data: against np.copyto of 4 MiB (the
     reference before) the ratio moved 0.30..0.55 from one process to the next, a copy being
     bound by the memory the neighbours share and the kernel by its arithmetic; against the
-    steps, on data within the core's cache, 8.03..8.33 over six processes, a neighbour copying
-    64 MiB beside three of them."""
+    steps, on data within the core's cache, the four quarters of the baseline's recording came
+    within 2.7% of each other (results/gates/power.md: the estimates of the campaign's runs)."""
     from impls import quant_kernels, quant_numpy
     from kvbench import quant as Q
     ok, why = quant_kernels.available()
