@@ -4,7 +4,8 @@
 Each gate times a reference and a subject (the path it guards) alternately. A *block* times
 ``trials`` interleaved pairs, on fresh fixtures warmed up (or, for a subject that changes
 nothing, on those of the block before, ``reuse`` blocks a set); the fastest of each side gives
-the block's log ratio. A gate takes ``blocks`` of them and compares them with the baseline's
+the block's log ratio (check_vs_replay's block is one replay each side, in lockstep: see
+:func:`check_vs_replay`). A gate takes ``blocks`` of them and compares them with the baseline's
 blocks, recorded on purpose (``kvbench gates --update-ratios``) in results/gates/ratios.json
 with its commit and machine, by the Mann-Whitney test asv's comparisons use: the slowdown is
 estimated by the Hodges-Lehmann shift (the median of every baseline block's log ratio less every
@@ -149,14 +150,20 @@ def slowed(subject, factor: float):
     def run(i):
         c0 = time.process_time()
         subject(i)
-        c1 = time.process_time()
-        # c1 - c0 = the subject and one read; the gate's span holds two reads more (c0, c1)
-        # and the wait's last, which overshoots by half a read on average
-        until = c1 + (factor - 1) * (c1 - c0 - read) - 2.5 * read
-        while time.process_time() < until:
-            pass
+        _planted_wait(factor, c0, time.process_time(), read)
 
     return run
+
+
+def _planted_wait(factor: float, c0: float, c1: float, read: float) -> None:
+    """The busy wait of :func:`slowed` after a subject call that spent c0 -> c1 of CPU time."""
+    if factor == 1:
+        return
+    # c1 - c0 = the subject and one read; the gate's span holds two reads more (c0, c1)
+    # and the wait's last, which overshoots by half a read on average
+    until = c1 + (factor - 1) * (c1 - c0 - read) - 2.5 * read
+    while time.process_time() < until:
+        pass
 
 
 def _subject(factory, num_blocks: int, store_kv: bool):
@@ -254,45 +261,102 @@ def _decode_trace():  # read only: built once per process
     return t.columnar()
 
 
-def check_vs_replay(factory=None, gather: str = "touched") -> tuple[Callable, Callable]:
-    """(reference, subject): the NumPy backend replaying a 170-operation decode trace alone, K/V
-    zeros; the checker replaying it beside the oracle, every K/V it could change read back).
-    A checker whose cost grows with sequence length drops the ratio many times."""
+def check_vs_replay(factory=None, slowdown: float = 1.0, gather: str = "touched") -> tuple[float, float]:
+    """CPU seconds (reference, subject) of one block: the NumPy backend replaying a 170-operation
+    decode trace alone, K/V zeros; the checker replaying it beside the oracle, every K/V it
+    could change read back. A checker whose cost grows with sequence length drops the ratio
+    many times.
+
+    The two replays go in lockstep, an operation of the checker's then the same of the
+    backend's (the checker's progress hook steps the other), and each side's time is the sum of
+    its operations': a replay by the checker takes ~0.2 s, over which the CPU's speed moved by up
+    to 2x under load here, so that a reference timed before or after it saw another machine.
+    ``slowdown`` plants a busy wait after each of the checker's operations (:func:`slowed`)."""
     from kvbench.analyses import suite
     from kvbench.checking.checker import check
-    from kvbench.checking.driver import replay
+    from kvbench.checking.driver import replay_steps
     from kvbench.contract import registry
-    common = bench_common()
     trace = _decode_trace()
     cfg = suite.config_for(trace)
-    kv = common.kv_buffer(trace, cfg)
+    kv = bench_common().kv_buffer(trace, cfg)
     make = factory or (lambda: registry.create("numpy", cfg))
+    read = _cpu_read_cost() if slowdown != 1 else 0.0
+    clock = time.process_time
+    spent = {"reference": 0.0, "subject": 0.0}
 
-    def checked(_):
-        v = check(trace, make(), gather=gather)
-        if not v.valid:
-            raise AssertionError(f"check_vs_replay: the checker failed its own trace: {v.divergence}")
+    class Lockstep:  # check()'s progress: called after each of its operations
+        def __init__(self):
+            self.mark = clock()
 
-    return lambda _: replay(make(), trace, kv), checked
+        def update(self, _):
+            _planted_wait(slowdown, self.mark, clock(), read)
+            c = clock()
+            spent["subject"] += c - self.mark
+            next(reference)
+            self.mark = clock()
+            spent["reference"] += self.mark - c
+
+    gc_was = gc.isenabled()  # no collection inside the block (as timeit does)
+    gc.disable()
+    try:
+        c = clock()
+        reference = replay_steps(make(), trace, kv)
+        next(reference)  # its backend built, as the checker's is inside its timed span
+        spent["reference"] += clock() - c
+        hook = Lockstep()
+        verdict = check(trace, make(), gather=gather, progress=hook)
+        _planted_wait(slowdown, hook.mark, clock(), read)
+        spent["subject"] += clock() - hook.mark
+    finally:
+        if gc_was:
+            gc.enable()
+    if not verdict.valid:
+        raise AssertionError(f"check_vs_replay: the checker failed its own trace: "
+                             f"{verdict.divergence or verdict.error}")
+    if next(reference, None) is not None:
+        raise AssertionError("check_vs_replay: the checker stopped before the trace's end")
+    return spent["reference"], spent["subject"]
 
 
-QUANT_ROWS = 8192  # 4 MiB of float32 rows of 128 channels (one KV head per row)
+# 512 KiB of float32 rows of 128 channels (one KV head per row), within a core's 1 MiB of L2
+# here: 4 MiB, streamed from the shared L3, moved the kernels' time by the neighbours' traffic and
+# by where each fixture's pages fell (the ratio 3.41..3.92 from one process to the next)
+QUANT_ROWS = 1024
+QUANT_CALLS = 8  # calls a trial, each side: one of the kernels' takes ~0.1 ms
 
 
-def quantize_vs_copy(factory=None) -> tuple[Callable, Callable]:
-    """(reference, subject): np.copyto of 4 MiB of float32; the NumPy quantizer's int8 per-token codes,
-    scales and zero points of the same 4 MiB, into arrays it already holds)."""
+def quantize_vs_steps(factory=None) -> tuple[Callable, Callable]:
+    """(reference, subject): the NumPy quantizer's own steps (uncompiled) making the int8
+    per-token codes, scales and zero points of 512 KiB of float32, 8 times; its compiled kernels
+    making the same, both into arrays they already hold.
+
+    The reference does the subject's work on the same data: against np.copyto of 4 MiB (the
+    reference before) the ratio moved 0.30..0.55 from one process to the next, a copy being
+    bound by the memory the neighbours share and the kernel by its arithmetic; against the
+    steps, on data within the core's cache, the four quarters of the baseline's recording came
+    within 2.7% of each other (results/gates/power.md: the estimates of the campaign's runs)."""
     from impls import quant_kernels, quant_numpy
     from kvbench import quant as Q
     ok, why = quant_kernels.available()
     if not ok:  # the typical ratio is the compiled kernels'
         raise NotImplementedError(why)
     x = np.random.default_rng(0).standard_normal((QUANT_ROWS, 128), dtype=np.float32)
-    dst = np.empty_like(x)
     scheme = Q.QuantScheme(8, False, "token")
     quantize = factory or quant_numpy.quantize
-    qt = quantize(x, scheme)
-    return lambda _: np.copyto(dst, x), lambda _: quantize(x, scheme, out=qt)
+    # glibc's malloc serves a block this large from fresh pages (mmap) until one as large was
+    # freed (its threshold then rises to it): freed here, the steps' temporaries come from the
+    # heap whatever ran before (from fresh pages, faults and all, the ratio was 8.0, not 3.8)
+    np.empty(4 << 20, np.uint8)  # freed at once
+    qt, qs = quantize(x, scheme), quant_numpy.quantize(x, scheme, compiled=False)
+    def steps(_):
+        for _ in range(QUANT_CALLS):
+            quant_numpy.quantize(x, scheme, out=qs, compiled=False)
+
+    def kernels(_):
+        for _ in range(QUANT_CALLS):
+            quantize(x, scheme, out=qt)
+
+    return steps, kernels
 
 
 TIER_KIB = 256  # the smallest block of the tiers' bandwidth goal (0.8 of a copy from 256 KiB)
@@ -328,6 +392,8 @@ class RatioGate:
     blocks: int  # blocks per decision, sized so that the gates fit CI's time
     trials: int = TRIALS
     reuse: int = 1  # blocks timed on one set of fixtures (a subject that changes nothing)
+    # pair times a whole block itself: (factory, slowdown) -> (reference, subject) CPU seconds
+    times_blocks: bool = False
 
 
 RATIO_GATES = {g.name: g for g in (
@@ -343,10 +409,10 @@ RATIO_GATES = {g.name: g for g in (
               "same 4 MiB from 256 scattered blocks into a reused buffer", gather_into_vs_copyto, 40,
               trials=MANY_TRIALS, reuse=5),
     RatioGate("check_vs_replay", "a 170-operation decode trace: the NumPy backend's replay "
-              "alone / the checker's replay of it, K/V read back", check_vs_replay, 12, trials=3,
-              reuse=12),
-    RatioGate("quantize_vs_copy", "np.copyto of 4 MiB of float32 / the NumPy quantizer's int8 "
-              "per-token codes of the same 4 MiB (compiled kernels)", quantize_vs_copy, 35,
+              "alone / the checker's replay of it, K/V read back, op by op in lockstep",
+              check_vs_replay, 30, trials=1, times_blocks=True),
+    RatioGate("quantize_vs_steps", "the NumPy quantizer's steps (uncompiled) / its compiled "
+              "kernels, int8 per-token codes of 512 KiB of float32, 8 times", quantize_vs_steps, 35,
               trials=MANY_TRIALS, reuse=5),
     RatioGate("tier_copy_vs_copy", "two np.copyto of 32 MiB / the NumPy pool's store of the same "
               "32 MiB (128 scattered blocks of 256 KiB) to its host tier and its load back",
@@ -358,6 +424,11 @@ def _blocks(name: str, factory=None, slowdown: float = 1.0):
     """Gate ``name``'s blocks one at a time, as log ratios (ln reference / subject seconds), on
     fixtures built afresh every ``reuse`` blocks; NotImplementedError when it cannot run here."""
     gate = RATIO_GATES[name]
+    if gate.times_blocks:
+        gate.pair(factory, slowdown)  # warm-up: the first block in a process builds its caches
+        while True:
+            ref, subj = gate.pair(factory, slowdown)
+            yield math.log(ref / subj)
     for b in itertools.count():
         if b % gate.reuse == 0:
             reference, subject = gate.pair(factory)

@@ -198,15 +198,26 @@ def replay(backend, trace, kv=None, after_op=None) -> dict:
     ledger-only backend. ``after_op(op)`` is called after every operation. Returns counts:
     evictions, recomputed_tokens, ooms. Tier operations (SPEC §11) are the checker's alone.
     """
+    steps = replay_steps(backend, trace, kv)
+    counts = next(steps)
+    for op, _ in zip(trace.ops, steps):
+        if after_op is not None:
+            after_op(op)
+    return counts
+
+
+def replay_steps(backend, trace, kv=None):
+    """:func:`replay` one operation at a time, a generator: it yields its counts (one dict,
+    updated in place) before the first operation and after each (the ratio gates time it op by
+    op beside the checker's replay)."""
     if trace.header.tiers:
         raise ValueError(f"{trace.name}: the replay without oracle does not drive tiers")
     side = _Alone(backend, trace, kv)
+    yield side.counts
     for op in trace.ops:
         side.step = op.step
         side.apply(op)
-        if after_op is not None:
-            after_op(op)
-    return side.counts
+        yield side.counts
 
 
 def replay_figures(backend, trace, kv=None) -> dict:

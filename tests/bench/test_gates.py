@@ -90,6 +90,17 @@ def test_ledger_stats_of_a_hand_trace():
     assert (stats["evictions"], stats["recomputed_tokens"], stats["ooms"]) == (0, 0, 0)
 
 
+def test_replay_steps_applies_one_operation_a_step():
+    trace = Trace(Header("hand"), [Prefill(0, 0, "a", 40), Append(1, (0,), (1,)), Free(2, 0)])
+    backend = NumpyPaged(CacheConfig(block_size=16, num_blocks=8, store_kv=False))
+    steps = driver.replay_steps(backend, trace)
+    assert next(steps) == {"evictions": 0, "recomputed_tokens": 0, "ooms": 0}
+    assert backend.ledger().blocks_used == 0  # nothing applied before the first step
+    used = [(next(steps), backend.ledger().blocks_used)[1] for _ in trace.ops]
+    assert used == [3, 3, 0]  # ceil(40 / 16) = 3; 41 tokens still fit 3 * 16; freed
+    assert next(steps, None) is None  # one step an operation, then done
+
+
 def test_the_asv_suite_replays_through_the_harness_driver():
     assert common.replay is not driver.replay  # common's wrapper ...
     assert common._driver_replay is driver.replay  # ... calls the driver at this commit
@@ -423,6 +434,27 @@ def test_sample_times_blocks_and_reuses_fixtures(clock, monkeypatch):
     assert planted == pytest.approx([math.log(2.0 / 1.25)] * 2, abs=1e-3)
 
 
+def test_sample_of_a_gate_that_times_its_own_blocks(monkeypatch):
+    calls = []
+
+    def block(factory, slowdown):
+        calls.append((factory, slowdown))
+        return 2.0, 1.0 * slowdown
+
+    monkeypatch.setitem(R.RATIO_GATES, "fake", R.RatioGate("fake", "2 s / 1 s", block, 4,
+                                                          times_blocks=True))
+    assert R.sample("fake", factory="f", slowdown=1.25) == pytest.approx([math.log(2.0 / 1.25)] * 4)
+    assert calls == [("f", 1.25)] * 5  # a warm-up block, then the 4 it keeps
+
+
+def test_the_checker_gate_refuses_a_checker_that_fails():
+    # a backend taking a block too many per prefill: the checker stops at its ledger, and a
+    # timing of a replay that stopped early would time less than the trace
+    cfg = suite.config_for(R._decode_trace())
+    with pytest.raises(AssertionError, match="check_vs_replay: the checker failed its own trace"):
+        R.check_vs_replay(lambda: WastefulNumpy(cfg))
+
+
 def test_gates_command_exit_code(tmp_path, capsys):
     """`kvbench gates` exits 1 on a drift and says what moved."""
     expected = G.read_expected()
@@ -437,14 +469,15 @@ def test_gates_command_exit_code(tmp_path, capsys):
     assert f"peak_blocks moved from {figs['peak_blocks'] - 1} to {figs['peak_blocks']} (WORSE" in out
 
 
-@pytest.mark.timing  # uncompiled: 0.155 of a copy at load 2, against a floor of 0.15 (typical / 3)
 def test_the_numpy_steps_fail_the_quantize_gate():
+    # the steps as the subject time what the reference times: a ratio near 1, the baseline's ~3.8
     from impls import quant_kernels, quant_numpy
     if not quant_kernels.available()[0]:
         pytest.skip(quant_kernels.available()[1])
     steps = lambda x, scheme, out=None: quant_numpy.quantize(x, scheme, out=out, compiled=False)  # noqa: E731
-    result = R.ratio_gate("quantize_vs_copy", factory=steps, blocks=5, slowdown=1.0)
+    result = R.ratio_gate("quantize_vs_steps", factory=steps, blocks=5, slowdown=1.0)
     assert not result.ok, f"the uncompiled steps passed: {result}"
+    print(result)
 
 
 def test_gates_command_without_a_baseline(tmp_path, capsys, monkeypatch):
