@@ -91,15 +91,12 @@ def _canonical(x):
 
 
 def trace_digest(trace) -> str:
-    """A digest of the trace's header and operations (kept on the trace: computed once)."""
-    cached = getattr(trace, "_expectations_digest", None)
-    if cached is not None:
-        return cached
+    """A digest of the trace's header and operations, as they are now (a trace changed in place
+    gets another: it is never kept on the trace)."""
     h = hashlib.sha256(json.dumps(_canonical(trace.header.to_dict())).encode())
     for op in trace.ops:
         h.update(json.dumps(op_to_dict(op)).encode())
-    trace._expectations_digest = h.hexdigest()
-    return trace._expectations_digest
+    return h.hexdigest()
 
 
 def key(trace, oracle, gather: str) -> str:

@@ -5,6 +5,7 @@ give is an ERROR, never a verdict on the backend."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,14 @@ def test_a_changed_trace_setting_or_oracle_code_never_reads_them(tmp_path, monke
     assert check(FORKS, NumpyPaged(cfg), gather="all", cache=tmp_path).expectations == "stored"
     monkeypatch.setattr(expectations, "oracle_version", lambda: "another oracle")
     assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "stored"
+
+
+def test_a_trace_changed_in_place_after_a_check_is_never_read_with_its_old_key(tmp_path):
+    trace = make_trace(P(0, 40), K(1, 0), A((0, 1), (1, 1)), X(0), X(1), name="in-place")
+    assert check(trace, NumpyPaged(make_config()), cache=tmp_path).expectations == "stored"
+    trace.ops[0] = dataclasses.replace(trace.ops[0], tokens=41)  # the same operations, one longer
+    v = check(trace, NumpyPaged(make_config()), cache=tmp_path)
+    assert (v.status, v.expectations) == ("pass", "stored")
 
 
 def test_the_oracle_version_follows_its_sources(tmp_path, monkeypatch):
