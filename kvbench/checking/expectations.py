@@ -142,7 +142,7 @@ class Recorder:
             index = self.tenants
             rows += [[index.setdefault(t, len(index)) for t in usage], list(usage.values())]
             for r in rows:
-                self.flat.extend(r)  # a float, a bool or a name raises TypeError
+                self.flat.extend(r)  # a float or a name raises TypeError
                 self.lengths.append(len(r))
             if not all(isinstance(t, str) for t in usage):
                 raise TypeError("a tenant that is not a name")
