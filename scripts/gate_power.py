@@ -9,6 +9,7 @@ runs, no false alarm in 20) and one of 1.1, 1.5, 2 in turn.
 
     nice -n 10 .venv/bin/python scripts/gate_power.py              # 20 rounds: 60 runs
     nice -n 10 .venv/bin/python scripts/gate_power.py --rounds 5
+    nice -n 10 .venv/bin/python scripts/gate_power.py --levels 1,1.1,1.25,1.5,2   # 100 runs
 
 Writes results/gates/power.csv and power.md (rewritten after every run, so a stopped campaign
 leaves what it measured) and power_runs.jsonl (its provenance, then every gate's verdict in
@@ -51,8 +52,12 @@ def one_run() -> None:
                       "cpu_s": time.process_time() - c0, "load_average": os.getloadavg()}))
 
 
-def schedule(rounds: int, side_every: int) -> list[float]:
-    """Levels 1 and 1.25 in every round; one of 1.1, 1.5, 2 in turn every ``side_every`` rounds."""
+def schedule(rounds: int, side_every: int, every: list[float] | None = None) -> list[float]:
+    """Levels 1 and 1.25 in every round; one of 1.1, 1.5, 2 in turn every ``side_every`` rounds.
+    With ``every``: each of those levels in every round, the order turned by one each round (so
+    that no level always follows another)."""
+    if every:
+        return [every[(i + k) % len(every)] for i in range(rounds) for k in range(len(every))]
     levels = []
     for i in range(rounds):
         levels += [1.0, GOAL_LEVEL]
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20, help="rounds (default 20)")
     ap.add_argument("--side-every", type=int, default=1,
                     help="run one of 1.1x, 1.5x, 2x every this many rounds (default: every round)")
+    ap.add_argument("--levels", type=lambda v: [float(x) for x in v.split(",")],
+                    help="comma-separated levels, each run in every round (e.g. 1,1.1,1.25,1.5,2)")
     ap.add_argument("--resume", action="store_true",
                     help="go on with the campaign in power_runs.jsonl (its schedule, its provenance)")
     ap.add_argument("--report", action="store_true",
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
         prov["resumed"] = prov.get("resumed", []) + [commit_info()["commit"]]
     else:
         raw.write_text(json.dumps({"provenance": prov}) + "\n")
-    for i, level in enumerate(schedule(args.rounds, args.side_every)):
+    for i, level in enumerate(schedule(args.rounds, args.side_every, args.levels)):
         if i < len(runs):
             assert runs[i]["level"] == level, f"run {i + 1}: not the schedule of --resume's campaign"
             continue
