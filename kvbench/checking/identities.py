@@ -101,7 +101,9 @@ class Figures:
         expected = self._expected(seqs)
         why, differs = self.mirror.apply(state, led, seqs, expected, self._leases())
         if why is None and self.exact:
-            self.found = compare_structures(expected, state, whole=False)
+            keys, flat = self.mirror.flat
+            self.found = compare_structures(expected, state, whole=False,
+                                            actual_flat=flat if keys == expected.tables.keys() else None)
             if self.found is None and differs is not None:  # the whole lists name where
                 self.found = compare_structures(self.oracle.block_state(), self._read(None, None)) \
                     or differs
@@ -214,8 +216,9 @@ class Mirror:
         old = [ids for s in seqs for ids in self.tables.pop(s, ())]
         old = np.concatenate(old) if old else np.zeros(0, np.int64)
         tables = {s: state.tables[s] for s in seqs if s in state.tables}
-        flat = _flatten(tables)
-        new = np.concatenate([ids for ids, _ in flat]) if flat else np.zeros(0, np.int64)
+        flat = _flatten_counted(tables)
+        self.flat = (tables.keys(), flat)  # the block-id comparison after this reads them too
+        new = np.concatenate([ids for ids, _, _ in flat]) if flat else np.zeros(0, np.int64)
         leases = _copy_leases(leases or NO_LEASES)
         leased = np.fromiter(_moved_leases(self.leases, leases), dtype=np.int64)
         self.leases = leases
@@ -252,11 +255,12 @@ class Mirror:
         return _count_identities(self.size, len(self.cached), self.used, led, self.N)
 
     def _add_tables(self, tables: dict, flat: list):
-        """Count the tables' entries in (``flat``: :func:`_flatten` of them); the first table
-        identity that fails, or None."""
-        for s in tables:
-            self.tables[s] = [_held(t) for t in tables[s]]
-        for g, (ids, owner) in enumerate(flat):
+        """Count the tables' entries in (``flat``: :func:`_flatten_counted` of them); the first
+        table identity that fails, or None."""
+        pieces = [_held_pieces(ids, lengths) for ids, _, lengths in flat]
+        for i, s in enumerate(sorted(tables)):
+            self.tables[s] = [p[i] for p in pieces]
+        for g, (ids, owner, _) in enumerate(flat):
             why = _group_identities(g, ids, owner, self.ref, self.count, self.holders, self.group, self.N)
             if why:
                 return why
@@ -510,23 +514,53 @@ def _group_identities(g: int, ids, owner, ref, seen, holders, group, N: int):
 
 def _flatten(tables: dict) -> list:
     """Per group: every table entry of the given sequences (in sequence order) and its owner."""
+    return [(ids, owner) for ids, owner, _ in _flatten_counted(tables)]
+
+
+def _flatten_counted(tables: dict) -> list:
+    """Per group: (entries, owners, entries per sequence), the sequences in order."""
     seqs = sorted(tables)
     if not seqs:
         return []
+    owners = np.asarray(seqs, dtype=np.int64)
     out = []
     for g in range(len(tables[seqs[0]])):
-        parts = [np.asarray(tables[s][g], dtype=np.int64).reshape(-1) for s in seqs]
-        ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        out.append((ids, np.repeat(np.asarray(seqs, dtype=np.int64), [len(p) for p in parts])))
+        column = [tables[s][g] for s in seqs]
+        try:  # one call over 1-D tables of integers, the usual case; anything else piece by piece
+            ids = np.concatenate(column, dtype=np.int64, casting="same_kind")
+            lengths = [len(t) for t in column]
+            if ids.ndim != 1 or len(ids) != sum(lengths):
+                raise ValueError
+        except (ValueError, TypeError):
+            parts = [np.asarray(t, dtype=np.int64).reshape(-1) for t in column]
+            ids = np.concatenate(parts)
+            lengths = [len(p) for p in parts]
+        out.append((ids, np.repeat(owners, lengths), lengths))
     return out
 
 
-def compare_structures(expected: BlockState, actual: BlockState, whole: bool = True):
+def _held_pieces(ids, lengths) -> list:
+    """A group's entries (``ids``, ``lengths`` of them per sequence) as each sequence's held ids,
+    as :func:`_held` gives them: views into one array."""
+    held = ids != -1
+    if not held.all():
+        ids = ids[held]
+        lengths = np.bincount(np.repeat(np.arange(len(lengths)), lengths)[held], minlength=len(lengths))
+    ends = np.cumsum(lengths).tolist()
+    return [ids[a:b] for a, b in zip([0] + ends, ends)]  # np.split costs microseconds a piece
+
+
+def compare_structures(expected: BlockState, actual: BlockState, whole: bool = True,
+                       actual_flat=None):
     """Block ids one by one (a backend declaring ``block_ids``): the tables of the sequences
-    ``expected`` covers and, ``whole``, the free order and the cached order."""
-    same = set(expected.tables) <= set(actual.tables) and all(
-        np.array_equal(e_ids, a_ids) and np.array_equal(e_own, a_own) for (e_ids, e_own), (a_ids, a_own)
-        in zip(_flatten(expected.tables), _flatten({s: actual.tables[s] for s in expected.tables})))
+    ``expected`` covers and, ``whole``, the free order and the cached order. ``actual_flat``:
+    :func:`_flatten_counted` of ``actual``'s tables of those sequences, where already made."""
+    same = set(expected.tables) <= set(actual.tables)
+    if same:
+        theirs = actual_flat if actual_flat is not None else \
+            _flatten_counted({s: actual.tables[s] for s in expected.tables})
+        same = all(np.array_equal(e_ids, a_ids) and e_n == a_n for (e_ids, _, e_n), (a_ids, _, a_n)
+                   in zip(_flatten_counted(expected.tables), theirs))
     if not same:  # which sequence and group
         for s in sorted(expected.tables):
             e, a = expected.tables[s], actual.tables.get(s)

@@ -134,3 +134,22 @@ def test_the_oracle_changes_rebuild_its_whole_structures():
             cached = cached + [b] if entered else [x for x in cached if x != b]
         whole = copy.deepcopy(o).block_state()
         assert (np.asarray(free).tolist(), cached) == (whole.free.tolist(), list(whole.cached)), step
+
+
+def test_tables_flattened_in_one_call_hold_what_each_table_holds():
+    """The mirror flattens a group's tables in one call where they are 1-D integer arrays or
+    lists, and piece by piece otherwise; each sequence's held ids must be its own table's
+    entries but the -1 of released blocks, whatever the form."""
+    from kvbench.checking.identities import _flatten_counted, _held, _held_pieces
+    tables = {7: [np.array([3, -1, 4], np.int32), [5]],
+              2: [[], np.array([-1, -1], np.int64)],
+              9: [np.array([[8, 9]]), np.array(6)],  # a 2-D table and a 0-d one: piece by piece
+              4: [[10, 11], []]}
+    flat = _flatten_counted(tables)
+    assert [n for _, _, n in flat] == [[0, 2, 3, 2], [2, 0, 1, 1]]  # sequences 2, 4, 7, 9
+    assert flat[0][0].tolist() == [10, 11, 3, -1, 4, 8, 9]
+    assert flat[0][1].tolist() == [4, 4, 7, 7, 7, 9, 9]  # the owner of each entry
+    for g, (ids, _, lengths) in enumerate(flat):
+        pieces = _held_pieces(ids, lengths)
+        for s, piece in zip(sorted(tables), pieces):
+            assert piece.tolist() == _held(tables[s][g]).tolist(), (s, g)
