@@ -447,6 +447,55 @@ def test_sample_of_a_gate_that_times_its_own_blocks(monkeypatch):
     assert calls == [("f", 1.25)] * 5  # a warm-up block, then the 4 it keeps
 
 
+def slow_blocks(monkeypatch, slow_for: int, factor: float = 1.5) -> list:
+    """Gate "fake", 10 blocks of 2 s / 1 s timed by itself, the subject ``factor`` times slower in
+    its first ``slow_for`` blocks (the warm-up block of each sample counted); the calls made."""
+    calls = []
+
+    def block(factory, slowdown):
+        calls.append(factory)
+        return 2.0, factor if len(calls) <= slow_for else 1.0
+
+    monkeypatch.setitem(R.RATIO_GATES, "fake", R.RatioGate("fake", "2 s / 1 s", block, 10,
+                                                          times_blocks=True))
+    return calls
+
+
+FAKE_BASELINE = {"gates": {"fake": {"log_ratios": [math.log(2.0)] * 10}}}
+
+
+def test_a_slowdown_in_both_samples_fails(monkeypatch):
+    calls = slow_blocks(monkeypatch, slow_for=10 ** 6)
+    result = R.ratio_gate("fake", FAKE_BASELINE, slowdown=1.0)
+    # every block reads ln(2 / 1.5), the baseline's ln 2: a shift of ln 1.5 in both samples
+    assert result.slowdown == pytest.approx(1.5) and result.recheck.slowdown == pytest.approx(1.5)
+    assert not result.first_ok and not result.ok
+    assert "sampled again: 1.5x slower" in str(result) and str(result).count("FAIL") == 1
+    assert len(calls) == 2 * 11  # two samples, each a warm-up block and its 10
+
+
+def test_a_slowdown_in_the_first_sample_only_passes(monkeypatch):
+    # a neighbour's burst over the first sample (its warm-up and 10 blocks), gone by the second
+    calls = slow_blocks(monkeypatch, slow_for=11)
+    result = R.ratio_gate("fake", FAKE_BASELINE, slowdown=1.0)
+    assert result.slowdown == pytest.approx(1.5) and not result.first_ok
+    assert result.recheck.slowdown == pytest.approx(1.0) and result.ok
+    assert str(result).endswith("sampled again: 1x slower, >= 1x: ok")
+    assert len(calls) == 22
+
+
+def test_a_gate_that_passes_is_sampled_once(monkeypatch):
+    calls = slow_blocks(monkeypatch, slow_for=0)
+    result = R.ratio_gate("fake", FAKE_BASELINE, slowdown=1.0)
+    assert result.ok and result.recheck is None and len(calls) == 11
+
+
+def test_without_confirmation_one_failing_sample_fails(monkeypatch):
+    slow_blocks(monkeypatch, slow_for=11)
+    result = R.ratio_gate("fake", FAKE_BASELINE, slowdown=1.0, confirm=False)
+    assert result.recheck is None and not result.ok
+
+
 def test_the_checker_gate_refuses_a_checker_that_fails():
     # a backend taking a block too many per prefill: the checker stops at its ledger, and a
     # timing of a replay that stopped early would time less than the trace
