@@ -37,6 +37,11 @@ from kvbench.contract.protocol import (
 POLICIES = ("lru", "lfu", "fair")
 DENSE_IDS = 1 << 20  # sequence ids below this are looked up in an array, others in a dict
 SMALL_BATCH = 8  # decode steps of at most this many sequences take the scalar path
+SMALL_PREFILL = 8  # prefills and frees of at most this many blocks (of one group) too
+# What the scalar prefill and release paths stand in for: a subclass overriding one (a planted
+# fault) takes the vector paths, where its override is
+SCALAR_PATH_OF = ("_prefill", "_take", "_fill_row", "_set_fill", "_new_row", "_grow_cols",
+                  "_release_row", "_row_blocks", "_release_blocks", "_give_back")
 
 
 COMMIT_BYTES = 16 << 20  # a pool commits its memory at least this much at a time
@@ -126,6 +131,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                                      and type(self)._decode_one is NumpyPaged._decode_one
                                      and paged_kernels.kernels() is not None)
         self.scratch = np.zeros((4, 0), dtype=np.int64)  # its rows, tails, fills and slots
+        self.scalar_rows = (self.G == 1 and not self.releasing and not any(self.kept)
+                            and not self.state_groups
+                            and all(getattr(type(self), m) is getattr(NumpyPaged, m)
+                                    for m in SCALAR_PATH_OF))
         self.no_blocks = np.zeros(0, dtype=np.intp)
         self.last_batch = None  # (the last compiled step's ids, as given, and as an array)
 
@@ -329,17 +338,21 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
-        blocks = self._row_blocks(r)
-        if r in self.sharing_rows or self.hash_of:
-            self.sharing_rows.discard(r)
-            self._release_blocks(blocks)
-        else:  # every block of the row is its own: all of them go back
-            self.refcount[blocks] = 0
-            self._give_back(blocks)
-        nb = self.nblocks[r]
-        for t, f in zip(self.tables, self.first):
-            t[r, :nb] = -1
-            f[r] = 0
+        if (self.scalar_rows and not self.hash_of and r not in self.sharing_rows
+                and self.nblocks.item(r) <= SMALL_PREFILL):
+            self._release_small(r)
+        else:
+            blocks = self._row_blocks(r)
+            if r in self.sharing_rows or self.hash_of:
+                self.sharing_rows.discard(r)
+                self._release_blocks(blocks)
+            else:  # every block of the row is its own: all of them go back
+                self.refcount[blocks] = 0
+                self._give_back(blocks)
+            nb = self.nblocks[r]
+            for t, f in zip(self.tables, self.first):
+                t[r, :nb] = -1
+                f[r] = 0
         self.nblocks[r] = 0
         self.res_total -= int(self.res_row[r])
         self.res_row[r] = 0
@@ -348,6 +361,26 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.live[r] = False
         self.seq_of_row[r] = -1
         self.free_rows.append(r)
+
+    def _release_small(self, r: int) -> None:
+        """_release_row's blocks of a row of a few blocks, each its own and uncached (one group,
+        nothing released): pushed back on the free stack from the tail, by scalar reads and
+        writes (the vector path costs ~15 NumPy calls whatever the row holds)."""
+        table, first, refcount, fill, stack = self.tables[0], self.first[0], self.refcount, self.fill, self.free_stack
+        nb, lo, top, filled = self.nblocks.item(r), first.item(r), self.free_top, 0
+        for i in range(nb - 1, lo - 1, -1):
+            b = table.item(r, i)
+            refcount[b] = 0
+            filled += fill.item(b)
+            fill[b] = 0
+            stack[top] = b
+            top += 1
+        table[r, :nb] = -1
+        first[r] = 0
+        self.free_top = top
+        self.n_used -= nb - lo
+        self.group_used[0] -= nb - lo
+        self.filled -= filled
 
     def _drop_row(self, r: int) -> None:
         seq = int(self.seq_of_row[r])
@@ -508,6 +541,8 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
         if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
+            if self.scalar_rows and n <= SMALL_PREFILL:
+                return self._prefill_small(seq, tokens, kv, tenant, final_tokens, step, n)
             r = self._new_row(seq)
             self._grow_cols(n)
             ids = self._take(self.G * n)
@@ -549,6 +584,33 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                     self.hash_of[int(ids[g][i])] = (g, keys[i])
         return self._fill_row(r, ids, first, tokens, kv, tenant, final_tokens, step, L, victims)
 
+    def _prefill_small(self, seq, tokens, kv, tenant, final_tokens, step, n):
+        """_prefill's row of a few blocks of one group from the free stack, nothing to look up or
+        evict, by scalar reads and writes (the vector path costs ~25 NumPy calls whatever the
+        size); the same blocks, in the same order, as _take and _fill_row give."""
+        r = self._new_row(seq)
+        self._grow_cols(n)
+        table, stack, refcount, fill, group = self.tables[0], self.free_stack, self.refcount, self.fill, self.block_group
+        top, B, filled, ids = self.free_top, self.B, 0, []
+        for i in range(n):
+            b = stack.item(top - 1 - i)
+            ids.append(b)
+            table[r, i] = b
+            refcount[b] = 1
+            f = B if i < n - 1 else tokens - (n - 1) * B
+            filled += f - fill.item(b)
+            fill[b] = f
+            group[b] = 0
+        self.free_top = top - n
+        self.first[0][r] = 0
+        self.n_used += n
+        self.group_used[0] += n
+        self.filled += filled
+        if self.pool is not None and n and max(ids) >= self.ready:
+            self._commit(max(ids) + 1)
+        return self._row_filled(r, n, None if self.pool is None else [np.array(ids, dtype=np.intp)],
+                                tokens, kv, tenant, final_tokens, step)
+
     def _fill_row(self, r, ids, first, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
         """A new row: per group its blocks by position (-1 below ``first``), filled in order."""
         n = len(ids[0])
@@ -564,6 +626,11 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                 fills[:] = self.B
                 fills[-1] = tokens - (n - 1) * self.B
                 self._set_fill(held, fills)
+        return self._row_filled(r, n, ids, tokens, kv, tenant, final_tokens, step, n_hit, victims)
+
+    def _row_filled(self, r, n, ids, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
+        """A new row of ``n`` blocks: its figures, and its K/V written into its blocks ``ids``
+        (per group; None when the pool keeps no K/V)."""
         self.dirty.add(r)
         self.nblocks[r] = n
         self.tokens[r] = tokens
