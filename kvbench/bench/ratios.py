@@ -16,10 +16,11 @@ estimate is above ``FACTOR`` *and* the bound above 1: asv's rule for ``asv conti
 1.25x: on this loaded 2-core machine a run's estimate moved by a standard deviation of 1-9%
 (results/gates/power.md), so that a threshold halfway gives either side the same margin.
 
-A gate that fails is sampled once more, on fresh fixtures, and fails only if that second sample
-fails too. One sample in 20 of an unchanged tree read 1.12-1.13x on one of the eight gates when
-a neighbour's burst fell on its blocks; a burst seldom falls on two samples in a row, while a
-real regression is in both (the campaign in results/gates/power.md counts either way).
+A gate that fails is sampled once more, on fresh fixtures, and decided again on both samples'
+blocks together (twice the blocks: a narrower bound, and a burst of load over one sample weighs
+half). One run in 20 of an unchanged tree read 1.12-1.13x on one of the eight gates when a
+neighbour's burst fell on its blocks, while a regression is in every block
+(results/gates/power.md tables the verdicts of the first sample alone and of both).
 
 Times are CPU times of this process (``time.process_time``: user and system, all threads), not
 wall times: on a shared machine the wall time of a step counts the time other processes held
@@ -507,7 +508,8 @@ class RatioResult:
     lower: float = float("nan")
     planted: float = 1.0
     factor: float = FACTOR
-    recheck: "RatioResult | None" = None  # the second sample, taken when the first failed
+    # both samples' blocks together, decided again, when the first sample failed
+    recheck: "RatioResult | None" = None
 
     def __post_init__(self):
         if self.log_ratios and self.baseline:
@@ -523,13 +525,13 @@ class RatioResult:
 
     @property
     def first_ok(self) -> bool:
-        """Whether the first sample passed (a failing one is confirmed by ``recheck``)."""
+        """Whether the first sample passed (a failing one is decided again by ``recheck``)."""
         return bool(self.skipped) or not self.baseline or not (
             self.slowdown > self.factor and self.lower > 1)
 
     @property
     def ok(self) -> bool:
-        return self.first_ok or (self.recheck is not None and self.recheck.ok)
+        return self.first_ok if self.recheck is None else self.recheck.ok
 
     def __str__(self) -> str:
         if self.skipped:
@@ -543,8 +545,8 @@ class RatioResult:
         state = "ok" if self.ok else "FAIL"
         again = self.recheck
         if again is not None:
-            state = (f"over it; sampled again: {again.slowdown:.3g}x slower, >= "
-                     f"{again.lower:.3g}x: {state}")
+            state = (f"over it; sampled again, both samples' {len(again.log_ratios)} blocks: "
+                     f"{again.slowdown:.3g}x slower, >= {again.lower:.3g}x: {state}")
         return (f"ratio {self.name}: median {self.median:.3g} ({spread}), baseline "
                 f"{self.typical:.3g} ({len(self.baseline)} blocks): {self.slowdown:.3g}x slower, "
                 f">= {self.lower:.3g}x at {1 - ALPHA:.0%}; fails above {self.factor:g}x: {state}"
@@ -577,7 +579,7 @@ def ratio_gate(name: str, baseline: dict | None = None, *, factory=None,
     """Gate ``name`` against ``baseline`` (default: results/gates/ratios.json); ``factory``
     builds the subject (default: the NumPy backend); ``slowdown`` plants one (default: from
     ``KVBENCH_GATE_SLOWDOWN``, a measurement hook); ``factor``: the slowdown it fails above;
-    ``confirm``: a failing first sample is sampled again, and the gate fails if both do."""
+    ``confirm``: a failing first sample is sampled again, and decided on both."""
     planted = {name: planted_slowdowns().get(name, 1.0) if slowdown is None else slowdown}
     return ratio_gates(baseline, [name], blocks, factor, factory=factory, slowdowns=planted,
                        confirm=confirm)[0]
@@ -589,24 +591,24 @@ def ratio_gates(baseline: dict | None = None, names=None, blocks: int | None = N
     """Every gate (or those ``names`` names) against ``baseline``, timed in turn block by block
     (:func:`sample_in_turn`); ``blocks`` per gate (default: each one's own count); ``slowdowns``
     planted ({gate: factor}; default: ``KVBENCH_GATE_SLOWDOWN``'s). With ``confirm``, the gates
-    that fail are sampled again, in turn, and fail only if that sample fails too."""
+    that fail are sampled again, in turn, and decided again on both samples' blocks."""
     baseline = read_baseline() if baseline is None else baseline
     names = list(names or RATIO_GATES)
     planted = planted_slowdowns() if slowdowns is None else slowdowns
 
-    def judged(names):
-        logs, skipped = sample_in_turn({n: blocks or RATIO_GATES[n].blocks for n in names},
-                                       factory=factory, slowdowns=planted)
-        return {n: RatioResult(n, [], baseline_of(baseline, n), skipped=skipped[n], factor=factor)
-                if n in skipped else RatioResult(n, logs[n], baseline_of(baseline, n),
-                                                 planted=planted.get(n, 1.0), factor=factor)
-                for n in names}
+    def judged(name, logs):
+        return RatioResult(name, logs, baseline_of(baseline, name), planted=planted.get(name, 1.0),
+                           factor=factor)
 
-    results = judged(names)
-    failed = [n for n, r in results.items() if not r.ok]
+    counts = {n: blocks or RATIO_GATES[n].blocks for n in names}
+    logs, skipped = sample_in_turn(counts, factory=factory, slowdowns=planted)
+    results = {n: RatioResult(n, [], baseline_of(baseline, n), skipped=skipped[n], factor=factor)
+               if n in skipped else judged(n, logs[n]) for n in names}
+    failed = {n: counts[n] for n, r in results.items() if not r.ok}
     if confirm and failed:
-        for n, again in judged(failed).items():
-            results[n].recheck = again
+        more, _ = sample_in_turn(failed, factory=factory, slowdowns=planted)
+        for n, second in more.items():
+            results[n].recheck = judged(n, results[n].log_ratios + second)
     return [results[n] for n in names]
 
 
