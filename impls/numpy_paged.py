@@ -339,7 +339,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     def _release_row(self, r: int) -> None:
         """Drop one reference per block of the row; blocks at zero go back to the pool."""
         if (self.scalar_rows and not self.hash_of and r not in self.sharing_rows
-                and self.nblocks.item(r) <= SMALL_PREFILL):
+                and self.nblocks.item(r) <= SMALL_PREFILL and self._arrays_as_built()):
             self._release_small(r)
         else:
             blocks = self._row_blocks(r)
@@ -361,6 +361,11 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.live[r] = False
         self.seq_of_row[r] = -1
         self.free_rows.append(r)
+
+    def _arrays_as_built(self) -> bool:
+        """Fills and counts of the dtype __init__ gave them: a planted fault's narrower one takes
+        the vector paths, as it is (a scalar write out of its range raises; a vector one wraps)."""
+        return self.fill.dtype == np.int32 and self.refcount.dtype == np.int32
 
     def _release_small(self, r: int) -> None:
         """_release_row's blocks of a row of a few blocks, each its own and uncached (one group,
@@ -541,7 +546,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
 
     def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
         if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
-            if self.scalar_rows and n <= SMALL_PREFILL:
+            if self.scalar_rows and n <= SMALL_PREFILL and self._arrays_as_built():
                 return self._prefill_small(seq, tokens, kv, tenant, final_tokens, step, n)
             r = self._new_row(seq)
             self._grow_cols(n)

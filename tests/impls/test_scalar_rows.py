@@ -81,6 +81,14 @@ def test_what_the_scalar_paths_do_not_decide_takes_the_vector_paths():
     cached.free(0)
     assert cached.scalar_rows and cached.scalar_prefills == cached.scalar_releases == 0
 
+    # fills narrowed after __init__ (impls/faults_edges.FillInUint8): a scalar write past their
+    # range raises where the vector path's wraps, as the fault means it to
+    narrow = ScalarCounted(make_config(store_kv=False))
+    narrow.fill = narrow.fill.astype(np.uint8)
+    narrow.prefill(0, Prompt(20))
+    narrow.free(0)
+    assert narrow.scalar_prefills == narrow.scalar_releases == 0
+
     class TakesOwnBlocks(NumpyPaged):
         def _take(self, n):
             return super()._take(n)
