@@ -470,18 +470,6 @@ def sample_in_turn(counts: dict, *, factory=None, slowdowns: dict | None = None)
             del logs[name]
 
 
-def sample(name: str, *, factory=None, blocks: int | None = None, slowdown: float = 1.0) -> list:
-    """The log ratios (ln reference / subject seconds) of ``blocks`` blocks of gate ``name``
-    (default: its own count); ``factory`` builds the subject (default: the NumPy backend),
-    ``slowdown`` plants a busy wait after each subject call (a measurement hook). Raises
-    NotImplementedError when the gate cannot run here."""
-    logs, skipped = sample_in_turn({name: RATIO_GATES[name].blocks if blocks is None else blocks},
-                                   factory=factory, slowdowns={name: slowdown})
-    if skipped:
-        raise NotImplementedError(skipped[name])
-    return logs[name]
-
-
 def compare(baseline, candidate, *, alpha: float = ALPHA) -> tuple[float, float]:
     """(slowdown, lower bound): the candidate's slowdown against the baseline, exp of the
     Hodges-Lehmann shift (the median of every baseline log ratio less every candidate's), and

@@ -425,11 +425,11 @@ def test_sample_times_blocks_and_reuses_fixtures(clock, monkeypatch):
 
     monkeypatch.setitem(R.RATIO_GATES, "fake", R.RatioGate("fake", "2 s / 1 s", pair, 5, trials=3,
                                                           reuse=2))
-    logs = R.sample("fake", factory="f")
+    (logs,) = R.sample_in_turn({"fake": 5}, factory="f")[0].values()
     assert built == ["f"] * 3  # 3 = ceil(5 blocks / 2 a set)
     # ln(2 / 1) up to the clock's reads (2 of 1e-4 a timing)
     assert logs == pytest.approx([math.log(2.0)] * 5, abs=1e-3)
-    planted = R.sample("fake", blocks=2, slowdown=1.25)
+    (planted,) = R.sample_in_turn({"fake": 2}, slowdowns={"fake": 1.25})[0].values()
     # ln(2 / 1.25): the subject's second is followed by a quarter second's wait
     assert planted == pytest.approx([math.log(2.0 / 1.25)] * 2, abs=1e-3)
 
@@ -443,7 +443,8 @@ def test_sample_of_a_gate_that_times_its_own_blocks(monkeypatch):
 
     monkeypatch.setitem(R.RATIO_GATES, "fake", R.RatioGate("fake", "2 s / 1 s", block, 4,
                                                           times_blocks=True))
-    assert R.sample("fake", factory="f", slowdown=1.25) == pytest.approx([math.log(2.0 / 1.25)] * 4)
+    (logs,) = R.sample_in_turn({"fake": 4}, factory="f", slowdowns={"fake": 1.25})[0].values()
+    assert logs == pytest.approx([math.log(2.0 / 1.25)] * 4)
     assert calls == [("f", 1.25)] * 5  # a warm-up block, then the 4 it keeps
 
 
