@@ -1,15 +1,16 @@
 """How often the ratio gates catch a planted slowdown, and how often an unchanged tree fails them.
 
-Each run is a fresh process running every ratio gate once (as `kvbench gates --skip-exact` does)
-with the measurement hook KVBENCH_GATE_SLOWDOWN set to one level: 1 (the unchanged tree: a
-failure is a false alarm), 1.1, 1.25, 1.5 or 2 (every gated subject that many times slower: a
-failure is a detection). Levels are interleaved run by run, so that the machine's load drifts
+Each run is a fresh process running every ratio gate (or those --gates names) once (as
+`kvbench gates --skip-exact` does) with the measurement hook KVBENCH_GATE_SLOWDOWN set to one
+level: 1 (the unchanged tree: a failure is a false alarm), 1.1, 1.25, 1.5 or 2 (every gated
+subject that many times slower: a failure is a detection). Levels are interleaved run by run, so that the machine's load drifts
 over all of them alike. Round i runs levels 1 and 1.25 (the goal: 1.25x caught in >= 19 of 20
 runs, no false alarm in 20) and one of 1.1, 1.5, 2 in turn.
 
     nice -n 10 .venv/bin/python scripts/gate_power.py              # 20 rounds: 60 runs
     nice -n 10 .venv/bin/python scripts/gate_power.py --rounds 5
     nice -n 10 .venv/bin/python scripts/gate_power.py --levels 1,1.1,1.25,1.5,2   # 100 runs
+    nice -n 10 .venv/bin/python scripts/gate_power.py --gates check_vs_replay --levels 1,1.25
 
 A gate's verdict is the gates' own: a failing first sample is sampled again, and the gate is
 decided again on both samples' blocks. power.md gives that verdict and, beside it, the first
@@ -46,11 +47,11 @@ GOAL_LEVEL = 1.25
 SIDE_LEVELS = (1.1, 1.5, 2.0)
 
 
-def one_run() -> None:
+def one_run(names=None) -> None:
     """Child: every ratio gate once, under the slowdown in the environment; one JSON line."""
     t0, c0 = time.perf_counter(), time.process_time()
     out = {}
-    for r in R.ratio_gates():
+    for r in R.ratio_gates(names=names):
         out[r.name] = {"failed": not r.ok, "failed_first": not r.first_ok, "skipped": r.skipped,
                        "slowdown": r.slowdown, "lower": r.lower, "median_ratio": r.median,
                        "blocks": len(r.log_ratios), "log_ratios": [round(x, 5) for x in r.log_ratios]}
@@ -60,6 +61,14 @@ def one_run() -> None:
                                                      r.recheck.log_ratios[len(r.log_ratios):]]}
     print(json.dumps({"gates": out, "wall_s": time.perf_counter() - t0,
                       "cpu_s": time.process_time() - c0, "load_average": os.getloadavg()}))
+
+
+def baseline_provenance(names=None) -> dict:
+    """Where the baseline of the gates run was recorded: a gate re-recorded alone
+    (`kvbench gates --ratio NAME --update-ratios`) carries its own provenance."""
+    baseline = R.read_baseline()
+    own = [baseline["gates"].get(n, {}).get("recorded") for n in names or ()]
+    return own[0] if own and all(r and r == own[0] for r in own) else baseline.get("recorded", {})
 
 
 def schedule(rounds: int, side_every: int, every: list[float] | None = None) -> list[float]:
@@ -119,7 +128,7 @@ def markdown_table(rows: list[dict], levels: list[float]) -> list[str]:
     return lines
 
 
-def write(runs: list[dict], prov: dict) -> None:
+def write(runs: list[dict], prov: dict, stem: str = "power") -> None:
     rows = table(runs)
     both = ([{"verdict": "both samples", **row} for row in rows]
             + [{"verdict": "first sample", **row} for row in table(runs, "failed_first")])
@@ -127,7 +136,7 @@ def write(runs: list[dict], prov: dict) -> None:
     w = csv.DictWriter(buf, fieldnames=list(both[0]))
     w.writeheader()
     w.writerows(both)
-    write_text(OUT / "power.csv", buf.getvalue())
+    write_text(OUT / f"{stem}.csv", buf.getvalue())
     levels = sorted({r["level"] for r in runs})
     walls = sorted(r["wall_s"] for r in runs)
     cpus = sorted(r["cpu_s"] for r in runs if "cpu_s" in r)
@@ -138,7 +147,8 @@ def write(runs: list[dict], prov: dict) -> None:
     lines = [
         "# Ratio gates: detection and false-alarm rates",
         "",
-        f"Runs of every ratio gate (`kvbench gates --skip-exact`, a fresh process each) with a "
+        f"Runs of the ratio gates tabled below (as `kvbench gates --skip-exact` runs them, a "
+        f"fresh process each) with a "
         f"planted slowdown of every gated subject (`{R.SLOWDOWN_ENV}`, a busy wait by the CPU "
         f"clock after each subject call, of (factor - 1) times its CPU time). At 1x (the "
         f"unchanged tree) a failure is a false alarm; above, a detection. A gate fails when its "
@@ -170,7 +180,7 @@ def write(runs: list[dict], prov: dict) -> None:
         f"{prov['baseline'].get('commit', '?')} at {prov['baseline'].get('date', '?')} (load "
         f"{prov['baseline'].get('load_average', '?')}).",
     ]
-    write_text(OUT / "power.md", "\n".join(lines) + "\n")
+    write_text(OUT / f"{stem}.md", "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -184,21 +194,28 @@ def main(argv=None) -> int:
                     help="go on with the campaign in power_runs.jsonl (its schedule, its provenance)")
     ap.add_argument("--report", action="store_true",
                     help="only rewrite power.csv and power.md from power_runs.jsonl")
+    ap.add_argument("--gates", type=lambda v: v.split(","),
+                    help="comma-separated ratio gates to run (default: all); the files are then "
+                         "power-<gates>.md, .csv and _runs.jsonl")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    raw = OUT / "power_runs.jsonl"
+    for name in args.gates or ():
+        if name not in R.RATIO_GATES:
+            ap.error(f"--gates: no ratio gate {name!r}; of {', '.join(R.RATIO_GATES)}")
+    stem = "power" if not args.gates else "power-" + "-".join(args.gates)
+    raw = OUT / f"{stem}_runs.jsonl"
     if args.one:
-        one_run()
+        one_run(args.gates)
         return 0
     if args.report:
         lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
-        write([r for r in lines if "level" in r], lines[0]["provenance"])
-        print((OUT / "power.md").read_text())
+        write([r for r in lines if "level" in r], lines[0]["provenance"], stem)
+        print((OUT / f"{stem}.md").read_text())
         return 0
     prov = {**commit_info(), "machine": machine_info(), "nice": os.nice(0),
             "command": "scripts/gate_power.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "baseline": R.read_baseline().get("recorded", {})}
+            "baseline": baseline_provenance(args.gates)}
     runs = []
     if args.resume:
         lines = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
@@ -211,7 +228,8 @@ def main(argv=None) -> int:
             assert runs[i]["level"] == level, f"run {i + 1}: not the schedule of --resume's campaign"
             continue
         env = {**os.environ, R.SLOWDOWN_ENV: f"{level:g}"}
-        out = subprocess.run([sys.executable, __file__, "--one"], cwd=ROOT, env=env,
+        out = subprocess.run([sys.executable, __file__, "--one",
+                              *(["--gates", ",".join(args.gates)] if args.gates else [])], cwd=ROOT, env=env,
                              capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-2000:], file=sys.stderr)
@@ -223,8 +241,8 @@ def main(argv=None) -> int:
         failed = [n for n, g in run["gates"].items() if g["failed"]]
         print(f"run {i + 1} at {level:g}x: {run['wall_s']:.1f} s, load {run['load_average'][0]:.1f}, "
               f"failed: {', '.join(failed) or 'none'}", flush=True)
-        write(runs, prov)
-    print((OUT / "power.md").read_text())
+        write(runs, prov, stem)
+    print((OUT / f"{stem}.md").read_text())
     return 0
 
 

@@ -623,5 +623,15 @@ def record_baseline(names=None, runs: int = BASELINE_RUNS) -> dict:
             "factor": FACTOR, "alpha": ALPHA, "gates": gates, "skipped": skipped}
 
 
+def merge_baseline(old: dict, new: dict) -> dict:
+    """``old`` with the gates ``new`` recorded (or found unable to run) replaced by ``new``'s,
+    each of those with its own provenance (``recorded``); the other gates' kept as they were."""
+    redone = set(new["gates"]) | set(new["skipped"])
+    gates = {n: g for n, g in old.get("gates", {}).items() if n not in redone}
+    gates.update({n: {**g, "recorded": new["recorded"]} for n, g in new["gates"].items()})
+    skipped = {n: why for n, why in old.get("skipped", {}).items() if n not in redone}
+    return {**old, "about": new["about"], "gates": gates, "skipped": {**skipped, **new["skipped"]}}
+
+
 def write_baseline(baseline: dict, path: Path | str = BASELINE_PATH) -> Path:
     return write_text(path, json.dumps(baseline, indent=1, sort_keys=True) + "\n")

@@ -21,6 +21,8 @@ from kvbench.bench.ratios import (
     BASELINE_PATH,
     CI_FACTOR,
     FACTOR,
+    RATIO_GATES,
+    merge_baseline,
     read_baseline,
     ratio_gates,
     record_baseline,
@@ -36,6 +38,11 @@ def cmd_gates(args) -> int:
     if args.skip_exact and (args.skip_ratios or narrowed):
         raise UsageError("--skip-exact: nothing left to check (the ratio gates are skipped too, "
                          "or narrowed away by --backend/--case)")
+    for name in args.ratio or ():
+        if name not in RATIO_GATES:
+            raise UsageError(f"--ratio {name}: no such ratio gate; of {', '.join(RATIO_GATES)}")
+    if args.ratio and args.skip_ratios:
+        raise UsageError("--ratio names ratio gates: it cannot go with --skip-ratios")
     if args.skip_ratios and args.update_ratios:
         raise UsageError("--update-ratios records the ratio gates' baseline: it cannot go with "
                          "--skip-ratios")
@@ -73,13 +80,16 @@ def cmd_gates(args) -> int:
                 raise UsageError("the exact gates checked nothing: every case was skipped here")
             code = max(code, 0 if report.ok else 1)
     if args.update_ratios:
-        baseline = record_baseline()
+        baseline = record_baseline(args.ratio)
+        if args.ratio:
+            baseline = merge_baseline(read_baseline(args.baseline), baseline)
         for name, why in baseline["skipped"].items():
             print(f"ratio {name}: skipped ({why})")
         print(f"ratio baseline ({sum(g['blocks'] for g in baseline['gates'].values())} blocks) "
               f"written to {write_baseline(baseline, args.baseline)}")
     elif not args.skip_ratios and not narrowed:
-        results = ratio_gates(read_baseline(args.baseline), blocks=args.blocks, factor=args.factor)
+        results = ratio_gates(read_baseline(args.baseline), args.ratio, blocks=args.blocks,
+                              factor=args.factor)
         for r in results:
             print(r)
         if not all(r.ok for r in results):
@@ -107,6 +117,9 @@ def register(sub) -> argparse.ArgumentParser:
                    help="exact gates of this replay case only (workload, or workload@policy)")
     p.add_argument("--skip-exact", action="store_true", help="only the speed ratio gates")
     p.add_argument("--skip-ratios", action="store_true", help="only the exact gates")
+    p.add_argument("--ratio", action="append", metavar="GATE",
+                   help=f"this ratio gate only (repeatable; of {', '.join(RATIO_GATES)}); with "
+                        f"--update-ratios its baseline is re-recorded and the others' kept")
     p.add_argument("--blocks", type=positive_int,
                    help="blocks per ratio gate (default: each gate's own count, sized for CI)")
     p.add_argument("--expected", default=str(EXPECTED_PATH), help="expected values file")

@@ -558,3 +558,37 @@ def test_a_tier_copy_through_a_temporary_fails_the_tier_gate(monkeypatch):
     monkeypatch.setattr(NumpyTiers, "_copy_rows", staticmethod(through_a_temporary))
     result = R.ratio_gate("tier_copy_vs_copy", blocks=5, slowdown=1.0)
     assert not result.ok, f"a copy through a temporary passed: {result}"
+
+
+def test_a_gate_re_recorded_alone_keeps_the_others_blocks():
+    old = {"about": "old", "recorded": {"commit": "a" * 40}, "skipped": {"tier_copy_vs_copy": "no"},
+           "gates": {"gather_vs_copy": {"blocks": 2, "log_ratios": [0.1, 0.2]},
+                     "check_vs_replay": {"blocks": 2, "log_ratios": [-2.3, -2.4]}}}
+    new = {"about": "new", "recorded": {"commit": "b" * 40}, "skipped": {},
+           "gates": {"check_vs_replay": {"blocks": 3, "log_ratios": [-2.7, -2.8, -2.9]}}}
+    merged = R.merge_baseline(old, new)
+    assert merged["gates"]["gather_vs_copy"] == old["gates"]["gather_vs_copy"]
+    assert merged["gates"]["check_vs_replay"]["log_ratios"] == [-2.7, -2.8, -2.9]
+    assert merged["gates"]["check_vs_replay"]["recorded"] == {"commit": "b" * 40}
+    assert merged["recorded"] == old["recorded"]  # the others' provenance
+    assert merged["skipped"] == {"tier_copy_vs_copy": "no"}
+    # a gate that cannot run where it is re-recorded loses its old blocks: they would judge a
+    # reference of another machine
+    gone = R.merge_baseline(old, {**new, "gates": {}, "skipped": {"gather_vs_copy": "no numba"}})
+    assert "gather_vs_copy" not in gone["gates"] and gone["skipped"]["gather_vs_copy"] == "no numba"
+
+
+def test_gates_command_names_its_ratio_gates(capsys):
+    assert gates_cli.main(["--skip-exact", "--ratio", "decode_vs_nothing"]) != 0
+    err = capsys.readouterr().err
+    assert "--ratio decode_vs_nothing: no such ratio gate" in err and "check_vs_replay" in err
+    assert gates_cli.main(["--skip-ratios", "--ratio", "gather_vs_copy"]) != 0
+    assert "cannot go with --skip-ratios" in capsys.readouterr().err
+
+
+def test_gates_command_runs_only_the_ratio_gates_it_names(tmp_path, capsys):
+    code = gates_cli.main(["--skip-exact", "--ratio", "decode1_vs_object", "--blocks", "2",
+                           "--baseline", str(tmp_path / "none.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and "decode1_vs_object" in out
+    assert not any(n in out for n in R.RATIO_GATES if n != "decode1_vs_object")
