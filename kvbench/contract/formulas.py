@@ -16,6 +16,7 @@ here); a kind's release, hit and capacity rules sit side by side so that they ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -140,6 +141,8 @@ class ModelSpec:
     groups: tuple = ()
     kv_encoding: str = "native"
     pages: str = "padded"
+    # The derived figures below are cached (a frozen spec's never change): pools and the checker
+    # read them at every operation.
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
@@ -166,17 +169,17 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec {self.name!r}: a model of state groups only has no "
                                  f"token blocks to size its pages by")
 
-    @property
+    @functools.cached_property
     def kv_groups(self) -> tuple:
         """The groups, one full group of every layer for a model that names none."""
         return self.groups or (KVGroup(tuple(range(self.layers))),)
 
-    @property
+    @functools.cached_property
     def hybrid(self) -> bool:
         """More than one group, or any kind but full: what a backend must declare it runs."""
         return len(self.kv_groups) > 1 or any(g.family != "full" for g in self.kv_groups)
 
-    @property
+    @functools.cached_property
     def group_layers(self) -> int:
         """L_group: layers per group."""
         return self.layers // len(self.kv_groups)
@@ -192,18 +195,18 @@ class ModelSpec:
             return n * (group.latent_bytes or group.latent * self.dtype_bytes)
         return 2 * n * self.kv_heads * head_token_bytes(self.head_dim, self.dtype_bytes, self.kv_encoding)
 
-    @property
+    @functools.cached_property
     def bytes_per_token(self) -> int:
         """Cache bytes of one token over every layer (the real bytes; state groups hold none)."""
         return sum(self.group_slot_bytes(g) for g in self.kv_groups)
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         """Bytes of one token slot of the pool's page: the largest group's (2 * L_group * H_kv *
         d_head * s for groups of one shape); smaller groups' pages are padded to it."""
         return max(self.group_slot_bytes(g) for g in self.kv_groups)
 
-    @property
+    @functools.cached_property
     def kv_pair(self) -> int:
         """Vectors per token per layer in the K/V arrays: 2 (K and V), 1 for a model of mla(d)
         groups (one latent, stored as 1 "head" of width d: kv_heads 1, head_dim d)."""
@@ -217,22 +220,22 @@ class ModelSpec:
                              f"head_dim {self.head_dim}); a model mixing them has formulas only")
         return 1
 
-    @property
+    @functools.cached_property
     def kv_shape(self) -> tuple:
         """One token's K/V over every layer: (2, L, H_kv, d_head), or (1, L, 1, d) for MLA."""
         return (self.kv_pair, self.layers, self.kv_heads, self.head_dim)
 
-    @property
+    @functools.cached_property
     def slot_shape(self) -> tuple:
         """One token slot of one group's block: (2, L_group, H_kv, d_head), (1, L_group, 1, d)."""
         return (self.kv_pair, self.group_layers, self.kv_heads, self.head_dim)
 
-    @property
+    @functools.cached_property
     def state_bytes(self) -> int:
         """Bytes of the fixed states one live sequence holds over every state group."""
         return sum(len(g.layers) * g.state_bytes for g in self.kv_groups if g.state_bytes is not None)
 
-    @property
+    @functools.cached_property
     def tensor_scale_bytes(self) -> int:
         """The format's per-tensor metadata, held once: a float32 scale per attention layer for K
         and for V (fp8, nvfp4), 0 otherwise."""
