@@ -3,8 +3,8 @@
 Each run is a fresh process running every ratio gate (or those --gates names) once (as
 `kvbench gates --skip-exact` does) with the measurement hook KVBENCH_GATE_SLOWDOWN set to one
 level: 1 (the unchanged tree: a failure is a false alarm), 1.1, 1.25, 1.5 or 2 (every gated
-subject that many times slower: a failure is a detection). Levels are interleaved run by run, so that the machine's load drifts
-over all of them alike. Round i runs levels 1 and 1.25 (the goal: 1.25x caught in >= 19 of 20
+subject that many times slower: a failure is a detection). Levels are interleaved run by run,
+so that the machine's load drifts over all of them alike. Round i runs levels 1 and 1.25 (the goal: 1.25x caught in >= 19 of 20
 runs, no false alarm in 20) and one of 1.1, 1.5, 2 in turn.
 
     nice -n 10 .venv/bin/python scripts/gate_power.py              # 20 rounds: 60 runs
@@ -228,9 +228,8 @@ def main(argv=None) -> int:
             assert runs[i]["level"] == level, f"run {i + 1}: not the schedule of --resume's campaign"
             continue
         env = {**os.environ, R.SLOWDOWN_ENV: f"{level:g}"}
-        out = subprocess.run([sys.executable, __file__, "--one",
-                              *(["--gates", ",".join(args.gates)] if args.gates else [])], cwd=ROOT, env=env,
-                             capture_output=True, text=True)
+        child = [sys.executable, __file__, "--one", *(["--gates", ",".join(args.gates)] if args.gates else [])]
+        out = subprocess.run(child, cwd=ROOT, env=env, capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-2000:], file=sys.stderr)
             return 1
