@@ -4,7 +4,8 @@ and of the checker (K/V content checked) on decode traces of 10^4, 10^5 and 10^6
     .venv/bin/python scripts/scaling.py                          # 1e4 1e5 1e6, numpy
     .venv/bin/python scripts/scaling.py --ops 10000 --repeats 5  # one size, the median of 5
     .venv/bin/python scripts/scaling.py --workloads              # the committed workloads
-    .venv/bin/python scripts/scaling.py --breakdown              # where the checker's time goes
+    .venv/bin/python scripts/scaling.py --breakdown              # where the checker's time goes,
+                                                                 # and the backend's calls in it
     .venv/bin/python scripts/scaling.py --draw                   # curve.csv, curve.png again
     .venv/bin/python scripts/scaling.py --stages checker --limit 100000  # peak RSS stage by stage
 
@@ -63,6 +64,7 @@ def child(mode: str, path: str) -> dict:
     backend_name = os.environ.get("KVBENCH_SCALING_BACKEND", "numpy")
     cfg = suite.config_for(trace, policy=None)
     backend = registry.create(backend_name, cfg)
+    inside = None
     t1 = time.perf_counter()
     if mode == "backend":
         common = bench_common()
@@ -73,13 +75,46 @@ def child(mode: str, path: str) -> dict:
         check(trace, None, model=oracle_for(trace, backend))
         status = "replayed"
     else:
+        inside = _time_calls(backend) if mode == "calls" else None
         v = check(trace, backend, gather=mode.removeprefix("checker-") if "-" in mode else "touched")
         status = v.status if v.valid is not False else f"FAIL {v.divergence}"
     seconds = time.perf_counter() - t1
+    if inside is not None:  # the backend's own calls, not the check around them
+        calls = {name: round(s / len(trace.ops) * 1e6, 2) for name, s in sorted(inside.items())}
+        seconds = sum(inside.values())
     return {"mode": mode, "backend": backend_name, "ops": len(trace.ops), "seconds": seconds,
+            **({"us_per_op_by_call": calls} if inside is not None else {}),
             "us_per_op": seconds / len(trace.ops) * 1e6, "load_seconds": load_s,
             "trace_bytes": getattr(trace.ops, "nbytes", None), "status": status,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+# The protocol's calls a check makes (SPEC §5, §10-13): what a checker making them per operation pays
+# at least, whatever it does between them.
+BACKEND_CALLS = ("prefill", "append", "fork", "free", "accept", "chunked_prefill", "preempt",
+                 "resume", "swap_out", "swap_in", "ledger", "gather", "gather_ranges",
+                 "block_state", "read_state", "close")
+
+
+def _time_calls(backend) -> dict:
+    """Time the backend's protocol calls on this instance: {name: seconds inside}."""
+    inside = {}
+    clock = time.perf_counter
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[name] = inside.get(name, 0.0) + clock() - t
+        return call
+
+    for name in BACKEND_CALLS:
+        fn = getattr(backend, name, None)
+        if callable(fn):
+            setattr(backend, name, timed(name, fn))
+    return inside
 
 
 class _Enough(BaseException):
@@ -189,29 +224,36 @@ def breakdown(ops: int, repeats: int, backend: str, cache: Path) -> list:
     """Where the checker's time goes on one decode trace: the backend's replay alone, the oracle
     alone (its expected ledgers, victims and hits: all that depends on the trace and settings
     only), the checker with the ledger only (the oracle, the ledger comparison, the identities),
-    and with K/V content read back (touched): each a fresh process, alternated, the median of
-    ``repeats``."""
+    with K/V content read back (touched), and the backend's own calls inside that check (``calls``:
+    the operations and the ledger, block_state and gather reads the checker makes, by call): each
+    a fresh process, alternated, the median of ``repeats``."""
     path = cache / f"decode-{ops}.jsonl"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         make_trace(ops, path)
-    modes = ("backend", "oracle", "checker-none", "checker")
+    modes = ("backend", "oracle", "checker-none", "checker", "calls")
     runs = {m: [] for m in modes}
     for _ in range(repeats):
         for m in modes:
             runs[m].append(measure(m, path, backend))
     rows = [{"mode": m, "ops": runs[m][0]["ops"], "backend": backend, "repeats": repeats,
              "us_per_op": statistics.median(r["us_per_op"] for r in runs[m])} for m in modes]
+    names = sorted({n for r in runs["calls"] for n in r["us_per_op_by_call"]})
+    rows[-1]["us_per_op_by_call"] = {n: statistics.median(r["us_per_op_by_call"].get(n, 0.0) for r in runs["calls"])
+                                     for n in names}
     for r in rows:
         print(f"{r['mode']:14} {r['us_per_op']:8.1f} us/op  "
               f"({r['us_per_op'] / rows[0]['us_per_op']:.1f}x the backend)", flush=True)
+    print("  the backend's calls inside the check, us/op: " + ", ".join(
+        f"{n} {v:.1f}" for n, v in rows[-1]["us_per_op_by_call"].items()), flush=True)
     return rows
 
 
 def workloads(repeats: int, backend: str) -> list:
     """Checker / backend replay over every committed workload (each tenant mix under lru, lfu
     and fair), K/V written and checked: interleaved in this process, the median of ``repeats``
-    of each, summed over the workloads."""
+    of each, summed over the workloads; and the backend's calls inside a check (``calls_ms``:
+    what a checker reading the backend after each operation pays at least)."""
     import gc
 
     from kvbench.bench.gates import bench_common
@@ -229,7 +271,7 @@ def workloads(repeats: int, backend: str) -> list:
         for policy in suite.policies_for(trace, "auto"):
             cfg = suite.config_for(trace, policy=policy)
             kv = common.kv_buffer(trace, cfg)
-            b_s, c_s = [], []
+            b_s, c_s, i_s = [], [], []
             for _ in range(repeats):
                 gc.collect()
                 b = registry.create(backend, cfg)
@@ -240,17 +282,23 @@ def workloads(repeats: int, backend: str) -> list:
                 t0 = time.perf_counter()
                 v = check(trace, b)
                 c_s.append(time.perf_counter() - t0)
+                b = registry.create(backend, cfg)
+                inside = _time_calls(b)
+                check(trace, b)
+                i_s.append(sum(inside.values()))
             rows.append({"workload": trace.name, "policy": policy or "-", "ops": len(trace.ops),
                          "backend_ms": statistics.median(b_s) * 1e3,
-                         "checker_ms": statistics.median(c_s) * 1e3, "status": v.status})
+                         "checker_ms": statistics.median(c_s) * 1e3,
+                         "calls_ms": statistics.median(i_s) * 1e3, "status": v.status})
             print(f"{trace.name:24} {policy or '-':5} backend {rows[-1]['backend_ms']:8.1f} ms  "
-                  f"checker {rows[-1]['checker_ms']:8.1f} ms  {v.status}", flush=True)
-    total_b = sum(r["backend_ms"] for r in rows)
-    total_c = sum(r["checker_ms"] for r in rows)
+                  f"checker {rows[-1]['checker_ms']:8.1f} ms  the backend's calls in it "
+                  f"{rows[-1]['calls_ms']:8.1f} ms  {v.status}", flush=True)
+    total_b, total_c, total_i = (sum(r[k] for r in rows) for k in ("backend_ms", "checker_ms", "calls_ms"))
     print(f"all committed workloads: checker / backend = {total_c / total_b:.2f} "
-          f"({total_c:.0f} ms / {total_b:.0f} ms)")
-    rows.append({"workload": "ALL", "backend_ms": total_b, "checker_ms": total_c,
-                 "ratio": total_c / total_b})
+          f"({total_c:.0f} ms / {total_b:.0f} ms); the backend's calls inside the checks / its "
+          f"replay = {total_i / total_b:.2f}")
+    rows.append({"workload": "ALL", "backend_ms": total_b, "checker_ms": total_c, "calls_ms": total_i,
+                 "ratio": total_c / total_b, "calls_ratio": total_i / total_b})
     return rows
 
 
