@@ -43,6 +43,9 @@ def cmd_gates(args) -> int:
             raise UsageError(f"--ratio {name}: no such ratio gate; of {', '.join(RATIO_GATES)}")
     if args.ratio and args.skip_ratios:
         raise UsageError("--ratio names ratio gates: it cannot go with --skip-ratios")
+    if args.ratio and narrowed:  # a narrowed run skips the ratio gates: --ratio would do nothing
+        raise UsageError("--ratio runs ratio gates, which --backend/--case skip: run them apart "
+                         "(`kvbench gates --skip-exact --ratio NAME`)")
     if args.skip_ratios and args.update_ratios:
         raise UsageError("--update-ratios records the ratio gates' baseline: it cannot go with "
                          "--skip-ratios")

@@ -584,6 +584,9 @@ def test_gates_command_names_its_ratio_gates(capsys):
     assert "--ratio decode_vs_nothing: no such ratio gate" in err and "check_vs_replay" in err
     assert gates_cli.main(["--skip-ratios", "--ratio", "gather_vs_copy"]) != 0
     assert "cannot go with --skip-ratios" in capsys.readouterr().err
+    # --backend narrows the exact gates and skips the ratio gates: --ratio would run nothing
+    assert gates_cli.main(["--backend", "numpy", "--ratio", "gather_vs_copy"]) != 0
+    assert "--ratio runs ratio gates, which --backend/--case skip" in capsys.readouterr().err
 
 
 def test_gates_command_runs_only_the_ratio_gates_it_names(tmp_path, capsys):
