@@ -6,6 +6,7 @@ import importlib.metadata
 import datetime as _dt
 import os
 import platform
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,17 @@ def machine_info(device: str | None = None) -> dict:
     if device:
         info["device"] = device
     return info
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set, in MiB: VmHWM, the high-water mark of its own address
+    space, where Linux has it. Not ``ru_maxrss``: a process started by a large one (fork, then
+    exec) reports its parent's resident set as its own peak there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux

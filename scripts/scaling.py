@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ OUT = ROOT / "results" / "scaling"
 # scripts folder: its coverage.py would shadow the coverage package numba tries to import (numba
 # then fails to import, and the NumPy pool's compiled steps go unmeasured).
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
+from kvbench.provenance import peak_rss_mb  # noqa: E402
 
 
 def make_trace(ops: int, path: Path) -> None:
@@ -86,7 +86,7 @@ def child(mode: str, path: str) -> dict:
             **({"us_per_op_by_call": calls} if inside is not None else {}),
             "us_per_op": seconds / len(trace.ops) * 1e6, "load_seconds": load_s,
             "trace_bytes": getattr(trace.ops, "nbytes", None), "status": status,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
 
 
 # The protocol's calls a check makes (SPEC §5, §10-13): what a checker making them per operation pays
@@ -123,7 +123,7 @@ class _Enough(BaseException):
 
 
 def stages(mode: str, path: str, limit: int | None) -> list:
-    """Peak RSS (ru_maxrss) and RSS now after each stage of one measurement in this process:
+    """Peak RSS (VmHWM) and RSS now after each stage of one measurement in this process:
     imports, loading (parsing, then validation), the settings, the pool, the K/V buffer (backend)
     and every 10^5 operations of the replay or the check, stopped after ``limit`` operations."""
     rows = []
@@ -131,7 +131,7 @@ def stages(mode: str, path: str, limit: int | None) -> list:
     def mark(stage):
         with open("/proc/self/statm") as f:
             now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        rows.append({"stage": stage, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        rows.append({"stage": stage, "peak_rss_mb": round(peak_rss_mb(), 1),
                      "rss_mb": round(now, 1), "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{stage:34} peak {rows[-1]['peak_rss_mb']:7.1f} MB  now {rows[-1]['rss_mb']:7.1f} MB  "
               f"{rows[-1]['seconds']:7.1f} s", file=sys.stderr, flush=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ def one(ops: int, tenants: int) -> dict:
     from kvbench.checking.checker import check
     from kvbench.contract import registry
     from kvbench.contract.protocol import CacheConfig
+    from kvbench.provenance import peak_rss_mb
     trace = trace_of(ops, tenants)
     backend = registry.create("numpy", CacheConfig(num_blocks=64, store_kv=False))
     t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def one(ops: int, tenants: int) -> dict:
     assert v.valid, v.divergence
     return {"tenants": tenants, "ops": len(trace.ops), "seconds": round(seconds, 2),
             "us_per_op": round(seconds / len(trace.ops) * 1e6, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
             "tenants_seen": len(v.series.tenants)}
 
 
