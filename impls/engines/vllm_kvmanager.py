@@ -419,12 +419,13 @@ class VllmKVManager(Backend):
             raise ValueError(f"{self.name}: sequence {seq} already exists")
         parent = self._request(src)
         self.tally.touch(src)  # the child's hits are the parent's blocks
-        final = final_tokens if final_tokens is not None else parent.num_tokens
+        computed = parent.num_computed_tokens  # a chunked prompt's later chunks are not the child's
+        final = final_tokens if final_tokens is not None else computed
         # Parallel sampling: children of one request, with its salt and LoRA adapter.
-        if self._admit(seq, list(parent.all_token_ids), final, count_hits=False,
+        if self._admit(seq, list(parent.all_token_ids)[:computed], final, count_hits=False,
                        salt=parent.cache_salt, lora=parent.lora_request) is None:
             raise OutOfMemory(f"{self.name}: fork of sequence {src} into {seq} "
-                              f"({parent.num_tokens} tokens): allocate_slots found too few free "
+                              f"({computed} tokens): allocate_slots found too few free "
                               f"blocks ({self.pool.get_num_free_blocks()} free)")
         return ()
 

@@ -945,11 +945,13 @@ class Oracle:
                         self._register(child.tables[g][i], g, keys[i])  # the parent's content
                     else:  # left uncached: its own fork still names the parent's content
                         child.released_keys[i] = keys[i]
-                for i in range(len(keys), n):  # full past the parent's keys (its kept drafts')
+                # full past the parent's keys (its kept drafts'); below L (a chunk's start past
+                # the keys: chunk_start_hit), no block
+                for i in range(max(len(keys), L), n):
                     if self.blocks[child.tables[g][i]][1] == self.B:
                         self._filled(child.tables[g][i], g, seq, i)
             # The child's blocks below a window hold the parent's content: its own fork names them.
-            child.released_keys.update({i: keys[i] for i in range(L)})
+            child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
             self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
             if self.window_release == "end_of_operation":
                 self._release_windows([seq], {seq: child.tokens})

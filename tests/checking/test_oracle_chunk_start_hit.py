@@ -11,7 +11,7 @@ from kvbench.checking.oracle import Oracle
 from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
 
-from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM  # importable without vLLM
+from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM, capabilities_for  # without vLLM
 
 
 def blocks_after_prefill(groups, block_size: int, tokens: int, declared: bool, caching=True) -> int:
@@ -50,3 +50,19 @@ def test_a_chunked_model_computes_only_the_chunk_of_its_last_token_where_declare
 def test_without_a_prefix_cache_a_chunked_prompt_takes_every_block():
     # no lookup, no hit: ceil(9 / 1) = 9 blocks, released at the next allocation
     assert blocks_after_prefill(("chunked(8)",), 1, 9, declared=True, caching=False) == 9
+
+
+def test_a_fork_served_as_a_request_skips_the_chunk_start_past_its_parents_keys():
+    """A fork is a new request of the parent's tokens: its hit starts at the chunk's start too,
+    past every key the parent's unnamed blocks give (it crashed there: the fuzzer's history 82 of
+    seed 4242 on vllm-kvmanager)."""
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), ("chunked(8)",)),
+                         block_size=1, num_blocks=64, prefix_caching=True)
+    o = Oracle(config, capabilities=capabilities_for(caching=True, retention_interval=0))
+    o.prefill(0, 9, "a", 9, 0)
+    o.fork(1, 0, 9, 1)  # through the prefix cache, as the adapter declares with caching on
+    led = o.expected_ledger()
+    # (9 - 1) // 8 * 8 = 8 blocks skipped: 9 - 8 = 1 block each, parent and child
+    assert led.seq_blocks == {0: 1, 1: 1}
+    assert led.blocks_used == 2
+    assert led.tokens == {0: 9, 1: 9}

@@ -366,3 +366,22 @@ def test_sglang_campaign_findings_pass_under_its_declared_rules(finding):
     trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
     v = _engine_check(finding.split("/")[0], trace)
     assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)
+
+
+def test_vllm_a_fork_of_a_chunked_prompt_is_a_request_of_its_computed_tokens():
+    """Seed 4242's campaign with --model-shapes (history 6676, shrunk to 5 operations): the
+    chunk that would complete sequence 0's 5-token prompt is refused (the batch needs 5 blocks of
+    4), so the fork finds it 4 tokens in. The adapter made the child a request of all the
+    parent's token ids (its whole prompt): 5 tokens where the parent had computed 4."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    from kvbench.contract import registry
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), ["full"]), block_size=2,
+                         num_blocks=4, max_context=8, prefix_caching=True)
+    ops = [Prefill(0, 0, "a", 2, ("p1.0", "r6.1"), salt="s1", adapter="a1", prompt_tokens=5),
+           Prefill(1, 1, "b", 2, ("p1.0",), salt="s1", adapter="a1"),
+           Append(2, (0, 1), (1, 3)),  # refused: ceil(3 / 2) + ceil(5 / 2) = 5 blocks > 4
+           Append(3, (0,), (2,)),  # 2 + 2 = 4 of the prompt's 5 tokens
+           Fork(4, 2, 0)]
+    trace = validate(Trace(Header("fuzz-finding", groups=("full",)), ops, name="fork_of_a_chunked_prompt"))
+    v = check(trace, registry.create("vllm-kvmanager", config))
+    assert v.valid is True and v.ops == 5, str(v.divergence)  # tokens {..., 2: 4} checked at the fork
