@@ -298,22 +298,39 @@ class Oracle:
         if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
-        start = self._chunk_start(tokens)
-        if start > L:  # below every group's current chunk: nothing to look up, nothing taken
-            L, hits = start, [{} for _ in self.groups]
+        if self._chunk_rule():
+            L, hits = self._chunk_start_hit(keys, tokens)
+            counted = L
         return L, hits, sum(1 for per in hits for i in per if i < counted)
 
-    def _chunk_start(self, tokens: int) -> int:
-        """``chunk_start_hit``: on a model of chunked groups of one chunk size C, the blocks of a
-        ``tokens``-token prompt left of the chunk holding the last token a hit may cover; 0
-        otherwise (vLLM's groups of two sizes each look up the other's start: no hit)."""
-        chunks = {g.chunk for g in self.groups}
-        if not (self.caching and self.caps.chunk_start_hit and len(chunks) == 1
-                and all(g.family == "chunked" for g in self.groups)):
-            return 0
-        C = chunks.pop()
-        cap = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
-        return cap // C * C // self.B
+    def _chunk_rule(self) -> bool:
+        """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
+        return (self.caching and self.caps.chunk_start_hit
+                and all(g.family == "chunked" for g in self.groups))
+
+    def _chunk_start_hit(self, keys, tokens: int) -> tuple[int, list]:
+        """``chunk_start_hit``'s hit of a ``tokens``-token prompt: (L, per group {position: cached
+        block}). A group's lookup of at most M tokens counts its blocks left of the chunk of
+        token M as computed (taking none, cached or not) and looks up from there; the hit is the
+        length every group accepts, M lowered to each group's answer in turn until none lowers
+        it (vLLM's fixed point: groups of two sizes agree where their chunk starts meet); one
+        group answers once (vLLM's coordinator of one group asks it once)."""
+        B = self.B
+        M = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        while True:
+            cur, starts = M, []
+            for g, group in enumerate(self.groups):
+                i = cur // group.chunk * group.chunk // B
+                starts.append(i)
+                while i < min(cur // B, len(keys)) and (g, keys[i]) in self.by_hash:
+                    i += 1
+                cur = i * B
+            if cur >= M or len(self.groups) == 1:
+                break
+            M = cur
+        L = cur // B  # every group's lookup of the last round ended at L
+        return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(starts[g], L)}
+                   for g in range(len(self.groups))]
 
     def _taken_back(self, hits, drop) -> int:
         """Cached blocks of ``hits`` a request takes back from the free pool."""

@@ -38,6 +38,9 @@ def blocks_after_prefill(groups, block_size: int, tokens: int, declared: bool, c
     # chunks of two sizes: each group's lookup starts below the other's chunk start, so vLLM
     # hits nothing (9 + 9 = 18, as vLLM takes)
     (("chunked(8)", "chunked(3)"), 1, 9, 18, 18),
+    # chunks of two sizes whose starts meet: (13 - 1) // 3 * 3 = 12 = (13 - 1) // 4 * 4, so each
+    # group accepts the other's 12 skipped: 2 * (13 - 12) = 2; the oracle's 2 * 13 = 26
+    (("chunked(3)", "chunked(4)"), 1, 13, 2, 26),
     # beside a full group, whose blocks must all be cached: no hit either way, 2 * 9 = 18
     (("chunked(8)", "full"), 1, 9, 18, 18),
 ])
@@ -45,6 +48,20 @@ def test_a_chunked_model_computes_only_the_chunk_of_its_last_token_where_declare
         groups, block_size, tokens, declared, oracles):
     assert blocks_after_prefill(groups, block_size, tokens, declared=True) == declared
     assert blocks_after_prefill(groups, block_size, tokens, declared=False) == oracles
+
+
+def test_a_cached_block_left_of_the_chunk_is_not_taken():
+    """vLLM's lookup starts at the chunk: blocks left of it are null, cached or not (the seed 4242
+    campaign's 03: the oracle took a cached block there)."""
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), ("chunked(15)",)),
+                         block_size=8, num_blocks=8, prefix_caching=True)
+    for caps, seq_blocks in ((VLLM, 1), (VLLM.__class__(**{**VLLM.__dict__, "chunk_start_hit": False}), 2)):
+        o = Oracle(config, capabilities=caps)
+        o.prefill(0, 8, "a", 8, 0, (), ("h0",))  # block 0 full and cached
+        o.prefill(1, 16, "a", 16, 1, (), ("h0", "h1"))
+        # vLLM: (16 - 1) // 15 * 15 = 15 tokens, 15 // 8 = 1 block skipped, none looked up
+        # (15 // 8 = 1), ceil(16 / 8) - 1 = 1 taken; SPEC: block 0 hit, 2 held
+        assert o.expected_ledger().seq_blocks[1] == seq_blocks
 
 
 def test_without_a_prefix_cache_a_chunked_prompt_takes_every_block():
