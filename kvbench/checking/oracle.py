@@ -397,7 +397,9 @@ class Oracle:
                 and any(g.family == "sliding" for g in self.groups)):
             return []
         cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
-        top = window_retention.first_group_hit(self.by_hash, self.groups, keys, cap, self.B)
+        most = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        top = window_retention.first_group_hit(self.by_hash, self.groups, keys, cap, self.B,
+                                               most if self.caps.chunk_start_hit else None)
         junction = top if top > L else 0
         return [window_retention.retained_positions(prompt_tokens, junction, group, self.B)
                 for group in self.groups]

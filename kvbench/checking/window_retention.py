@@ -33,14 +33,22 @@ def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, bloc
 FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
 
 
-def first_group_hit(by_hash, groups, keys, cap: int, block_size: int) -> int:
+def first_group_hit(by_hash, groups, keys, cap: int, block_size: int,
+                    max_tokens: int | None = None) -> int:
     """The hit of vLLM's first attention group alone, at most ``cap`` blocks: the groups of one
     kind (equal specs are one attention group), the first full-attention kind if there is one
     (vLLM sorts those first, stably), else the first group's. Each of its groups needs the blocks
-    it holds at the hit cached."""
+    it holds at the hit cached. ``max_tokens`` (``chunk_start_hit``): a chunked first group's
+    lookup of at most that many tokens counts the blocks left of that token's chunk as hit (null)
+    and looks up from there."""
     first = next((g for g in groups if g.family in FULL_SPECS), groups[0])
     members = [g for g, group in enumerate(groups) if group.kind == first.kind]
     top = min(cap, len(keys))
+    if first.family == "chunked" and max_tokens is not None:
+        run = max_tokens // first.chunk * first.chunk // block_size
+        while run < top and all((g, keys[run]) in by_hash for g in members):
+            run += 1
+        return run
     if first.family in FULL_SPECS:  # every block below the hit: the cached run from the first
         run = 0
         while run < top and all((g, keys[run]) in by_hash for g in members):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvbench.checking.oracle import Oracle
 from kvbench.checking.window_retention import retained_positions
-from kvbench.contract.formulas import get_model
+from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 
@@ -151,3 +151,19 @@ def test_the_junction_is_the_hit_of_vllms_first_attention_group():
     sliding = with_group_kinds(get_model("tiny-hybrid"), ("sliding(8)", "sliding(16)")).kv_groups
     # sliding(8) at B = 4: a hit of L needs cdiv(8 - 1, 4) = 2 blocks below L: a1, a2 give L = 3.
     assert first_group_hit({(0, "a1"), (0, "a2")}, sliding, keys, cap=4, block_size=4) == 3
+
+
+def test_a_chunked_first_group_puts_the_junction_at_its_chunk_start():
+    """vLLM's first attention group is the first group's kind where no full group is present; a
+    chunked one hits every block left of its chunk (null), so the junction of a prompt nothing
+    else hits is that chunk's start (the seed 4242 campaign's 06 and 07 on vllm-kvmanager)."""
+    config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), ("chunked(8)", "sliding(4)")),
+                         block_size=1, num_blocks=NUM_BLOCKS, store_kv=False, prefix_caching=True)
+    oracle = Oracle(config, capabilities=SERVING)
+    oracle.prefill(0, 10, "default", 10, 0)
+    # the junction: (10 - 1) // 8 * 8 = 8; the replay boundary (10 - 1) // 1 = 9; sliding(4)
+    # keeps ceil((4 - 1) / 1) = 3 blocks below each: 5, 6, 7 and 6, 7, 8
+    assert oracle.seqs[0].retained[1] == frozenset({5, 6, 7, 8})
+    oracle.free(0)
+    # 14 = 10 full blocks of the chunked group (it keeps every block) + 4 of the sliding group
+    assert oracle.expected_ledger().cached_blocks == 14
