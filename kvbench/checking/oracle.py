@@ -289,6 +289,9 @@ class Oracle:
         prompt token again counts positions below
         (T - 1) // B only; one that keeps duplicates also computes the rest again, into new
         blocks (its hit is then searched within the cap)."""
+        if self._chunk_rule():
+            L, hits = self._chunk_start_hit(keys, tokens)
+            return L, hits, sum(1 for per in hits for i in per if i < L)
         L, hits = self._hit_plan(keys)
         if self.caps.hit_drops_last_block and L:  # EAGLE: the last matched block computed again
             L, hits = self._hit_plan(keys[:L - 1])
@@ -298,10 +301,12 @@ class Oracle:
         if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
-        if self._chunk_rule():
-            L, hits = self._chunk_start_hit(keys, tokens)
-            counted = L
         return L, hits, sum(1 for per in hits for i in per if i < counted)
+
+    def _most_hit_tokens(self, tokens: int) -> int:
+        """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
+        the last one is computed again)."""
+        return max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
 
     def _chunk_rule(self) -> bool:
         """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
@@ -315,20 +320,18 @@ class Oracle:
         length every group accepts, M lowered to each group's answer in turn until none lowers
         it (vLLM's fixed point: groups of two sizes agree where their chunk starts meet); one
         group answers once (vLLM's coordinator of one group asks it once)."""
-        B = self.B
-        M = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        M = self._most_hit_tokens(tokens)
         while True:
             cur, starts = M, []
             for g, group in enumerate(self.groups):
-                i = cur // group.chunk * group.chunk // B
-                starts.append(i)
-                while i < min(cur // B, len(keys)) and (g, keys[i]) in self.by_hash:
-                    i += 1
-                cur = i * B
+                start, end = window_retention.chunk_lookup(self.by_hash, keys, [g], group.chunk,
+                                                           cur, self.B)
+                starts.append(start)
+                cur = end * self.B
             if cur >= M or len(self.groups) == 1:
                 break
             M = cur
-        L = cur // B  # every group's lookup of the last round ended at L
+        L = cur // self.B  # every group's lookup of the last round ended at L
         return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(starts[g], L)}
                    for g in range(len(self.groups))]
 
@@ -397,9 +400,9 @@ class Oracle:
                 and any(g.family == "sliding" for g in self.groups)):
             return []
         cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
-        most = max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
-        top = window_retention.first_group_hit(self.by_hash, self.groups, keys, cap, self.B,
-                                               most if self.caps.chunk_start_hit else None)
+        top = window_retention.first_group_hit(
+            self.by_hash, self.groups, keys, cap, self.B,
+            self._most_hit_tokens(tokens) if self.caps.chunk_start_hit else None)
         junction = top if top > L else 0
         return [window_retention.retained_positions(prompt_tokens, junction, group, self.B)
                 for group in self.groups]

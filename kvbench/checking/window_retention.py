@@ -45,10 +45,7 @@ def first_group_hit(by_hash, groups, keys, cap: int, block_size: int,
     members = [g for g, group in enumerate(groups) if group.kind == first.kind]
     top = min(cap, len(keys))
     if first.family == "chunked" and max_tokens is not None:
-        run = max_tokens // first.chunk * first.chunk // block_size
-        while run < top and all((g, keys[run]) in by_hash for g in members):
-            run += 1
-        return run
+        return chunk_lookup(by_hash, keys, members, first.chunk, max_tokens, block_size)[1]
     if first.family in FULL_SPECS:  # every block below the hit: the cached run from the first
         run = 0
         while run < top and all((g, keys[run]) in by_hash for g in members):
@@ -59,3 +56,15 @@ def first_group_hit(by_hash, groups, keys, cap: int, block_size: int,
                for i in F.held_blocks(L * block_size, groups[g], block_size)):
             return L
     return 0
+
+
+def chunk_lookup(by_hash, keys, members, chunk: int, max_tokens: int, block_size: int):
+    """vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit`` for the groups ``members``
+    (one attention group): the blocks left of the chunk of token ``max_tokens`` count as hit
+    (null, none taken), then the blocks every member has cached, up to ``max_tokens // B``.
+    Returns (the chunk's first block, the hit's end in blocks)."""
+    start = run = max_tokens // chunk * chunk // block_size
+    while run < min(max_tokens // block_size, len(keys)) and all((g, keys[run]) in by_hash
+                                                                  for g in members):
+        run += 1
+    return start, run

@@ -5,6 +5,8 @@ own hit covers only blocks the trace names. The vLLM campaign findings it explai
 tests/engines/test_fuzz_findings.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvbench.checking.oracle import Oracle
@@ -13,9 +15,11 @@ from kvbench.contract.protocol import CacheConfig
 
 from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM, capabilities_for  # without vLLM
 
+SPEC_RULE = dataclasses.replace(VLLM, chunk_start_hit=False)  # the oracle's own hit
+
 
 def blocks_after_prefill(groups, block_size: int, tokens: int, declared: bool, caching=True) -> int:
-    caps = VLLM if declared else VLLM.__class__(**{**VLLM.__dict__, "chunk_start_hit": False})
+    caps = VLLM if declared else SPEC_RULE
     config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), groups),
                          block_size=block_size, num_blocks=64, prefix_caching=caching)
     o = Oracle(config, capabilities=caps)
@@ -55,7 +59,7 @@ def test_a_cached_block_left_of_the_chunk_is_not_taken():
     campaign's 03: the oracle took a cached block there)."""
     config = CacheConfig(model=with_group_kinds(get_model("tiny-hybrid"), ("chunked(15)",)),
                          block_size=8, num_blocks=8, prefix_caching=True)
-    for caps, seq_blocks in ((VLLM, 1), (VLLM.__class__(**{**VLLM.__dict__, "chunk_start_hit": False}), 2)):
+    for caps, seq_blocks in ((VLLM, 1), (SPEC_RULE, 2)):
         o = Oracle(config, capabilities=caps)
         o.prefill(0, 8, "a", 8, 0, (), ("h0",))  # block 0 full and cached
         o.prefill(1, 16, "a", 16, 1, (), ("h0", "h1"))
