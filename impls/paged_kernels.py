@@ -1,4 +1,5 @@
-"""The NumPy paged pool's one-token decode step, compiled (optional: numba, ``kvbench[fast]``).
+"""The NumPy paged pool's one-token decode step, compiled by numba (a core dependency; without it
+the vectorized NumPy step runs).
 
 A vectorized step costs ~20 NumPy calls of a few microseconds each whatever the batch, and
 turning the batch's id list into an array as much again: at batch 256 that is ~170 us, where

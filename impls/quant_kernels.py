@@ -1,4 +1,5 @@
-"""Compiled kernels for the NumPy quantizer (optional: ``pip install 'kvbench[fast]'``, numba).
+"""Compiled kernels for the NumPy quantizer (numba, a core dependency; where it
+cannot be imported the NumPy steps run).
 
 NumPy cannot quantize near the speed of a copy: a per-token or per-group min and max is a
 reduction over a short inner axis, which NumPy runs as one inner loop per group (4x a copy of
@@ -26,7 +27,7 @@ import numpy as np
 try:
     import numba
     _IMPORT_ERROR = ""
-except ImportError as e:  # the optional extra is not installed
+except ImportError as e:  # a dependency, but an install may lack it
     numba = None
     _IMPORT_ERROR = str(e)
 
@@ -35,7 +36,7 @@ MAGIC32 = 1.5 * 2.0 ** 23  # float32: round(y) held in the low bits of y + MAGIC
 
 def available() -> tuple[bool, str]:
     if numba is None:
-        return False, f"numba is not installed ({_IMPORT_ERROR}); pip install 'kvbench[fast]'"
+        return False, f"numba cannot be imported ({_IMPORT_ERROR}); pip install numba (a kvbench dependency)"
     return True, ""
 
 

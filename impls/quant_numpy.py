@@ -17,7 +17,7 @@ Speed comes from (the naive whole-array float64 version, ``kvbench.quant.quantiz
 - Column min / max over a (rows/k, k*C) view of each tile: k times fewer inner loops than
   ``min(axis=0)``, accumulated in place (each small NumPy call costs microseconds).
 
-With numba installed (``kvbench[fast]``), float16 / float32 input with scales from the data is
+With numba importable (a core dependency), float16 / float32 input with scales from the data is
 quantized by the compiled kernels of :mod:`impls.quant_kernels` instead: the same codes, scales
 and zero points (tests/quant/test_quant_kernels.py), at 0.3-0.6 of a copy where these steps reach
 0.03-0.26 (a min and max per token or group is a NumPy reduction over a short inner axis, one

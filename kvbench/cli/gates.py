@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 
 from pathlib import Path
 
 from kvbench.bench.gates import (
     EXPECTED_PATH,
     GATED_BACKENDS,
+    ExactReport,
     exact_gates,
     merge_measured,
     read_expected,
@@ -65,6 +67,7 @@ def cmd_gates(args) -> int:
         check_writable(args.baseline, option="--baseline")
     expected = read_expected(args.expected)
     code = 0
+    tally = Tally()
     if not args.skip_exact:
         report = exact_gates(expected, backends=args.backend, cases=cases,
                              quant=not narrowed)
@@ -82,6 +85,7 @@ def cmd_gates(args) -> int:
             if not report.checked:
                 raise UsageError("the exact gates checked nothing: every case was skipped here")
             code = max(code, 0 if report.ok else 1)
+            tally.exact = report
     if args.update_ratios:
         baseline = record_baseline(args.ratio)
         if args.ratio:
@@ -97,7 +101,36 @@ def cmd_gates(args) -> int:
             print(r)
         if not all(r.ok for r in results):
             code = 1
+        tally.ratios = results
+    if tally.exact or tally.ratios:
+        print(tally.line(code))
     return code
+
+
+@dataclass
+class Tally:
+    """The one summary line ending `kvbench gates`: what passed, failed, drifted, was skipped."""
+
+    exact: ExactReport | None = None  # the exact gates' report, when they ran
+    ratios: list = field(default_factory=list)  # the ratio gates' results, when they ran
+
+    def line(self, code: int) -> str:
+        parts = []
+        if self.exact is not None:
+            e = self.exact
+            parts.append(f"exact: {e.checked} quantities, {len(e.drifts)} drifted, "
+                         f"{len(e.skipped)} cases skipped")
+        if self.ratios:
+            skipped = [r for r in self.ratios if r.skipped]
+            unjudged = [r for r in self.ratios if not r.skipped and not r.baseline]
+            failed = [r for r in self.ratios if not r.ok]
+            passed = len(self.ratios) - len(skipped) - len(unjudged) - len(failed)
+            names = lambda rs: f" ({', '.join(r.name for r in rs)})" if rs else ""  # noqa: E731
+            parts.append(f"ratio: {passed} passed, {len(failed)} failed{names(failed)}, "
+                         f"{len(skipped)} skipped{names(skipped)}"
+                         + (f", {len(unjudged)} without a baseline{names(unjudged)}" if unjudged else ""))
+        verdict = "pass" if code == 0 else "FAIL"
+        return f"gates {verdict} (exit {code}): " + "; ".join(parts)
 
 
 ABOUT = ("kvbench regression gates (kvbench/bench/gates.py). replay/pool/quant: exact lower-is-better "

@@ -595,3 +595,34 @@ def test_gates_command_runs_only_the_ratio_gates_it_names(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "decode1_vs_object" in out
     assert not any(n in out for n in R.RATIO_GATES if n != "decode1_vs_object")
+
+
+def test_a_gate_whose_compiled_path_is_missing_is_skipped_not_failed(tmp_path, capsys, monkeypatch):
+    """Without numba the decode step and the quantizer run uncompiled, 2-5x slower than the
+    baseline's compiled paths: those gates say why and are skipped, and the run passes."""
+    from impls import paged_kernels, quant_kernels
+    monkeypatch.setattr(paged_kernels, "kernels", lambda: None)
+    monkeypatch.setattr(quant_kernels, "available", lambda: (False, "numba is missing (planted)"))
+    gated = ["decode_vs_scatter", "decode_vs_object", "quantize_vs_steps"]
+    code = gates_cli.main(["--skip-exact", "--blocks", "3", *(f"--ratio={n}" for n in gated)])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    for name in gated:
+        line = next(x for x in lines if x.startswith(f"ratio {name}:"))
+        assert "SKIPPED" in line and "numba" in line, line
+    assert lines[-1] == "gates pass (exit 0): ratio: 0 passed, 0 failed, 3 skipped " \
+                        "(decode_vs_scatter, decode_vs_object, quantize_vs_steps)"
+
+
+def test_gates_command_ends_with_a_summary_line(tmp_path, capsys):
+    expected = copy.deepcopy(G.read_expected())
+    figs = expected["replay"]["numpy"]["prefill-alpaca"]
+    figs["ooms"] += 1  # one quantity moved: the summary counts one drift
+    path = G.write_expected(expected, tmp_path / "expected.json")
+    code = gates_cli.main(["--skip-ratios", "--backend", "numpy", "--case", "prefill-alpaca",
+                           "--expected", str(path)])
+    last = capsys.readouterr().out.splitlines()[-1]
+    checked = len(G.REPLAY_QUANTITIES)  # one backend, one case, no quantizer or pool
+    assert code == 1
+    assert last == f"gates FAIL (exit 1): exact: {checked} quantities, 1 drifted, 0 cases skipped"
+
