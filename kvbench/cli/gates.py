@@ -1,4 +1,4 @@
-"""`kvbench gates`: the exact gates and the ratio gates, as CI runs them."""
+"""`kvbench gates`: the exact gates (CI runs these too) and the ratio gates (on demand)."""
 from __future__ import annotations
 
 import argparse
@@ -140,8 +140,9 @@ ABOUT = ("kvbench regression gates (kvbench/bench/gates.py). replay/pool/quant: 
 
 def register(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("gates", help="regression gates: exact memory/error figures, speed ratios",
-                       description="The regression gates CI runs: exact memory and error figures "
-                                   "against results/gates/expected.json, and same-run speed ratios.")
+                       description="The regression gates: exact memory and error figures against "
+                                   "results/gates/expected.json (CI runs these), and same-run "
+                                   "speed ratios against results/gates/ratios.json.")
     p.add_argument("--update", action="store_true",
                    help="record the measured exact values in expected.json (an intended change)")
     p.add_argument("--update-ratios", action="store_true",
