@@ -28,10 +28,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.bench.records import REPO_ROOT
-
 REGISTRY = "https://registry.npmjs.org"
-CACHE_DIR = REPO_ROOT / ".asv" / "npm"  # ignored by git, as asv's own environments are
+# beside asv's own environments (.asv/env), relative to where asv runs; ignored by git
+CACHE_DIR = Path(".asv") / "npm"
 VENDOR = "vendor"  # the published folder's copies, one folder per package@version
 
 
