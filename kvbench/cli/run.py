@@ -236,9 +236,12 @@ def kv_formats_apply(model) -> bool:
     return all(g.family in ("full", "sliding") for g in model.kv_groups)
 
 
+CAPACITY_SAMPLE = 256  # tokens of the trace's K/V the capacity table measures each format's error on
+
+
 def print_capacity(trace, args) -> None:
     """Tokens a byte budget holds at each KV format, beside the error each makes on the K/V the
-    trace's sequences write (its first 256 tokens' worth)."""
+    trace's sequences write (its first CAPACITY_SAMPLE tokens' worth)."""
     from kvbench import quant
     from kvbench.checking.oracle import content_segments
     from kvbench.contract.protocol import kv_tokens
@@ -246,11 +249,14 @@ def print_capacity(trace, args) -> None:
     budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)
     writers, positions = [], []
     for op in trace.ops:
-        if getattr(op, "tokens", None) and hasattr(op, "tenant") and len(writers) < 256:
+        if len(writers) == CAPACITY_SAMPLE:
+            break
+        if getattr(op, "tokens", None) and hasattr(op, "tenant"):
             for w, start, count in content_segments(op.seq, op.tokens, (), cfg.block_size):
-                writers += [w] * count
-                positions += range(start, start + count)
-    sample = kv_tokens(writers[:256], positions[:256], cfg.model, np.float32)
+                take = min(count, CAPACITY_SAMPLE - len(writers))  # never a prompt's every token
+                writers += [w] * take
+                positions += range(start, start + take)
+    sample = kv_tokens(writers, positions, cfg.model, np.float32)
     table = quant.capacity_table(cfg.model, budget, sample, block_size=cfg.block_size,
                                  group_size=min(32, cfg.model.head_dim))
     print(f"\nKV formats for a {budget:,}-byte budget ({cfg.model.name}, blocks of {cfg.block_size}), "
