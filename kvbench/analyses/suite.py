@@ -7,6 +7,7 @@ from pathlib import Path
 from kvbench.analyses import eviction
 from kvbench.analyses.settings import POLICIES, RunSettings, machine_memory
 from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
+from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, described, watching
 from kvbench.checking.series import MEANS
 from kvbench.checking.verdict import divergence_classes
 from kvbench.contract import formulas as F
@@ -102,37 +103,54 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
 
 
 def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = "touched",
-            keep_going: bool = False, *, progress=None, cache=None) -> dict:
+            keep_going: bool = False, *, progress=None, cache=None,
+            op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> dict:
     """One backend on one trace under the checker, as a row. A backend that cannot be made here
-    is n/a with the reason (``unavailable``); one that raises in any call, close included, FAILs.
-    ``keep_going``: past the divergences that leave the states comparable (check's keep_going).
-    ``progress``: a :class:`kvbench.progress.Progress` of the operations checked. ``cache``: the
-    folder of stored expectations (check's)."""
-    try:
-        backend = registry.resolve(backend_name).create(config)
-    except registry.BackendUnavailable as e:
-        v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
-        return verdict_row(trace, backend_name, config, v, unavailable=str(e))
-    v = check(trace, backend, gather=gather, series=True, keep_going=keep_going, progress=progress,
-              cache=cache)
-    try:
-        guarded("close", backend.close)
-    except BackendRaised as e:
-        if v.valid:
-            v.valid, v.traceback = False, e.traceback
-            v.divergence = Divergence(trace.name, len(trace.ops), trace.ops[-1].step if trace.ops
-                                      else 0, {"op": "close"}, "outcome of close", "success",
-                                      f"{type(e.error).__name__}: {e.error}")
+    is n/a with the reason (``unavailable``); one that raises in any call, its making and close
+    included, FAILs. ``keep_going``: past the divergences that leave the states comparable
+    (check's keep_going). ``progress``: a :class:`kvbench.progress.Progress` of the operations
+    checked. ``cache``: the folder of stored expectations (check's). ``op_timeout``: seconds a
+    backend call may take (check's)."""
+    with watching(op_timeout):
+        try:
+            backend = guarded("__init__", registry.resolve(backend_name).create, config)
+        except BackendRaised as e:
+            if isinstance(e.error, registry.BackendUnavailable):
+                v = Verdict(trace=trace.name, backend=backend_name, valid=None,
+                            not_applicable=str(e.error))
+                return verdict_row(trace, backend_name, config, v, unavailable=str(e.error))
+            v = Verdict(trace=trace.name, backend=backend_name, valid=False, traceback=e.traceback,
+                        divergence=_lifecycle_failure(trace, e, before=True))
+            return verdict_row(trace, backend_name, config, v)
+        v = check(trace, backend, gather=gather, series=True, keep_going=keep_going,
+                  progress=progress, cache=cache, op_timeout=op_timeout)
+        try:
+            guarded("close", backend.close)
+        except BackendRaised as e:
+            if v.valid:
+                v.valid, v.traceback = False, e.traceback
+                v.divergence = _lifecycle_failure(trace, e, before=False)
     return verdict_row(trace, backend_name, backend.config, v)
+
+
+def _lifecycle_failure(trace: Trace, e: BackendRaised, before: bool) -> Divergence:
+    """The divergence of a backend's making (``before`` the first operation) or close (after the
+    last) that raised."""
+    ops = trace.ops
+    index, step = (-1, ops[0].step if len(ops) else 0) if before else \
+        (len(ops), ops[-1].step if len(ops) else 0)
+    return Divergence(trace.name, index, step, {"op": e.what}, f"outcome of {e.what}", "success",
+                      described(e.error))
 
 
 def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(), *,
               policy: str | None = "auto", progress: bool = False, gather: str = "touched",
-              rows: list | None = None, default_run: bool = False, cache=None) -> list[dict]:
+              rows: list | None = None, default_run: bool = False, cache=None,
+              op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> list[dict]:
     """One row per trace, policy and backend. ``rows``: a list each row is appended to as its run
     finishes (a caller interrupted part way keeps the finished ones). ``default_run``: the
     committed workloads through the default backends, each on its ``default_workloads``.
-    ``cache``: the folder of stored expectations (check's)."""
+    ``cache``: the folder of stored expectations (check's). ``op_timeout``: check's."""
     entries = registry.entries()
     jobs = []
     for trace in traces:
@@ -145,7 +163,7 @@ def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(
     rows = [] if rows is None else rows
     bar = Progress(len(jobs), "replaying", "runs") if progress else None
     for t, n, c in jobs:
-        rows.append(run_one(t, n, c, gather, cache=cache))
+        rows.append(run_one(t, n, c, gather, cache=cache, op_timeout=op_timeout))
         if bar is not None:
             bar.update()
     if bar is not None:

@@ -59,6 +59,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -85,7 +86,13 @@ def known_settings() -> dict[str, str]:
 
 
 # The settings of how a run checks (suite.run_one), beside RunSettings' fields.
-RUN_SETTINGS = {"gather": one_of("touched", "all", "end", "none"), "keep_going": flag}
+def _seconds(v) -> str:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return "" if ok else "must be a number of seconds >= 0 (0: no limit)"
+
+
+RUN_SETTINGS = {"gather": one_of("touched", "all", "end", "none"), "keep_going": flag,
+                "op_timeout": _seconds}
 POLICY_SETTING = one_of("auto", "all", "none", *POLICIES)
 
 

@@ -41,10 +41,11 @@ from kvbench.checking import expectations, identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.driver import Driver
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
-from kvbench.checking.raised import BackendRaised, guarded
+from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
+                                     shown, watching)
 from kvbench.checking.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
-from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, named
+from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
 from kvbench.contract.protocol import (Backend, OutOfMemory, Prompt, _takes, kv_tokens, refuse_kinds,
                                        takes_lifecycle)
 from kvbench.traces.columns import OpTable
@@ -138,7 +139,7 @@ def _forks(trace: Trace) -> bool:
 
 def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,
           progress=None, model: Oracle | None = None, keep_going: bool = False,
-          cache=None) -> Verdict:
+          cache=None, op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> Verdict:
     """Replay ``trace`` through ``backend`` and the oracle; the verdict names the first divergence.
 
     ``gather``: 'touched' verifies the K/V each operation could have changed (the positions it
@@ -159,7 +160,16 @@ def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", ser
     ``cache``: a folder of stored expectations (kvbench.checking.expectations): the oracle's
     expected ledgers and usages are read from there where this trace, these settings and this
     oracle code stored them, and stored there when not (``verdict.expectations`` says which).
+
+    ``op_timeout``: seconds one backend call may take (0 or None: no limit), past which the call
+    is stopped and the backend FAILs naming it (kvbench.checking.raised.watching).
     """
+    with watching(op_timeout):
+        return _check(trace, backend, gather=gather, series=series, progress=progress, model=model,
+                      keep_going=keep_going, cache=cache)
+
+
+def _check(trace, backend, *, gather, series, progress, model, keep_going, cache) -> Verdict:
     if backend is None:
         return _replay(trace, None, model, Verdict(trace=trace.name, backend=f"model:{type(model).__name__}",
                                                    valid=True), gather="none", series=series,
@@ -299,17 +309,38 @@ class _Replay(Driver):
                 return
         verdict.divergences.append({"kind": kind, "first": d, "count": 1, "stopped": stopped})
 
-    def raised(self, e: BackendRaised, expected=SUCCESS):
-        """A backend call that raised: the divergence names the call and what the oracle expected."""
+    def raised(self, e: BackendRaised | BadReturn, expected=SUCCESS):
+        """A backend call that raised: the divergence names the call and what the oracle expected;
+        or that returned what it must not: the call, what it returned and what it should have."""
+        if isinstance(e, BadReturn):
+            self.diverge(f"what {e.what} returned", e.wanted, shown(e.value))
         self.traceback = e.traceback
-        self.diverge(f"outcome of {e.what}", expected, f"{type(e.error).__name__}: {e.error}")
+        self.diverge(f"outcome of {e.what}", expected, described(e.error))
 
     def ask(self, what: str, fn, *args):
-        """A backend query (ledger, gather): its exception is the backend's FAIL."""
+        """A backend query (ledger, a tier's figures): its exception is the backend's FAIL."""
         try:
             return guarded(what, fn, *args)
         except BackendRaised as e:
             self.raised(e)
+
+    def ask_ledger(self, *seqs) -> Ledger:
+        """The backend's ledger (``ledger(*seqs)``); an exception or anything but a Ledger is the
+        backend's FAIL."""
+        led = self.ask("ledger", self.backend.ledger, *seqs)
+        if not isinstance(led, Ledger):
+            self.raised(BadReturn("ledger", led, "a Ledger"))
+        return led
+
+    @staticmethod
+    def victims(what: str, got) -> tuple:
+        """The sequences a call says it evicted: None or an iterable of ids, else BadReturn (its
+        iteration is the backend's code: guarded)."""
+        if got is None:
+            return ()
+        if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+            raise BadReturn(what, got, "the sequences it evicted (an iterable of ids, or None)")
+        return guarded(what, tuple, got)
 
     def kv_for(self, tokens: int, fits: bool, build):
         """The K/V of a call of ``tokens`` tokens: ``build()`` when the oracle says it fits; a
@@ -372,22 +403,24 @@ class _Replay(Driver):
             return None if expected is None else tuple(expected)
         kv = self.kv_for(tokens, expected is not None, build_kv) if build_kv else None
         outcome = OOM if expected is None else SUCCESS
-        before = self.ask("ledger", backend.ledger) if expected is None else None
+        before = self.ask_ledger() if expected is None else None
         t0 = time.perf_counter()
         try:
-            actual = tuple(guarded(what, backend_call, kv) or ())
+            got = guarded(what, backend_call, kv)
+            verdict.backend_seconds += time.perf_counter() - t0
+            actual = self.victims(what, got)
         except OutOfMemory:
+            verdict.backend_seconds += time.perf_counter() - t0
             actual = None
-        except BackendRaised as e:
+        except (BackendRaised, BadReturn) as e:
             self.raised(e, outcome)
-        verdict.backend_seconds += time.perf_counter() - t0
         if (expected is None) != (actual is None):
             self.diverge(f"outcome of {what}", outcome, OOM if actual is None else SUCCESS,
                          "the oracle finds no room even after evicting every candidate"
                          if expected is None else "the backend refused an operation that fits")
         if expected is None:
             verdict.ooms += 1
-            after = self.ask("ledger", backend.ledger)
+            after = self.ask_ledger()
             for f in self.fields:
                 if getattr(after, f) != getattr(before, f):
                     self.diverge(f"{f} after a refused {what}", getattr(before, f), getattr(after, f),
@@ -595,7 +628,7 @@ class _Replay(Driver):
             self.next_full = self.index + max(1, len(self.oracle.seqs))
         seqs = None if whole else sorted(changed)
         expected = self.expected(seqs)
-        actual = self.ask("ledger", self.backend.ledger, seqs)
+        actual = self.ask_ledger(seqs)
         try:
             why = self.figures.check(actual, seqs, last=last)
         except BackendRaised as e:
@@ -650,7 +683,7 @@ class _Replay(Driver):
             return
         try:
             bad, read = self.kv.mismatch(ranges, into)
-        except BackendRaised as e:
+        except (BackendRaised, BadReturn) as e:
             self.raised(e)
         self.verdict.gathers += read
         if bad:
@@ -658,7 +691,7 @@ class _Replay(Driver):
             self.diverge(f"kv of sequence {seq}", *what)
         try:
             bad = self.kv.state_mismatch(sorted({r[0] for r in ranges if r[0] in self.oracle.seqs}))
-        except BackendRaised as e:
+        except (BackendRaised, BadReturn) as e:
             self.raised(e)
         if bad:
             seq, *what = bad
@@ -699,9 +732,10 @@ class _Replay(Driver):
         self.settle_expectations(final_ledger)
         if verdict.valid is False:  # what the failing backend says it holds, if it can say
             try:
-                final_ledger = guarded("ledger", self.backend.ledger)
+                led = guarded("ledger", self.backend.ledger)
             except (BackendRaised, OutOfMemory):
-                pass
+                led = None
+            final_ledger = led if isinstance(led, Ledger) else final_ledger
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                                 if not QUANTITIES[k].per_sequence}
         if self.unreported:

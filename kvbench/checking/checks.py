@@ -37,6 +37,9 @@ def _c(name, module, site, template, doc) -> Check:
 CALLS = (
     _c("outcome: a call raises", "checker", "_Replay.raised", "outcome of {}",
        "any backend call that raises is a FAIL naming the call"),
+    _c("a call returns what it must not", "checker", "_Replay.raised", "what {} returned",
+       "a ledger that is no Ledger, victims that are no iterable, K/V that is no array: a FAIL "
+       "naming the call and what it returned"),
     _c("outcome: refused what fits", "checker", "_Replay.call", "outcome of {}",
        "the backend refuses an operation the oracle fits"),
     _c("outcome: took what cannot fit", "checker", "_Replay.call", "outcome of {}",

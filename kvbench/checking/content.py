@@ -10,8 +10,8 @@ import bisect
 
 import numpy as np
 
-from kvbench.checking.raised import guarded
-from kvbench.contract.protocol import advance_state, group_view, kv_tokens
+from kvbench.checking.raised import BadReturn, guarded
+from kvbench.contract.protocol import Backend, advance_state, group_view, kv_tokens
 from kvbench.quant import pool as quant_pool
 
 
@@ -52,6 +52,21 @@ class Runs:
                 ws.append(self.writers[i])
                 counts.append(hi - lo)
             i += 1
+
+
+KV_RETURN = "an array of K/V, one row per position"
+
+
+def read_array(what: str, value, wanted: str = KV_RETURN) -> np.ndarray:
+    """What a backend's read returned, as an array; BadReturn for anything but a numeric array of
+    at least one dimension (a str, a number, None)."""
+    try:
+        a = np.asarray(value)
+    except Exception:  # an object numpy cannot read: what it is, not why numpy could not
+        raise BadReturn(what, value, wanted) from None
+    if a.ndim == 0 or a.dtype.kind not in "biuf":
+        raise BadReturn(what, value, wanted)
+    return a
 
 
 def writers_over(segments, start: int, stop: int) -> np.ndarray:
@@ -108,17 +123,17 @@ class Content:
         token_shape = want.shape[1:]
         plain = todo[:-1] if buffered else todo
         if not self.quantized:  # one call and one comparison; the ranges apart only to say where
-            parts = [np.asarray(guarded("gather", self.backend.gather_ranges, [t[0] for t in plain],
-                                        [t[1] for t in plain], [t[2] for t in plain]))] if plain else []
+            parts = self._read_ranges(plain) if plain else []
             if buffered:
                 parts.append(self._read_into(*buffered, token_shape))
-            together = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            if together.shape == want.shape and np.array_equal(together, want):
-                return None, len(todo)
+            if all(p.shape[1:] == token_shape for p in parts):  # else the ranges apart say which
+                together = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                if together.shape == want.shape and np.array_equal(together, want):
+                    return None, len(todo)
         got, offset = [], 0
         for i, (seq, start, stop) in enumerate(todo):
             g = self._read_into(seq, start, stop, token_shape) if buffered and i == len(plain) \
-                else np.asarray(guarded("gather", self.backend.gather, seq, start, stop))
+                else read_array("gather", guarded("gather", self.backend.gather, seq, start, stop))
             if g.shape[1:] != token_shape or len(g) != stop - start:
                 return (seq, "what it wrote or inherited", "different values",
                         f"shape {tuple(g.shape)} instead of {(stop - start,) + token_shape}"), len(got) + 1
@@ -138,6 +153,15 @@ class Content:
                 return (seq, *bad), len(todo)
         return None, len(todo)
 
+    def _read_ranges(self, ranges) -> list:
+        """The K/V of ``[(seq, start, stop)]``: in one gather_ranges call where the backend has its
+        own, else one gather a range (the protocol's default, each return checked as gather's)."""
+        backend = self.backend
+        if type(backend).gather_ranges is Backend.gather_ranges:
+            return [read_array("gather", guarded("gather", backend.gather, *r)) for r in ranges]
+        return [read_array("gather", guarded("gather", backend.gather_ranges,
+                                                    *(list(c) for c in zip(*ranges))))]
+
     def state_mismatch(self, seqs):
         """SPEC §12: each state group's state of each sequence (``read_state``) against the state
         after every token it wrote or inherited, from a fresh (zero) state. None when all are
@@ -151,7 +175,8 @@ class Content:
             kv = kv_tokens(np.repeat(np.asarray(ws, dtype=np.int64), counts), np.arange(n),
                            self.model, self.dtype)
             want = [advance_state(None, group_view(kv, g.layers, self.model)) for g in self.state_groups]
-            got = np.asarray(guarded("read_state", self.backend.read_state, seq))
+            got = read_array("read_state", guarded("read_state", self.backend.read_state, seq),
+                             "an array of states, one per state group")
             for i, (g, w) in enumerate(zip(self.state_groups, want)):
                 if got.shape[1:] != w.shape or len(got) != len(want):
                     return (seq, f"{len(want)} states of shape {w.shape}", f"shape {got.shape}",

@@ -20,7 +20,9 @@ class Divergence:
     detail: str = ""
 
     def __str__(self) -> str:
-        return (f"{self.trace}: step {self.step} (op #{self.index} {self.op}): {self.quantity} "
+        where = f"step {self.step} (op #{self.index} {self.op})" if self.index >= 0 \
+            else f"before step {self.step} ({self.op})"  # the backend's making
+        return (f"{self.trace}: {where}: {self.quantity} "
                 f"expected {_show(self.expected)}, got {_show(self.actual)}"
                 + (f" ({self.detail})" if self.detail else ""))
 

@@ -95,6 +95,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A time limit in seconds: a finite number >= 0 (0: none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 def describe(error: BaseException) -> str:
     """One line for an error: an OSError names its file; a MemoryError says it is memory."""
     if isinstance(error, OSError) and error.filename is not None and error.strerror:

@@ -13,6 +13,7 @@ from kvbench.analyses import eviction, suite
 from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
 from kvbench.checking import expectations
+from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, BackendRaised, guarded, watching
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -70,6 +71,10 @@ def print_expectations(df: pd.DataFrame, folder) -> None:
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unavailable", action="store_true",
                    help="a --backend that cannot run here is reported as n/a instead of an error")
+    p.add_argument("--op-timeout", type=options.seconds, default=DEFAULT_OP_TIMEOUT,
+                   metavar="SECONDS",
+                   help=f"a backend call that takes longer is stopped, and the backend FAILs naming "
+                        f"the trace, step and call (default {DEFAULT_OP_TIMEOUT:g}; 0: no limit)")
 
 
 def settings(args) -> RunSettings:
@@ -90,7 +95,7 @@ def select_backends(args, trace) -> list[str]:
     if not args.backend:
         chosen = []
         for name in registry.DEFAULT_BACKENDS:
-            why = probe(name, cfg)
+            why = probe(name, cfg, args.op_timeout)
             if why:
                 print(f"not run here: {name}: {why}")
             else:
@@ -101,7 +106,7 @@ def select_backends(args, trace) -> list[str]:
             registry.resolve(name)
         except ValueError as e:
             raise options.UsageError(f"--backend {name}: {e}") from None
-        why = probe(name, cfg)
+        why = probe(name, cfg, args.op_timeout)
         if why and not getattr(args, "allow_unavailable", False):
             raise options.UsageError(f"--backend {name}: {why} (--allow-unavailable runs the "
                                      f"others and reports it as n/a)")
@@ -116,13 +121,15 @@ def print_memory_note(trace, args) -> None:
         print(note)
 
 
-def probe(name: str, config) -> str:
-    """'' when backend ``name`` can be made with ``config`` here, else why not (one line)."""
-    try:
-        backend = registry.resolve(name).create(config)
-    except registry.BackendUnavailable as e:
-        return str(e)
-    backend.close()
+def probe(name: str, config, op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> str:
+    """'' when backend ``name`` can be made with ``config`` here, else why not (one line). One
+    that crashes (raises other than a refusal, or hangs) runs: its FAIL is recorded there."""
+    with watching(op_timeout):
+        try:
+            backend = guarded("__init__", registry.resolve(name).create, config)
+            guarded("close", backend.close)
+        except BackendRaised as e:
+            return str(e.error) if isinstance(e.error, registry.BackendUnavailable) else ""
     return ""
 
 
@@ -199,7 +206,7 @@ def run_workloads(args, stdout) -> int:
         suite.run_suite(traces, backends, settings(args), policy=args.policy,
                         progress=not args.quiet, gather=args.gather, rows=rows,
                         default_run=not args.traces and not args.backend,
-                        cache=expectations_folder(args))
+                        cache=expectations_folder(args), op_timeout=args.op_timeout)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
             stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
@@ -236,9 +243,12 @@ def kv_formats_apply(model) -> bool:
     return all(g.family in ("full", "sliding") for g in model.kv_groups)
 
 
+CAPACITY_SAMPLE = 256  # tokens of the trace's K/V the capacity table measures each format's error on
+
+
 def print_capacity(trace, args) -> None:
     """Tokens a byte budget holds at each KV format, beside the error each makes on the K/V the
-    trace's sequences write (its first 256 tokens' worth)."""
+    trace's sequences write (its first CAPACITY_SAMPLE tokens' worth)."""
     from kvbench import quant
     from kvbench.checking.oracle import content_segments
     from kvbench.contract.protocol import kv_tokens
@@ -246,11 +256,14 @@ def print_capacity(trace, args) -> None:
     budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)
     writers, positions = [], []
     for op in trace.ops:
-        if getattr(op, "tokens", None) and hasattr(op, "tenant") and len(writers) < 256:
+        if len(writers) == CAPACITY_SAMPLE:
+            break
+        if getattr(op, "tokens", None) and hasattr(op, "tenant"):
             for w, start, count in content_segments(op.seq, op.tokens, (), cfg.block_size):
-                writers += [w] * count
-                positions += range(start, start + count)
-    sample = kv_tokens(writers[:256], positions[:256], cfg.model, np.float32)
+                take = min(count, CAPACITY_SAMPLE - len(writers))  # never a prompt's every token
+                writers += [w] * take
+                positions += range(start, start + take)
+    sample = kv_tokens(writers, positions, cfg.model, np.float32)
     table = quant.capacity_table(cfg.model, budget, sample, block_size=cfg.block_size,
                                  group_size=min(32, cfg.model.head_dim))
     print(f"\nKV formats for a {budget:,}-byte budget ({cfg.model.name}, blocks of {cfg.block_size}), "
@@ -291,7 +304,8 @@ def cmd_check(args) -> int:
             cfg = settings(args).config(trace, pol)
             with Progress(len(trace.ops), f"{name} on {trace.name}", "ops") as bar:
                 row = suite.run_one(trace, name, cfg, args.gather, keep_going=args.keep_going,
-                                    progress=bar, cache=expectations_folder(args))
+                                    progress=bar, cache=expectations_folder(args),
+                                    op_timeout=args.op_timeout)
             rows.append(row)
             line = f"{row['status']:4} {name} policy={row['policy']} ops={row['ops']}"
             if row["divergence"]:

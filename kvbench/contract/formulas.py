@@ -276,7 +276,7 @@ _KIND = re.compile(r"\s*([a-z]+)\s*(?:\(([^()]*)\))?\s*")
 def parse_kind(text: str) -> dict:
     """A group kind as a trace header names it -> its KVGroup fields: 'full' -> {};
     'sliding(4096)' -> {'window': 4096}; 'chunked(8192)'; 'sinks(4,1024)' -> {'sinks': (4, 1024)};
-    'mla(576)'; 'state(1097728)' (bytes per layer). Every argument a positive int."""
+    'mla(576)'; 'state(1097728)' (bytes per layer). Every argument a positive int64."""
     known = "full, sliding(W), chunked(C), sinks(S,W), mla(d), state(bytes)"
     m = _KIND.fullmatch(str(text))
     if not m or m.group(1) not in _KIND_ARGS:
@@ -288,9 +288,12 @@ def parse_kind(text: str) -> dict:
         raise ValueError(f"not a KV cache group kind: {text!r} ({want} takes "
                          f"{len(names) or 'no'} integer argument(s); the kinds: {known})")
     values = [int(a) for a in args]
+    most = int(np.iinfo(np.int64).max)  # token counts and bytes are int64 (the trace's, a pool's)
     for arg, v in zip(names, values):
         if v < 1:
             raise ValueError(f"{text!r}: {_KIND_UNITS[arg]}")
+        if v > most:
+            raise ValueError(f"{text!r}: {arg} = {v} is outside int64 (at most {most:,})")
     if name == "sinks":
         return {"sinks": tuple(values)}
     return dict(zip(names, values))

@@ -25,8 +25,10 @@ ENTRY_POINT_GROUP = "kvbench.backends"
 class BackendUnavailable(NotImplementedError):
     """A backend that cannot be made here: its import fails, ``available()`` says no, its factory
     does not take a CacheConfig or returns something else than a Backend, or it refuses the
-    settings. The message is one line: the reason. (A NotImplementedError, so that the asv suite
-    and the gates report such a case n/a, as they do a backend a commit lacks.)"""
+    settings (raises ValueError or NotImplementedError). The message is one line: the reason.
+    (A NotImplementedError, so that the asv suite and the gates report such a case n/a, as they
+    do a backend a commit lacks.) Anything else a factory raises is no refusal but its crash,
+    raised as it is: the checker's caller makes it the backend's FAIL."""
 
 
 # What a backend is, for the lists that pick backends (the default run, the gates, the tests):
@@ -76,7 +78,9 @@ class BackendEntry:
         return check() if callable(check) else (True, "")
 
     def create(self, config: CacheConfig) -> Backend:
-        """A backend for ``config``, or BackendUnavailable saying in one line why not."""
+        """A backend for ``config``, or BackendUnavailable saying in one line why not; the
+        factory's own exception where it crashes (anything but ValueError and
+        NotImplementedError, its refusals of the settings)."""
         ok, why = self.available()
         if not ok:
             raise BackendUnavailable(why)
@@ -96,7 +100,7 @@ class BackendEntry:
             pass
         try:
             backend = factory(config)
-        except Exception as e:
+        except (ValueError, NotImplementedError) as e:
             raise BackendUnavailable(f"{self.name} cannot run with these settings: "
                                      f"{type(e).__name__}: {e}") from e
         if not isinstance(backend, Backend):

@@ -359,7 +359,7 @@ class _Validator:
         self._new(op.seq, fail)
 
     def free(self, op, fail) -> None:
-        self._live(op.seq, "free of", fail, busy=False)
+        self._live(op.seq, f"{op.kind} of", fail, busy=False)  # an abort is a free that says so
         self.live.discard(op.seq)
         for state in (self.chunk_left, self.drafted):
             state.pop(op.seq, None)

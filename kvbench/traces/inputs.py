@@ -122,7 +122,7 @@ def check_header(d: dict, fail) -> None:
             fail("'groups' must be a non-empty list of group kinds (\"full\", \"sliding(W)\")")
         for g in groups:
             try:
-                parse_kind(g)  # every argument a positive int
+                parse_kind(g)  # every argument a positive int64
             except ValueError as e:
                 fail(f"'groups': {e}")
     for key, value in (d.get("settings") or {}).items():

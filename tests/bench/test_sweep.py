@@ -514,3 +514,11 @@ def test_the_committed_sweeps_are_documented_with_the_cells_their_grids_expand_t
         cells, _ = grids.expand(grids.load_grid(sweeps / name / "grid.toml"), "x")
         assert int(documented[name]) == len(cells), name
         assert f"`{name}/` ({len(cells)}" in " ".join(readme.split()), name
+
+
+def test_op_timeout_is_a_run_setting_of_a_grid_typed_before_the_first_cell(tmp_path):
+    assert grids.known_settings()["op_timeout"] == "run"  # as `kvbench run --op-timeout`
+    with pytest.raises(ValueError, match=r"settings\.op_timeout\[1\]: must be a number of seconds >= 0 "
+                                         r"\(0: no limit\), got -1"):
+        grids.load_grid(write_grid(tmp_path / "bad.toml", 'backends = ["numpy"]\n[[traces]]\n'
+                                   'workload = "fork-beam"\n[settings]\nop_timeout = [60, -1]\n'))

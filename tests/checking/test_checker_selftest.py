@@ -73,6 +73,14 @@ def misreports(field: str, value: Callable, base=NumpyPaged, from_call: int = 1)
     return Misreports
 
 
+class PrefillReturnsACount(NumpyPaged):
+    """Its prefill returns how many blocks it took instead of the sequences it evicted."""
+
+    def prefill(self, seq, prompt, kv=None, **kw):
+        super().prefill(seq, prompt, kv, **kw)
+        return -(-prompt.tokens // self.config.block_size)
+
+
 class NoStructures(NumpyPaged):
     """Exposes no block structures: the ledger's figures are checked against the oracle alone."""
 
@@ -273,6 +281,11 @@ CASES = {
     # The fork (op 1) raises: the checker names the call.
     "outcome: a call raises": Case(raising_in("fork"), make_trace(P(0, 40), K(1, 0)), 1,
                                    "outcome of fork", SUCCESS, "RuntimeError: planted: fork raises"),
+    # The prefill (op 0) returns an int where its victims go.
+    "a call returns what it must not": Case(PrefillReturnsACount, make_trace(P(0, 40)), 0,
+                                            "what prefill returned",
+                                            "the sequences it evicted (an iterable of ids, or None)",
+                                            "3 (an int)"),  # 3 = ceil(40 / 16) blocks
     # 64 tokens in 4 blocks of 16: an exact fit, refused.
     "outcome: refused what fits": Case(ExactFitRefused, make_trace(P(0, 64)), 0, "outcome of prefill",
                                        SUCCESS, OOM, config={"num_blocks": 4}),

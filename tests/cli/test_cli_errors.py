@@ -60,6 +60,8 @@ HEADER = {"kvbench_trace": 1, "family": "t"}
     (["run", TRACE, "--policy", "lru2"], "--policy: invalid choice: 'lru2'"),
     (["gen", "--family", "nosuch"], "--family: invalid choice: 'nosuch'"),
     (["run", TRACE, "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["check", TRACE, "--op-timeout", "-1"], "--op-timeout: must be a finite number of seconds >= 0, got -1"),
+    (["run", TRACE, "--op-timeout", "soon"], "--op-timeout: must be a number of seconds, got 'soon'"),
 ])
 def test_a_bad_option_value_is_one_line(argv, option, capsys):
     refused(argv, capsys, names=option)
@@ -176,6 +178,15 @@ PREFILL = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 40}
     ({"settings": {"model": "nope"}}, "setting 'model': unknown model 'nope'; known: "),
     ({"settings": {"policy": "mru"}}, "setting 'policy': 'mru' is not a policy (lru, lfu, fair, none)"),
     ({"groups": ["sliding(0)"]}, "'groups': 'sliding(0)': a sliding window is at least 1 token"),
+    # Beyond int64 (2**63 - 1 = 9,223,372,036,854,775,807): the header's, not the backend's.
+    ({"groups": ["sliding(99999999999999999999999)", "full"]},
+     "'groups': 'sliding(99999999999999999999999)': window = 99999999999999999999999 is outside "
+     "int64 (at most 9,223,372,036,854,775,807)"),
+    ({"groups": ["state(99999999999999999999)", "full"]},
+     "'groups': 'state(99999999999999999999)': state_bytes = 99999999999999999999 is outside "
+     "int64 (at most 9,223,372,036,854,775,807)"),
+    ({"groups": ["sinks(4,9223372036854775808)", "full"]},  # 2**63
+     "'groups': 'sinks(4,9223372036854775808)': W = 9223372036854775808 is outside int64"),
     ({"groups": ["full", "full", "full"]},  # the tiny model's 2 layers
      "'groups': model 'tiny': 2 layers do not split into 3 groups"),
     ({"groups": []}, "'groups' must be a non-empty list of group kinds"),

@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from conftest import default_sigint
 
 from kvbench.checking.checker import check
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
@@ -130,6 +133,55 @@ LEGACY_POOL_PY = POOL_PY.replace(POOL_PY[POOL_PY.index("    def prefill"):POOL_P
 
 BROKEN_PY = "import kvbench_missing_dependency  # not installed: importing this module fails\n"
 
+# MyPool with one fault each: what a plug-in can do to the process that runs it.
+FAULTY_PY = '''
+import dataclasses
+import os
+import time
+
+from mypkg.pool import MyPool
+
+
+class FreeExits(MyPool):
+    def free(self, seq, *, step=0):
+        raise SystemExit(0)
+
+
+class AppendInterrupts(MyPool):
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        raise KeyboardInterrupt
+
+
+class AppendHangs(MyPool):
+    def append(self, seqs, tokens, kv=None, *, step=0):
+        if os.environ.get("MYPKG_HANGING"):  # tells the test it is inside the call
+            open(os.environ["MYPKG_HANGING"], "w").close()
+        time.sleep(3600)
+
+
+class LedgerStr(MyPool):
+    def ledger(self, seqs=None):
+        return "ledger"
+
+
+class PrefillInt(MyPool):
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        super().prefill(seq, prompt, kv, step=step, protect=protect)
+        return 5
+
+
+class GatherStr(MyPool):
+    capabilities = dataclasses.replace(MyPool.capabilities, holds_kv=True)
+
+    def gather(self, seq, start=0, stop=None, *, out=None):
+        return "kv"
+
+
+class InitRaises(MyPool):
+    def __init__(self, config):
+        raise RuntimeError("boom")
+'''
+
 ENTRY_POINTS = """\
 [kvbench.backends]
 my-pool = mypkg.pool:MyPool
@@ -147,6 +199,7 @@ def write_package(root, dist_info: bool):
     (pkg / "pool.py").write_text(POOL_PY)
     (pkg / "legacy.py").write_text(LEGACY_POOL_PY)
     (pkg / "broken.py").write_text(BROKEN_PY)
+    (pkg / "faulty.py").write_text(FAULTY_PY)
     if dist_info:  # what `pip install` would leave: importlib.metadata reads it from sys.path
         info = root / "mypkg-0.1.dist-info"
         info.mkdir()
@@ -178,9 +231,13 @@ def on_path(monkeypatch):
         del sys.modules[name]
 
 
+def plugin_env(path, **extra) -> dict:
+    return {**os.environ, **extra,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
+
+
 def kvbench(*args, path, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], env=env, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kvbench.cli", *args], env=plugin_env(path), cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -316,3 +373,103 @@ def test_no_bundled_backend_or_planted_fault_is_of_an_old_form():
     old = sorted(f"{c.__qualname__}.{m}" for c in classes for k in c.__mro__
                  for m in ("prefill", "gather", "ledger") if hasattr(k.__dict__.get(m), "old_form"))
     assert len(classes) > 40 and old == []
+
+
+# --- a backend's fault is the backend's ------------------------------------------------------------
+
+def first(trace, kind: str) -> int:
+    """The index of the trace's first operation of ``kind``."""
+    return next(i for i, op in enumerate(trace.ops) if op.kind == kind)
+
+
+@pytest.mark.parametrize("cls, what, wanted, got", [
+    ("LedgerStr", "ledger", "a Ledger", "'ledger' (a str)"),
+    ("PrefillInt", "prefill", "the sequences it evicted (an iterable of ids, or None)", "5 (an int)"),
+    ("GatherStr", "gather", "an array of K/V, one row per position", "'kv' (a str)"),
+])
+def test_a_wrong_return_is_the_backends_fail_naming_the_call(cls, what, wanted, got, adhoc_dir, on_path):
+    on_path(adhoc_dir)
+    trace = load_traces([WORKLOADS["fork-beam"]])[0]
+    v = check(trace, registry.resolve(f"mypkg.faulty:{cls}").create(config_for(trace, policy=None)))
+    assert (v.status, v.error) == ("FAIL", "")  # not "the checker could not do its part"
+    d = v.divergence
+    # The prefill (op 0) is the first call, its ledger and K/V are read after it.
+    assert (d.index, d.quantity, d.expected, d.actual) == (0, f"what {what} returned", wanted, got)
+
+
+def test_a_call_past_the_time_limit_fails_naming_trace_step_and_call(adhoc_dir, on_path):
+    on_path(adhoc_dir)
+    trace = load_traces([WORKLOADS["fork-beam"]])[0]
+    v = check(trace, registry.resolve("mypkg.faulty:AppendHangs").create(config_for(trace, policy=None)),
+              op_timeout=1)
+    d = v.divergence
+    assert (v.status, d.trace, d.index, d.step) == ("FAIL", "fork-beam", first(trace, "append"),
+                                                    trace.ops[first(trace, "append")].step)
+    assert (d.quantity, d.actual) == ("outcome of append", "OpTimeout: no return within 1 s (the "
+                                      "time limit of one backend call: --op-timeout)")
+
+
+def test_cli_a_plugin_that_exits_or_interrupts_fails_and_the_other_backends_run_is_kept(adhoc_dir, tmp_path):
+    trace = load_traces([WORKLOADS["fork-beam"]])[0]
+    for cls, kind, raised in (("FreeExits", "free", "SystemExit: 0"),
+                              ("AppendInterrupts", "append", "KeyboardInterrupt")):
+        out = tmp_path / f"{cls}.json"
+        got = kvbench("run", str(WORKLOADS["fork-beam"]), "--backend", f"mypkg.faulty:{cls}",
+                      "--backend", "numpy", "--quiet", "--output", str(out), path=adhoc_dir, cwd=tmp_path)
+        assert got.returncode == 1, got.stdout + got.stderr  # a FAIL: not 0 (exit), not 130
+        rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+        assert rows["numpy"]["status"] == "pass"
+        row = rows[f"mypkg.faulty:{cls}"]
+        i = first(trace, kind)
+        assert row["status"] == "FAIL" and row["divergence"].startswith(
+            f"fork-beam: step {trace.ops[i].step} (op #{i} "), row["divergence"]
+        assert row["divergence"].endswith(f"outcome of {kind} expected success, got {raised}")
+        assert f"FAIL mypkg.faulty:{cls} on fork-beam: " in got.stdout
+
+
+def test_cli_a_hanging_plugin_is_stopped_by_the_op_timeout_and_the_run_goes_on(adhoc_dir, tmp_path):
+    out = tmp_path / "run.json"
+    got = kvbench("run", str(WORKLOADS["fork-beam"]), "--backend", "mypkg.faulty:AppendHangs",
+                  "--backend", "numpy", "--op-timeout", "1", "--quiet", "--output", str(out),
+                  path=adhoc_dir, cwd=tmp_path)
+    assert got.returncode == 1, got.stdout + got.stderr
+    status = rows_by(json.loads(out.read_text())["rows"], "status")
+    assert status == {("mypkg.faulty:AppendHangs", "fork-beam"): "FAIL", ("numpy", "fork-beam"): "pass"}
+    assert "FAIL mypkg.faulty:AppendHangs on fork-beam: fork-beam: step 1 (op #1 " in got.stdout
+    assert "outcome of append expected success, got OpTimeout: no return within 1 s" in got.stdout
+
+
+def test_cli_the_users_ctrl_c_inside_a_plugin_call_is_still_an_interrupt(adhoc_dir, tmp_path):
+    out, hanging = tmp_path / "run.json", tmp_path / "hanging"
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "run", str(WORKLOADS["fork-beam"]),
+                             "--backend", "numpy", "--backend", "mypkg.faulty:AppendHangs",
+                             "--op-timeout", "0", "--quiet", "--output", str(out)],
+                            env=plugin_env(adhoc_dir, MYPKG_HANGING=str(hanging)), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
+    deadline = time.monotonic() + 240
+    while not hanging.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert hanging.exists(), proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + stderr
+    assert stderr.endswith("kvbench: interrupted\n")
+    rec = json.loads(out.read_text())
+    assert rec["partial"] == "interrupted after 1 runs"
+    assert [(r["backend"], r["status"]) for r in rec["rows"]] == [("numpy", "pass")]
+
+
+def test_cli_a_plugin_whose_init_raises_fails_even_with_allow_unavailable(adhoc_dir, tmp_path):
+    out = tmp_path / "run.json"
+    got = kvbench("run", str(WORKLOADS["fork-beam"]), "--backend", "mypkg.faulty:InitRaises",
+                  "--backend", "numpy", "--allow-unavailable", "--quiet", "--output", str(out),
+                  path=adhoc_dir, cwd=tmp_path)
+    assert got.returncode == 1, got.stdout + got.stderr  # raising is no unavailability
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["numpy"]["status"] == "pass"
+    row = rows["mypkg.faulty:InitRaises"]
+    assert (row["status"], row["unavailable"]) == ("FAIL", "")
+    assert row["divergence"] == ("fork-beam: before step 0 ({'op': '__init__'}): outcome of __init__ "
+                                 "expected success, got RuntimeError: boom")
+    assert "not run here" not in got.stdout

@@ -65,7 +65,9 @@ def test_old_trace_has_no_tiers():
     ([{"step": 1, "op": "load", "id": 1, "seq": 1, "tenant": "a", "tokens": 16},
       {"step": 2, "op": "abort", "seq": 1}, {"step": 3, "op": "done", "id": 1}], 5,
      "already completed (or was aborted)"),
-    ([{"step": 1, "op": "abort", "seq": 3}], 3, "free of unknown sequence 3"),
+    ([{"step": 1, "op": "abort", "seq": 3}], 3, "abort of unknown sequence 3"),  # not "free of"
+    ([{"step": 1, "op": "free", "seq": 0}, {"step": 2, "op": "abort", "seq": 0}], 4,
+     "abort of freed sequence 0"),
     ([{"step": 1, "op": "store", "id": 1, "seq": 0, "tier": "host", "blocks": [0, 0]}], 3,
      "'blocks' names a position twice"),
     ([{"step": 1, "op": "done", "id": 1, "ok": "yes"}], 3, "field 'ok' must be true or false"),
