@@ -1,4 +1,13 @@
-"""vLLM's sparse retention of sliding-window blocks (``Capabilities.sparse_window_retention``).
+"""vLLM's rule set: the declared differences of its KV cache manager from SPEC, modelled.
+
+- ``chunk_start_hit``: on a model of chunked groups alone, a lookup counts the blocks left of
+  the hit's last chunk as computed (``chunk_lookup``, the groups' fixed point);
+- ``sparse_window_retention``: a sliding group caches only the window runs a hit can end on
+  (below);
+- ``keeps_duplicate_blocks``, ``window_release="next_allocation"``,
+  ``kept_drafts_cached_at_next_append``: read where the oracle takes, releases and caches blocks.
+
+Sparse retention of sliding-window blocks (``Capabilities.sparse_window_retention``).
 
 SPEC §8 caches every full block of every group. vLLM at its serving default
 (``prefix_cache_retention_interval = 0``) caches a sliding group's block only where a later hit
@@ -68,3 +77,53 @@ def chunk_lookup(by_hash, keys, members, chunk: int, max_tokens: int, block_size
                                                                   for g in members):
         run += 1
     return start, run
+
+
+class VLLMRules:
+    """The oracle's steps under vLLM's rules (a mixin of kvbench.model.oracle.Oracle)."""
+
+    def _chunk_rule(self) -> bool:
+        """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
+        return (self.caching and self.caps.chunk_start_hit
+                and all(g.family == "chunked" for g in self.groups))
+
+    def _chunk_start_hit(self, keys, tokens: int) -> tuple[int, list]:
+        """``chunk_start_hit``'s hit of a ``tokens``-token prompt: (L, per group {position: cached
+        block}). A group's lookup of at most M tokens counts its blocks left of the chunk of
+        token M as computed (taking none, cached or not) and looks up from there; the hit is the
+        length every group accepts, M lowered to each group's answer in turn until none lowers
+        it (vLLM's fixed point: groups of two sizes agree where their chunk starts meet); one
+        group answers once (vLLM's coordinator of one group asks it once)."""
+        M = self._most_hit_tokens(tokens)
+        while True:
+            cur, starts = M, []
+            for g, group in enumerate(self.groups):
+                start, end = chunk_lookup(self.by_hash, keys, [g], group.chunk, cur, self.B)
+                starts.append(start)
+                cur = end * self.B
+            if cur >= M or len(self.groups) == 1:
+                break
+            M = cur
+        L = cur // self.B  # every group's lookup of the last round ended at L
+        return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(starts[g], L)}
+                   for g in range(len(self.groups))]
+
+    def _retention(self, keys, prompt_tokens: int, tokens: int, L: int) -> list:
+        """Per group, the positions of a new request's blocks a sparse window retention caches,
+        given its prompt, its hit's keys and its hit of L blocks; [] without that rule. Read
+        before the request takes a block (its new blocks may evict a cached one)."""
+        if not (self.caps.sparse_window_retention and self.caching
+                and any(g.family == "sliding" for g in self.groups)):
+            return []
+        cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+        top = first_group_hit(
+            self.by_hash, self.groups, keys, cap, self.B,
+            self._most_hit_tokens(tokens) if self.caps.chunk_start_hit else None)
+        junction = top if top > L else 0
+        return [retained_positions(prompt_tokens, junction, group, self.B)
+                for group in self.groups]
+
+    @staticmethod
+    def _keeps(st, g: int, i: int) -> bool:
+        """Whether group ``g`` caches position ``i`` of ``st`` once full (sparse retention)."""
+        return not st.retained or st.retained[g] is None or i in st.retained[g]
