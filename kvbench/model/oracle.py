@@ -612,60 +612,8 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
             self.edits += 1
             self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
-            L, hits, _ = self._cache_hits(keys, parent.tokens)
-            child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
-            self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
-            self._evict_before_alloc(G * (n - L), [parent.tokens - L * self.B])
-            child.tables = [[hits[g].get(i) for i in range(L)]
-                            + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
-                               for i in range(L, n)] for g in range(G)]
-            for g in range(G):
-                for i in range(L, min(n, len(keys))):
-                    if self.blocks[child.tables[g][i]][1] < self.B:
-                        continue
-                    if self._keeps(child, g, i):
-                        self._share_cached(child.tables[g], g, i, keys[i])
-                        self._register(child.tables[g][i], g, keys[i])  # the parent's content
-                    else:  # left uncached: its own fork still names the parent's content
-                        child.released_keys[i] = keys[i]
-                # full past the parent's keys (its kept drafts'); below L (a chunk's start past
-                # the keys: chunk_start_hit), no block
-                for i in range(max(len(keys), L), n):
-                    if self.blocks[child.tables[g][i]][1] == self.B:
-                        self._filled(child.tables[g][i], g, seq, i)
-            # The child's blocks below a window hold the parent's content: its own fork names them.
-            child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
-            self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
-            if self.window_release == "end_of_operation":
-                self._release_windows([seq], {seq: child.tokens})
+            self._fork_as_request(seq, child, parent, keys)
         return victims
-
-    def _fork_keys(self, src, via: str) -> list:
-        """Cache keys a fork of ``src`` served as a new request looks up: the parent's full
-        blocks' (those its windows released included, in a model of sliding groups only, and
-        those its kept drafts filled, which it caches at its next append; none with ``copy``,
-        or without a prefix cache)."""
-        if via == "copy" or not self.caching:
-            return []
-        parent = self.seqs[src]
-        later = {i for _, i in parent.later}
-        p = parent.prompt
-        prompt = self.prompt_keys(parent.tokens, p.get("hashes"), p.get("token_ids"), p.get("salt"),
-                                  p.get("adapter")) if p else ()
-        keys = []
-        for i in range(parent.tokens // self.B):
-            held = [t[i] for t in parent.tables if t[i] is not None and t[i] in self.hash_of]
-            if held:
-                keys.append(self.hash_of[held[0]][1])
-            elif i in parent.released_keys:
-                keys.append(parent.released_keys[i])
-            elif i in later:  # the child's block holds the content the parent's will be cached as
-                keys.append(self._filled_key(src, i))
-            elif i < len(prompt):
-                keys.append(prompt[i])
-            else:
-                break
-        return keys
 
     def free(self, seq) -> None:
         if seq in self.preempted:

@@ -7,13 +7,11 @@
 - ``keeps_duplicate_blocks``, ``window_release="next_allocation"``,
   ``kept_drafts_cached_at_next_append``: read where the oracle takes, releases and caches blocks.
 
-Sparse retention of sliding-window blocks (``Capabilities.sparse_window_retention``).
-
-SPEC §8 caches every full block of every group. vLLM at its serving default
-(``prefix_cache_retention_interval = 0``) caches a sliding group's block only where a later hit
-can end on it (``SlidingWindowManager.reachable_block_mask``): a hit of L blocks needs the
-group's ceil((W - 1) / B) blocks below L cached (SPEC §8's window below the hit), and vLLM keeps
-that run below two ends only:
+Sparse retention, in detail. SPEC §8 caches every full block of every group. vLLM at its
+serving default (``prefix_cache_retention_interval = 0``) caches a sliding group's block only
+where a later hit can end on it (``SlidingWindowManager.reachable_block_mask``): a hit of L
+blocks needs the group's ceil((W - 1) / B) blocks below L cached (SPEC §8's window below the
+hit), and vLLM keeps that run below two ends only:
 
 - the replay boundary, block (P - 1) // B of a P-token prompt (``replay_boundaries``: a resend of
   the prompt hits at most P - 1 tokens);
