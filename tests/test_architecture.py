@@ -75,7 +75,7 @@ def import_graph(*, programs: bool = True) -> dict[str, set]:
 
 # kvbench's wings, bottom first: each imports only from the wings below it (and the shared
 # utilities: kvbench.outputs, kvbench.progress, kvbench.charts, which import only contract).
-LAYERS = ("contract", "traces", "quant", "checking", "analyses", "bench", "cli")
+LAYERS = ("contract", "traces", "quant", "model", "checking", "analyses", "bench", "cli")
 
 
 def wing(module: str) -> str:
@@ -172,12 +172,27 @@ def test_no_import_loops():
     assert cycles(graph) == []
 
 
-@pytest.mark.parametrize("wing", ["kvbench.checking.oracle", "kvbench.checking.checker"])
+@pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.oracle",
+                                  "kvbench.checking.checker"])
 def test_the_oracle_and_checker_import_no_backend(wing):
     graph = import_graph()
     assert "kvbench.contract.protocol" in reachable(graph, wing)  # the scan sees their imports
     backends = sorted(m for m in reachable(graph, wing) if m.startswith("impls"))
     assert backends == [], f"{wing} reaches backend code: {backends}"
+
+
+def test_the_model_imports_only_the_wings_below_it():
+    # The model (kvbench/model/) is a pure function of the formulas (and the traces' tier
+    # operations): checking, the commands and backends sit above it.
+    graph = import_graph()
+    model = [m for m in graph if m == "kvbench.model" or m.startswith("kvbench.model.")]
+    assert "kvbench.model.oracle" in model and "kvbench.model.kinds" in model
+    reached = set().union(*(reachable(graph, m) for m in model))
+    assert "kvbench.contract.formulas" in reached  # the scan sees its imports
+    outside = sorted(m for m in reached if m.startswith("kvbench.") and not m.startswith(
+        ("kvbench.model", "kvbench.contract", "kvbench.traces", "kvbench.quant"))
+        or m.startswith("impls"))
+    assert outside == [], f"kvbench.model reaches {outside}"
 
 
 def test_long_modules_say_why():

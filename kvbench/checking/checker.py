@@ -43,7 +43,7 @@ from kvbench.checking.driver import Driver
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
-from kvbench.checking.tiered import TieredOracle
+from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
 from kvbench.contract.protocol import (Backend, OutOfMemory, Prompt, _takes, kv_tokens, refuse_kinds,

@@ -156,7 +156,7 @@ class Capabilities:
     # retention, prefix_cache_retention_interval = 0): the ceil((W - 1) / B) blocks below block
     # (P - 1) // B of a P-token prompt, and those below the hit's junction (the full groups' hit
     # where the sliding group's was shorter); its other blocks go back uncached
-    # (kvbench.checking.window_retention).
+    # (kvbench.model.rules.vllm).
     sparse_window_retention: bool = False
     # On a model of chunked groups alone, a prefix-cache lookup counts every block left of the
     # chunk that holds the hit's last allowed token as computed, with no lookup, named by the
@@ -166,7 +166,7 @@ class Capabilities:
     # SGLang's prefix cache (radix_cache.py, unified_radix_cache.py), one rule each:
     # cached blocks are the nodes of a radix tree and eviction frees whole unlocked leaves, in
     # the order of ``leaf_order`` (its --radix-eviction-policy), before the allocation, for the
-    # allocation's shortfall (kvbench.checking.radix_tree models the tree; SPEC: block by block,
+    # allocation's shortfall (kvbench.model.rules.sglang models the tree; SPEC: block by block,
     # first released first evicted, only when a block is taken).
     evicts_whole_leaves: bool = False
     leaf_order: str = "lru"
@@ -182,7 +182,7 @@ class Capabilities:
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
     tiers: tuple = ()
-    # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.checking.tiers.TIER_RULES):
+    # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.model.tiers.TIER_RULES):
     # "whole_store_refused" (a store without room for all its blocks is refused whole),
     # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
     # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored).

@@ -14,7 +14,7 @@ from conftest import make_config
 from impls.faults_tiers import SwapInReadsAnother
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
-from kvbench.checking.tiered import TieredOracle
+from kvbench.model.tiered import TieredOracle
 from kvbench.contract import registry
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, TraceError, loads, validate
 from kvbench.traces.ops import Preempt, Resume

@@ -1,4 +1,4 @@
-"""The oracle's model of SGLang's declared prefix-cache rules (kvbench/checking/radix_tree.py and
+"""The oracle's model of SGLang's declared prefix-cache rules (kvbench/model/rules/sglang.py and
 Oracle's radix hooks), without SGLang: each rule gives the hand-counted figures, and SPEC's rule
 the others. The same traces run against SGLang itself in tests/engines/test_sglang_radix.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvbench.checking.oracle import ModelOOM, Oracle
-from kvbench.checking.radix_tree import RadixTree
+from kvbench.model.rules.sglang import RadixTree
 from kvbench.contract.protocol import CacheConfig, Capabilities
 
 SGLANG_RULES = Capabilities(prefix_caching=True, fork_via="prefix", hit_leaves_last_token=True,

@@ -1,5 +1,5 @@
 """The oracle's model of vLLM's sparse retention of window blocks (Capabilities.sparse_window_retention,
-kvbench/checking/window_retention.py), on a hand-counted trace.
+kvbench/model/rules/vllm.py), on a hand-counted trace.
 
 tiny-hybrid at B = 8: groups sliding(32), full. A hit of L blocks needs the sliding group's
 cdiv(32 - 1, 8) = 4 blocks below L; sparse retention caches only such runs, below block
@@ -9,7 +9,7 @@ in tests/engines/test_vllm_kvmanager.py.
 from __future__ import annotations
 
 from kvbench.checking.oracle import Oracle
-from kvbench.checking.window_retention import retained_positions
+from kvbench.model.rules.vllm import retained_positions
 from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
@@ -142,7 +142,7 @@ def test_the_junction_is_the_hit_of_vllms_first_attention_group():
     """vLLM sorts full attention (MLA included) first; equal specs are one group. With the full
     group's a0..a2 cached and no sliding block, a 4-block prompt's junction is the full hit, 3;
     without a full group it is the first group's own hit."""
-    from kvbench.checking.window_retention import first_group_hit
+    from kvbench.model.rules.vllm import first_group_hit
     from kvbench.contract.formulas import with_group_kinds
     keys = ["a0", "a1", "a2", "a3"]
     groups = with_group_kinds(get_model("tiny-hybrid"), ("sliding(8)", "mla(12)")).kv_groups

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import make_config
 
-from kvbench.checking.tiered import TieredOracle
+from kvbench.model.tiered import TieredOracle
 from kvbench.traces.loaders import load_requests
 from kvbench.traces.tier_ops import TierSpec
 

@@ -1,4 +1,4 @@
-"""request_recency's victim search (kvbench.checking.tier_policies.RequestLRUPolicy) keeps a heap
+"""request_recency's victim search (kvbench.model.tier_policies.RequestLRUPolicy) keeps a heap
 rather than sorting the tier per search: on random histories of its operations it must give the
 victims the sorted order gives, the same keys in the same order, and keep its heap bounded."""
 import copy
@@ -6,7 +6,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.checking.tier_policies import RequestLRUPolicy
+from kvbench.model.tier_policies import RequestLRUPolicy
 
 KEYS = range(8)
 

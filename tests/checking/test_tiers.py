@@ -1,4 +1,4 @@
-"""The tier model of SPEC §11 (kvbench.checking.tiers): states, store skip / evict / refuse,
+"""The tier model of SPEC §11 (kvbench.model.tiers): states, store skip / evict / refuse,
 completion, leases, loads, abort, ledgers, LRU and ARC as vLLM ships them, and the hit rates of
 a device LRU over a host tier against a two-level LRU written here independently."""
 from collections import OrderedDict
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.checking.tiers import Tiers, TransferError, replay_prompts
+from kvbench.model.tiers import Tiers, TransferError, replay_prompts
 from kvbench.traces.tier_ops import TierSpec
 
 BB = 1024  # block bytes

@@ -9,7 +9,7 @@ tests/engines/test_vllm_kvmanager.py). Run them with::
 SGLang's prefix cache departs from SPEC's by design, and the adapter declares each rule (whole
 radix leaves evicted, in its policy's order; a page per request over-estimated; the capped hit's
 page computed again: ``CAPABILITIES`` in impls/engines/sglang_radix.py). The oracle models them
-(kvbench/checking/radix_tree.py), so every workload checks clean; each rule is pinned below by a
+(kvbench/model/rules/sglang.py), so every workload checks clean; each rule is pinned below by a
 hand-counted trace that FAILs when SGLang is held to SPEC's rule instead.
 """
 from __future__ import annotations

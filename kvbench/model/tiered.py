@@ -21,8 +21,8 @@ Models of one full-attention group only (the keys carry group 0).
 """
 from __future__ import annotations
 
-from kvbench.checking.oracle import ModelOOM, Oracle
-from kvbench.checking.tiers import Tiers
+from kvbench.model.oracle import ModelOOM, Oracle
+from kvbench.model.tiers import Tiers
 
 
 class TieredOracle(Oracle):

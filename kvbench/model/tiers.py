@@ -30,7 +30,7 @@ import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvbench.checking.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
+from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"

@@ -1,4 +1,11 @@
-"""A radix tree over the oracle's cached blocks: SGLang's leaf-granular eviction, modelled.
+"""SGLang's rule set: its prefix cache's declared differences from SPEC, modelled.
+
+- ``evicts_whole_leaves``, ``leaf_order``: a radix tree over the oracle's cached blocks, whose
+  whole unlocked leaves are evicted (``RadixTree`` below);
+- ``eviction_demand``: eviction before the allocation, for its shortfall, or (``page_per_request``)
+  for the new tokens plus one page per request;
+- ``capped_hit_recomputed``: the block a capped hit computes again goes back when the cache still
+  holds its key, and the cached one is shared instead.
 
 An engine that declares ``Capabilities.evicts_whole_leaves`` (SGLang's ``RadixCache`` and
 ``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole
@@ -160,3 +167,70 @@ class RadixTree:
             if parent is not self.root and not parent.children and not locked(parent.keys):
                 heapq.heappush(heap, (self._rank(parent), parent))
         return out
+
+
+class SGLangRules:
+    """The oracle's steps under SGLang's rules (a mixin of kvbench.model.oracle.Oracle): each is a
+    no-op under SPEC's."""
+
+    def _tree_match(self, keys, tokens: int) -> None:
+        """The engine's match at admission (refused or not): it walks the blocks it may hit."""
+        if self.tree is not None:
+            cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+            self.tree.match(list(keys[:cap]))
+
+    def _tree_checkpoint(self, seq, prompt: int | None = None, release: bool = False) -> None:
+        """The engine's checkpoint of a request: insert its full blocks, then split the path at
+        its prompt's (``prompt``: a new request's prompt blocks; ``release``: its last one)."""
+        if self.tree is None:
+            return
+        if prompt is not None:
+            self._tree_reqs[seq] = [prompt, 0]
+        st, (prompt, inserted) = self.seqs[seq], self._tree_reqs[seq]
+        keys = []
+        for b in st.tables[0][:st.tokens // self.B]:
+            if b not in self.hash_of:
+                break
+            keys.append(self.hash_of[b][1])
+        self.tree.insert(keys, inserted)
+        if 0 < prompt < len(keys):
+            self.tree.insert(keys[:prompt], prompt, priority=1)
+        self._tree_reqs[seq][1] = max(inserted, len(keys))
+        if release:
+            del self._tree_reqs[seq]
+
+    def _locked(self, keys) -> bool:
+        return any(self.by_hash[(0, k)][0] in self.blocks for k in keys)
+
+    def _evict_before_alloc(self, need: int, new_tokens: list, decode: bool = False) -> None:
+        """An engine that evicts before it allocates: for ``need`` blocks, or (page_per_request)
+        for the new tokens plus one page per request (a decode step: a page per request), beyond
+        the uncached free blocks; whole leaves of its tree, or cached blocks first released first."""
+        new_tokens = [t for t in new_tokens if t > 0]  # a request allocating nothing
+        if not self.caching or not new_tokens or (
+                self.tree is None and self.caps.eviction_demand == "need"):
+            return  # SPEC: a cached block goes only when a block is taken
+        if self.caps.eviction_demand == "page_per_request" and self.B > 1:
+            need = len(new_tokens) if decode else -(-sum(new_tokens) // self.B) + len(new_tokens)
+        short = need - self.uncached_free
+        if short <= 0:
+            return
+        if self.tree is None:
+            gone = list(self.evictable)[:short]
+        else:
+            gone = [self.by_hash[(0, k)][0] for k in self.tree.evict(short, self._locked)]
+        for b in gone:
+            self._uncache(b)
+            self.free_stack.append(b)
+            self.edits += 1
+
+    def _share_cached(self, table, g: int, i: int, key) -> None:
+        """capped_hit_recomputed: block ``i``, computed again, goes back if the cache still holds
+        its key, and the cached block is shared instead (the insert frees the duplicate)."""
+        if not self.caps.capped_hit_recomputed or (g, key) not in self.by_hash:
+            return
+        cached = self.by_hash[(g, key)][0]
+        if cached != table[i]:
+            self._drop_ref(table[i])
+            self._take_hits([{i: cached}])
+            table[i] = cached

@@ -1,0 +1,177 @@
+"""The block pool of the paged model: which physical block each operation takes and gives back.
+
+A backend declaring ``block_ids`` is compared with it block by block (docs/writing-a-backend.md):
+
+- Uncached free blocks form a stack (initially 0 on top, then 1, 2, ...); cached free blocks
+  (hashed, no reference) a queue. A block is taken from the stack; when it is empty, the oldest
+  cached block is taken and its hash forgotten.
+- A released block that reaches 0 references is pushed on the stack, or appended to the cached
+  queue if it is hashed.
+
+The order in which an operation takes and releases blocks (group by group, tail first, ...) is
+the oracle's (kvbench.model.oracle); the pool keeps the structures and the sums the ledger reads
+(slots filled, blocks shared, blocks per group, each block's references) as they change.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class BlockPool:
+    """The free stack, the cached queue, the prefix cache's keys and every block's references."""
+
+    def _init_pool(self, num_blocks: int, block_size: int, groups: int) -> None:
+        self.num_blocks = num_blocks
+        self.B = block_size
+        # block id -> [refcount, fill]; the group each block in use serves
+        self.blocks: dict[int, list] = {}
+        self.group_of: dict[int, int] = {}
+        # The uncached free blocks as a stack, top = end, on top of the blocks never handed out
+        # (fresh .. num_blocks - 1, fresh taken first): no list as long as the pool.
+        self.free_stack: list = []
+        self.fresh = 0
+        # Prefix caching: full blocks registered by (group, key); a freed one stays cached
+        # (evictable, first in first evicted) until its space is needed.
+        self.by_hash: dict = {}  # (group, key) -> [cached blocks], first registered first
+        self.hash_of: dict = {}  # block -> (group, key)
+        self.evictable: OrderedDict = OrderedDict()  # block -> None, in eviction order
+        # The ledger's sums: slots filled in blocks in use, blocks with 2+ references, blocks in
+        # use per group, each block's references.
+        self.filled = self.shared = 0
+        self.group_used = [0] * groups
+        self.refs = np.zeros(num_blocks, dtype=np.int64)
+        self.edits = 0  # changes of any reference count: what block structures a check must reread
+        # What changed since the last block_state() (its mark): the fewest uncached free
+        # blocks since, and the cached queue's entries and exits, in order.
+        self._mark = None
+        self._free_low = 0
+        self._cached_log: list | None = None
+        self._ids = None  # free_list()'s buffer
+
+    @property
+    def blocks_used(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def blocks_free(self) -> int:
+        return self.num_blocks - len(self.blocks)
+
+    @property
+    def uncached_free(self) -> int:
+        """Free blocks that hold no cached prefix."""
+        return len(self.free_stack) + self.num_blocks - self.fresh
+
+    def _new_block(self, fill: int, group: int) -> int:
+        """Take a block: the top of the free stack, else the next never used, else the oldest
+        cached one (its key forgotten)."""
+        self.edits += 1
+        if self.free_stack:
+            b = self.free_stack.pop()
+        elif self.fresh < self.num_blocks:
+            b = self.fresh
+            self.fresh += 1
+        else:  # reuse the least recently freed cached block
+            b = next(iter(self.evictable))
+            self._uncache(b)
+        self.blocks[b] = [1, fill]
+        self.group_of[b] = group
+        self.filled += fill
+        self.group_used[group] += 1
+        self.refs[b] = 1
+        self._free_low = min(self._free_low, self.uncached_free)
+        return b
+
+    def _uncache(self, b: int) -> None:
+        """A cached free block forgets its key (it leaves the cache's free side)."""
+        del self.evictable[b]
+        self._log_cached(b, False)
+        key = self.hash_of.pop(b)
+        self.by_hash[key].remove(b)
+        if not self.by_hash[key]:
+            del self.by_hash[key]
+
+    def _drop_ref(self, b: int) -> None:
+        """One reference less; at 0 the block goes to the end of the cached queue if hashed, on
+        top of the free stack if not."""
+        self.edits += 1
+        self.blocks[b][0] -= 1
+        self.refs[b] -= 1
+        self.shared -= self.blocks[b][0] == 1
+        if self.blocks[b][0] == 0:
+            self.filled -= self.blocks[b][1]
+            self.group_used[self.group_of[b]] -= 1
+            del self.blocks[b]
+            del self.group_of[b]
+            if b in self.hash_of:
+                self.evictable[b] = None
+                self._log_cached(b, True)
+            else:
+                self.free_stack.append(b)
+
+    def _add_ref(self, b: int) -> None:
+        self.blocks[b][0] += 1
+        self.refs[b] += 1
+        self.shared += self.blocks[b][0] == 2
+
+    def _taken_back(self, hits, drop) -> int:
+        """Cached blocks of ``hits`` (per group, {position: block}) a request takes back from the
+        free pool, were the references in ``drop`` gone."""
+        return sum(1 for per in hits for b in per.values()
+                   if b not in self.blocks or self.blocks[b][0] == drop.get(b, 0))
+
+    def _take_hits(self, hits) -> None:
+        """One more reference to each hit, taking a freed one back out of the cached queue
+        (wherever it stands in it)."""
+        for per in hits:
+            for b in per.values():
+                if b in self.blocks:
+                    self._add_ref(b)
+                else:
+                    del self.evictable[b]
+                    self._log_cached(b, False)
+                    self.blocks[b] = [1, self.B]
+                    self.group_of[b] = self.hash_of[b][0]
+                    self.filled += self.B
+                    self.group_used[self.group_of[b]] += 1
+                    self.refs[b] = 1
+                self.edits += 1
+
+    def _cache(self, b: int, g: int, key, duplicates: bool = False) -> None:
+        """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
+        block only with ``duplicates`` (the first registered stays the one a hit takes)."""
+        if (g, key) in self.by_hash and not duplicates:
+            return
+        self.by_hash.setdefault((g, key), []).append(b)
+        self.hash_of[b] = (g, key)
+
+    def _log_cached(self, block: int, entered: bool) -> None:
+        if self._cached_log is not None:
+            self._cached_log.append((block, entered))
+
+    def _pool_state(self) -> tuple:
+        """What an operation that fails half way restores (see ``_set_pool_state``)."""
+        return (self.blocks, self.group_of, self.free_stack, self.fresh, self.evictable,
+                self.by_hash, self.hash_of, self.filled, self.shared, self.group_used, self.refs)
+
+    def _set_pool_state(self, state: tuple) -> None:
+        (self.blocks, self.group_of, self.free_stack, self.fresh, self.evictable, self.by_hash,
+         self.hash_of, self.filled, self.shared, self.group_used, self.refs) = state
+
+    def free_list(self, count: int | None = None) -> np.ndarray:
+        """The first ``count`` uncached free blocks, next taken first (None: all of them, as a
+        read-only view valid until the next call: no array as long as the pool per call)."""
+        stack, fresh = self.free_stack, self.fresh
+        if count is not None:
+            top = stack[::-1] if count >= len(stack) else stack[len(stack) - count:][::-1]
+            rest = max(0, min(self.num_blocks - fresh, count - len(top)))
+            return np.concatenate([np.array(top, dtype=np.int64),
+                                   np.arange(fresh, fresh + rest, dtype=np.int64)])
+        if self._ids is None:  # the never used blocks in order; the pushed ones go just before
+            self._ids = np.arange(self.num_blocks, dtype=np.int64)
+        ids = self._ids  # below fresh only pushed blocks (each once, so at most fresh of them)
+        ids[fresh - len(stack):fresh] = stack[::-1]  # (fresh only grows: ids[fresh:] are intact)
+        view = ids[fresh - len(stack):]
+        view.flags.writeable = False
+        return view

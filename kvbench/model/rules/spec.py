@@ -1,0 +1,148 @@
+"""SPEC's rule set: the prefix hit (SPEC §8, §12) and what the cache keeps (SPEC §9), with the
+caps both engines' rule sets put on them where a backend declares them (``hit_leaves_last_token``,
+``hit_drops_last_block``, ``caches_every_full_block``, ``keeps_duplicate_blocks``,
+``capped_hit_recomputed``; all off: SPEC's), and a fork served as a new request (``fork_via``
+"prefix" or "copy", as both engines serve one; SPEC's "share" is the oracle's own).
+"""
+from __future__ import annotations
+
+
+class SpecRules:
+    """The hit, the cache entries and the fork as a request (a mixin of
+    kvbench.model.oracle.Oracle)."""
+
+    def _hit_plan(self, keys) -> tuple[int, list]:
+        """The hit (SPEC §8, §12): the longest prefix of L blocks such that every full group has
+        its blocks below L cached and every releasing group those it would hold at LB tokens
+        (its kind's ``held``: sliding, covering [max(0, LB - W + 1), LB); chunked, the current
+        chunk's; sinks, the sinks' and the window's). Returns L and, per group, {position:
+        cached block}."""
+        if not keys:
+            return 0, [{} for _ in self.groups]
+        for L in range(self.full_run(keys), 0, -1):
+            need = [kind.held(L * self.B) for kind in self.kinds]
+            if all((g, keys[i]) in self.by_hash for g, kind in enumerate(self.kinds) if kind.releases
+                   for i in need[g]):
+                return L, [{i: self.by_hash[(g, keys[i])][0] for i in need[g]}
+                           for g in range(len(self.groups))]
+        return 0, [{} for _ in self.groups]
+
+    def full_run(self, keys) -> int:
+        """How many of the prompt's blocks, from the first, every full group has cached."""
+        top = len(keys)
+        for g, kind in enumerate(self.kinds):
+            if not kind.releases:
+                run = 0
+                while run < top and (g, keys[run]) in self.by_hash:
+                    run += 1
+                top = run
+        return top
+
+    def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
+        """(L, per group the cached blocks taken by position, how many count as hits).
+
+        An engine running EAGLE drops the last block it matched; one that computes the last
+        prompt token again counts positions below
+        (T - 1) // B only; one that keeps duplicates also computes the rest again, into new
+        blocks (its hit is then searched within the cap)."""
+        if self._chunk_rule():
+            L, hits = self._chunk_start_hit(keys, tokens)
+            return L, hits, sum(1 for per in hits for i in per if i < L)
+        L, hits = self._hit_plan(keys)
+        if self.caps.hit_drops_last_block and L:  # EAGLE: the last matched block computed again
+            L, hits = self._hit_plan(keys[:L - 1])
+        counted = L
+        if self.caps.hit_leaves_last_token:
+            counted = min(L, max(0, tokens - 1) // self.B)
+        if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
+            L, hits = self._hit_plan(keys[:counted])
+            counted = L
+        return L, hits, sum(1 for per in hits for i in per if i < counted)
+
+    def _most_hit_tokens(self, tokens: int) -> int:
+        """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
+        the last one is computed again)."""
+        return max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+
+    def _register(self, b: int, g: int, key) -> None:
+        """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
+        block only in an engine that keeps duplicates."""
+        self._cache(b, g, key, self.caps.keeps_duplicate_blocks)
+
+    def _filled(self, b: int, g: int, seq, i: int) -> None:
+        """Block ``b`` (position ``i`` of ``seq``, group ``g``) just became full: an engine that
+        caches every full block caches it, under a key no other sequence's block has (never hit
+        by another prompt) and that every group of ``seq`` shares at that position (so a fork
+        served through the prefix cache finds the parent's blocks in every group)."""
+        st = self.seqs.get(seq)
+        if st is not None and not self._keeps(st, g, i):
+            if self.caching and self.caps.caches_every_full_block:  # a fork still names it
+                st.released_keys.setdefault(i, ("filled", seq, i))
+            return
+        if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
+            self._register(b, g, self._filled_key(seq, i))
+
+    def _filled_key(self, seq, i: int) -> tuple:
+        """The key of ``seq``'s block ``i`` cached once full (``_filled``): a resumed sequence's
+        blocks are new content to the cache."""
+        life = self._lives.get(seq, 0)
+        return ("filled", seq, i) + ((life,) if life else ())
+
+    def _fork_as_request(self, seq, child, parent, keys) -> None:
+        """``fork_via`` "prefix" or "copy" (vLLM, SGLang): the child is a new request with the
+        parent's tokens, served by the prefix cache (``keys``: ``_fork_keys``): the cached blocks
+        taken, the rest computed again into new blocks and cached as the parent's content."""
+        G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
+        L, hits, _ = self._cache_hits(keys, parent.tokens)
+        child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
+        self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
+        self._evict_before_alloc(G * (n - L), [parent.tokens - L * self.B])
+        child.tables = [[hits[g].get(i) for i in range(L)]
+                        + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
+                           for i in range(L, n)] for g in range(G)]
+        for g in range(G):
+            for i in range(L, min(n, len(keys))):
+                if self.blocks[child.tables[g][i]][1] < self.B:
+                    continue
+                if self._keeps(child, g, i):
+                    self._share_cached(child.tables[g], g, i, keys[i])
+                    self._register(child.tables[g][i], g, keys[i])  # the parent's content
+                else:  # left uncached: its own fork still names the parent's content
+                    child.released_keys[i] = keys[i]
+            # full past the parent's keys (its kept drafts'); below L (a chunk's start past
+            # the keys: chunk_start_hit), no block
+            for i in range(max(len(keys), L), n):
+                if self.blocks[child.tables[g][i]][1] == self.B:
+                    self._filled(child.tables[g][i], g, seq, i)
+        # The child's blocks below a window hold the parent's content: its own fork names them.
+        child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
+        self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
+        if self.window_release == "end_of_operation":
+            self._release_windows([seq], {seq: child.tokens})
+
+    def _fork_keys(self, src, via: str) -> list:
+        """Cache keys a fork of ``src`` served as a new request looks up: the parent's full
+        blocks' (those its windows released included, in a model of sliding groups only, and
+        those its kept drafts filled, which it caches at its next append; none with ``copy``,
+        or without a prefix cache)."""
+        if via == "copy" or not self.caching:
+            return []
+        parent = self.seqs[src]
+        later = {i for _, i in parent.later}
+        p = parent.prompt
+        prompt = self.prompt_keys(parent.tokens, p.get("hashes"), p.get("token_ids"), p.get("salt"),
+                                  p.get("adapter")) if p else ()
+        keys = []
+        for i in range(parent.tokens // self.B):
+            held = [t[i] for t in parent.tables if t[i] is not None and t[i] in self.hash_of]
+            if held:
+                keys.append(self.hash_of[held[0]][1])
+            elif i in parent.released_keys:
+                keys.append(parent.released_keys[i])
+            elif i in later:  # the child's block holds the content the parent's will be cached as
+                keys.append(self._filled_key(src, i))
+            elif i < len(prompt):
+                keys.append(prompt[i])
+            else:
+                break
+        return keys

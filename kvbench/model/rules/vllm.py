@@ -1,0 +1,127 @@
+"""vLLM's rule set: the declared differences of its KV cache manager from SPEC, modelled.
+
+- ``chunk_start_hit``: on a model of chunked groups alone, a lookup counts the blocks left of
+  the hit's last chunk as computed (``chunk_lookup``, the groups' fixed point);
+- ``sparse_window_retention``: a sliding group caches only the window runs a hit can end on
+  (below);
+- ``keeps_duplicate_blocks``, ``window_release="next_allocation"``,
+  ``kept_drafts_cached_at_next_append``: read where the oracle takes, releases and caches blocks.
+
+Sparse retention, in detail. SPEC §8 caches every full block of every group. vLLM at its
+serving default (``prefix_cache_retention_interval = 0``) caches a sliding group's block only
+where a later hit can end on it (``SlidingWindowManager.reachable_block_mask``): a hit of L
+blocks needs the group's ceil((W - 1) / B) blocks below L cached (SPEC §8's window below the
+hit), and vLLM keeps that run below two ends only:
+
+- the replay boundary, block (P - 1) // B of a P-token prompt (``replay_boundaries``: a resend of
+  the prompt hits at most P - 1 tokens);
+- the junction, where the prefill's hit stopped short of the full groups' (the full groups hit J
+  blocks, a sliding group fewer): ``get_computed_blocks``' ``shared_prefix_boundary``, which the
+  scheduler keeps on the request, so that the next request sharing the prefix hits all of it.
+
+The request's other blocks of the group (its decode blocks included) go back uncached when a
+window or a free releases them. Chunked-local groups keep every block (vLLM's base mask).
+"""
+from __future__ import annotations
+
+from kvbench.contract import formulas as F
+
+
+def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, block_size: int):
+    """Positions of a request's blocks that ``group`` caches under sparse retention (a frozenset),
+    or None where it caches every full block (not a sliding group). ``junction``: the full
+    groups' hit in blocks where the request's own hit was shorter, else 0."""
+    if group.family != "sliding":
+        return None
+    ends = {max(0, prompt_tokens - 1) // block_size} | ({junction} if junction else set())
+    return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
+
+
+FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
+
+
+def first_group_hit(by_hash, groups, keys, cap: int, block_size: int,
+                    max_tokens: int | None = None) -> int:
+    """The hit of vLLM's first attention group alone, at most ``cap`` blocks: the groups of one
+    kind (equal specs are one attention group), the first full-attention kind if there is one
+    (vLLM sorts those first, stably), else the first group's. Each of its groups needs the blocks
+    it holds at the hit cached. ``max_tokens`` (``chunk_start_hit``): a chunked first group's
+    lookup of at most that many tokens counts the blocks left of that token's chunk as hit (null)
+    and looks up from there."""
+    first = next((g for g in groups if g.family in FULL_SPECS), groups[0])
+    members = [g for g, group in enumerate(groups) if group.kind == first.kind]
+    top = min(cap, len(keys))
+    if first.family == "chunked" and max_tokens is not None:
+        return chunk_lookup(by_hash, keys, members, first.chunk, max_tokens, block_size)[1]
+    if first.family in FULL_SPECS:  # every block below the hit: the cached run from the first
+        run = 0
+        while run < top and all((g, keys[run]) in by_hash for g in members):
+            run += 1
+        return run
+    for L in range(top, 0, -1):
+        if all((g, keys[i]) in by_hash for g in members
+               for i in F.held_blocks(L * block_size, groups[g], block_size)):
+            return L
+    return 0
+
+
+def chunk_lookup(by_hash, keys, members, chunk: int, max_tokens: int, block_size: int):
+    """vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit`` for the groups ``members``
+    (one attention group): the blocks left of the chunk of token ``max_tokens`` count as hit
+    (null, none taken), then the blocks every member has cached, up to ``max_tokens // B``.
+    Returns (the chunk's first block, the hit's end in blocks)."""
+    start = run = max_tokens // chunk * chunk // block_size
+    while run < min(max_tokens // block_size, len(keys)) and all((g, keys[run]) in by_hash
+                                                                  for g in members):
+        run += 1
+    return start, run
+
+
+class VLLMRules:
+    """The oracle's steps under vLLM's rules (a mixin of kvbench.model.oracle.Oracle)."""
+
+    def _chunk_rule(self) -> bool:
+        """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
+        return (self.caching and self.caps.chunk_start_hit
+                and all(g.family == "chunked" for g in self.groups))
+
+    def _chunk_start_hit(self, keys, tokens: int) -> tuple[int, list]:
+        """``chunk_start_hit``'s hit of a ``tokens``-token prompt: (L, per group {position: cached
+        block}). A group's lookup of at most M tokens counts its blocks left of the chunk of
+        token M as computed (taking none, cached or not) and looks up from there; the hit is the
+        length every group accepts, M lowered to each group's answer in turn until none lowers
+        it (vLLM's fixed point: groups of two sizes agree where their chunk starts meet); one
+        group answers once (vLLM's coordinator of one group asks it once)."""
+        M = self._most_hit_tokens(tokens)
+        while True:
+            cur, starts = M, []
+            for g, group in enumerate(self.groups):
+                start, end = chunk_lookup(self.by_hash, keys, [g], group.chunk, cur, self.B)
+                starts.append(start)
+                cur = end * self.B
+            if cur >= M or len(self.groups) == 1:
+                break
+            M = cur
+        L = cur // self.B  # every group's lookup of the last round ended at L
+        return L, [{i: self.by_hash[(g, keys[i])][0] for i in range(starts[g], L)}
+                   for g in range(len(self.groups))]
+
+    def _retention(self, keys, prompt_tokens: int, tokens: int, L: int) -> list:
+        """Per group, the positions of a new request's blocks a sparse window retention caches,
+        given its prompt, its hit's keys and its hit of L blocks; [] without that rule. Read
+        before the request takes a block (its new blocks may evict a cached one)."""
+        if not (self.caps.sparse_window_retention and self.caching
+                and any(g.family == "sliding" for g in self.groups)):
+            return []
+        cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+        top = first_group_hit(
+            self.by_hash, self.groups, keys, cap, self.B,
+            self._most_hit_tokens(tokens) if self.caps.chunk_start_hit else None)
+        junction = top if top > L else 0
+        return [retained_positions(prompt_tokens, junction, group, self.B)
+                for group in self.groups]
+
+    @staticmethod
+    def _keeps(st, g: int, i: int) -> bool:
+        """Whether group ``g`` caches position ``i`` of ``st`` once full (sparse retention)."""
+        return not st.retained or st.retained[g] is None or i in st.retained[g]
