@@ -34,7 +34,7 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   shorter (kv_cache_coordinator.py:937, kv_cache_manager.py:323), which the scheduler stores on
   the request (sched/scheduler.py:1125) and the adapter does too. ``cache_full_blocks`` leaves the other blocks unhashed
   (block_pool.py:281), so their release gives them back uncached (block_pool.py:837-847).
-  Declared: ``sparse_window_retention`` (kvbench/checking/window_retention.py models it).
+  Declared: ``sparse_window_retention`` (kvbench/model/rules/vllm.py models it).
 - SPEC §12's kinds: ``ChunkedLocalAttentionSpec`` (its manager releases the chunks before the
   current one at the next allocation, as a window; its hit search counts every block left of
   the chunk holding token ``max_length`` as computed, null blocks looked up in no cache, so a
