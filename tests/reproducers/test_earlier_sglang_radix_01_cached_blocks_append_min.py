@@ -2,8 +2,12 @@
 
 12 operations; sglang-radix fails at step 15: cached_blocks expected 1, actual 0.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/earlier/sglang-radix/01-cached-blocks-append{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
@@ -25,6 +29,10 @@ OPS = [
     Prefill(step=14, seq=10, tenant='t0', tokens=32, block_hashes=('p1.0',)),  # blocks_used 13, blocks_free 7, tokens {2: 1, 3: 33, 4: 33, 5: 33, 6: 33, 8: 33, 9: 4, 10: 32}, shared_blocks 0, cached_blocks 1
     Append(step=15, seqs=(2, 3, 8, 9), tokens=(12, 1, 31, 32)),  # FAILS: cached_blocks expected 1, actual 0
 ]
+
+# sglang-radix is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('sglang-radix').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_2_min():

@@ -2,8 +2,12 @@
 
 13 operations; sglang-radix fails at step 33: cached_blocks expected 2, actual 0.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/earlier/sglang-radix/02-cached-blocks-prefill{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
@@ -26,6 +30,10 @@ OPS = [
     Prefill(step=31, seq=16, tenant='t0', tokens=8),  # blocks_used 18, blocks_free 3, tokens {3: 1, 6: 9, 7: 9, 8: 14, 9: 14, 2: 16, 10: 9, 13: 16, 14: 9, 16: 8}, shared_blocks 0, cached_blocks 2
     Append(step=33, seqs=(14,), tokens=(7,)),  # FAILS: cached_blocks expected 2, actual 0
 ]
+
+# sglang-radix is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('sglang-radix').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_5_min():

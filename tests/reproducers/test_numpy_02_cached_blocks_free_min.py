@@ -2,7 +2,9 @@
 
 3 operations; numpy fails at step 2: cached_blocks expected 2, actual 4.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/numpy/02-cached-blocks-free{,.min}.jsonl.
 """
 from kvbench.checking.checker import check
 from kvbench.contract import registry

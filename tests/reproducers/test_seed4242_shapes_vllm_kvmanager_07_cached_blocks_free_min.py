@@ -2,8 +2,12 @@
 
 2 operations; vllm-kvmanager fails at step 1: cached_blocks expected 117, actual 118.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/seed4242-shapes/vllm-kvmanager/07-cached-blocks-free{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model, with_group_kinds
@@ -15,6 +19,10 @@ OPS = [
     Prefill(step=0, seq=0, tenant='a', tokens=34),  # blocks_used 136, blocks_free 0, tokens {0: 34}, shared_blocks 0, cached_blocks 0
     Free(step=1, seq=0),  # FAILS: cached_blocks expected 117, actual 118
 ]
+
+# vllm-kvmanager is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('vllm-kvmanager').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_4242_4927_min():

@@ -2,8 +2,12 @@
 
 7 operations; sglang fails at step 6: cached_blocks expected 1, actual 0.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/sglang/01-cached-blocks-append{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
@@ -20,6 +24,10 @@ OPS = [
     Free(step=5, seq=3),  # blocks_used 6, blocks_free 3, tokens {0: 33, 1: 1, 2: 33, 4: 1}, shared_blocks 0, cached_blocks 1
     Prefill(step=6, seq=5, tenant='a', tokens=33, block_hashes=('p2.0',)),  # FAILS: cached_blocks expected 1, actual 0
 ]
+
+# sglang is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('sglang').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_2_min():

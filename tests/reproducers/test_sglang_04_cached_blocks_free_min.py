@@ -2,8 +2,12 @@
 
 3 operations; sglang fails at step 2: cached_blocks expected 1, actual 0.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/sglang/04-cached-blocks-free{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
@@ -16,6 +20,10 @@ OPS = [
     Preempt(step=1, seq=0),  # blocks_used 0, blocks_free 4, tokens {}, shared_blocks 0, cached_blocks 3
     Resume(step=2, seq=0),  # FAILS: cached_blocks expected 1, actual 0
 ]
+
+# sglang is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('sglang').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_20_min():

@@ -2,8 +2,12 @@
 
 2 operations; vllm-kvmanager fails at step 1: cached_blocks expected 4, actual 1.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/vllm-kvmanager/06-cached-blocks-preempt{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model, with_group_kinds
@@ -16,7 +20,12 @@ OPS = [
     Preempt(step=1, seq=0),  # FAILS: cached_blocks expected 4, actual 1
 ]
 
+# vllm-kvmanager is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('vllm-kvmanager').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
+
+@pytest.mark.xfail(strict=True, reason='vLLM bug candidate 1 (results/engines/vllm-kvmanager/README.md): a sliding window of one token turns off every prefix hit')
 def test_fuzz_0_51_min():
     trace = validate(Trace(Header(family='fuzz', tenants={}, groups=('sliding(31)', 'sliding(1)', 'sliding(16)', 'full')), OPS, name='fuzz-0-51.min'))
     verdict = check(trace, registry.create('vllm-kvmanager', CONFIG), gather='touched')

@@ -2,8 +2,12 @@
 
 4 operations; vllm-kvmanager fails at step 3: outcome of fork expected 'out-of-memory', actual 'success'.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/vllm-kvmanager/08-outcome-out-of-memory-expected-success-a-fork{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model
@@ -17,6 +21,10 @@ OPS = [
     Resume(step=2, seq=0),  # blocks_used 3, blocks_free 1, tokens {0: 3}, shared_blocks 0
     Fork(step=3, seq=1, src=0),  # FAILS: outcome of fork expected 'out-of-memory', actual 'success'
 ]
+
+# vllm-kvmanager is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('vllm-kvmanager').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_275_min():

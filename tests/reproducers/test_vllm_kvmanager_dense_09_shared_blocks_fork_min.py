@@ -2,8 +2,12 @@
 
 6 operations; vllm-kvmanager-dense fails at step 5: shared_blocks expected 2, actual 4.
 Each comment is the ledger after the operation (the backend agreed with the formulas up to the
-failing one). The test passes once the backend is fixed.
+failing one). The test passes once the backend is fixed. In the suite (tests/reproducers/,
+docs/fuzzing.md) a bug still open in an engine is marked xfail(strict=True), so a fix shows.
+Its traces: results/fuzz/campaigns/vllm-kvmanager-dense/09-shared-blocks-fork{,.min}.jsonl.
 """
+import pytest
+
 from kvbench.checking.checker import check
 from kvbench.contract import registry
 from kvbench.contract.formulas import get_model, with_group_kinds
@@ -19,6 +23,10 @@ OPS = [
     Resume(step=4, seq=0),  # blocks_used 10, blocks_free 2, tokens {1: 2, 2: 2, 0: 2}, shared_blocks 2
     Fork(step=5, seq=3, src=0),  # FAILS: shared_blocks expected 2, actual 4
 ]
+
+# vllm-kvmanager-dense is a serving engine's own classes, installed in its opt-in environment (docs/engines.md).
+AVAILABLE, WHY_NOT = registry.resolve('vllm-kvmanager-dense').available()
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason=WHY_NOT)
 
 
 def test_fuzz_0_294_min():
