@@ -19,9 +19,6 @@ from kvbench.bench import grid as grids  # noqa: E402
 from kvbench.bench import sweep  # noqa: E402
 from kvbench.bench.store import Store  # noqa: E402
 
-# One pytest-xdist worker runs these, so that one Ray cluster at a time starts on this machine.
-pytestmark = pytest.mark.xdist_group("ray")
-
 GRID = """
 name = "ray"
 backends = ["numpy", "contiguous-oracle"]

@@ -15,10 +15,6 @@ from kvbench.cli import faults as cli
 from kvbench.cli import main
 from kvbench.contract import registry
 
-# One pytest-xdist worker runs the module, so that `table` (the default suite against every
-# planted fault: minutes) is computed once.
-pytestmark = pytest.mark.xdist_group("fault-catalogue")
-
 
 @pytest.fixture(scope="module")
 def table():
