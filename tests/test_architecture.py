@@ -272,18 +272,19 @@ def test_no_scope_defines_a_function_or_class_twice():
 
 def test_tests_mirror_the_packages():
     """A test file lives in the folder named as what it tests: a wing of kvbench
-    (tests/checking/ for kvbench/checking/), impls/ or engines/ (impls/engines/); at the root only
-    the project-wide tests and those of kvbench's top-level modules. Every folder is on pytest's
-    pythonpath, where test modules import each other's helpers by name."""
+    (tests/checking/ for kvbench/checking/), impls/ or engines/ (impls/engines/), or reproducers/
+    (the fuzz campaigns' cases, docs/fuzzing.md); at the root only the project-wide tests and
+    those of kvbench's top-level modules. Every folder is on pytest's pythonpath, where test
+    modules import each other's helpers by name."""
     import tomllib
 
     wings = {p.name for p in (ROOT / "kvbench").iterdir() if (p / "__init__.py").exists()}
     folders = {p.name for p in (ROOT / "tests").iterdir()
                if p.is_dir() and not p.name.startswith((".", "_"))}
-    assert folders <= wings | {"impls", "engines"}, folders - wings
+    assert folders <= wings | {"impls", "engines", "reproducers"}, folders - wings
     at_root = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     top_modules = {f"test_{p.stem}" for p in (ROOT / "kvbench").glob("*.py")}
-    assert at_root <= top_modules | {"test_architecture", "test_docs"}, at_root - top_modules
+    assert at_root <= top_modules | {"test_architecture", "test_docs", "test_ci"}, at_root - top_modules
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     path = pyproject["tool"]["pytest"]["ini_options"]["pythonpath"]
     assert sorted(path) == sorted(["tests"] + [f"tests/{f}" for f in folders])
