@@ -267,7 +267,7 @@ def _check_names(data: dict, text: str, source: str) -> None:
     named += [(f"charts[{i}].name", c["name"]) for i, c in enumerate(data.get("charts") or [])
               if isinstance(c, dict) and "name" in c]
     for where, value in named:
-        why = name_problem(value) if isinstance(value, str) else "is not text"
+        why = name_problem(str(value))
         if why:
             raise GridError(f"{source}{_line_of(text, 'name', value)}",
                             f"{where} {value!r} {why}: it names files of the sweep; give a plain name")
