@@ -227,10 +227,15 @@ def scratch(tmp_path_factory):
     env.pop("OUT", None)
     sweep = run_in(repo, env, f"kvbench sweep {base / 'grid.toml'} --quiet")
     assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    assert git_status(repo) == "", "the tiny sweep changed the tree"
     code = run_in(repo, env, "python -c 'from kvbench.bench.grid import code_version; "
                              "print(code_version()[\"code\"])'")
     (base / "code").write_text(code.stdout)
     return repo, env
+
+
+def git_status(repo) -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
 
 
 def run_in(repo, env, command):
@@ -253,5 +258,5 @@ def test_a_documented_command_runs_and_leaves_git_status_clean(scratch, where, c
     repo, env = scratch
     done = run_in(repo, env, substituted(command, repo))
     assert done.returncode == EXIT.get(command, 0), f"{where}: {command}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+    status = git_status(repo)
     assert status == "", f"{where}: {command} left:\n{status}"
