@@ -51,7 +51,9 @@ def test_the_readme_keeps_the_run_and_the_test_command_between_their_markers():
 # --- every command the README and docs show, run on a scratch copy ------------------------------
 #
 # A command is a line of a fenced block that starts as a shell command does (kvbench, python,
-# scripts/, asv, ...; a trailing backslash continues it, a `#` comment ends it). Each runs, as
+# scripts/, asv, ...; a trailing backslash continues it, a `#` comment ends it), or a code span
+# in the prose that is a kvbench command with arguments (`kvbench check TRACE --keep-going`;
+# a bare `kvbench run` names the command, and the fenced blocks run it). Each runs, as
 # written but for the placeholders below, in a copy of this tree committed to a scratch git
 # repository: it must exit as documented, and `git status --porcelain` must be empty after it (a
 # documented command never rewrites a tracked file, nor leaves a file git would see). Commands
@@ -79,7 +81,19 @@ def shell_commands(page):
         yield start, re.sub(r"\s+", " ", re.sub(r"\s#\s.*$", "", text)).strip()
 
 
-ALL_COMMANDS = [(f"{p.relative_to(ROOT).as_posix()}:{n}", c) for p in PAGES for n, c in shell_commands(p)]
+def prose_commands(page):
+    """(line, command) of each `kvbench SUBCOMMAND ARG...` code span outside the fenced blocks."""
+    fence = False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if not fence:
+            for span in re.findall(r"`(kvbench [a-z-]+ [^`]+)`", line):
+                yield number, span
+
+
+ALL_COMMANDS = [(f"{p.relative_to(ROOT).as_posix()}:{n}", c) for p in PAGES
+                for scan in (shell_commands, prose_commands) for n, c in scan(p)]
 
 ENGINES = "needs an engine's own environment (vLLM, SGLang or LMCache: scripts/engine_env.sh, opt-in)"
 ASV = "asv builds a virtualenv per commit (pip, network) and times the suite: a pinned machine's job"
@@ -129,7 +143,19 @@ EXCLUDED = {
     "kvbench sweep GRID --executor ray --address auto --store s3://bucket/kvbench/store": RAY,
     "kvbench sweep GRID --executor ray --address ray://HEAD_IP:10001 --ship-code --store gs://...": RAY,
     "kvbench results --store s3://bucket/kvbench/store": RAY,
+    "kvbench gates --factor F": RATIO_GATES,
+    "kvbench gates --skip-ratios": "the exact gates replay every gated workload (tens of seconds); "
+                                   "tests/bench/test_gates.py runs them",
+    "kvbench faults --markdown docs/faults.md": "the fault catalogue again (about 100 s of CPU): "
+                                                "tests/cli/test_fault_catalogue.py holds the page to it",
+    "kvbench run --trace": "names an option (deprecated), not a command to run",
+    "kvbench run --backend my-pool": "needs the plug-in package installed, with its entry point",
 }
+# Commands whose placeholder needs a particular kind of input.
+FILLED = {"kvbench eviction TRACE": "kvbench eviction workloads/tenant-flood.jsonl",
+          "kvbench check NAME.min.jsonl --backend B": "kvbench check workloads/edge-decode.jsonl --backend B",
+          "kvbench gen --family fork_trees --seed 7 --out t.jsonl":
+              "kvbench gen --family fork_trees --seed 7 --out /tmp/t.jsonl"}
 ENGINE_COMMAND = re.compile(r"(?:\S+=\S+ )*(?:\$[VS]/bin/|scripts/engine_env\.sh |[VS]=|"
                             r"(?:python3 -m venv )?/work/lmcache-env)")
 # Exit statuses other than 0 that a page documents: the planted fault is found (docs/fuzzing.md).
@@ -158,10 +184,12 @@ def substituted(command: str, scratch: Path) -> str:
     """``command`` with its placeholders filled: T a Mooncake trace, TRACE a workload, B a backend,
     GRID a grid, A.json / B.json two records, OLD the store's code version; [optional] parts
     dropped; /tmp/ a scratch folder."""
+    command = FILLED.get(command, command)
     fill = {"T": "../shared/traces/mooncake/synthetic_trace.jsonl", "TRACE": "workloads/fork-beam.jsonl",
             "B": "numpy", "GRID": str(scratch.parent / "grid.toml"),
             "A.json": str(scratch.parent / "A.json"), "B.json": str(scratch.parent / "B.json")}
     command = re.sub(r"\s*\[[^\]]*\]", "", command).replace("/tmp/", f"{scratch.parent}/out/")
+    command = command.replace("host=N,disk=M", "host=64,disk=512")
     command = command.replace("@OLD", "@" + (scratch.parent / "code").read_text().strip()[:12])
     return " ".join(fill.get(word, word) for word in command.split(" "))
 
@@ -247,10 +275,12 @@ def test_every_documented_command_is_run_or_excluded_with_a_reason():
     documented = {c for _, c in ALL_COMMANDS}
     assert not set(EXCLUDED) - documented, f"excluded but in no page: {set(EXCLUDED) - documented}"
     assert not set(EXIT) - documented, f"an exit status for a command in no page: {set(EXIT) - documented}"
+    assert not set(FILLED) - documented, f"filled but in no page: {set(FILLED) - documented}"
     assert len(documented) > 40, "the command scan is broken"
 
 
-RUN = [(where, c) for where, c in ALL_COMMANDS if c not in EXCLUDED and not ENGINE_COMMAND.match(c)]
+RUN = list({FILLED.get(c, c): (where, c) for where, c in reversed(ALL_COMMANDS)  # each once, at its first place
+             if c not in EXCLUDED and not ENGINE_COMMAND.match(c)}.values())[::-1]
 
 
 @pytest.mark.parametrize("where, command", RUN, ids=[w for w, _ in RUN])
