@@ -14,7 +14,7 @@ from kvbench.cli.tables import print_table
 from kvbench.outputs import check_writable, inside, name_problem, write_bytes
 
 
-def charts_dir(store: Store, sweep: str, out, source: str = "") -> tuple:
+def charts_dir(store: Store, sweep: str, out, source: str = "", option: str = "--out"):
     """Where a sweep's charts go: ``out``, else into the store (``<store>/_charts/<sweep>/``,
     out of git with the default store). A chart's name comes from a grid file (``source``): one
     that leads out of the folder is refused."""
@@ -23,7 +23,7 @@ def charts_dir(store: Store, sweep: str, out, source: str = "") -> tuple:
 
         def write(name, data):
             path = inside(folder, name, source)
-            check_writable(path, option="--out")
+            check_writable(path, option=option)
             write_bytes(path, data)
             return str(path)
         return write
@@ -38,7 +38,7 @@ def charts_dir(store: Store, sweep: str, out, source: str = "") -> tuple:
 
 def draw_charts(store: Store, sweep: str, specs, out=None, commit=None, source: str = "") -> list[str]:
     df, _ = store.cells(sweep, commit)
-    write = charts_dir(store, sweep, out, source)
+    write = charts_dir(store, sweep, out, source, option="--charts")
     made = []
     for spec in specs:
         name, data = sweep_charts.draw(df, spec)
@@ -52,6 +52,8 @@ def cmd_sweep(args) -> int:
     for i, spec in enumerate(grid.charts):
         sweep_charts.check_spec(spec, f"{args.grid}: charts[{i}]")
     store = Store(args.store)
+    if args.charts and not args.dry_run:
+        check_writable(args.charts, option="--charts", folder=True)
     if args.dry_run:
         cells, traces = grids.expand(grid, grids.code_version()["code"])
         grids.check_cells(grid, cells, traces)
