@@ -12,7 +12,7 @@ import os
 import stat
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 
 def _umask() -> int:
@@ -130,8 +130,58 @@ def write_text(path, text: str, stdout=None) -> Path:
     return Path(path)
 
 
-def save_figure(fig, path, **kwargs) -> Path:
-    """``fig.savefig(path)`` atomically."""
+def write_bytes(path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically."""
     with staged(path) as (tmp,):
-        fig.savefig(tmp, **kwargs)
+        Path(tmp).write_bytes(data)
     return Path(path)
+
+
+# matplotlib writes its own version into every PNG: left out, the same figure is the same bytes
+# under any matplotlib, so drawing a committed chart again leaves it as it is.
+PNG_METADATA = {"Software": None}
+
+
+def save_figure(fig, path, **kwargs) -> Path:
+    """``fig.savefig(path)`` atomically, with no metadata that changes between drawings."""
+    with staged(path) as (tmp,):
+        fig.savefig(tmp, **{"metadata": PNG_METADATA} if Path(path).suffix == ".png" else {}, **kwargs)
+    return Path(path)
+
+
+def figure_png(fig, **kwargs) -> bytes:
+    """The PNG bytes of ``fig`` (for a store that is not a local folder), as ``save_figure``
+    writes them."""
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata=PNG_METADATA, **kwargs)
+    return buf.getvalue()
+
+
+def name_problem(name) -> str:
+    """Why ``name`` (read from a file: a sweep's, a chart's) cannot name a file below a folder
+    ('' when it can): empty, absolute, or with a ``..`` segment that climbs out."""
+    text = str(name)
+    parts = PurePosixPath(text.replace("\\", "/")).parts
+    if not text.strip() or "\0" in text:
+        return "is empty" if not text.strip() else "holds a NUL byte"
+    if text.startswith(("/", "\\")):
+        return "is an absolute path"
+    if ".." in parts:
+        return "climbs out of its folder (a '..' segment)"
+    return ""
+
+
+def inside(folder, name, where: str = "") -> Path:
+    """``folder / name`` for a ``name`` read from a file, proven to stay below ``folder``, links
+    followed; ValueError naming ``where`` (the file and line it came from) otherwise."""
+    at = f"{where}: " if where else ""
+    why = name_problem(name)
+    if why:
+        raise ValueError(f"{at}the name {str(name)!r} {why}: give a plain name")
+    base = Path(folder).resolve()
+    path = Path(folder) / str(name)
+    if not path.resolve().is_relative_to(base):
+        raise ValueError(f"{at}the name {str(name)!r} leads outside {folder} "
+                         f"(to {path.resolve()}, through a symbolic link)")
+    return path

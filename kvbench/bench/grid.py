@@ -60,6 +60,7 @@ import inspect
 import itertools
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -67,6 +68,7 @@ from kvbench.bench import records
 from kvbench import provenance
 from kvbench.analyses import suite
 from kvbench.contract import registry
+from kvbench.outputs import name_problem
 from kvbench.analyses.settings import POLICIES, RunSettings, flag, one_of
 from kvbench.traces.format import Trace, load
 
@@ -242,6 +244,7 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
             if why:
                 raise GridError(source, f"settings.{key}[{i}]: {why}, got {v!r}")
     traces = _trace_sources(data.get("traces"), base, source)
+    _check_names(data, text, source)
     grid = Grid(name=str(data.get("name", name)), traces=traces, backends=_as_list(data["backends"]),
                 seeds=_as_list(data.get("seeds", [0])),
                 settings={k: _as_list(v) for k, v in settings.items()},
@@ -256,6 +259,25 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
                 raise GridError(source, f"{kind}[{i}]: {'empty rule' if not rule else f'unknown key(s) {bad}'}; "
                                         f"keys: {', '.join(sorted(axes))}")
     return grid
+
+
+def _line_of(text: str, key: str, value) -> str:
+    """':N', the line of ``text`` where ``key`` is given ``value`` (TOML or YAML), or ''."""
+    pattern = re.compile(rf"""^\s*{re.escape(key)}\s*[=:]\s*["']?{re.escape(str(value))}["']?\s*(#.*)?$""")
+    return next((f":{n}" for n, line in enumerate(text.splitlines(), 1) if pattern.match(line)), "")
+
+
+def _check_names(data: dict, text: str, source: str) -> None:
+    """The sweep's name and its charts' become file names (the charts' folder, each chart):
+    each is one plain name, never a path out of the folder (``../``, absolute)."""
+    named = [("name", data["name"])] if "name" in data else []
+    named += [(f"charts[{i}].name", c["name"]) for i, c in enumerate(data.get("charts") or [])
+              if isinstance(c, dict) and "name" in c]
+    for where, value in named:
+        why = name_problem(str(value))
+        if why:
+            raise GridError(f"{source}{_line_of(text, 'name', value)}",
+                            f"{where} {value!r} {why}: it names files of the sweep; give a plain name")
 
 
 def load_grid(path) -> Grid:

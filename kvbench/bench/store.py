@@ -3,6 +3,7 @@ and backend (hive style, so pyarrow, pandas, DuckDB or Spark read it as it is)::
 
     STORE/sweep=<name>/_grid.toml                     the grid the sweep was run from
     STORE/sweep=<name>/backend=<name>/<cell id>.parquet
+    STORE/_charts/<name>/<chart>.png                  the charts drawn from its cells
 
 ``STORE`` is a local folder or any fsspec URL (``s3://bucket/kv``, ``gs://...``, ``memory://...``)
 that every worker of a cluster can reach: each worker writes its own cells there, so nothing has to
@@ -32,9 +33,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from kvbench.bench import records
+from kvbench.outputs import inside, name_problem
 
 DEFAULT_STORE = records.RESULTS_DIR / "sweeps" / "store"
 GRID_FILE = "_grid.toml"
+CHARTS_DIR = "_charts"  # STORE/_charts/<sweep>/<chart>.png: charts drawn from the cells
 INFO_FILE = "_sweep.json"
 PARTITIONS = ("sweep", "backend")
 
@@ -197,12 +200,20 @@ class Store:
                 f.write(data.encode())
 
     def write_bytes(self, relative: str, data: bytes) -> str:
-        """A file beside the dataset (a chart): ``relative`` to the store's parent folder."""
-        path = f"{self.root.rpartition('/')[0]}/{relative}"
+        """A file kept with the dataset (a chart), ``relative`` to ``STORE/_charts/``, where
+        Parquet readers do not look (a leading ``_``); a ``relative`` that climbs out of it is
+        refused (ValueError)."""
+        why = name_problem(relative)
+        if why:
+            raise ValueError(f"{self.url}: the chart path {relative!r} {why}")
+        if "://" not in self.url:
+            path = str(inside(f"{self.root}/{CHARTS_DIR}", relative))
+        else:
+            path = f"{self.root}/{CHARTS_DIR}/{relative}"
         self.fs.create_dir(path.rpartition("/")[0], recursive=True)
         with self.fs.open_output_stream(path) as f:
             f.write(data)
-        return path if "://" not in self.url else f"{self.url.rpartition('/')[0]}/{relative}"
+        return path if "://" not in self.url else f"{self.url.rstrip('/')}/{CHARTS_DIR}/{relative}"
 
     # --- reading -------------------------------------------------------------------------------
 

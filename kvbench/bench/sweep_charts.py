@@ -7,7 +7,6 @@ axes neither drawn nor faceted (seeds, traces, ...) are averaged, and the title 
 """
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -15,6 +14,7 @@ import pandas as pd
 
 from kvbench.bench.grid import parameter_columns
 from kvbench.contract.formulas import parse_bytes
+from kvbench.outputs import figure_png
 
 AGGREGATIONS = ("mean", "median", "min", "max", "count", "sum")  # how cells in one place combine
 CHART_KEYS = {"heatmap": ("kind", "x", "y", "metric", "facet", "agg", "where", "name"),
@@ -174,10 +174,9 @@ def draw(df: pd.DataFrame, spec: dict) -> tuple[str, bytes]:
         fig = heatmap(df, spec["x"], spec["y"], spec["metric"], **opts)
     else:
         fig = lines(df, spec["x"], spec["metric"], **opts, **({"hue": spec["hue"]} if "hue" in spec else {}))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    data = figure_png(fig, dpi=100, bbox_inches="tight")
     _plt().close(fig)
-    return chart_name(spec) + ".png", buf.getvalue()
+    return chart_name(spec) + ".png", data
 
 
 __all__ = ["heatmap", "lines", "draw", "select", "check_spec", "chart_name", "natural_order"]

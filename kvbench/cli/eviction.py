@@ -13,6 +13,7 @@ from kvbench.analyses.eviction import (
     tenant_table,
 )
 from kvbench.analyses import suite
+from kvbench.bench import records
 from kvbench.checking.checker import check
 from kvbench.cli import options
 from kvbench.contract import registry
@@ -57,6 +58,7 @@ def register(sub) -> None:
                                         "a usage-against-quota chart")
     p.add_argument("trace", help="a tenant-mix trace (its header names tenant weights)")
     p.add_argument("--backend", default="numpy", help="backend replayed under each policy (default numpy)")
-    p.add_argument("--out", default=str(suite.WORKLOADS_DIR.parent / "results" / "eviction"),
-                   help="folder for <trace>-usage.png")
+    p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "eviction"),
+                   help="folder for <trace>-usage.png (default results/scratch/eviction, out of git; "
+                        "results/eviction holds the committed chart)")
     p.set_defaults(func=cmd_eviction)

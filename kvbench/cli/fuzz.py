@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kvbench.bench import records
 from kvbench.checking.fuzz import DEFAULT_SHRINK_ATTEMPTS, DEFAULT_SHRINK_SECONDS, Campaign
 from kvbench.cli import options
 from kvbench.outputs import check_writable
@@ -63,8 +64,9 @@ def register(sub) -> None:
                    help="stop after this many histories (deterministic under --seed)")
     p.add_argument("--seed", type=options.nonnegative_int, default=0,
                    help="the campaign's seed: the same seed makes the same histories (default 0)")
-    p.add_argument("--out", default="fuzz-out", help="folder for the findings and the summary "
-                                                     "(default fuzz-out)")
+    p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "fuzz"),
+                   help="folder for the findings and the summary (default results/scratch/fuzz, "
+                        "out of git)")
     p.add_argument("--shrink-seconds", type=options.positive_float, default=DEFAULT_SHRINK_SECONDS,
                    help=f"time for shrinking one finding (default {DEFAULT_SHRINK_SECONDS:g})")
     p.add_argument("--shrink-attempts", type=options.positive_int, default=DEFAULT_SHRINK_ATTEMPTS,

@@ -50,6 +50,12 @@ def offload_tiers(text: str) -> tuple:
     return tuple(tiers)
 
 
+def runs_tiers(name: str, tiers) -> bool:
+    """Whether backend ``name`` declares lower tiers of every policy ``tiers`` name (SPEC §11)."""
+    caps = getattr(registry.resolve(name).load(), "capabilities", None)
+    return {t.policy for t in tiers} <= set(getattr(caps, "tiers", ()))
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Options of the serving simulation. An option the parser already has (``kvbench run``'s
     --backend, --model, --block-size, --budget, --max-context, --device, --output, --quiet, ...)
@@ -221,6 +227,10 @@ def run_serving(args, stdout=None) -> int:
         if args.scenario:
             raise UsageError("--offload applies to --trace runs, not --scenario")
         sim["offload"] = offload
+        if not getattr(args, "backend", None):  # the default backends, less those with no lower tier
+            backends = [n for n in backends if runs_tiers(n, offload)]
+            print(f"--offload: serving on {', '.join(backends)} (the default backends that run "
+                  f"lower tiers; the contiguous baselines have none)")
     budget = getattr(args, "token_budget", None)
     if budget is not None:
         if args.scenario:

@@ -11,24 +11,34 @@ from kvbench.bench import sweep_charts
 from kvbench.bench.store import DEFAULT_STORE, Store
 from kvbench.cli import options
 from kvbench.cli.tables import print_table
+from kvbench.outputs import check_writable, inside, name_problem, write_bytes
 
 
-def charts_dir(store: Store, sweep: str, out) -> tuple:
-    """Where a sweep's charts go: ``out``, else beside the store (``<store>/../<sweep>/``)."""
+def charts_dir(store: Store, sweep: str, out, source: str = "", option: str = "--out"):
+    """Where a sweep's charts go: ``out``, else into the store (``<store>/_charts/<sweep>/``,
+    out of git with the default store). A chart's name comes from a grid file (``source``): one
+    that leads out of the folder is refused."""
     if out:
         folder = Path(out)
 
         def write(name, data):
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_bytes(data)
-            return str(folder / name)
+            path = inside(folder, name, source)
+            check_writable(path, option=option)
+            write_bytes(path, data)
+            return str(path)
         return write
-    return lambda name, data: store.write_bytes(f"{sweep}/{name}", data)
+
+    def write_in_store(name, data):
+        why = name_problem(name)
+        if why:
+            raise ValueError(f"{source + ': ' if source else ''}the chart name {name!r} {why}: give a plain name")
+        return store.write_bytes(f"{sweep}/{name}", data)
+    return write_in_store
 
 
-def draw_charts(store: Store, sweep: str, specs, out=None, commit=None) -> list[str]:
+def draw_charts(store: Store, sweep: str, specs, out=None, commit=None, source: str = "") -> list[str]:
     df, _ = store.cells(sweep, commit)
-    write = charts_dir(store, sweep, out)
+    write = charts_dir(store, sweep, out, source, option="--charts")
     made = []
     for spec in specs:
         name, data = sweep_charts.draw(df, spec)
@@ -42,6 +52,8 @@ def cmd_sweep(args) -> int:
     for i, spec in enumerate(grid.charts):
         sweep_charts.check_spec(spec, f"{args.grid}: charts[{i}]")
     store = Store(args.store)
+    if args.charts and not args.dry_run:
+        check_writable(args.charts, option="--charts", folder=True)
     if args.dry_run:
         cells, traces = grids.expand(grid, grids.code_version()["code"])
         grids.check_cells(grid, cells, traces)
@@ -69,7 +81,7 @@ def cmd_sweep(args) -> int:
               f"again to resume (finished cells are kept)")
         return 130 if run.interrupted else 1
     if grid.charts and not args.no_charts:
-        for path in draw_charts(store, grid.name, grid.charts, args.charts):
+        for path in draw_charts(store, grid.name, grid.charts, args.charts, source=args.grid):
             print(f"chart: {path}")
     df = store.read(grid.name, columns=["cell_id", "status", "error", "code"])
     df = df[df["code"] == grids.code_version()["code"]]
@@ -143,7 +155,7 @@ def cmd_results(args) -> int:
         if spec.get("metric") is None:
             raise ValueError("--heatmap / --lines need --metric")
         name, data = sweep_charts.draw(df, spec)
-        print(f"chart: {charts_dir(store, args.sweep, args.out)(name, data)}")
+        print(f"chart: {charts_dir(store, args.sweep, args.out, f'{args.sweep} (its grid in {store.url})')(name, data)}")
     rows = args.rows.split(",")
     missing = [c for c in rows + ([args.cols] if args.cols else []) + ([args.metric] if args.metric else [])
                if c not in df.columns]
@@ -181,7 +193,7 @@ def register(sub) -> None:
     p.add_argument("--max-retries", type=options.nonnegative_int, default=2,
                    help="ray: reruns of a cell whose worker or node died (default 2)")
     p.add_argument("--retry-errors", action="store_true", help="run again the cells stored with status ERROR")
-    p.add_argument("--charts", metavar="DIR", help="folder of the grid's charts (default: <store>/../<sweep>/)")
+    p.add_argument("--charts", metavar="DIR", help="folder of the grid's charts (default: <store>/_charts/<sweep>/)")
     p.add_argument("--no-charts", action="store_true", help="draw no charts")
     p.add_argument("--quiet", action="store_true", help="no progress")
     p.add_argument("--progress-interval", type=options.positive_float, default=5.0,
@@ -201,7 +213,7 @@ def register(sub) -> None:
     p.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="draw --metric over X x Y")
     p.add_argument("--lines", metavar="X", help="draw --metric against X, a line per backend")
     p.add_argument("--charts", action="store_true", help="draw the charts the sweep's grid names")
-    p.add_argument("--out", help="folder of the charts (default: <store>/../<sweep>/)")
+    p.add_argument("--out", help="folder of the charts (default: <store>/_charts/<sweep>/)")
     p.add_argument("--csv", help="write the cells (after --where) as CSV")
     p.set_defaults(func=cmd_results)
 

@@ -532,9 +532,9 @@ def csv_lines(trace: Trace) -> Iterator[str]:
                              f"operation: save the trace as .jsonl", trace.name)
         if isinstance(op, Prefill):
             if (op.salt is not None or op.adapter is not None or op.token_ids is not None
-                    or op.prompt_tokens is not None):
-                raise TraceError(f"step {op.step}: CSV holds no salt, adapter, token ids or chunked "
-                                 f"prompt: save the trace as .jsonl", trace.name)
+                    or op.prompt_tokens is not None or op.block_hashes is not None):
+                raise TraceError(f"step {op.step}: CSV holds no block hashes, salt, adapter, token "
+                                 f"ids or chunked prompt: save the trace as .jsonl", trace.name)
             w.writerow([op.step, "prefill", op.seq, op.tenant, op.tokens, ""])
         elif isinstance(op, Append):
             for s, t in zip(op.seqs, op.tokens):

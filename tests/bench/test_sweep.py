@@ -219,7 +219,7 @@ def test_store_at_an_fsspec_url(tmp_path):
     store = Store("memory://kvbench-test/store")
     store.write_cell("s", "numpy", "c1", {"x": 1, "status": "pass"})
     assert store.done("s") == {"c1"} and store.read("s")["x"].tolist() == [1]
-    assert store.write_bytes("s/chart.png", b"png") == "memory://kvbench-test/s/chart.png"
+    assert store.write_bytes("s/chart.png", b"png") == "memory://kvbench-test/store/_charts/s/chart.png"
 
 
 # --- a sweep on the local pool -------------------------------------------------------------------
@@ -463,7 +463,7 @@ def test_sweep_command_results_and_compare(tmp_path, capsys):
     assert main(["sweep", str(grid), "--store", store, "--workers", "2", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "g: 30 cells: 0 were in the store, ran 30 (30 pass)" in out
-    pngs = sorted(p.name for p in (tmp_path / "g").glob("*.png"))  # beside the store
+    pngs = sorted(p.name for p in (tmp_path / "store" / "_charts" / "g").glob("*.png"))  # in the store
     assert pngs == ["heatmap-mean_fragmentation-budget-by-block_size.png", "lines-peak_blocks-by-budget.png"]
     assert main(["results", "--store", store]) == 0
     assert "g " in capsys.readouterr().out
