@@ -4,6 +4,7 @@
 - ``reference``: the float64 reference quantizer (and fp8 e4m3, e2m1 and NVFP4 rounding);
 - ``stats``: error statistics and compression ratios;
 - ``check``: the checker that holds an implementation to SPEC's bounds;
+- ``check_float``: the checker of SPEC §12's fp8 and NVFP4 formats;
 - ``formats``: KV formats and the capacity table;
 - ``pool``: the formats of the quantized paged pools.
 
@@ -15,12 +16,10 @@ the public names of its modules.
 from kvbench.quant.check import (
                                  QuantFailure,
                                  QuantVerdict,
-                                 check_fp8,
-                                 check_fp8_quantizer,
-                                 check_nvfp4,
                                  check_quantization,
                                  check_quantizer,
 )
+from kvbench.quant.check_float import check_fp8, check_fp8_quantizer, check_nvfp4
 from kvbench.quant.formats import (
                                  KVFormat,
                                  capacity_table,
