@@ -205,3 +205,24 @@ def test_each_float_format_fault_fails_at_the_first_prefill(fault, detail):
     d = v.divergence
     assert v.valid is False and (d.step, d.quantity) == (0, "kv of sequence 0"), str(d)
     assert d.detail.startswith("position 0, row 0, channel 0: read back") and detail in d.detail, d.detail
+
+
+def test_the_capacity_table_counts_nvfp4s_real_bytes():
+    model = get_model("llama-2-7b")  # 32 layers, 32 KV heads, head 128
+    table = Q.capacity_table(model, 2**30, block_size=16).set_index("format")
+    # per K (V) and block: 32 * 32 * 128 * 16 = 2097152 elements: 2097152 / 2 = 1048576 B of
+    # codes + 2097152 / 16 = 131072 B of e4m3 scales; twice that for K and V
+    assert table.loc["nvfp4", "block_bytes"] == 2 * (1048576 + 131072) == 2359296
+    assert table.loc["nvfp4", "metadata_fraction"] == 2 * 131072 / 2359296
+    # 2 * 32 per-layer float32 tensor scales = 256 B once: (2^30 - 256) // 2359296 = 455 blocks
+    assert table.loc["nvfp4", "blocks"] == (2**30 - 256) // 2359296 == 455
+
+
+def test_the_capacity_table_measures_nvfp4s_error():
+    from kvbench.contract.protocol import kv_tokens
+    model = get_model("tiny")
+    sample = kv_tokens(np.ones(64), np.arange(64), model)  # float16 integers in [-1001, 1001]
+    table = Q.capacity_table(model, 2**20, sample, block_size=16, group_size=4).set_index("format")
+    # half an e2m1 ulp at most, at its largest (1 in [4, 6]) times the largest scale, 448 * ts
+    assert 0 < table.loc["nvfp4", "key_max_abs_error"] <= 448 * Q.nvfp4_tensor_scale(1001.0)
+    assert table.loc["fp8-e4m3", "key_rmse"] < table.loc["nvfp4", "key_rmse"]
