@@ -226,3 +226,32 @@ def test_the_capacity_table_measures_nvfp4s_error():
     # half an e2m1 ulp at most, at its largest (1 in [4, 6]) times the largest scale, 448 * ts
     assert 0 < table.loc["nvfp4", "key_max_abs_error"] <= 448 * Q.nvfp4_tensor_scale(1001.0)
     assert table.loc["fp8-e4m3", "key_rmse"] < table.loc["nvfp4", "key_rmse"]
+
+
+@pytest.mark.parametrize("cls", [NumpyFp8Tensor, NumpyFp8TokenHead, NumpyNvfp4])
+def test_the_pools_bytes_without_kv_arrays(cls):
+    from conftest import make_config
+    b = cls(make_config(store_kv=False))  # no arrays: the bytes come off their shapes
+    assert b.config.kv_format == cls.kv_format
+    assert b.block_bytes() == pool.block_bytes(cls.kv_format, b.config.model, b.config.block_size)
+
+
+@pytest.mark.parametrize("cls", [NumpyFp8TokenHead, NumpyNvfp4])
+def test_copy_on_write_without_the_scales_is_caught(cls):
+    from conftest import A, K, P, X, make_config, make_trace
+
+    class CowCodesOnly(cls):
+        def _copy_blocks(self, src, dst):
+            kept, self.scale = self.scale, None  # the codes move, the scales stay behind
+            try:
+                super()._copy_blocks(src, dst)
+            finally:
+                self.scale = kept
+
+    # Sequence 0 writes 20 tokens (a full block of 16 and 4 in its tail); its fork 1 appends 3:
+    # the shared tail is copied, and position 16 of sequence 1 reads the copy's (zero) scales.
+    trace = make_trace(P(0, 20), K(1, 0), A((1, 3), (0, 2)), A((0, 1), (1, 1)), X(0), X(1), name="fork-cow")
+    assert check(trace, cls(make_config())).valid is True
+    v = check(trace, CowCodesOnly(make_config()))
+    assert v.valid is False and v.divergence.quantity == "kv of sequence 1", str(v.divergence)
+    assert v.divergence.detail.startswith("position 16,"), v.divergence.detail
