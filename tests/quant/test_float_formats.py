@@ -255,3 +255,17 @@ def test_copy_on_write_without_the_scales_is_caught(cls):
     v = check(trace, CowCodesOnly(make_config()))
     assert v.valid is False and v.divergence.quantity == "kv of sequence 1", str(v.divergence)
     assert v.divergence.detail.startswith("position 16,"), v.divergence.detail
+
+
+@pytest.mark.parametrize("name, dropped", [
+    ("nvfp4", 576 - 512),  # the e4m3 block scales: 1024 / 16 = 64 bytes of the 576
+    ("fp8-token-head", 1536 - 1024),  # the float32 row scales: 128 rows * 4
+])
+def test_a_bytes_formula_without_the_scales_fails_at_the_first_prefill(monkeypatch, name, dropped):
+    # The ledger's bytes are read off the pool's arrays: a formula that forgets the scales is off.
+    real = pool.block_bytes
+    monkeypatch.setattr(pool, "block_bytes", lambda n, m, b: real(n, m, b) - (dropped if n == name else 0))
+    trace = suite.load_traces([suite.WORKLOADS_DIR / "decode-stream.jsonl"])[0]
+    cls = NumpyNvfp4 if name == "nvfp4" else NumpyFp8TokenHead
+    d = check(trace, cls(suite.config_for(trace))).divergence
+    assert (d.step, d.quantity, d.actual - d.expected) == (0, "bytes_in_use", dropped), str(d)
