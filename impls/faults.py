@@ -21,6 +21,7 @@ import numpy as np
 from impls.contiguous import Contiguous
 from impls.faults_edges import EDGE_BUGS
 from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
+from impls.numpy_float_paged import NumpyFp8Tensor, NumpyNvfp4
 from impls.numpy_lookahead import NumpyEagle
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantSteps
@@ -771,3 +772,38 @@ CATALOGUE = [
 ] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS] \
   + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS] \
   + [Bug(name, upstream, fault, False) for name, upstream, fault in SWAP_BUGS]
+
+
+# --- SPEC §12's float formats: real fp8 and NVFP4 codes, read back wrong (issue 47) -------------
+
+class Nvfp4BlockScalesDropped(NumpyNvfp4):
+    """NVFP4 read back without its e4m3 block scales: code * tensor scale."""
+
+    def _block_scale(self, scale, n):
+        return np.float32(1.0)
+
+
+class Nvfp4TensorScaleDropped(NumpyNvfp4):
+    """NVFP4 read back without its float32 tensor scale: code * block scale."""
+
+    def _dequantized(self, codes, scale, zero):
+        kept, self.tensor_scale = self.tensor_scale, np.ones_like(self.tensor_scale)
+        try:
+            return super()._dequantized(codes, scale, zero)
+        finally:
+            self.tensor_scale = kept
+
+
+class Fp8DividedByScale(NumpyFp8Tensor):
+    """fp8 dequantized as code / scale (the scale taken as vLLM's inverse one), not code * scale."""
+
+    def _scaled(self, codes, scale):
+        return codes / scale
+
+
+FLOAT_FORMAT_BUGS = [
+    ("NVFP4 block scales dropped: read back as code * tensor scale", Nvfp4BlockScalesDropped),
+    ("NVFP4 tensor scale dropped: read back as code * block scale", Nvfp4TensorScaleDropped),
+    ("fp8 dequantized by dividing by the scale", Fp8DividedByScale),
+]
+CATALOGUE += [Bug(name, "kvbench #47", fault, False) for name, fault in FLOAT_FORMAT_BUGS]

@@ -97,7 +97,7 @@ ALL_COMMANDS = [(f"{p.relative_to(ROOT).as_posix()}:{n}", c) for p in PAGES
 
 ASV = "asv builds a virtualenv per commit (pip, network) and times the suite: a pinned machine's job"
 RAY = "needs a Ray cluster started by `ray start` (and a cloud bucket for s3:// / gs:// stores)"
-RATIO_GATES = ("runs the timed ratio gates, a CI step of their own (README); "
+RATIO_GATES = ("runs the timed ratio gates, which CI does not run (README); "
                "tests/bench/test_gates.py runs the exact gates")
 MEASURES = ("times this machine and records it into the committed results/scaling/ on purpose "
             "(a maintainer's measurement, minutes to half an hour)")
@@ -122,7 +122,8 @@ EXCLUDED = {
         "compares with a CUDA machine's record",
     ".venv/bin/pip install -e '.[bench]'": ASV, "PATH=$PWD/.venv/bin:$PATH": ASV,
     "asv machine --yes": ASV, "asv run --quick HEAD~5..HEAD": ASV, "asv run HEAD~5..HEAD": ASV,
-    "asv run -b 'Waste|BlocksInUse|QuantError' HEAD~20..HEAD": ASV, "asv publish && asv preview": ASV,
+    "asv run -b 'Waste|BlocksInUse|QuantError' HEAD~20..HEAD": ASV, "python -m kvbench.bench.dashboard && asv preview":
+        ASV + "; tests/bench/test_dashboard.py publishes a history and opens it in Chromium",
     "asv compare HEAD~1 HEAD": ASV, "asv continuous HEAD^ HEAD --factor 1.2": ASV,
     "python scripts/goals.py": MEASURES, "python scripts/goals.py --rows million": MEASURES,
     "KVBENCH_TRACES=../shared/traces python scripts/goals.py --rows mooncake": MEASURES,

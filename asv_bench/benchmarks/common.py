@@ -571,7 +571,10 @@ def format_bytes_per_token(fmt_name: str) -> float:
 BACKENDS["numpy-int8"] = ("numpy-int8", {})
 BACKENDS["numpy-int4"] = ("numpy-int4", {})
 BACKENDS["numpy-int4-steps"] = ("numpy-int4-steps", {})
-POOLS = ["numpy", "torch-cpu", "object", "numpy-int8", "numpy-int4", "numpy-int4-steps"]
+for _name in ("numpy-fp8", "numpy-fp8-token-head", "numpy-nvfp4"):  # SPEC §12's float formats
+    BACKENDS[_name] = (_name, {})
+POOLS = ["numpy", "torch-cpu", "object", "numpy-int8", "numpy-int4", "numpy-int4-steps", "numpy-fp8",
+         "numpy-fp8-token-head", "numpy-nvfp4"]
 
 
 def pool_bytes_per_token(name: str) -> float:

@@ -130,6 +130,20 @@ BUILTIN = [
     _builtin("numpy-int4-steps", "impls.numpy_quant_paged:NumpyQuantSteps", "default", "paged",
              "quantized", kv_format="int4",
              default_workloads=("decode-stream", "fork-beam", "prefix-reuse", "edge-eviction")),
+    # SPEC §12's float formats, real codes and scales: fp8 e4m3 per tensor and per token-head,
+    # NVFP4 (e2m1 codes, e4m3 scales per 16, a tensor scale). By default on the workloads that
+    # write (decode), copy on write (forks), read back hits, tiers, windows, MLA's latent and
+    # chunks, evict and recompute: each format a few of them (a sixth of the time for the three).
+    _builtin("numpy-fp8", "impls.numpy_float_paged:NumpyFp8Tensor", "default", "paged", "quantized",
+             kv_format="fp8-tensor",
+             default_workloads=("decode-stream", "fork-beam", "prefix-reuse", "tier-turns", "variant-mla")),
+    _builtin("numpy-fp8-token-head", "impls.numpy_float_paged:NumpyFp8TokenHead", "default", "paged",
+             "quantized", kv_format="fp8-token-head",
+             default_workloads=("decode-stream", "fork-beam", "prefix-reuse", "edge-eviction")),
+    _builtin("numpy-nvfp4", "impls.numpy_float_paged:NumpyNvfp4", "default", "paged", "quantized",
+             kv_format="nvfp4",
+             default_workloads=("decode-stream", "fork-beam", "prefix-reuse", "hybrid-decode",
+                                "variant-chunked", "tier-turns")),
     *(_builtin(f"contiguous-{r}", "impls.contiguous:Contiguous", "default", "contiguous", "gated",
                reservation=r) for r in ("max", "pow2", "oracle")),
     # vLLM's speculative-decoding rules, declared: rejected drafts' blocks kept as lookahead

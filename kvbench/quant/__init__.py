@@ -1,9 +1,10 @@
 """KV quantization (SPEC section 4), one module per part:
 
 - ``layouts``: schemes, the (R, C) view of a tensor, stored tensors, bit packing;
-- ``reference``: the float64 reference quantizer (and fp8 e4m3 rounding);
+- ``reference``: the float64 reference quantizer (and fp8 e4m3, e2m1 and NVFP4 rounding);
 - ``stats``: error statistics and compression ratios;
 - ``check``: the checker that holds an implementation to SPEC's bounds;
+- ``check_float``: the checker of SPEC §12's fp8 and NVFP4 formats;
 - ``formats``: KV formats and the capacity table;
 - ``pool``: the formats of the quantized paged pools.
 
@@ -15,11 +16,10 @@ the public names of its modules.
 from kvbench.quant.check import (
                                  QuantFailure,
                                  QuantVerdict,
-                                 check_fp8,
-                                 check_fp8_quantizer,
                                  check_quantization,
                                  check_quantizer,
 )
+from kvbench.quant.check_float import check_fp8, check_fp8_quantizer, check_nvfp4
 from kvbench.quant.formats import (
                                  KVFormat,
                                  capacity_table,
@@ -46,15 +46,25 @@ from kvbench.quant.layouts import (
                                  validate_input,
 )
 from kvbench.quant.reference import (
+                                 E2M1_MAX,
                                  FP8_E4M3_MAX,
+                                 NVFP4_BLOCK,
                                  Fp8Tensor,
+                                 Nvfp4Tensor,
                                  available,
                                  dequantize,
+                                 e2m1_error_bound,
+                                 e2m1_round,
                                  external_scale,
                                  fp8_e4m3_error_bound,
                                  fp8_e4m3_round,
+                                 fp8_half_ulp,
+                                 fp8_scale,
                                  group_min_max,
                                  name,
+                                 nvfp4_block_scales,
+                                 nvfp4_round,
+                                 nvfp4_tensor_scale,
                                  quantize,
                                  scale_and_zero_point,
 )
@@ -73,5 +83,7 @@ __all__ = [
     "unit_roundoff", "UNIT_ROUNDOFF", "SMALLEST_SUBNORMAL", "SCALE_DTYPE", "GRANULARITIES",
     "FP8_E4M3_MAX", "fp8_e4m3_round", "fp8_e4m3_error_bound", "Fp8Tensor", "check_fp8",
     "check_fp8_quantizer", "KVFormat", "kv_formats", "format_block_bytes", "capacity_table",
-    "external_scale", "name", "available",
+    "external_scale", "name", "available", "E2M1_MAX", "NVFP4_BLOCK", "Nvfp4Tensor", "e2m1_round",
+    "e2m1_error_bound", "fp8_half_ulp", "fp8_scale", "nvfp4_tensor_scale", "nvfp4_block_scales",
+    "nvfp4_round", "check_nvfp4",
 ]

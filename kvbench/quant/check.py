@@ -24,12 +24,6 @@ from kvbench.quant.layouts import (
     to_numpy,
     unpack_bits,
 )
-from kvbench.quant.reference import (
-    FP8_E4M3_MAX,
-    Fp8Tensor,
-    fp8_e4m3_error_bound,
-    fp8_e4m3_round,
-)
 from kvbench.quant.stats import QuantStats, error_moments, expected_compression_ratio
 
 
@@ -410,67 +404,3 @@ def check_quantizer(impl, x, scheme: QuantScheme, *, scale=None, zero_point=None
     unpacked = impl.unpack_codes(qt) if hasattr(impl, "unpack_codes") and qt.packed else None
     return check_quantization(x, qt, x_hat, reported=reported, unpacked=unpacked,
                               scale=scale, zero_point=zero_point, sanity=sanity)
-
-
-def check_fp8(x, t: Fp8Tensor, x_hat) -> QuantVerdict:
-    """e4m3: codes are e4m3 values; |x/scale| >= 448 saturates to +-448; otherwise the code is
-    within half a quantum of x/scale, and x_hat within scale times that plus float rounding."""
-    fails = _Failures()
-    xa, _ = to_numpy(x)
-    codes, _ = to_numpy(t.codes)
-    xh, out_dtype = to_numpy(x_hat)
-    if codes.shape != xa.shape or xh.shape != xa.shape:
-        fails.add("shape", None, xa.shape, (codes.shape, xh.shape))
-        return QuantVerdict(False, tuple(fails.items.values()), scheme="fp8-e4m3")
-    u = UNIT_ROUNDOFF[t.compute_dtype]
-    u_out, eta_out = UNIT_ROUNDOFF[out_dtype], SMALLEST_SUBNORMAL[out_dtype]
-    X, Cd, XH = (a.astype(np.float64).ravel() for a in (xa, codes, xh))
-    s = float(t.scale)
-    idx = lambda k: tuple(int(i) for i in np.unravel_index(k, xa.shape))  # noqa: E731
-    if not (math.isfinite(s) and s > 0):
-        fails.add("scale", None, "positive finite", s)
-        return QuantVerdict(False, tuple(fails.items.values()), scheme="fp8-e4m3")
-    finite = np.isfinite(Cd)
-    fails.first_bad("fp8 code", ~finite | (np.abs(np.where(finite, Cd, 0)) > FP8_E4M3_MAX), "finite, |code| <= 448",
-                    Cd, idx)
-    cd = np.where(finite, Cd, 0.0)
-    fails.first_bad("fp8 code", fp8_e4m3_round(np.clip(cd, -FP8_E4M3_MAX, FP8_E4M3_MAX)) != cd,
-                    "an e4m3 value", Cd, idx)
-    y = X / s
-    y_sat = np.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    sat = np.abs(y) >= FP8_E4M3_MAX
-    fails.first_bad("saturation", sat & (Cd != np.sign(y) * FP8_E4M3_MAX), np.sign(y) * FP8_E4M3_MAX, Cd, idx,
-                    "|x/scale| >= 448 saturates to +-448")
-    code_tol = fp8_e4m3_error_bound(y_sat) + 2 * u * np.abs(y)
-    fails.first_bad("fp8 code", ~(np.abs(Cd - y_sat) <= code_tol), y_sat, Cd, idx, "x/scale rounded to e4m3")
-    fails.first_bad("non-finite output", ~np.isfinite(XH), "finite", XH, idx)
-    bound = s * fp8_e4m3_error_bound(y_sat) + 2 * u * np.abs(X) + u_out * np.abs(XH) + eta_out / 2
-    err = np.abs(XH - s * y_sat)
-    fails.first_bad("reconstruction", ~(err <= bound), s * y_sat, XH, idx,
-                    lambda k: f"|x_sat - x_hat| = {err[k]:.6g} > bound {bound[k]:.6g}")
-    e = np.abs(X - XH)
-    stats = QuantStats(float(e.max()) if e.size else 0.0, float(e.mean()) if e.size else 0.0,
-                       float(np.sqrt(np.mean(e * e))) if e.size else 0.0,
-                       (xa.size * xa.dtype.itemsize) / (xa.size + 4) if xa.size else 1.0,
-                       int(xa.nbytes), int(xa.size + 4))
-    return QuantVerdict(not fails.items, tuple(fails.items.values()), stats, scheme="fp8-e4m3")
-
-
-def check_fp8_quantizer(impl, x, scale: float = 1.0) -> QuantVerdict:
-    try:
-        xa, _ = to_numpy(x)
-        if xa.size and not np.isfinite(xa.astype(np.float64)).all():
-            raise_non_finite(xa)
-        refusal = None
-    except ValueError as e:
-        refusal = e
-    try:
-        t = impl.quantize_fp8(x, scale=scale)
-    except (ValueError, TypeError) as e:
-        if refusal is not None:
-            return QuantVerdict(True, notes=(f"refused as required: {e}",), scheme="fp8-e4m3")
-        return QuantVerdict(False, (QuantFailure("quantize", None, "a result", repr(e)),), scheme="fp8-e4m3")
-    if refusal is not None:
-        return QuantVerdict(False, (QuantFailure("refusal", None, f"an error ({refusal})", "accepted"),),
-                            scheme="fp8-e4m3")
-    return check_fp8(x, t, impl.dequantize_fp8(t))

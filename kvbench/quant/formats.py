@@ -1,5 +1,5 @@
-"""KV formats and capacity: tokens that fit in a byte budget at each format (fp16, fp8, int8,
-int4, int2, KIVI), metadata counted, beside the error each makes on a K/V sample."""
+"""KV formats and capacity: tokens that fit in a byte budget at each format (fp16, fp8, NVFP4,
+int8, int4, int2, KIVI), metadata counted, beside the error each makes on a K/V sample."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,22 +8,31 @@ import numpy as np
 
 from kvbench.contract.formulas import ModelSpec, get_model
 from kvbench.quant.layouts import QuantScheme
-from kvbench.quant.reference import FP8_E4M3_MAX, dequantize, fp8_e4m3_round, quantize
+from kvbench.quant.reference import (
+    FP8_E4M3_MAX,
+    NVFP4_BLOCK,
+    dequantize,
+    fp8_e4m3_round,
+    nvfp4_round,
+    nvfp4_tensor_scale,
+    quantize,
+)
 
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How a paged cache stores K and V: a scheme for each (None: fp16 / fp8 per-tensor)."""
+    """How a paged cache stores K and V: a scheme for each (None: fp16 / fp8 per-tensor / NVFP4)."""
 
     name: str
     bits: int
     keys: QuantScheme | None = None
     values: QuantScheme | None = None
     fp8: bool = False
+    nvfp4: bool = False  # e2m1 codes, an e4m3 scale per 16 elements, a float32 scale per tensor
 
 
 def kv_formats(group_size: int = 32) -> list[KVFormat]:
-    """fp16, fp8-e4m3 (per-tensor scale, as vLLM's k_scale/v_scale), int8 per token, int4
+    """fp16, fp8-e4m3 (per-tensor scale, as vLLM's k_scale/v_scale), NVFP4, int8 per token, int4
     group-wise, and KIVI (keys per channel, values per token) at 8, 4 and 2 bits."""
     tok = lambda b, sym: QuantScheme(b, sym, "token")  # noqa: E731
     chan = lambda b: QuantScheme(b, False, "channel")  # noqa: E731
@@ -31,6 +40,7 @@ def kv_formats(group_size: int = 32) -> list[KVFormat]:
     return [
         KVFormat("fp16", 16),
         KVFormat("fp8-e4m3", 8, fp8=True),
+        KVFormat("nvfp4", 4, nvfp4=True),
         KVFormat("int8-token-sym", 8, tok(8, True), tok(8, True)),
         KVFormat("int8-kivi", 8, chan(8), tok(8, False)),
         KVFormat(f"int4-group{group_size}", 4, grp, grp),
@@ -54,6 +64,9 @@ def format_block_bytes(fmt: KVFormat, model: ModelSpec, block_size: int, scale_b
     """(bytes of one block, of which metadata). Scales and zero points take ``scale_bytes`` each
     (float32, as kvbench.quant stores them)."""
     elements = model.layers * model.kv_heads * model.head_dim * block_size  # per K (or V)
+    if fmt.nvfp4:  # 4-bit codes and an e4m3 scale per 16 elements, for K and for V
+        meta = 2 * (elements // NVFP4_BLOCK)
+        return 2 * (elements // 2) + meta, meta
     if fmt.keys is None:
         elem_bytes = model.dtype_bytes if not fmt.fp8 else 1
         return 2 * elements * elem_bytes, 0
@@ -85,14 +98,14 @@ def capacity_table(model: ModelSpec | str, budget_bytes: int, kv_sample=None, *,
     fp16_tokens = None
     for fmt in formats:
         block, meta = format_block_bytes(fmt, model, block_size)
-        fixed = 2 * model.layers * 4 if fmt.fp8 else 0  # k_scale, v_scale per layer
+        fixed = 2 * model.layers * 4 if fmt.fp8 or fmt.nvfp4 else 0  # K and V scales per layer
         blocks = max(0, budget_bytes - fixed) // block
         tokens = blocks * block_size
         if fmt.name == "fp16":
             fp16_tokens = tokens
         row = {"format": fmt.name, "bits": fmt.bits,
-               "keys": fmt.keys.describe() if fmt.keys else ("per-tensor scale" if fmt.fp8 else "-"),
-               "values": fmt.values.describe() if fmt.values else ("per-tensor scale" if fmt.fp8 else "-"),
+               "keys": fmt.keys.describe() if fmt.keys else _float_scales(fmt),
+               "values": fmt.values.describe() if fmt.values else _float_scales(fmt),
                "block_bytes": block, "metadata_fraction": meta / block, "blocks": blocks, "tokens": tokens}
         if sample is not None:
             for side, part in (("key", sample[:, 0]), ("value", sample[:, 1])):
@@ -105,12 +118,24 @@ def capacity_table(model: ModelSpec | str, budget_bytes: int, kv_sample=None, *,
     return df
 
 
+def _float_scales(fmt: KVFormat) -> str:
+    return "per-tensor scale" if fmt.fp8 else "e4m3 per 16, per-tensor scale" if fmt.nvfp4 else "-"
+
+
 def _format_error(fmt: KVFormat, part, block_size: int, side: str) -> tuple[float, float]:
     """(max abs error, rmse) of one format on K or V ``[tokens, layers, heads, head_dim]``."""
     x = np.asarray(part, dtype=np.float64)
     if x.size == 0:
         return 0.0, 0.0
-    if fmt.fp8:
+    if fmt.nvfp4:
+        x_hat = np.empty_like(x)
+        for layer in range(x.shape[1]):  # one tensor scale per layer for K (V); blocks of 16
+            xl = x[:, layer]
+            if xl.size % NVFP4_BLOCK:
+                return float("nan"), float("nan")
+            ts = nvfp4_tensor_scale(float(np.abs(xl).max()))
+            x_hat[:, layer] = nvfp4_round(xl.reshape(-1, NVFP4_BLOCK), ts).reshape(xl.shape)
+    elif fmt.fp8:
         x_hat = np.empty_like(x)
         for layer in range(x.shape[1]):  # one scale per layer for K (V)
             amax = np.abs(x[:, layer]).max()

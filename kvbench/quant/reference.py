@@ -189,3 +189,78 @@ class Fp8Tensor:
     shape: tuple
     dtype: str
     compute_dtype: str = "float32"
+
+
+# --------------------------------------------------------------------------------------------
+# e2m1 (NVFP4's element format): 2 exponent bits (bias 1), 1 mantissa bit, no inf/NaN, max 6.
+# Its eight magnitudes: 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2).
+
+E2M1_MAX = 6.0
+E2M1_MANTISSA_BITS = 1
+NVFP4_BLOCK = 16  # elements that share one e4m3 block scale
+
+
+def e2m1_round(y) -> np.ndarray:
+    """Nearest e2m1 value of each y (ties to even mantissa), saturating at +-6. float64 in and out."""
+    y = np.asarray(y, dtype=np.float64)
+    if not np.isfinite(y).all():
+        raise ValueError("e2m1_round: NaN/inf input")
+    a = np.abs(y)
+    _, e = np.frexp(a)  # a = m * 2^e: leading bit 2^(e-1); the smallest normal is 1 = 2^0
+    quantum = np.ldexp(1.0, np.maximum(e - 1, 0) - E2M1_MANTISSA_BITS)
+    return np.copysign(np.minimum(np.rint(a / quantum) * quantum, E2M1_MAX), y)
+
+
+def e2m1_error_bound(y) -> np.ndarray:
+    """Half a unit in the last place at |y|'s magnitude (|y| <= 6): 0.25 below 2, 0.5 in [2, 4),
+    1 in [4, 6]."""
+    a = np.abs(np.asarray(y, dtype=np.float64))
+    return np.where(a < 2, 0.25, np.where(a < 4, 0.5, 1.0))
+
+
+def fp8_half_ulp(y) -> np.ndarray:
+    """Half a unit in the last place of e4m3 at |y|'s magnitude (|y| <= 448): 2^(e-5) for |y| in
+    [2^e, 2^(e+1)), 2^-10 in the subnormal range (|y| < 2^-6)."""
+    a = np.abs(np.asarray(y, dtype=np.float64))
+    _, e = np.frexp(a)
+    return np.ldexp(1.0, np.maximum(e - 1, -6) - FP8_E4M3_MANTISSA_BITS - 1)
+
+
+def fp8_scale(amax) -> np.ndarray:
+    """SPEC §12's fp8 scale of a group whose max |x| is ``amax``: amax / 448 (1 for a zero group)."""
+    amax = np.asarray(amax, dtype=np.float64)
+    return np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+
+
+def nvfp4_tensor_scale(amax: float) -> float:
+    """NVFP4's per-tensor float32 scale: amax / (448 * 6), so that the largest block scale
+    (block amax / 6 / tensor scale) is 448, e4m3's largest value (1 for a zero tensor)."""
+    return float(np.float32(amax / (FP8_E4M3_MAX * E2M1_MAX))) if amax > 0 else 1.0
+
+
+def nvfp4_block_scales(rows, tensor_scale: float) -> np.ndarray:
+    """Each 16-element block's e4m3 scale (rows ``(R, C)``, C a multiple of 16 -> ``(R, C/16)``):
+    e4m3(block amax / 6 / tensor_scale), rounded to nearest even and saturating at 448."""
+    rows = np.asarray(rows, dtype=np.float64)
+    blocks = np.abs(rows.reshape(rows.shape[0], -1, NVFP4_BLOCK)).max(axis=2)
+    return fp8_e4m3_round(np.minimum(blocks / E2M1_MAX / tensor_scale, FP8_E4M3_MAX))
+
+
+def nvfp4_round(rows, tensor_scale: float) -> np.ndarray:
+    """The NVFP4 value of every element of ``rows`` (R, C): e2m1(x / s) * s with s = e4m3 block
+    scale * tensor scale; a block whose scale rounds to 0 reads back 0."""
+    rows = np.asarray(rows, dtype=np.float64)
+    s = np.repeat(nvfp4_block_scales(rows, tensor_scale), NVFP4_BLOCK, axis=1) * tensor_scale
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(s > 0, rows / s, 0.0)
+    return e2m1_round(np.clip(y, -E2M1_MAX, E2M1_MAX)) * s
+
+
+@dataclass
+class Nvfp4Tensor:
+    codes: object  # (R, C) e2m1 values (float), or C/2 bytes a row: two 4-bit codes, low nibble first
+    block_scale: object  # (R, C/16) e4m3 values
+    tensor_scale: float  # x_hat = code * block_scale * tensor_scale
+    shape: tuple
+    dtype: str
+    compute_dtype: str = "float32"
