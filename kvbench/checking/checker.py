@@ -231,6 +231,8 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
         verdict.divergence = verdict.divergence or stop.divergence
         verdict.traceback = replay.traceback
     except Exception as e:  # the harness's own failure (its memory, a setting): never the backend's
+        if isinstance(e, expectations.StaleExpectations):
+            verdict.expectations = "stale"  # the caller runs the check again without them
         verdict.valid = None
         verdict.error = (f"{trace.name}: op #{replay.index} {op_to_dict(replay.op)}: the checker "
                          f"could not do its part: {type(e).__name__}: {e}")
@@ -714,9 +716,10 @@ class _Replay(Driver):
         done = verdict.ops == len(self.trace.ops) and not verdict.error
         if self.recorder is not None and done and self.recorder.save():
             verdict.expectations = "stored"
-        if self.tape is None:
+        if self.tape is None or verdict.expectations == "stale":
             return
         verdict.expectations = "reused"
         verdict.expectations_saved = self.tape.recorded_seconds - self.tape.seconds
         if done and self.tape.ledger(len(self.trace.ops) - 1) != final_ledger:
             verdict.valid, verdict.error = None, str(self.tape.stale("the final ledger"))
+            verdict.expectations = "stale"

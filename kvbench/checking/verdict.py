@@ -51,7 +51,8 @@ class Verdict:
     misses: int = 0  # ... that found it evicted, and recomputed it
     tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
     backend_seconds: float = 0.0
-    expectations: str = ""  # "reused" from the cache, "stored" in it, "" neither
+    expectations: str = ""  # "reused" from the cache, "stored" in it, "stale" (wrong, removed),
+    # "recomputed" (checked again after "stale", stored anew), "" neither
     expectations_saved: float = 0.0  # seconds of the oracle's work a reuse saved
     final_ledger: dict = field(default_factory=dict)
     series: Series = field(default_factory=Series)  # ledger figures after each operation

@@ -50,21 +50,33 @@ def add_expectations_arg(p: argparse.ArgumentParser) -> None:
 
 
 def expectations_folder(args):
-    return expectations.cache_dir() if args.expectations_cache else None
+    """The run's expectations folder, decided once: None when off, or (one warning) when it
+    cannot be written."""
+    if not hasattr(args, "expectations_dir"):
+        args.expectations_dir = (expectations.usable_dir(expectations.cache_dir())
+                                 if args.expectations_cache else None)
+    return args.expectations_dir
 
 
 def print_expectations(df: pd.DataFrame, folder) -> None:
-    """How many checks reused stored expectations, and the time that saved."""
+    """How many checks reused stored expectations, and the time that saved (never less than
+    none: reading them can take longer than computing them on a short trace)."""
     if folder is None or "expectations" not in df:
         return
     reused = df[df.expectations == "reused"]
     if len(reused):
+        saved = float(reused.expectations_saved_s.sum())
+        what = (f"{saved:.1f} s of the oracle's work saved (reading them counted)" if saved >= 0.05
+                else "no time saved (reading them took as long as computing them)")
         print(f"expectations: {len(reused)} of {len(df)} checks reused those stored in {folder}: "
-              f"{reused.expectations_saved_s.sum():.1f} s of the oracle's work saved (reading "
-              f"them counted)")
-    stored = int((df.expectations == "stored").sum())
+              f"{what}")
+    stored = int(df.expectations.isin(["stored", "recomputed"]).sum())
     if stored:
         print(f"expectations: {stored} checks stored theirs in {folder} for the next run")
+    recomputed = int((df.expectations == "recomputed").sum())
+    if recomputed:
+        print(f"expectations: {recomputed} checks found stored ones the oracle disagrees with: "
+              f"removed, checked again with the oracle computing them")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:

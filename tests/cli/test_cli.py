@@ -48,3 +48,27 @@ def test_the_default_run_replays_a_variant_on_its_workloads_only(monkeypatch):
     assert [r["workload"] for r in default] == ["a"]
     named = suite.run_suite(traces, ["numpy"])  # a run that names its backends runs them all
     assert [r["workload"] for r in named] == ["a", "b"]
+
+
+def test_the_expectations_line_never_reports_negative_time_saved(capsys):
+    import pandas as pd
+
+    from kvbench.cli.run import print_expectations
+    # Reading two files took 2.4 s more than computing them did: nothing was saved.
+    df = pd.DataFrame({"expectations": ["reused", "reused"], "expectations_saved_s": [-1.5, -0.9]})
+    print_expectations(df, Path("cache"))
+    text = capsys.readouterr().out
+    assert "2 of 2 checks reused" in text and "no time saved" in text and "-" not in text
+
+
+def test_check_with_a_cache_it_cannot_write_says_the_cache_is_off(tmp_path, monkeypatch):
+    import pytest
+
+    from kvbench.checking.expectations import CacheWarning
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KVBENCH_CACHE", str(blocker))
+    with pytest.warns(CacheWarning) as caught:
+        assert main(["check", str(WORKLOADS / "fork-beam.jsonl"), "--backend", "numpy"]) == 0
+    assert len(caught) == 1
+    assert "expectations cache off" in str(caught[0].message) and str(blocker) in str(caught[0].message)
