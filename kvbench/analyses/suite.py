@@ -16,7 +16,7 @@ from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig
 from kvbench.progress import Progress
-from kvbench.traces.format import Trace, TraceError, load
+from kvbench.traces.format import Trace, TraceError
 
 WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 
@@ -93,6 +93,8 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         "hits": v.hits, "misses": v.misses, "hit_rate": eviction.hit_rate(v.hits, v.misses),
         # Prefix caching: prompt blocks found cached, of all the trace's hashed prompt blocks.
         "prefix_hit_blocks": v.final_ledger.get("prefix_hit_blocks", 0),
+        "hashed_blocks": hashed,
+        "hit_blocks": v.hit_blocks,  # by where found: (the backend's, the oracle's)
         "prefix_hit_rate": (v.final_ledger.get("prefix_hit_blocks", 0) / hashed) if hashed else float("nan"),
         "layout": eviction.layout_of(v),
         # An engine backend's settings that its engine does not serve with (empty: its default).
@@ -167,10 +169,11 @@ def run_suite(traces: list, backends: list, settings: RunSettings = RunSettings(
     return rows
 
 
-def load_traces(paths) -> list[Trace]:
-    """The traces to check; a TraceError for one with no operations (checking nothing must not
-    pass)."""
-    traces = [load(str(p)) for p in paths]
+def load_traces(paths, format: str | None = None, **options) -> list[Trace]:
+    """The traces to check, each file in ``format`` (kvbench.traces.loaders.load_trace, with its
+    ``options``); a TraceError for one with no operations (checking nothing must not pass)."""
+    from kvbench.traces.loaders import load_trace
+    traces = [load_trace(p, format, **options) for p in paths]
     for path, trace in zip(paths, traces):
         if not len(trace):
             raise TraceError("no operations after the header: nothing to check", str(path))

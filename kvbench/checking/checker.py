@@ -699,15 +699,38 @@ class _Replay(Driver):
                 hits=hits, misses=misses)
         final_ledger = oracle.expected_ledger()
         self.settle_expectations(final_ledger)
-        if verdict.valid is False:  # what the failing backend says it holds, if it can say
-            try:
-                final_ledger = guarded("ledger", self.backend.ledger)
-            except (BackendRaised, OutOfMemory):
-                pass
+        own = self.backend_says("ledger")
+        verdict.hit_blocks = self.hit_blocks(own, final_ledger)
+        if verdict.valid is False and own is not None:  # what the failing backend says it holds
+            final_ledger = own
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                                 if not QUANTITIES[k].per_sequence}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
+
+    def backend_says(self, query: str):
+        """The backend's answer to ``query`` at the end (ledger, tier_ledgers), None when it
+        cannot say (no backend, no such query, it raises)."""
+        call = getattr(self.backend, query, None)
+        if call is None:
+            return None
+        try:
+            return guarded(query, call)
+        except (BackendRaised, OutOfMemory):
+            return None
+
+    def hit_blocks(self, own, expected) -> dict:
+        """Prompt blocks found cached by the end, by where they were found (SPEC §11 "Hit
+        accounting": the device, then each tier): {where: (the backend's, the oracle's)}, the
+        backend's None where it cannot say."""
+        hits = {"device": (None if own is None else own.prefix_hit_blocks,
+                           expected.prefix_hit_blocks)}
+        if self.tiered is not None:
+            theirs = self.backend_says("tier_ledgers") or []
+            for i, tier in enumerate(self.oracle.tiers.ledgers()):
+                said = theirs[i] if i < len(theirs) and isinstance(theirs[i], dict) else {}
+                hits[tier.name] = (said.get("hits"), tier.hits)
+        return hits
 
     def settle_expectations(self, final_ledger) -> None:
         """Store this replay's expectations once it has gone through every operation; those read

@@ -55,6 +55,8 @@ class Verdict:
     # "recomputed" (checked again after "stale", stored anew), "" neither
     expectations_saved: float = 0.0  # seconds of the oracle's work a reuse saved
     final_ledger: dict = field(default_factory=dict)
+    # Prompt blocks found cached, by where (SPEC §11): {"device" or a tier: (backend's, oracle's)}
+    hit_blocks: dict = field(default_factory=dict)
     series: Series = field(default_factory=Series)  # ledger figures after each operation
     # With keep_going: every class of divergence, {"kind", "first" (a Divergence), "count",
     # "stopped" (the replay stopped at one of them)}, in the order each first appeared.

@@ -185,7 +185,17 @@ def print_eviction(trace, rows, run_settings: RunSettings) -> list[str]:
     return eviction.belady_violations(trace, cfg, paged)
 
 
+# Options of a request trace's loader (--format): they apply to TRACE files as to --trace.
+LOADER_OPTIONS = ("seed", "rate", "max_requests")
+
+
 def cmd_run(args) -> int:
+    if serve.wants_serving(args) and args.traces:
+        option = "--trace" if args.trace else "--scenario"
+        raise options.UsageError(f"{option} runs the serving simulation and TRACE files "
+                                 f"({' '.join(args.traces)}) are replayed: give one or the other")
+    if not serve.wants_serving(args):
+        refuse_serving_options(args)
     with stdout_for(args.output) as stdout:  # `--output -`: the record alone on stdout
         if serve.wants_serving(args):
             serve.warn_moved(args)
@@ -193,11 +203,27 @@ def cmd_run(args) -> int:
         return run_workloads(args, stdout)
 
 
+def refuse_serving_options(args) -> None:
+    """A serving simulation's option given to a replay of trace files, which would ignore it."""
+    loader = args.format not in (None, "kvbench")
+    for dest, (flag, default) in args.serving_only.items():
+        if getattr(args, dest) != default and not (loader and dest in LOADER_OPTIONS):
+            raise options.UsageError(
+                f"{flag} applies to the serving simulation (kvbench serve --trace PATH --format F, "
+                f"or --scenario opt13b), not to replaying trace files")
+
+
+def trace_options(args) -> dict:
+    """What loading the command's trace files takes from its options (loaders.load_trace)."""
+    return {"block_size": args.block_size,
+            **{k: getattr(args, k) for k in LOADER_OPTIONS if hasattr(args, k)}}
+
+
 def run_workloads(args, stdout) -> int:
     paths = args.traces or suite.committed_workloads()
     if not paths:
         raise options.UsageError("no workloads: run `kvbench gen` first")
-    traces = suite.load_traces(paths)
+    traces = suite.load_traces(paths, args.format, **trace_options(args))
     if args.output:
         check_writable(args.output, option="--output", stdout=True)
     else:
@@ -214,9 +240,8 @@ def run_workloads(args, stdout) -> int:
                         cache=expectations_folder(args))
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
-            stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
             rec = records.record("run", rows, params, device=args.device,
-                                 partial=f"{stop} after {len(rows)} runs")
+                                 partial=f"{options.stop_word(e)} after {len(rows)} runs")
             path = records.write(rec, args.output, stdout=stdout)
             print(f"kvbench: the {len(rows)} runs finished are in {path} (a partial record)",
                   file=sys.stderr)
@@ -294,7 +319,7 @@ def print_group_capacity(traces, args) -> None:
 
 
 def cmd_check(args) -> int:
-    trace = suite.load_traces([args.trace])[0]
+    trace = suite.load_traces([args.trace], args.format, **trace_options(args))[0]
     rows = []
     backends = select_backends(args, trace)
     print_memory_note(trace, args)
@@ -316,10 +341,31 @@ def cmd_check(args) -> int:
                 line += f"\n     not applicable: {row['not_applicable']}"
             if row["skipped"]:
                 line += f"\n     not checked: {row['skipped']}"
+            hits = hit_line(row)
+            if hits:
+                line += f"\n     {hits}"
             print(line)
     df = pd.DataFrame(rows) if rows else pd.DataFrame({"status": []})
     print_expectations(df, expectations_folder(args))
     return exit_code(df)
+
+
+def hit_line(row) -> str:
+    """Prompt blocks found cached by the end, where found (SPEC §11 "Hit accounting"), the
+    backend's beside the oracle's; '' for a trace that names no prompt blocks by hash."""
+    hits = row.get("hit_blocks") or {}
+    if not hits or not row.get("hashed_blocks"):
+        return ""
+
+    def figure(backend, oracle):
+        if backend is None:
+            return f"? (oracle {oracle})"
+        return f"{backend}" + ("" if backend == oracle else f" (oracle {oracle})")
+    parts = [f"{where} {figure(*pair)}" for where, pair in hits.items()]
+    computed = row["hashed_blocks"] - sum(oracle for _, oracle in hits.values())
+    if computed >= 0:  # a model of several groups counts a hit in each (prefix_hit_blocks)
+        parts.append(f"computed {computed}")
+    return f"hit blocks (of {row['hashed_blocks']} hashed prompt blocks): {', '.join(parts)}"
 
 
 def register(sub) -> None:
@@ -329,14 +375,19 @@ def register(sub) -> None:
     p.add_argument("--output", help="results file, - for stdout (default "
                                     "results/runs/run-<time>-<pid>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    options.add_format_arg(p, of="the TRACE files (or --trace)")
     add_backend_args(p)
     add_expectations_arg(p)
     add_cache_args(p)
+    replay = {a.dest for a in p._actions}
     serve.add_serve_args(p)
-    p.set_defaults(func=cmd_run)
+    serving_only = {a.dest: (a.option_strings[0], a.default) for a in p._actions
+                    if a.dest not in replay and a.dest not in ("trace", "scenario")}
+    p.set_defaults(func=cmd_run, serving_only=serving_only)
 
     p = sub.add_parser("check", help="check one trace, print the first divergence")
-    p.add_argument("trace", help="trace file (.jsonl or .csv)")
+    p.add_argument("trace", help="trace file (.jsonl or .csv; --format for a public request trace)")
+    options.add_format_arg(p)
     p.add_argument("--keep-going", action="store_true",
                    help="go on past a ledger figure or block id that differs (the states still "
                         "comparable), and list every class of divergence with its first step and "
