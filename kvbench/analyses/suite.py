@@ -3,6 +3,7 @@ rates, per-tenant fairness): the engine behind `kvbench run` and `check`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def verdict_row(trace: Trace, backend_name: str, config: CacheConfig, v: Verdict
         # Prefix caching: prompt blocks found cached, of all the trace's hashed prompt blocks.
         "prefix_hit_blocks": v.final_ledger.get("prefix_hit_blocks", 0),
         "hashed_blocks": hashed,
-        "hit_blocks": v.hit_blocks,  # by where found: (the backend's, the oracle's)
+        # By where found: {where: [the backend's, the oracle's]}, as JSON text (a store's column)
+        "hit_blocks": json.dumps(v.hit_blocks) if v.hit_blocks else "",
         "prefix_hit_rate": (v.final_ledger.get("prefix_hit_blocks", 0) / hashed) if hashed else float("nan"),
         "layout": eviction.layout_of(v),
         # An engine backend's settings that its engine does not serve with (empty: its default).

@@ -235,8 +235,15 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
             if why:
                 raise GridError(source, f"settings.{key}[{i}]: {why}, got {v!r}")
     traces = _trace_sources(data.get("traces"), base, source)
+    seeds = _as_list(data.get("seeds", [0]))
+    if len(seeds) > 1 and not any(t.seeded for t in traces):
+        raise GridError(f"{source}{_line_of(text, 'seeds')}",
+                        f"seeds = {seeds}: no trace of this grid takes a seed (committed workloads "
+                        f"and trace files are fixed, and so is a loader without one), so every "
+                        f"seed would be the same cell; drop seeds, or add a generated trace "
+                        f"([[traces]] family = ...)")
     grid = Grid(name=str(data.get("name", name)), traces=traces, backends=_as_list(data["backends"]),
-                seeds=_as_list(data.get("seeds", [0])),
+                seeds=seeds,
                 settings={k: _as_list(v) for k, v in settings.items()},
                 include=list(data.get("include", [])), exclude=list(data.get("exclude", [])),
                 charts=list(data.get("charts", [])), resources=dict(data.get("resources", {})),
@@ -249,6 +256,14 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
                 raise GridError(source, f"{kind}[{i}]: {'empty rule' if not rule else f'unknown key(s) {bad}'}; "
                                         f"keys: {', '.join(sorted(axes))}")
     return grid
+
+
+def _line_of(text: str, key: str) -> str:
+    """':N', the line of the grid's text that sets top-level ``key``; '' where none does."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.split("=")[0].split(":")[0].strip() == key:
+            return f":{n}"
+    return ""
 
 
 def load_grid(path) -> Grid:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -356,6 +357,8 @@ def hit_line(row) -> str:
     hits = row.get("hit_blocks") or {}
     if not hits or not row.get("hashed_blocks"):
         return ""
+    if isinstance(hits, str):  # a row's: JSON text
+        hits = json.loads(hits)
 
     def figure(backend, oracle):
         if backend is None:

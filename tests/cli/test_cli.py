@@ -235,3 +235,12 @@ def test_run_refuses_an_option_it_would_ignore(capsys):
 def _parse_and_run(argv):
     from kvbench.cli import _main
     return _main(argv)
+
+
+def test_seeds_on_a_grid_of_committed_workloads_are_refused_at_their_line(tmp_path, capsys):
+    grid = tmp_path / "g.toml"
+    grid.write_text('name = "g"\nbackends = ["numpy"]\nseeds = [0, 1, 2]\n'
+                    '[[traces]]\nworkload = "fork-beam"\n')
+    assert main(["sweep", str(grid), "--dry-run", "--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert f"{grid}:3: seeds = [0, 1, 2]: no trace of this grid takes a seed" in err
