@@ -244,3 +244,19 @@ def test_seeds_on_a_grid_of_committed_workloads_are_refused_at_their_line(tmp_pa
     assert main(["sweep", str(grid), "--dry-run", "--store", str(tmp_path / "store")]) == 2
     err = capsys.readouterr().err
     assert f"{grid}:3: seeds = [0, 1, 2]: no trace of this grid takes a seed" in err
+
+
+def test_compare_prints_its_table_then_says_it_draws_the_charts(tmp_path, monkeypatch, capsys):
+    from kvbench.bench import compare, records
+    rows = [{"workload": "w", "backend": "numpy", "policy": "-", "status": "pass",
+             "ops_per_s": 1000.0, "series": {"blocks_used": [1, 2], "fragmentation": [0.5, 0.0]}}]
+    paths = [records.write(records.record("run", rows, {}), tmp_path / f"{n}.json") for n in "ab"]
+    seen = []
+
+    def chart_series(*args, **kw):  # what the user had read when the charts began
+        seen.append(capsys.readouterr())
+        return None
+    monkeypatch.setattr(compare, "chart_series", chart_series)
+    assert main(["compare", *map(str, paths), "--out", str(tmp_path / "charts")]) == 0
+    assert "ops_per_s" in seen[0].out  # the table came first
+    assert f"compare: drawing up to 4 charts in {tmp_path / 'charts'}" in seen[0].err
