@@ -302,6 +302,7 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
     cells, traces = expand(grid, commit["code"])
     check_cells(grid, cells, traces)
     store.write_grid(grid.name, grid.text, {"cells": len(cells), "code": commit["code"]})
+    store.remove_stale_temps(grid.name)  # what a sweep killed mid-write left
     done = store.done(grid.name)
     if retry_errors and done:
         stored = store.read(grid.name, columns=["cell_id", "status"])

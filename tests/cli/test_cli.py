@@ -260,3 +260,29 @@ def test_compare_prints_its_table_then_says_it_draws_the_charts(tmp_path, monkey
     assert main(["compare", *map(str, paths), "--out", str(tmp_path / "charts")]) == 0
     assert "ops_per_s" in seen[0].out  # the table came first
     assert f"compare: drawing up to 4 charts in {tmp_path / 'charts'}" in seen[0].err
+
+
+def test_a_resumed_sweep_removes_the_temporary_files_a_killed_one_left(tmp_path):
+    import json
+    import os
+    import socket
+
+    from conftest import A, P, X, make_trace
+
+    from kvbench.traces.format import save
+    save(make_trace(P(0, 40), A((0, 9)), X(0), name="hand"), str(tmp_path / "hand.jsonl"))
+    grid = tmp_path / "g.toml"
+    grid.write_text('name = "g"\nbackends = ["numpy"]\n[[traces]]\npath = "hand.jsonl"\n'
+                    '[settings]\nstore_kv = false\ngather = "none"\n')
+    folder = tmp_path / "store" / "sweep=g" / "backend=numpy"
+    folder.mkdir(parents=True)
+    left = folder / ".deadcell.0123abcd.tmp"  # kill -9 between create and rename: zero bytes
+    left.write_bytes(b"")
+    writing = folder / ".livecell.4567cdef.tmp"  # another sweep's, its claim held by a live process
+    writing.write_bytes(b"")
+    (folder / ".livecell.claim").write_text(json.dumps({"host": socket.gethostname(),
+                                                        "pid": os.getpid()}))
+    assert main(["sweep", str(grid), "--store", str(tmp_path / "store"), "--workers", "1",
+                 "--quiet", "--no-charts"]) == 0
+    assert not left.exists() and writing.exists()
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp") and p != writing]
