@@ -286,3 +286,19 @@ def test_a_resumed_sweep_removes_the_temporary_files_a_killed_one_left(tmp_path)
                  "--quiet", "--no-charts"]) == 0
     assert not left.exists() and writing.exists()
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp") and p != writing]
+
+
+def test_every_command_that_reads_a_trace_takes_every_format_it_can():
+    from kvbench.traces.loaders import LOADERS, trace_formats
+    _, commands = _commands()
+    takes = {}
+    for name, command in commands.items():
+        for a in command._actions:
+            if a.dest in ("trace", "traces") and name != "faults":  # faults: the default suite's
+                fmt = next((b for b in command._actions if "--format" in b.option_strings), None)
+                takes[name] = fmt and list(fmt.choices)
+    # prefix and serve need requests (lengths, arrivals, hashes): every public format
+    requests = {"prefix", "serve"}
+    assert set(takes) == {"check", "run", "shrink", "eviction", "prefix", "serve"}
+    for name, choices in takes.items():
+        assert choices == (list(LOADERS) if name in requests else trace_formats()), name
