@@ -19,6 +19,7 @@ backend (tests/test_architecture.py holds it to that).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from kvbench.checking.checker import check
 from kvbench.checking.verdict import OOM, Divergence, Verdict
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, CacheConfig
+from kvbench.progress import Deadline, OutOfTime
 from kvbench.traces import edits
 from kvbench.checking.reproduce import (
     divergence_kind,
@@ -62,27 +64,7 @@ class Outcome:
 
 
 clock = time.monotonic  # what deadlines are read from (a test may turn it)
-# The cut after the failure, taken once the search has stopped, may run this much past the
-# deadline (as a share of max_seconds); past that the trace is kept uncut.
-CUT_GRACE = 0.1
-
-
-class OutOfTime(BaseException):
-    """A replay's deadline passed (raised between two operations). A BaseException, so that no
-    handler of the checker's or a backend's takes it for their own failure."""
-
-
-class _Deadline:
-    """check()'s progress: raises OutOfTime once ``clock()`` passes ``at`` (read after each
-    operation), so one long replay cannot run past the shrink's time budget."""
-
-    def __init__(self, at: float):
-        self.at, self.done = at, 0
-
-    def update(self, n: int = 1) -> None:
-        self.done += n
-        if clock() > self.at:
-            raise OutOfTime(self.done)
+CUT_GRACE = 0.1  # of max_seconds, the most the cut after the failure may run past the deadline
 
 
 def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
@@ -95,7 +77,7 @@ def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
         return Outcome("setup", reason=f"the backend refused the settings: {type(e).__name__}: {e}")
     try:
         v = check(trace, backend, gather=gather,
-                  progress=None if deadline is None else _Deadline(deadline))
+                  progress=None if deadline is None else Deadline(deadline, lambda: clock()))  # clock as it is now
     except Exception as e:  # check() reports its own failures as ERROR; this is a last resort
         return Outcome("error", reason=f"the harness raised {type(e).__name__}: {e}")
     finally:
@@ -209,8 +191,8 @@ class ShrinkStatus:
 
 
 class _Stop(Exception):
-    def __init__(self, why: str, replayed: int = 0):
-        self.why, self.replayed = why, replayed  # operations a replay stopped part way did
+    def __init__(self, why: str, replayed: int = 0):  # replayed: by a replay stopped part way
+        self.why, self.replayed = why, replayed
 
 
 class _Shrinker:
@@ -485,9 +467,8 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     except _Stop as stop:
         result.stopped = stop.why
         try:  # the cut after the failure, even stopped at once, if it fits in the grace
-            s.cut(limited=False)
-        except _Stop:
-            pass
+            with contextlib.suppress(_Stop):
+                s.cut(limited=False)
         except KeyboardInterrupt:
             result.stopped = "interrupted"
     except KeyboardInterrupt:
