@@ -76,8 +76,9 @@ def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
     except Exception as e:
         return Outcome("setup", reason=f"the backend refused the settings: {type(e).__name__}: {e}")
     try:
+        # lambda: the module's clock as it is when read (a test turns it)
         v = check(trace, backend, gather=gather,
-                  progress=None if deadline is None else Deadline(deadline, lambda: clock()))  # clock as it is now
+                  progress=None if deadline is None else Deadline(deadline, lambda: clock()))
     except Exception as e:  # check() reports its own failures as ERROR; this is a last resort
         return Outcome("error", reason=f"the harness raised {type(e).__name__}: {e}")
     finally:
