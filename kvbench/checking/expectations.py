@@ -38,7 +38,7 @@ from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger
 from kvbench.traces.format import op_to_dict
 
 MAX_FIGURES = 1 << 24  # a replay with more (128 MiB of them) is not stored
-FORMAT = 1  # of the files: a change of layout makes every older file a miss
+FORMAT = 2  # of the files (2: with a digest): a change of layout makes every older file a miss
 # The modules whose code decides the expected figures (tests/checking/test_expectations.py holds
 # this list to the oracle's imports within kvbench).
 ORACLE_MODULES = (
