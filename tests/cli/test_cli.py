@@ -302,3 +302,16 @@ def test_every_command_that_reads_a_trace_takes_every_format_it_can():
     assert set(takes) == {"check", "run", "shrink", "eviction", "prefix", "serve"}
     for name, choices in takes.items():
         assert choices == (list(LOADERS) if name in requests else trace_formats()), name
+
+
+def test_a_terminated_fuzz_says_terminated_and_exits_143(tmp_path, monkeypatch, capsys):
+    from kvbench.checking import fuzz
+    from kvbench.cli import options
+
+    def one(self, index, caps):  # SIGTERM in the first history
+        raise options.Terminated
+    monkeypatch.setattr(fuzz.Campaign, "one", one)
+    code = main(["fuzz", "--backend", "numpy", "--max-histories", "3", "--quiet",
+                 "--out", str(tmp_path / "out")])
+    assert code == 143 and capsys.readouterr().err.endswith("kvbench: terminated\n")
+    assert (tmp_path / "out" / "summary.md").exists()  # what it had, written
