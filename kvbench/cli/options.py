@@ -119,8 +119,8 @@ def add_format_arg(parser, *, native: bool = True, default: str | None = None,
     JSONL / CSV (``kvbench``), or a public request trace through its loader
     (kvbench.traces.loaders, docs/trace-format.md "Real traces: --format"). ``native=False``: the
     command needs requests (their lengths, arrivals, block hashes), not operations."""
-    from kvbench.traces.loaders import LOADERS, NATIVE
-    formats = [NATIVE, *LOADERS] if native else list(LOADERS)
+    from kvbench.traces.loaders import LOADERS, NATIVE, trace_formats
+    formats = trace_formats() if native else list(LOADERS)
     public = f"a public request trace ({', '.join(LOADERS)})"
     text = (f"format of {of}: {NATIVE} (its own JSONL or CSV of operations, the default) or "
             f"{public}, replayed request after request: prefill with its block hashes, output, "

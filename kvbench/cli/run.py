@@ -68,7 +68,7 @@ def print_expectations(df: pd.DataFrame, folder) -> None:
     if len(reused):
         saved = float(reused.expectations_saved_s.sum())
         what = (f"{saved:.1f} s of the oracle's work saved (reading them counted)" if saved >= 0.05
-                else "no time saved (reading them took as long as computing them)")
+                else "no time saved (reading them took as long as computing them, or longer)")
         print(f"expectations: {len(reused)} of {len(df)} checks reused those stored in {folder}: "
               f"{what}")
     stored = int(df.expectations.isin(["stored", "recomputed"]).sum())
