@@ -87,3 +87,20 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class OutOfTime(BaseException):
+    """A :class:`Deadline` passed: not an Exception, so no handler takes it for a failure."""
+
+
+class Deadline:
+    """A stand-in for a Progress that work reports each unit to (check()'s ``progress``): it
+    raises OutOfTime, with the units done, once ``clock()`` passes ``at``."""
+
+    def __init__(self, at: float, clock=time.monotonic):
+        self.at, self.clock, self.done = at, clock, 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.clock() > self.at:
+            raise OutOfTime(self.done)

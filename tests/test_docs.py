@@ -125,6 +125,10 @@ EXCLUDED = {
     "asv run -b 'Waste|BlocksInUse|QuantError' HEAD~20..HEAD": ASV, "python -m kvbench.bench.dashboard && asv preview":
         ASV + "; tests/bench/test_dashboard.py publishes a history and opens it in Chromium",
     "asv compare HEAD~1 HEAD": ASV, "asv continuous HEAD^ HEAD --factor 1.2": ASV,
+    ".venv/bin/pip install uv && .venv/bin/uv pip compile pyproject.toml --extra test --extra torch "
+    "--extra ray -c requirements/cpu-torch.txt --find-links /opt/wheels --python-version 3.11 --upgrade "
+    "-o requirements/test.txt": "rewrites the committed lock on purpose, from the index's newest releases "
+                                "(tests/test_ci.py holds the lock to pyproject's ranges)",
     "python scripts/goals.py": MEASURES, "python scripts/goals.py --rows million": MEASURES,
     "KVBENCH_TRACES=../shared/traces python scripts/goals.py --rows mooncake": MEASURES,
     "python scripts/scaling.py --breakdown": MEASURES,

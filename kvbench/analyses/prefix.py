@@ -11,6 +11,7 @@ import pandas as pd
 
 from kvbench.charts import finish
 from kvbench.checking.checker import check
+from kvbench.checking.verdict import divergence_classes
 from kvbench.contract import registry
 from kvbench.contract.formulas import blocks_needed, get_model
 from kvbench.contract.protocol import CacheConfig
@@ -41,30 +42,37 @@ def unique_blocks(trace: Trace) -> int:
     return len({h for op in trace.ops if isinstance(op, Prefill) for h in op.block_hashes or ()})
 
 
-def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy", progress: str = "") -> dict:
-    """Replay under the checker with a cache of ``num_blocks``; the verified hit rate.
-    ``progress``: a bar (a line every few seconds in a log) of the operations done, named so."""
+def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy", progress: str = "",
+             keep_going: bool = False) -> dict:
+    """Replay under the checker with a cache of ``num_blocks``; the verified hit rate, or the
+    backend's verdict where it is not verified: ``status`` FAIL with its first ``divergence``
+    (the step it names), ERROR, n/a. ``keep_going``: past the figures that differ (check's), each
+    class of divergence in ``divergences``. ``progress``: a bar (a line every few seconds in a
+    log) of the operations done, named so."""
     cfg = CacheConfig(model=get_model("tiny"), block_size=trace.header.settings["block_size"],
                       num_blocks=num_blocks, store_kv=False, prefix_caching=True)
     bar = Progress(len(trace.ops), progress, "ops") if progress else None
+    cache = registry.create(backend, cfg)
     try:
-        v = check(trace, registry.create(backend, cfg), gather="none", progress=bar)
+        v = check(trace, cache, gather="none", progress=bar, keep_going=keep_going)
     finally:
+        cache.close()
         if bar is not None:
             bar.close()
-    if not v.valid:
-        raise AssertionError(f"{backend} with {num_blocks} blocks: {v.divergence or v.not_applicable}")
-    hits, refs = v.final_ledger["prefix_hit_blocks"], hashed_blocks(trace)
+    hits, refs = v.final_ledger.get("prefix_hit_blocks", 0), hashed_blocks(trace)
     return {"backend": backend, "cache_blocks": num_blocks, "hit_blocks": hits, "hashed_blocks": refs,
-            "hit_rate": hits / refs if refs else 0.0, "refused": v.ooms}
+            "hit_rate": hits / refs if refs else 0.0, "refused": v.ooms, "status": v.status,
+            "divergence": str(v.divergence or v.error or v.not_applicable or ""),
+            "divergences": divergence_classes(v)}
 
 
 def hit_rate_curve(trace: Trace, sizes=None, backend: str = "numpy",
-                   progress: bool = False) -> pd.DataFrame:
+                   progress: bool = False, keep_going: bool = False) -> pd.DataFrame:
     """Hit rate against cache size, up to the unbounded cache (every distinct block kept).
 
     The smallest size is the largest single prompt: a smaller cache would refuse it.
-    ``progress``: the operations done at each size, on stderr.
+    ``progress``: the operations done at each size, on stderr. A size whose check does not pass
+    ends the curve there, unless ``keep_going`` (check's, and on to every size).
     """
     bs = trace.header.settings["block_size"]
     largest = max(blocks_needed(op.tokens, bs) for op in trace.ops if isinstance(op, Prefill))
@@ -73,8 +81,13 @@ def hit_rate_curve(trace: Trace, sizes=None, backend: str = "numpy",
         sizes = sorted({largest, *(int(unbounded * f) for f in (0.05, 0.1, 0.2, 0.35, 0.5, 0.75)),
                         unbounded})
         sizes = [s for s in sizes if s >= largest]
-    return pd.DataFrame([hit_rate(trace, n, backend, f"cache of {n} blocks ({i} of {len(sizes)})"
-                                  if progress else "") for i, n in enumerate(sizes, 1)])
+    rows = []
+    for i, n in enumerate(sizes, 1):
+        rows.append(hit_rate(trace, n, backend, f"cache of {n} blocks ({i} of {len(sizes)})"
+                             if progress else "", keep_going=keep_going))
+        if rows[-1]["status"] != "pass" and not keep_going:
+            break
+    return pd.DataFrame(rows)
 
 
 def plot_curve(curve: pd.DataFrame, path, title: str) -> None:

@@ -35,6 +35,7 @@ from kvbench.bench import records
 from kvbench.charts import CATEGORY_COLORS
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.outputs import check_writable, save_figure, staged
+from kvbench.progress import Progress
 
 # What identifies a row across records (whichever a record has); the device is left out on purpose.
 KEY_COLUMNS = ["bench", "workload", "backend", "impl", "policy", "what", "batch", "format",
@@ -313,12 +314,23 @@ def chart_throughput(frames, names, out: Path, legend=()):
     return path
 
 
-def charts(frames, names, out: Path, legend=()) -> list[Path]:
+def charts(frames, names, out: Path, legend=(), progress: bool = False) -> list[Path]:
+    """The charts the records have figures for, in ``out``. ``progress``: a line on stderr when
+    drawing starts and each chart as it is drawn (the reporter of kvbench.progress)."""
     out.mkdir(parents=True, exist_ok=True)
-    made = [chart_memory(frames, names, out, legend),
-            chart_series(frames, names, out, "blocks_used", "blocks in use", legend),
-            chart_series(frames, names, out, "fragmentation", "fragmentation", legend),
-            chart_throughput(frames, names, out, legend)]
+    drawings = [("memory breakdown", lambda: chart_memory(frames, names, out, legend)),
+                ("blocks in use", lambda: chart_series(frames, names, out, "blocks_used",
+                                                       "blocks in use", legend)),
+                ("fragmentation", lambda: chart_series(frames, names, out, "fragmentation",
+                                                       "fragmentation", legend)),
+                ("throughput", lambda: chart_throughput(frames, names, out, legend))]
+    made = []
+    with Progress(len(drawings), "compare: drawing charts", "charts", enabled=progress) as bar:
+        bar.say(f"compare: drawing up to {len(drawings)} charts in {out}")
+        for what, draw in drawings:
+            bar.note(what)
+            made.append(draw())
+            bar.update(1)
     return [p for p in made if p is not None]
 
 
@@ -351,6 +363,14 @@ def differences(recs: list, names: list) -> list[str]:
 def compare(paths, metrics=None, out: str | Path | None = None, store=None, force: bool = False):
     """(legend lines, side-by-side table, charts written). Records that differ in what they
     measured (``differences``) are refused, a ValueError listing each, unless ``force``."""
+    legend, table, frames, names = prepare(paths, metrics, store, force)
+    made = charts(frames, names, Path(out), legend) if out else []
+    return legend, table, made
+
+
+def prepare(paths, metrics=None, store=None, force: bool = False):
+    """compare()'s records read and lined up, before any chart: (legend lines, side-by-side
+    table, the records' frames, their names)."""
     if len(paths) < 2:
         raise ValueError("compare needs two or more result records")
     recs = [read_record(p, store) for p in paths]
@@ -378,8 +398,7 @@ def compare(paths, metrics=None, out: str | Path | None = None, store=None, forc
         raise ValueError(f"the records did not measure the same thing ({'; '.join(differ)}): "
                          f"--force compares them anyway")
     legend += [f"WARNING: not comparable: {d}" for d in differ]
-    made = charts(frames, names, Path(out), legend) if out else []
-    return legend, table, made
+    return legend, table, frames, names
 
 
 def sections(table: pd.DataFrame) -> list:
@@ -413,8 +432,7 @@ def cmd_compare(args) -> int:
         check_writable(args.out, option="--out", folder=True)
     if args.csv:
         check_writable(args.csv, option="--csv")
-    legend, table, made = compare(args.records, args.metric, None if args.no_charts else args.out,
-                                  args.store, force=args.force)
+    legend, table, frames, names = prepare(args.records, args.metric, args.store, force=args.force)
     print("\n".join(legend))
     with pd.option_context("display.width", 250, "display.max_columns", 60, "display.max_rows", 1000,
                            "display.float_format", number):
@@ -422,12 +440,14 @@ def cmd_compare(args) -> int:
             if title:
                 print(f"\n{title}")
             print(part.to_string())
-    for p in made:
-        print(f"chart: {p}")
     if args.csv:
         with staged(args.csv) as (tmp,):
             table.to_csv(tmp)
         print(f"table: {args.csv}")
+    sys.stdout.flush()  # the table is read while the charts are drawn
+    made = [] if args.no_charts else charts(frames, names, Path(args.out), legend, progress=True)
+    for p in made:
+        print(f"chart: {p}")
     return 0
 
 

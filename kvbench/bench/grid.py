@@ -245,8 +245,15 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
                 raise GridError(source, f"settings.{key}[{i}]: {why}, got {v!r}")
     traces = _trace_sources(data.get("traces"), base, source)
     _check_names(data, text, source)
+    seeds = _as_list(data.get("seeds", [0]))
+    if len(seeds) > 1 and not any(t.seeded for t in traces):
+        raise GridError(f"{source}{_line_of(text, 'seeds')}",
+                        f"seeds = {seeds}: no trace of this grid takes a seed (committed workloads "
+                        f"and trace files are fixed, and so is a loader without one), so every "
+                        f"seed would be the same cell; drop seeds, or add a generated trace "
+                        f"([[traces]] family = ...)")
     grid = Grid(name=str(data.get("name", name)), traces=traces, backends=_as_list(data["backends"]),
-                seeds=_as_list(data.get("seeds", [0])),
+                seeds=seeds,
                 settings={k: _as_list(v) for k, v in settings.items()},
                 include=list(data.get("include", [])), exclude=list(data.get("exclude", [])),
                 charts=list(data.get("charts", [])), resources=dict(data.get("resources", {})),
@@ -261,9 +268,11 @@ def parse_grid(data: dict, *, base: Path = Path("."), name: str = "sweep", text:
     return grid
 
 
-def _line_of(text: str, key: str, value) -> str:
-    """':N', the line of ``text`` where ``key`` is given ``value`` (TOML or YAML), or ''."""
-    pattern = re.compile(rf"""^\s*{re.escape(key)}\s*[=:]\s*["']?{re.escape(str(value))}["']?\s*(#.*)?$""")
+def _line_of(text: str, key: str, value=None) -> str:
+    """':N', the line of ``text`` that sets ``key`` (to ``value`` where given; TOML or YAML), or
+    '' where none does."""
+    value = ".*?" if value is None else re.escape(str(value))
+    pattern = re.compile(rf"""^\s*{re.escape(key)}\s*[=:]\s*["']?{value}["']?\s*(#.*)?$""")
     return next((f":{n}" for n, line in enumerate(text.splitlines(), 1) if pattern.match(line)), "")
 
 

@@ -171,6 +171,25 @@ class Store:
             return True
         return False
 
+    def remove_stale_temps(self, sweep: str) -> list[str]:
+        """Remove the temporary cell files (``.ID.XXXXXXXX.tmp``) a writer killed before its
+        rename left (kill -9: no handler runs), each only while no live claim holds its cell, so a
+        sweep of the same grid writing now keeps its own. Returns the paths removed."""
+        if "://" in self.url or not os.path.isdir(self._sweep_dir(sweep)):
+            return []
+        removed = []
+        for folder, _, names in os.walk(self._sweep_dir(sweep)):
+            for name in names:
+                if not (name.startswith(".") and name.endswith(".tmp")):
+                    continue
+                claim = os.path.join(folder, f".{name[1:].split('.')[0]}.claim")
+                if os.path.exists(claim) and not _stale_claim(claim):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
+                    removed.append(os.path.join(folder, name))
+        return removed
+
     def release(self, sweep: str, backend: str, cell_id: str) -> None:
         if "://" not in self.url:
             with contextlib.suppress(FileNotFoundError):

@@ -192,7 +192,7 @@ def _pool_cell(cell: Cell, store: Store, commit: dict) -> dict:
 def run_local(cells, traces, store, commit, progress, *, workers: int | None = None,
               pin: bool = False) -> dict:
     """A process pool; ``pin``: each worker on a core of its own. Returns lost cells and whether
-    the run was interrupted."""
+    the stop (Ctrl-C or SIGTERM) that interrupted the run, if one did."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     workers = workers or len(cores)
     # Workers fork from a server that imported kvbench once (spawn where there is no forkserver).
@@ -201,7 +201,7 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
         ctx.set_forkserver_preload([__name__])
     else:
         ctx = mp.get_context("spawn")
-    lost, interrupted = [], False
+    lost, interrupted = [], None
     # The traces go through a file: in the start arguments, a worker would be started only once
     # the one before had read them all.
     with tempfile.NamedTemporaryFile(prefix="kvbench-traces-", suffix=".pickle", delete=False) as tf:
@@ -223,8 +223,8 @@ def run_local(cells, traces, store, commit, progress, *, workers: int | None = N
         while pending:
             collect(cf.wait(pending, timeout=progress.interval, return_when=cf.FIRST_COMPLETED)[0])
             progress.tick()
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the command re-raises it, once reported
+        interrupted = e
     finally:
         # Cells already running finish (and are recorded); queued ones are dropped.
         pool.shutdown(wait=True, cancel_futures=True)
@@ -245,7 +245,7 @@ def run_ray(cells, traces, store, commit, progress, *, address: str | None = Non
     if owned:
         ray.init(address=address, runtime_env=runtime_env, logging_level="WARNING",
                  configure_logging=True)
-    lost, interrupted = [], False
+    lost, interrupted = [], None
     task = ray.remote(run_cell)
     pending = {}
     try:
@@ -264,8 +264,8 @@ def run_ray(cells, traces, store, commit, progress, *, address: str | None = Non
                     progress.update(_stored_or_lost(store, cell, f"{type(e).__name__}: "
                                                     f"{str(e).splitlines()[0]}", lost))
             progress.tick()
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the command re-raises it, once reported
+        interrupted = e
         for ref in pending:
             ray.cancel(ref)
     finally:
@@ -290,7 +290,7 @@ class SweepRun:
     skipped: int  # cells already in the store
     summary: Counter
     lost: list
-    interrupted: bool
+    interrupted: BaseException | None  # the Ctrl-C or SIGTERM that stopped it
     wall_s: float
 
 
@@ -302,6 +302,7 @@ def run_sweep(grid: Grid, store: Store, *, executor: str = "local", retry_errors
     cells, traces = expand(grid, commit["code"])
     check_cells(grid, cells, traces)
     store.write_grid(grid.name, grid.text, {"cells": len(cells), "code": commit["code"]})
+    store.remove_stale_temps(grid.name)  # what a sweep killed mid-write left
     done = store.done(grid.name)
     if retry_errors and done:
         stored = store.read(grid.name, columns=["cell_id", "status"])

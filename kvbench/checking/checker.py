@@ -241,6 +241,8 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
         verdict.divergence = verdict.divergence or stop.divergence
         verdict.traceback = replay.traceback
     except Exception as e:  # the harness's own failure (its memory, a setting): never the backend's
+        if isinstance(e, expectations.StaleExpectations):
+            verdict.expectations = "stale"  # the caller runs the check again without them
         verdict.valid = None
         verdict.error = (f"{trace.name}: op #{replay.index} {op_to_dict(replay.op)}: the checker "
                          f"could not do its part: {type(e).__name__}: {e}")
@@ -730,16 +732,39 @@ class _Replay(Driver):
                 hits=hits, misses=misses)
         final_ledger = oracle.expected_ledger()
         self.settle_expectations(final_ledger)
-        if verdict.valid is False:  # what the failing backend says it holds, if it can say
-            try:
-                led = guarded("ledger", self.backend.ledger)
-            except (BackendRaised, OutOfMemory):
-                led = None
-            final_ledger = led if isinstance(led, Ledger) else final_ledger
+        own = self.backend_says("ledger")
+        own = own if isinstance(own, Ledger) else None  # a wrong return was failed where it came
+        verdict.hit_blocks = self.hit_blocks(own, final_ledger)
+        if verdict.valid is False and own is not None:  # what the failing backend says it holds
+            final_ledger = own
         verdict.final_ledger = {k: v for k, v in final_ledger.as_dict().items()
                                 if not QUANTITIES[k].per_sequence}
         if self.unreported:
             verdict.skipped["figures"] = f"not reported: {', '.join(sorted(self.unreported))}"
+
+    def backend_says(self, query: str):
+        """The backend's answer to ``query`` at the end (ledger, tier_ledgers), None when it
+        cannot say (no backend, no such query, it raises)."""
+        call = getattr(self.backend, query, None)
+        if call is None:
+            return None
+        try:
+            return guarded(query, call)
+        except (BackendRaised, OutOfMemory):
+            return None
+
+    def hit_blocks(self, own, expected) -> dict:
+        """Prompt blocks found cached by the end, by where they were found (SPEC §11 "Hit
+        accounting": the device, then each tier): {where: (the backend's, the oracle's)}, the
+        backend's None where it cannot say."""
+        hits = {"device": (None if own is None else own.prefix_hit_blocks,
+                           expected.prefix_hit_blocks)}
+        if self.tiered is not None:
+            theirs = self.backend_says("tier_ledgers") or []
+            for i, tier in enumerate(self.oracle.tiers.ledgers()):
+                said = theirs[i] if i < len(theirs) and isinstance(theirs[i], dict) else {}
+                hits[tier.name] = (said.get("hits"), tier.hits)
+        return hits
 
     def settle_expectations(self, final_ledger) -> None:
         """Store this replay's expectations once it has gone through every operation; those read
@@ -748,9 +773,10 @@ class _Replay(Driver):
         done = verdict.ops == len(self.trace.ops) and not verdict.error
         if self.recorder is not None and done and self.recorder.save():
             verdict.expectations = "stored"
-        if self.tape is None:
+        if self.tape is None or verdict.expectations == "stale":
             return
         verdict.expectations = "reused"
         verdict.expectations_saved = self.tape.recorded_seconds - self.tape.seconds
         if done and self.tape.ledger(len(self.trace.ops) - 1) != final_ledger:
             verdict.valid, verdict.error = None, str(self.tape.stale("the final ledger"))
+            verdict.expectations = "stale"

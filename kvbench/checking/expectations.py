@@ -11,9 +11,12 @@ Keys: the trace's content, the oracle's settings (configuration, layout, capabil
 the check's mode, and the source of every module that decides the expectations
 (:data:`ORACLE_MODULES`, held to the oracle's imports by a test) with NumPy's version. A stored
 figure is never the only word: where a backend's figure differs from it, and at the end, the
-check computes the oracle's own and stops with an ERROR naming the file if the two differ.
+check computes the oracle's own; if the two differ the file is removed and the check is run again
+with the oracle computing every figure (kvbench.analyses.suite.run_one), which stores them anew.
 
-Files are NumPy archives read without pickle: a cache directory holds data, never code.
+Files are NumPy archives read without pickle: a cache directory holds data, never code. Each holds
+a digest of its figures, verified on reading: a file whose content was altered is a miss (a
+warning says so), computed anew and rewritten.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import hashlib
 import json
 import os
 import time
+import warnings
+import zipfile
 from array import array
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +38,7 @@ from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger
 from kvbench.traces.format import op_to_dict
 
 MAX_FIGURES = 1 << 24  # a replay with more (128 MiB of them) is not stored
-FORMAT = 1  # of the files: a change of layout makes every older file a miss
+FORMAT = 2  # of the files (2: with a digest): a change of layout makes every older file a miss
 # The modules whose code decides the expected figures (tests/checking/test_expectations.py holds
 # this list to the oracle's imports within kvbench).
 ORACLE_MODULES = (
@@ -52,6 +57,39 @@ RAGGED = 1 + 2 * len(PER_SEQ) + 2  # rows of integers an operation keeps: group_
 
 class StaleExpectations(Exception):
     """A stored figure that the oracle, computed, does not give: the file is removed."""
+
+
+class CacheWarning(UserWarning):
+    """The expectations cache is off, or a stored file was not used: one line, the check goes on."""
+
+
+def usable_dir(folder: Path) -> Path | None:
+    """``folder`` when it can be created and written; else None, with one warning saying that the
+    expectations cache is off and why (checks then compute every figure, as without the cache)."""
+    folder = Path(folder)
+    probe = folder / f".probe-{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        warnings.warn(f"expectations cache off: {folder} cannot be written "
+                      f"({e.strerror or e}); set KVBENCH_CACHE to a folder that can be, or give "
+                      f"--no-expectations-cache", CacheWarning, stacklevel=2)
+        return None
+    return folder
+
+
+def payload_digest(arrays: dict) -> str:
+    """A digest of a file's figures (every array but the digest itself, by name, dtype, shape)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        if name == "digest":
+            continue
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -166,6 +204,7 @@ class Recorder:
             floats=np.frombuffer(self.floats, np.float64).reshape(n, len(FLOATS)),
             flat=np.frombuffer(self.flat, np.int64),
             lengths=np.frombuffer(self.lengths, np.int64).reshape(n, RAGGED))
+        arrays["digest"] = np.array(payload_digest(arrays))
         tmp = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp.npz")
         try:  # a folder it cannot write leaves the check as it was, uncached
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +226,9 @@ class Tape:
         self.path = path
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
+        if "digest" not in data or str(data["digest"]) != payload_digest(data):
+            raise ValueError(f"{path}: its figures do not match the digest stored with them "
+                             f"(the file was altered or damaged)")
         if len(data["none"]) != ops:
             raise ValueError(f"{path}: {len(data['none'])} operations stored, the trace has {ops}")
         self.recorded_seconds = float(data["seconds"])
@@ -230,7 +272,7 @@ class Tape:
         with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)
         return StaleExpectations(f"the stored expectations {self.path} disagree with the oracle: "
-                                 f"{what} (removed: the next check computes them anew)")
+                                 f"{what} (removed: the check is run again, computing them)")
 
 
 def open_for(trace, oracle, gather: str, folder: Path | None):
@@ -242,7 +284,10 @@ def open_for(trace, oracle, gather: str, folder: Path | None):
     if path.exists():
         try:
             return Tape(path, len(trace.ops)), None
-        except (OSError, ValueError, KeyError):  # unreadable or of another layout: stored anew
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # unreadable, altered or of
+            # another layout: computed and stored anew
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
+            warnings.warn(f"stored expectations not used: {e}: computing them anew",
+                          CacheWarning, stacklevel=2)
     return None, Recorder(path)

@@ -279,6 +279,7 @@ class Campaign:
     errors: list = field(default_factory=list)
     lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
     stopped: str = ""
+    stop: BaseException | None = field(default=None, repr=False)  # the Ctrl-C or SIGTERM
     elapsed: float = 0.0
     _caps: dict = field(default_factory=dict, repr=False)
 
@@ -314,8 +315,8 @@ class Campaign:
                 self.histories += 1
                 self.elapsed = time.monotonic() - start
                 self._report()
-        except KeyboardInterrupt:
-            self.stopped = "interrupted"
+        except KeyboardInterrupt as e:
+            self.stopped, self.stop = "interrupted", e
         self.elapsed = time.monotonic() - start
         self.write_summary()
         return self

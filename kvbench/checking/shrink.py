@@ -19,6 +19,7 @@ backend (tests/test_architecture.py holds it to that).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from kvbench.checking.checker import check
 from kvbench.checking.verdict import OOM, Divergence, Verdict
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, CacheConfig
+from kvbench.progress import Deadline, OutOfTime
 from kvbench.traces import edits
 from kvbench.checking.reproduce import (
     divergence_kind,
@@ -61,15 +63,22 @@ class Outcome:
     pressure: bool = False  # the replay evicted or refused something: the budget matters
 
 
+clock = time.monotonic  # what deadlines are read from (a test may turn it)
+CUT_GRACE = 0.1  # of max_seconds, the most the cut after the failure may run past the deadline
+
+
 def replay(trace: Trace, factory: BackendFactory, config: CacheConfig,
-           gather: str = "touched") -> Outcome:
-    """Check ``trace`` on a fresh backend from ``factory(config)`` and classify the verdict."""
+           gather: str = "touched", deadline: float | None = None) -> Outcome:
+    """Check ``trace`` on a fresh backend from ``factory(config)`` and classify the verdict.
+    ``deadline`` (a ``clock()`` time): OutOfTime, the backend closed, when the replay passes it."""
     try:
         backend = factory(config)
     except Exception as e:
         return Outcome("setup", reason=f"the backend refused the settings: {type(e).__name__}: {e}")
     try:
-        v = check(trace, backend, gather=gather)
+        # lambda: the module's clock as it is when read (a test turns it)
+        v = check(trace, backend, gather=gather,
+                  progress=None if deadline is None else Deadline(deadline, lambda: clock()))
     except Exception as e:  # check() reports its own failures as ERROR; this is a last resort
         return Outcome("error", reason=f"the harness raised {type(e).__name__}: {e}")
     finally:
@@ -98,6 +107,7 @@ def _classify(v: Verdict) -> Outcome:
 class ShrinkResult:
     """What :func:`shrink` found. ``status``: 'shrunk' (``trace`` fails like the original),
     'passes' (nothing to shrink), 'not-applicable' or 'error' (refused, ``reason`` says why).
+    'out-of-time' (the first replay did not finish within max_seconds: ``reason``).
     ``stopped``: 'done' (no move helps any more), 'max-seconds', 'max-attempts', 'interrupted'."""
 
     status: str
@@ -182,15 +192,15 @@ class ShrinkStatus:
 
 
 class _Stop(Exception):
-    def __init__(self, why: str):
-        self.why = why
+    def __init__(self, why: str, replayed: int = 0):  # replayed: by a replay stopped part way
+        self.why, self.replayed = why, replayed
 
 
 class _Shrinker:
     def __init__(self, trace, factory, gather, max_seconds, max_attempts, progress):
         self.trace, self.factory, self.gather = trace, factory, gather
         self.max_seconds, self.max_attempts, self.progress = max_seconds, max_attempts, progress
-        self.start = time.monotonic()
+        self.start = clock()
         self.attempts = 0
         self.seen: dict = {}
         self.phase = "first replay"
@@ -199,17 +209,18 @@ class _Shrinker:
         self.kind = ""
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.start
+        return clock() - self.start
 
     def outcome(self, cand: Candidate, limited: bool = True) -> Outcome:
         key = cand.key()
         if key in self.seen:
             return self.seen[key]
-        if self.best is not None and limited:  # the first replay always runs
+        if self.best is not None and limited:
             if self.elapsed() >= self.max_seconds:
                 raise _Stop("max-seconds")
             if self.attempts >= self.max_attempts:
                 raise _Stop("max-attempts")
+        deadline = self.start + self.max_seconds * (1 if limited else 1 + CUT_GRACE)
         h = self.trace.header
         header = dataclasses.replace(h, tenants=dict(cand.tenants))
         trace = Trace(header, list(cand.ops), name=self.trace.name)
@@ -221,7 +232,10 @@ class _Shrinker:
             out = Outcome("invalid", reason=str(e))
         else:
             self.attempts += 1
-            out = replay(trace, self.factory, cand.config, self.gather)
+            try:
+                out = replay(trace, self.factory, cand.config, self.gather, deadline)
+            except OutOfTime as e:
+                raise _Stop("max-seconds", replayed=e.args[0]) from None
         self.seen[key] = out
         if self.progress is not None:
             self.progress(ShrinkStatus(self.phase, len(self.best.ops) if self.best else len(cand.ops),
@@ -242,8 +256,8 @@ class _Shrinker:
 
     def cut(self, limited: bool = True) -> None:
         """Everything after the failure goes (a candidate of its own: the final lengths change).
-        ``limited=False``: past max-seconds and max-attempts too (the first cut replays at most
-        as far as the first replay did)."""
+        ``limited=False``: past max-attempts, and max-seconds by CUT_GRACE (the first cut
+        replays at most as far as the first replay did)."""
         cand, index = self.best, self.best_outcome.divergence.index
         if index < len(cand.ops) - 1:
             short = dataclasses.replace(cand, ops=cand.ops[:index + 1])
@@ -421,7 +435,8 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     ``backend_factory`` makes a fresh backend from a CacheConfig (a Backend subclass, or e.g.
     ``lambda c: registry.create(name, c)``); ``backend`` names it in the records (default: the
     factory's ``module:Class``); ``source`` names the trace (a path) in the shrunk trace's header.
-    ``gather`` is check()'s. The search stops when no move helps, after ``max_seconds`` or
+    ``gather`` is check()'s. The search stops when no move helps, after ``max_seconds`` (a
+    replay under way stops there too; the cut after the failure may take CUT_GRACE more) or
     ``max_attempts`` replays, or on Ctrl-C, and returns the smallest failing trace found so far.
     This signature is stable: the results pages and the fault catalogue call it.
     """
@@ -429,7 +444,13 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
     result = ShrinkResult("shrunk", trace, config, label, gather=gather)
     s = _Shrinker(trace, backend_factory, gather, max_seconds, max_attempts, progress)
     first = Candidate(tuple(trace.ops), tuple(sorted(trace.header.tenants.items())), config)
-    out = s.outcome(first)
+    try:
+        out = s.outcome(first)
+    except _Stop as stop:
+        result.status, result.seconds = "out-of-time", s.elapsed()
+        result.reason = (f"the first replay did not finish within {max_seconds:g} s ({stop.replayed} "
+                         f"of {len(trace)} operations): nothing to shrink from; give more seconds")
+        return result
     result.attempts, result.seconds = s.attempts, s.elapsed()
     if out.status == "pass":
         result.status = "passes"
@@ -446,8 +467,9 @@ def shrink(trace: Trace, backend_factory: BackendFactory, config: CacheConfig, *
         result.stopped = "done"
     except _Stop as stop:
         result.stopped = stop.why
-        try:
-            s.cut(limited=False)  # the cut after the failure is always taken, even stopped at once
+        try:  # the cut after the failure, even stopped at once, if it fits in the grace
+            with contextlib.suppress(_Stop):
+                s.cut(limited=False)
         except KeyboardInterrupt:
             result.stopped = "interrupted"
     except KeyboardInterrupt:

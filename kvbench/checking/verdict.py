@@ -53,9 +53,12 @@ class Verdict:
     misses: int = 0  # ... that found it evicted, and recomputed it
     tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}
     backend_seconds: float = 0.0
-    expectations: str = ""  # "reused" from the cache, "stored" in it, "" neither
+    expectations: str = ""  # "reused" from the cache, "stored" in it, "stale" (wrong, removed),
+    # "recomputed" (checked again after "stale", stored anew), "" neither
     expectations_saved: float = 0.0  # seconds of the oracle's work a reuse saved
     final_ledger: dict = field(default_factory=dict)
+    # Prompt blocks found cached, by where (SPEC §11): {"device" or a tier: (backend's, oracle's)}
+    hit_blocks: dict = field(default_factory=dict)
     series: Series = field(default_factory=Series)  # ledger figures after each operation
     # With keep_going: every class of divergence, {"kind", "first" (a Divergence), "count",
     # "stopped" (the replay stopped at one of them)}, in the order each first appeared.

@@ -61,11 +61,20 @@ def cmd_prefix(args) -> int:
         {n if unit == "blocks" else n // args.block_size for n, unit in args.sizes})
     if sizes is not None and min(sizes) < 1:
         raise options.UsageError(f"--sizes: less than one block of {args.block_size} tokens")
-    curve = prefix.hit_rate_curve(trace, sizes=sizes, backend=args.backend, progress=True)
+    options.runnable_backend(args.backend)
+    curve = prefix.hit_rate_curve(trace, sizes=sizes, backend=args.backend, progress=True,
+                                  keep_going=args.keep_going)
     print(f"{Path(args.trace).name}: {len(requests)} requests, blocks of {args.block_size} tokens. "
           f"hit_rate = full blocks found in the cache / full blocks looked up (the backend's own "
           f"count, confirmed by the oracle after every operation)")
-    print_table(curve, ["backend", "cache_blocks", "hit_blocks", "hashed_blocks", "hit_rate", "refused"])
+    print_table(curve, ["backend", "cache_blocks", "status", "hit_blocks", "hashed_blocks",
+                        "hit_rate", "refused"])
+    bad = curve[curve.status != "pass"]
+    for r in bad.itertuples():  # the backend's verdict, by the checker: the step it diverged at
+        print(f"{r.status} {r.backend} with a cache of {r.cache_blocks} blocks: {r.divergence}"
+              + (f"\n     divergences: {r.divergences}" if r.divergences else ""))
+    if len(bad) and not args.keep_going:
+        print("stopped at the first size that does not pass (--keep-going checks every size)")
     hits, refs, *_ = prefix_hit_rate_unbounded(requests)
     if refs:
         print(f"hit rate by the trace's own block ids (an unbounded cache, partial last blocks "
@@ -78,7 +87,9 @@ def cmd_prefix(args) -> int:
             prefix.plot_curve(curve, png_tmp, f"{Path(args.trace).stem}: prefix cache hit rate "
                                               f"(full blocks), {args.block_size}-token blocks")
         print(f"wrote {csv_path} and {png_path}")
-    return 0
+    if (curve.status == "FAIL").any():
+        return options.EXIT_FAIL
+    return options.EXIT_ERROR if len(bad) else options.EXIT_OK
 
 
 def cmd_list(args) -> int:
@@ -140,7 +151,10 @@ def register_gen_prefix(sub) -> None:
 
     p = sub.add_parser("prefix", help="prefix-cache hit rate over cache sizes, checked by the oracle")
     p.add_argument("trace", help="a request trace with block hashes")
-    p.add_argument("--format", default="mooncake", help="its loader (mooncake: the one with block hashes)")
+    options.add_format_arg(p, native=False, default="mooncake", of="TRACE (one with block hashes)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="go on past a figure the backend gets wrong (check's --keep-going), and "
+                        "on to every cache size; each FAIL names the step of its first divergence")
     p.add_argument("--block-size", type=options.block_size, default=512,
                    help="tokens per block (default 512, Mooncake's)")
     p.add_argument("--sizes", type=cache_sizes,

@@ -18,11 +18,11 @@ from kvbench.checking.checker import check
 from kvbench.cli import options
 from kvbench.contract import registry
 from kvbench.outputs import check_writable
-from kvbench.traces.format import load
+from kvbench.traces.loaders import load_trace
 
 
 def cmd_eviction(args) -> int:
-    trace = load(args.trace)
+    trace = load_trace(args.trace, args.format)
     check_writable(args.out, option="--out", folder=True)
     try:
         registry.resolve(args.backend)
@@ -57,6 +57,7 @@ def register(sub) -> None:
     p = sub.add_parser("eviction", help="a tenant mix under LRU, LFU and Fair: per-tenant tables and "
                                         "a usage-against-quota chart")
     p.add_argument("trace", help="a tenant-mix trace (its header names tenant weights)")
+    options.add_format_arg(p)
     p.add_argument("--backend", default="numpy", help="backend replayed under each policy (default numpy)")
     p.add_argument("--out", default=str(records.RESULTS_DIR / "scratch" / "eviction"),
                    help="folder for <trace>-usage.png (default results/scratch/eviction, out of git; "

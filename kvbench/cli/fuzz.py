@@ -3,7 +3,8 @@ failure shrunk to NAME.min.jsonl and a pytest case in --out, with a summary (sum
 summary.md) of what was found and what was reached.
 
 Exit status: 0 when nothing was found, 1 when something was (or the harness could not check a
-history), 2 for bad input or a backend that cannot run, 130 when interrupted with nothing found.
+history), 2 for bad input or a backend that cannot run, 130 when interrupted (143 terminated)
+with nothing found.
 Ctrl-C keeps every finding and the summary so far.
 """
 from __future__ import annotations
@@ -50,7 +51,9 @@ def cmd_fuzz(args) -> int:
     print(f"wrote {out / 'summary.md'}")
     if s["findings"] or s["errors"]:
         return options.EXIT_FAIL
-    return options.EXIT_INTERRUPTED if c.stopped == "interrupted" else options.EXIT_OK
+    if c.stop is not None:
+        raise c.stop  # the one message and exit code of a stop (kvbench.cli.options)
+    return options.EXIT_OK
 
 
 def register(sub) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
@@ -43,6 +44,11 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum, frame):
     raise Terminated
+
+
+def stop_word(stop: KeyboardInterrupt) -> str:
+    """What stopped a command, as every command says it: 'terminated' (SIGTERM) or 'interrupted'."""
+    return "terminated" if isinstance(stop, Terminated) else "interrupted"
 
 
 class Parser(argparse.ArgumentParser):
@@ -118,6 +124,23 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def add_format_arg(parser, *, native: bool = True, default: str | None = None,
+                   of: str = "the trace") -> None:
+    """``--format``, the one definition every command that reads a trace shares: kvbench's own
+    JSONL / CSV (``kvbench``), or a public request trace through its loader
+    (kvbench.traces.loaders, docs/trace-format.md "Real traces: --format"). ``native=False``: the
+    command needs requests (their lengths, arrivals, block hashes), not operations."""
+    from kvbench.traces.loaders import LOADERS, NATIVE, trace_formats
+    formats = trace_formats() if native else list(LOADERS)
+    public = f"a public request trace ({', '.join(LOADERS)})"
+    text = (f"format of {of}: {NATIVE} (its own JSONL or CSV of operations, the default) or "
+            f"{public}, replayed request after request: prefill with its block hashes, output, "
+            f"free (docs/trace-format.md)" if native else
+            f"format of {of}: {public}; docs/trace-format.md")
+    parser.add_argument("--format", choices=formats, default=default, metavar="FORMAT",
+                        help=text + (f" (default {default})" if default else ""))
+
+
 def runnable_backend(spec: str, option: str = "--backend"):
     """The registry entry of ``spec`` (a name or package.module:Class) that can run here; a
     UsageError naming ``option`` when it is unknown or cannot."""
@@ -129,6 +152,41 @@ def runnable_backend(spec: str, option: str = "--backend"):
     if not ok:
         raise UsageError(f"{option} {spec}: cannot run here: {why}")
     return entry
+
+
+class _UntilTheReaderLeaves:
+    """A command's stdout: when its reader goes (``kvbench list | head``), the rest of the output
+    is dropped, stdout pointed at os.devnull as Python's documentation on SIGPIPE advises, and the
+    command ends with the exit code it would have had."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _drop_stdout(self._stream)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _drop_stdout(self._stream)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _drop_stdout(stream) -> None:
+    """Point ``stream``'s descriptor at os.devnull: what is left to write goes nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor (a test's)
+        pass
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -150,15 +208,19 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     warnings.formatwarning = _one_line_warning
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    stdout = sys.stdout
+    sys.stdout = _UntilTheReaderLeaves(stdout)
     try:
         return command(argv)
     except KeyboardInterrupt as e:
         if debug:
             traceback.print_exc()
-        terminated = isinstance(e, Terminated)
-        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
-    except BrokenPipeError:  # `kvbench run | head`: the reader left, nothing to say
+        print(f"{prog}: {stop_word(e)}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+    except BrokenPipeError:  # a write to stdout's bytes (a record, `--output - | head`) whose
+        # reader left: the command did not finish
+        _drop_stdout(stdout)
+        print(f"{prog}: error: standard output closed before the command finished", file=sys.stderr)
         return EXIT_ERROR
     except Exception as e:
         if debug:
@@ -168,5 +230,7 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
         print(f"{prog}: {kind}error: {describe(e)}" + (hint if kind else ""), file=sys.stderr)
         return EXIT_ERROR
     finally:
+        sys.stdout.flush()  # what is buffered, while a reader that left is still handled
+        sys.stdout = stdout
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

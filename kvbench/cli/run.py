@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -51,21 +52,33 @@ def add_expectations_arg(p: argparse.ArgumentParser) -> None:
 
 
 def expectations_folder(args):
-    return expectations.cache_dir() if args.expectations_cache else None
+    """The run's expectations folder, decided once: None when off, or (one warning) when it
+    cannot be written."""
+    if not hasattr(args, "expectations_dir"):
+        args.expectations_dir = (expectations.usable_dir(expectations.cache_dir())
+                                 if args.expectations_cache else None)
+    return args.expectations_dir
 
 
 def print_expectations(df: pd.DataFrame, folder) -> None:
-    """How many checks reused stored expectations, and the time that saved."""
+    """How many checks reused stored expectations, and the time that saved (never less than
+    none: reading them can take longer than computing them on a short trace)."""
     if folder is None or "expectations" not in df:
         return
     reused = df[df.expectations == "reused"]
     if len(reused):
+        saved = float(reused.expectations_saved_s.sum())
+        what = (f"{saved:.1f} s of the oracle's work saved (reading them counted)" if saved >= 0.05
+                else "no time saved (reading them took as long as computing them, or longer)")
         print(f"expectations: {len(reused)} of {len(df)} checks reused those stored in {folder}: "
-              f"{reused.expectations_saved_s.sum():.1f} s of the oracle's work saved (reading "
-              f"them counted)")
-    stored = int((df.expectations == "stored").sum())
+              f"{what}")
+    stored = int(df.expectations.isin(["stored", "recomputed"]).sum())
     if stored:
         print(f"expectations: {stored} checks stored theirs in {folder} for the next run")
+    recomputed = int((df.expectations == "recomputed").sum())
+    if recomputed:
+        print(f"expectations: {recomputed} checks found stored ones the oracle disagrees with: "
+              f"removed, checked again with the oracle computing them")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -180,7 +193,17 @@ def print_eviction(trace, rows, run_settings: RunSettings) -> list[str]:
     return eviction.belady_violations(trace, cfg, paged)
 
 
+# Options of a request trace's loader (--format): they apply to TRACE files as to --trace.
+LOADER_OPTIONS = ("seed", "rate", "max_requests")
+
+
 def cmd_run(args) -> int:
+    if serve.wants_serving(args) and args.traces:
+        option = "--trace" if args.trace else "--scenario"
+        raise options.UsageError(f"{option} runs the serving simulation and TRACE files "
+                                 f"({' '.join(args.traces)}) are replayed: give one or the other")
+    if not serve.wants_serving(args):
+        refuse_serving_options(args)
     with stdout_for(args.output) as stdout:  # `--output -`: the record alone on stdout
         if serve.wants_serving(args):
             serve.warn_moved(args)
@@ -188,11 +211,27 @@ def cmd_run(args) -> int:
         return run_workloads(args, stdout)
 
 
+def refuse_serving_options(args) -> None:
+    """A serving simulation's option given to a replay of trace files, which would ignore it."""
+    loader = args.format not in (None, "kvbench")
+    for dest, (flag, default) in args.serving_only.items():
+        if getattr(args, dest) != default and not (loader and dest in LOADER_OPTIONS):
+            raise options.UsageError(
+                f"{flag} applies to the serving simulation (kvbench serve --trace PATH --format F, "
+                f"or --scenario opt13b), not to replaying trace files")
+
+
+def trace_options(args) -> dict:
+    """What loading the command's trace files takes from its options (loaders.load_trace)."""
+    return {"block_size": args.block_size,
+            **{k: getattr(args, k) for k in LOADER_OPTIONS if hasattr(args, k)}}
+
+
 def run_workloads(args, stdout) -> int:
     paths = args.traces or suite.committed_workloads()
     if not paths:
         raise options.UsageError("no workloads: run `kvbench gen` first")
-    traces = suite.load_traces(paths)
+    traces = suite.load_traces(paths, args.format, **trace_options(args))
     if args.output:
         check_writable(args.output, option="--output", stdout=True)
     else:
@@ -209,9 +248,8 @@ def run_workloads(args, stdout) -> int:
                         cache=expectations_folder(args), op_timeout=args.op_timeout)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep the runs that finished
         if rows:
-            stop = "terminated" if isinstance(e, options.Terminated) else "interrupted"
             rec = records.record("run", rows, params, device=args.device,
-                                 partial=f"{stop} after {len(rows)} runs")
+                                 partial=f"{options.stop_word(e)} after {len(rows)} runs")
             path = records.write(rec, args.output, stdout=stdout)
             print(f"kvbench: the {len(rows)} runs finished are in {path} (a partial record)",
                   file=sys.stderr)
@@ -295,7 +333,7 @@ def print_group_capacity(traces, args) -> None:
 
 
 def cmd_check(args) -> int:
-    trace = suite.load_traces([args.trace])[0]
+    trace = suite.load_traces([args.trace], args.format, **trace_options(args))[0]
     rows = []
     backends = select_backends(args, trace)
     print_memory_note(trace, args)
@@ -318,10 +356,33 @@ def cmd_check(args) -> int:
                 line += f"\n     not applicable: {row['not_applicable']}"
             if row["skipped"]:
                 line += f"\n     not checked: {row['skipped']}"
+            hits = hit_line(row)
+            if hits:
+                line += f"\n     {hits}"
             print(line)
     df = pd.DataFrame(rows) if rows else pd.DataFrame({"status": []})
     print_expectations(df, expectations_folder(args))
     return exit_code(df)
+
+
+def hit_line(row) -> str:
+    """Prompt blocks found cached by the end, where found (SPEC §11 "Hit accounting"), the
+    backend's beside the oracle's; '' for a trace that names no prompt blocks by hash."""
+    hits = row.get("hit_blocks") or {}
+    if not hits or not row.get("hashed_blocks"):
+        return ""
+    if isinstance(hits, str):  # a row's: JSON text
+        hits = json.loads(hits)
+
+    def figure(backend, oracle):
+        if backend is None:
+            return f"? (oracle {oracle})"
+        return f"{backend}" + ("" if backend == oracle else f" (oracle {oracle})")
+    parts = [f"{where} {figure(*pair)}" for where, pair in hits.items()]
+    computed = row["hashed_blocks"] - sum(oracle for _, oracle in hits.values())
+    if computed >= 0:  # a model of several groups counts a hit in each (prefix_hit_blocks)
+        parts.append(f"computed {computed}")
+    return f"hit blocks (of {row['hashed_blocks']} hashed prompt blocks): {', '.join(parts)}"
 
 
 def register(sub) -> None:
@@ -331,14 +392,19 @@ def register(sub) -> None:
     p.add_argument("--output", help="results file, - for stdout (default "
                                     "results/runs/run-<time>-<pid>-<commit>.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    options.add_format_arg(p, of="the TRACE files (or --trace)")
     add_backend_args(p)
     add_expectations_arg(p)
     add_cache_args(p)
+    replay = {a.dest for a in p._actions}
     serve.add_serve_args(p)
-    p.set_defaults(func=cmd_run)
+    serving_only = {a.dest: (a.option_strings[0], a.default) for a in p._actions
+                    if a.dest not in replay and a.dest not in ("trace", "scenario")}
+    p.set_defaults(func=cmd_run, serving_only=serving_only)
 
     p = sub.add_parser("check", help="check one trace, print the first divergence")
-    p.add_argument("trace", help="trace file (.jsonl or .csv)")
+    p.add_argument("trace", help="trace file (.jsonl or .csv; --format for a public request trace)")
+    options.add_format_arg(p)
     p.add_argument("--keep-going", action="store_true",
                    help="go on past a ledger figure or block id that differs (the states still "
                         "comparable), and list every class of divergence with its first step and "

@@ -19,7 +19,7 @@ from kvbench.analyses.breakdown import (
 from kvbench.analyses.serving import DEFAULT_MAX_BATCH, PREEMPTION_MODES, STEP_SECONDS, VICTIM_ORDERS
 from kvbench.bench import records
 from kvbench.analyses.settings import RunSettings
-from kvbench.cli.options import UsageError, block_size, positive_float, positive_int
+from kvbench.cli.options import UsageError, add_format_arg, block_size, positive_float, positive_int
 from kvbench.outputs import check_writable, stdout_for
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -27,7 +27,7 @@ from kvbench.contract import registry
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import save
-from kvbench.traces.loaders import LOADERS, Request, load_requests
+from kvbench.traces.loaders import LOADERS, Request, load_requests, request_options
 from kvbench.traces.tier_ops import TierSpec
 
 SCENARIOS = ("opt13b",)
@@ -69,7 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
             pass
 
     add("--trace", help="a public request trace to serve (see --format)")
-    add("--format", choices=sorted(LOADERS), help="format of --trace")
+    try:
+        add_format_arg(g, native=False, of="--trace")
+    except argparse.ArgumentError:  # the host parser defines it already (kvbench run's)
+        pass
     add("--scenario", choices=SCENARIOS,
         help="opt13b: the PagedAttention paper's setting (OPT-13B, 12 GiB, ShareGPT lengths)")
     add("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, help="most running sequences")
@@ -180,13 +183,9 @@ def settings_line(cfg: CacheConfig, requests: int) -> str:
 
 
 def _load(args) -> list[Request]:
-    opts = {}
-    if args.format == "lengths":
-        opts = {"rate": args.rate, "seed": args.seed, "max_requests": args.max_requests}
-    elif args.format == "servegen":
-        opts = {"seed": args.seed, "max_requests": args.max_requests}
-    elif args.format == "mooncake":
-        opts = {"block_size": getattr(args, "block_size", None) or OPT13B["block_size"]}
+    opts = request_options(args.format, block_size=getattr(args, "block_size", None)
+                           or OPT13B["block_size"], seed=args.seed, rate=args.rate,
+                           max_requests=args.max_requests)
     reqs = load_requests(args.trace, args.format, **opts)
     return reqs[:args.max_requests] if args.max_requests is not None else reqs
 

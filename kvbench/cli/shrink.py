@@ -16,7 +16,7 @@ from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings
 from kvbench.outputs import check_writable, write_text
 from kvbench.progress import Progress
-from kvbench.traces.format import load
+from kvbench.traces.loaders import load_trace
 
 
 class _Report:
@@ -39,7 +39,7 @@ def default_output(trace_path: str) -> Path:
 
 
 def cmd_shrink(args) -> int:
-    trace = load(args.trace)
+    trace = load_trace(args.trace, args.format, block_size=args.block_size)
     entry = options.runnable_backend(args.backend)
     out = Path(args.out) if args.out else default_output(args.trace)
     check_writable(out, option="--out")
@@ -81,7 +81,8 @@ def cmd_shrink(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("shrink", help="cut a failing trace down to a small one that fails the same way",
                        description=__doc__)
-    p.add_argument("trace", help="the failing trace (JSONL)")
+    p.add_argument("trace", help="the failing trace (JSONL or CSV; --format for a public request trace)")
+    options.add_format_arg(p)
     p.add_argument("--backend", required=True, help="backend name or package.module:Factory")
     p.add_argument("--out", help="the shrunk trace (default: NAME.min.jsonl beside TRACE)")
     p.add_argument("--emit", choices=["pytest"],

@@ -63,12 +63,12 @@ def cmd_sweep(args) -> int:
         ran = sum(c.id in done for c in cells)
         print(f"{grid.name}: {len(cells)} cells, {ran} already in {store.url}, {len(cells) - ran} to run")
         return 0
-    options = {"workers": args.workers, "pin": args.pin} if args.executor == "local" else {
+    executor_options = {"workers": args.workers, "pin": args.pin} if args.executor == "local" else {
         "address": args.address, "max_retries": args.max_retries,
         "runtime_env": sweep.ship_code_env() if args.ship_code else None}
     run = sweep.run_sweep(grid, store, executor=args.executor, retry_errors=args.retry_errors,
                           progress={"interval": args.progress_interval, "enabled": not args.quiet},
-                          **options)
+                          **executor_options)
     ran = {k: n for k, n in run.summary.items() if k != sweep.ELSEWHERE}
     elsewhere = run.summary.get(sweep.ELSEWHERE, 0)
     print(f"{grid.name}: {len(run.cells)} cells: {run.skipped} were in the store, ran {sum(ran.values())} "
@@ -77,9 +77,11 @@ def cmd_sweep(args) -> int:
     for cell, why in run.lost[:10]:
         print(f"lost {cell.id[:12]} {cell.columns()}: {why}")
     if run.interrupted or run.lost:
-        print(f"{'interrupted' if run.interrupted else f'{len(run.lost)} cells lost'}: run the same command "
-              f"again to resume (finished cells are kept)")
-        return 130 if run.interrupted else 1
+        stop = options.stop_word(run.interrupted) if run.interrupted else f"{len(run.lost)} cells lost"
+        print(f"{stop}: run the same command again to resume (finished cells are kept)")
+        if run.interrupted:
+            raise run.interrupted  # the one message and exit code of a stop (kvbench.cli.options)
+        return 1
     if grid.charts and not args.no_charts:
         for path in draw_charts(store, grid.name, grid.charts, args.charts, source=args.grid):
             print(f"chart: {path}")

@@ -17,6 +17,10 @@ format        file                                                     arrival (
               ``*-dataset.json``), one tenant per client               from a seed
 ============  =======================================================  ==============================
 
+:func:`load_trace` is the one way to read a trace file of any supported format: kvbench's own
+(``kvbench``: JSONL or CSV operations, :mod:`kvbench.traces.format`) as it is, a public one through
+its loader here, its requests replayed one after another (:func:`requests_trace`).
+
 Every loader refuses a bad row with :class:`kvbench.traces.format.TraceError` naming the file, the line
 and the reason. Blank lines (trailing or not) are skipped, a last line without a newline is read,
 an output of 0 tokens is allowed; a prompt needs at least one token (a prefill of 0 tokens is not
@@ -34,7 +38,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.contract.formulas import blocks_needed
-from kvbench.traces.format import TraceError
+from kvbench.traces.format import Header, Trace, TraceError, load
+from kvbench.traces.ops import Append, Free, Prefill
 from kvbench.traces.requests import (
     Request,
     _counts,
@@ -271,8 +276,71 @@ def load_requests(path, format: str, **opts) -> list[Request]:
     return loader(os.fspath(path), **opts)
 
 
+NATIVE = "kvbench"  # kvbench's own JSONL / CSV of operations
+DEFAULT_BLOCK_SIZE = 16  # a request trace's block hashes are cut at this size unless told
+
+
+def trace_formats() -> list[str]:
+    """Every format :func:`load_trace` reads: kvbench's own, then each public loader."""
+    return [NATIVE, *LOADERS]
+
+
+def request_options(format: str, *, block_size: int | None = None, seed: int = 0,
+                    rate: float = 1.0, max_requests: int | None = None) -> dict:
+    """The options of ``format``'s loader among those a command line gives: arrivals drawn for
+    ``lengths`` (rate, seed), clients drawn for ``servegen`` (seed), hashes cut at
+    ``block_size`` for ``mooncake``."""
+    if format == "lengths":
+        return {"rate": rate, "seed": seed, "max_requests": max_requests}
+    if format == "servegen":
+        return {"seed": seed, "max_requests": max_requests}
+    if format == "mooncake":
+        return {"block_size": block_size or DEFAULT_BLOCK_SIZE}
+    return {}
+
+
+def requests_trace(requests: Sequence[Request], block_size: int, *, name: str = "requests",
+                   source: dict | None = None) -> Trace:
+    """Requests as operations, one after another in arrival order: each prompt prefilled (with
+    its full blocks' hashes at ``block_size`` where the trace names them), its output appended
+    in one step, then freed; the cache keeps what a freed request cached, so a later request
+    with the same prefix hits it (SPEC §6's request model, replayed without a scheduler)."""
+    ops = []
+    hashed = any(r.block_hashes is not None for r in requests)
+    for i, r in enumerate(requests):
+        hashes = None
+        if r.block_hashes is not None and r.hash_block_size is not None:
+            hashes = split_block_hashes(r.block_hashes, r.prompt_tokens, block_size, r.hash_block_size)
+        ops.append(Prefill(len(ops), i, r.tenant, r.prompt_tokens, hashes))
+        if r.output_tokens:
+            ops.append(Append(len(ops), (i,), (r.output_tokens,)))
+        ops.append(Free(len(ops), i))
+    header = Header(family="requests", generator="kvbench.traces.loaders.requests_trace",
+                    params={**(source or {}), "requests": len(requests)},
+                    settings={"block_size": block_size, **({"prefix_caching": True} if hashed else {})})
+    return Trace(header, ops, name=name)
+
+
+def load_trace(path, format: str | None = None, *, block_size: int | None = None, seed: int = 0,
+               rate: float = 1.0, max_requests: int | None = None) -> Trace:
+    """A trace file of any supported format as a Trace: ``kvbench`` (or None) is kvbench's own
+    JSONL / CSV; a public format (:data:`LOADERS`) is loaded (:func:`request_options` of the rest)
+    and replayed by :func:`requests_trace` at ``block_size`` (default 16), its first
+    ``max_requests`` requests."""
+    path = os.fspath(path)
+    if format in (None, NATIVE):
+        return load(path)
+    opts = request_options(format, block_size=block_size, seed=seed, rate=rate,
+                           max_requests=max_requests)
+    requests = load_requests(path, format, **opts)[:max_requests]
+    return requests_trace(requests, block_size or DEFAULT_BLOCK_SIZE,
+                          name=os.path.splitext(os.path.basename(path))[0],
+                          source={"trace": path, "format": format})
+
+
 __all__ = [
     "Request", "load_requests", "load_azure", "load_vidur", "load_lengths", "load_mooncake",
     "load_servegen", "split_block_hashes", "rehash_requests", "prefix_hit_rate_unbounded",
-    "interarrival_gaps", "LOADERS", "MOONCAKE_BLOCK_SIZE",
+    "interarrival_gaps", "LOADERS", "MOONCAKE_BLOCK_SIZE", "NATIVE", "trace_formats",
+    "request_options", "requests_trace", "load_trace",
 ]

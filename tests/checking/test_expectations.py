@@ -139,20 +139,59 @@ def test_the_version_covers_every_module_the_oracle_imports():
     assert not missing
 
 
-def test_a_stored_figure_the_oracle_does_not_give_is_an_error_and_removed(tmp_path):
+def _alter(path, change) -> None:
+    """Rewrite the stored file with ``change(data)`` applied to its arrays."""
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files}
+    change(data)
+    np.savez(path, **data)
+
+
+BLOCKS_USED = [f for f in expectations.SCALARS if f not in expectations.FLOATS].index("blocks_used")
+
+
+def _one_more_block(data) -> None:
+    data["ints"][3, BLOCKS_USED] += 1  # after operation #3, one block more than the oracle says
+
+
+def test_a_stored_file_altered_by_one_is_not_read_but_computed_anew(tmp_path):
     cfg = make_config()
     assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "stored"
     (path,) = tmp_path.glob("*.npz")
-    with np.load(path) as z:
-        data = {k: z[k] for k in z.files}
-    column = [f for f in expectations.SCALARS if f not in expectations.FLOATS].index("blocks_used")
-    data["ints"][3, column] += 1  # after operation #3, one block more than the oracle says
-    np.savez(path, **data)
-    v = check(FORKS, NumpyPaged(cfg), cache=tmp_path)
-    assert v.status == "ERROR" and v.valid is None
+    _alter(path, _one_more_block)  # the digest stored with the figures no longer matches
+    with pytest.warns(expectations.CacheWarning, match="do not match the digest"):
+        v = check(FORKS, NumpyPaged(cfg), cache=tmp_path)
+    assert (v.status, v.expectations) == ("pass", "stored")
+    assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "reused"
+
+
+def test_a_stored_figure_the_oracle_does_not_give_is_removed_and_the_check_run_again(tmp_path):
+    cfg = make_config()
+    assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "stored"
+    (path,) = tmp_path.glob("*.npz")
+
+    def stale(data):  # the figure changed and its digest with it: as an oracle that changed
+        _one_more_block(data)
+        data["digest"] = np.array(expectations.payload_digest(data))
+    _alter(path, stale)
+    v = check(FORKS, NumpyPaged(cfg), cache=tmp_path)  # the check alone: an ERROR, never a FAIL
+    assert (v.status, v.expectations) == ("ERROR", "stale")
     assert "disagree with the oracle" in v.error and "operation #3" in v.error
     assert not path.exists()
-    assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).status == "pass"
+    assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "stored"  # anew
+    _alter(path, stale)
+    with pytest.warns(expectations.CacheWarning, match="disagree with the oracle"):
+        row = suite.run_one(FORKS, "numpy", cfg, cache=tmp_path)
+    assert (row["status"], row["expectations"]) == ("pass", "recomputed")
+    assert check(FORKS, NumpyPaged(cfg), cache=tmp_path).expectations == "reused"
+
+
+def test_an_unwritable_cache_folder_is_one_warning_and_no_cache(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(expectations.CacheWarning, match="expectations cache off: .*cannot be written"):
+        assert expectations.usable_dir(blocker / "expectations") is None
+    assert expectations.usable_dir(tmp_path / "fine") == tmp_path / "fine"
 
 
 def test_a_folder_it_cannot_write_leaves_the_check_uncached(tmp_path):

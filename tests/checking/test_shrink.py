@@ -172,7 +172,7 @@ def test_every_candidate_is_a_legal_trace(monkeypatch):
     assert r.ok and len(runs) == r.attempts and r.attempts > 10
 
 
-def test_budgets_and_ctrl_c_keep_the_best_trace_so_far():
+def test_budgets_and_ctrl_c_keep_the_best_trace_so_far(monkeypatch):
     trace, config = setting("e-leaky-append")
     fault = FAULTS["e-leaky-append"]
 
@@ -180,14 +180,38 @@ def test_budgets_and_ctrl_c_keep_the_best_trace_so_far():
         if p.attempts >= 8:
             raise KeyboardInterrupt
     runs = {"max-attempts": S.shrink(trace, fault, config, max_attempts=6),
-            "max-seconds": S.shrink(trace, fault, config, max_seconds=0),
             "interrupted": S.shrink(trace, fault, config, progress=interrupt)}
+    now = [0.0]
+    monkeypatch.setattr(S, "clock", lambda: now[0])
+
+    def an_hour_later(p):  # once the first replay is done
+        now[0] = 3600.0
+    runs["max-seconds"] = S.shrink(trace, fault, config, max_seconds=60, progress=an_hour_later)
     assert runs["max-attempts"].attempts == 6 and runs["interrupted"].attempts == 8
     for stopped, r in runs.items():
         assert r.stopped == stopped and r.ok
         # Whatever it had when it stopped is legal and fails the same way.
         v = check(validate(r.trace), fault(r.shrunk_config))
         assert v.valid is False and divergence_kind(v.divergence) == r.kind
+
+
+def test_max_seconds_stops_a_replay_part_way(monkeypatch):
+    """A clock that moves one second each time it is read: the replay reads it after each
+    operation, so a replay under way stops at the deadline instead of running on."""
+    import itertools
+    trace, config = setting("e-leaky-append")  # 176 operations, the fault caught at #51
+    fault = FAULTS["e-leaky-append"]
+    ticks = itertools.count()
+    monkeypatch.setattr(S, "clock", lambda: float(next(ticks)))
+    r = S.shrink(trace, fault, config, max_seconds=30)  # less than the 52 operations to #51
+    assert (r.status, r.ok) == ("out-of-time", False)
+    assert "did not finish within 30 s" in r.reason and "of 176 operations" in r.reason
+    ticks = itertools.count()
+    r = S.shrink(trace, fault, config, max_seconds=200)
+    assert r.ok and r.stopped == "max-seconds"
+    # Every read a second: the whole search, its last cut's grace included, took at most
+    # 200 * (1 + CUT_GRACE) seconds, and a few reads more (the result's own).
+    assert next(ticks) <= 200 * (1 + S.CUT_GRACE) + 5
 
 
 # --- the edits ---------------------------------------------------------------------------------

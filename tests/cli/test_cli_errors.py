@@ -351,12 +351,21 @@ def test_an_io_error_writing_the_record_names_the_file(tmp_path):
 
 # --- shrink --------------------------------------------------------------------------------
 
-def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys):
+def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys, monkeypatch):
+    from kvbench.checking import shrink as S
     src = tmp_path / "tenant-flood.jsonl"
     src.write_text(Path(MIX).read_text())
     out = tmp_path / "min.jsonl"
+    now, first_replay = [0.0], S.replay
+
+    def replay(*args, **kw):  # the first replay takes all of --max-seconds 10
+        outcome = first_replay(*args, **kw)
+        now[0] = 10.0
+        return outcome
+    monkeypatch.setattr(S, "replay", replay)
+    monkeypatch.setattr(S, "clock", lambda: now[0])
     assert main(["shrink", str(src), "--backend", "impls.faults:LruTiesWrongWay", "--quiet",
-                 "--max-seconds", "0.001", "--out", str(out)]) == 1  # no time past the first replay
+                 "--max-seconds", "10", "--out", str(out)]) == 1  # no time past the first replay
     capsys.readouterr()
     shrunk = load(str(out))
     source = shrunk.header.params["source"]
