@@ -11,8 +11,8 @@ import pandas as pd
 
 from kvbench.charts import finish
 from kvbench.checking.checker import check
+from kvbench.checking.raised import make
 from kvbench.checking.verdict import divergence_classes
-from kvbench.contract import registry
 from kvbench.contract.formulas import blocks_needed, get_model
 from kvbench.contract.protocol import CacheConfig
 from kvbench.progress import Progress
@@ -52,7 +52,7 @@ def hit_rate(trace: Trace, num_blocks: int, backend: str = "numpy", progress: st
     cfg = CacheConfig(model=get_model("tiny"), block_size=trace.header.settings["block_size"],
                       num_blocks=num_blocks, store_kv=False, prefix_caching=True)
     bar = Progress(len(trace.ops), progress, "ops") if progress else None
-    cache = registry.create(backend, cfg)
+    cache = make(backend, cfg)
     try:
         v = check(trace, cache, gather="none", progress=bar, keep_going=keep_going)
     finally:

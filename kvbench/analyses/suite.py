@@ -11,7 +11,7 @@ from kvbench.analyses import eviction
 from kvbench.analyses.settings import POLICIES, RunSettings, machine_memory
 from kvbench.checking import expectations
 from kvbench.checking.checker import BackendRaised, Divergence, Verdict, check, guarded
-from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, described, watching
+from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, described, make, watching
 from kvbench.checking.series import MEANS
 from kvbench.checking.verdict import divergence_classes
 from kvbench.contract import formulas as F
@@ -136,7 +136,7 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
             warnings.warn(v.error, expectations.CacheWarning, stacklevel=2)
             with contextlib.suppress(BackendRaised):
                 guarded("close", backend.close)
-            backend = registry.resolve(backend_name).create(config)  # it was made once already
+            backend = make(backend_name, config)  # it was made once already
             if progress is not None:
                 progress.set(0)
             v = check(trace, backend, gather=gather, series=True, keep_going=keep_going,

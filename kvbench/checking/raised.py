@@ -19,6 +19,7 @@ import threading
 import traceback
 from contextlib import contextmanager
 
+from kvbench.contract import registry
 from kvbench.contract.protocol import OutOfMemory
 
 DEFAULT_OP_TIMEOUT = 60.0  # seconds a backend call may take: generous (0 or None: no limit)
@@ -146,3 +147,16 @@ def guarded(what: str, fn, *args, **kwargs):
         st.live = False
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def make(name: str, config):
+    """The registry's backend ``name`` for ``config``, made under :func:`guarded`: a refusal of
+    the settings raises BackendUnavailable as it is (the caller's n/a or usage error), and
+    anything else its factory raises is the backend's fault (BackendRaised of ``__init__``),
+    never read as kvbench's own error."""
+    try:
+        return guarded("__init__", registry.resolve(name).create, config)
+    except BackendRaised as e:
+        if isinstance(e.error, registry.BackendUnavailable):
+            raise e.error from None
+        raise

@@ -15,6 +15,7 @@ from kvbench.analyses.eviction import (
 from kvbench.analyses import suite
 from kvbench.bench import records
 from kvbench.checking.checker import check
+from kvbench.checking.raised import make
 from kvbench.cli import options
 from kvbench.contract import registry
 from kvbench.outputs import check_writable
@@ -32,7 +33,7 @@ def cmd_eviction(args) -> int:
     for policy in ONLINE_POLICIES:
         config = suite.config_for(trace, policy=policy)
         try:
-            backend = registry.create(args.backend, config)
+            backend = make(args.backend, config)
         except registry.BackendUnavailable as e:
             raise options.UsageError(f"--backend {args.backend}: {e}") from None
         try:

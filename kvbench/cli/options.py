@@ -25,6 +25,7 @@ import threading
 import traceback
 import warnings
 
+from kvbench.checking.raised import BackendRaised
 from kvbench.contract.formulas import MAX_BLOCK_SIZE
 from kvbench.contract import registry
 from kvbench.contract.registry import BackendUnavailable
@@ -222,6 +223,11 @@ def run(command, argv=None, prog: str = "kvbench") -> int:
         _drop_stdout(stdout)
         print(f"{prog}: error: standard output closed before the command finished", file=sys.stderr)
         return EXIT_ERROR
+    except BackendRaised as e:  # a backend crashed outside a check (its making): its FAIL
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: FAIL: the backend's fault: {e}", file=sys.stderr)
+        return EXIT_FAIL
     except Exception as e:
         if debug:
             traceback.print_exc()

@@ -284,8 +284,9 @@ def run_serving(args, stdout=None) -> int:
     code = 0
     if args.check:
         from kvbench.checking.checker import check
+        from kvbench.checking.raised import make
         for name, r in sims.items():
-            fresh = registry.create(name, r.config)
+            fresh = make(name, r.config)
             try:
                 v = check(r.trace, fresh, gather="touched")
             finally:

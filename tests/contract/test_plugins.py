@@ -473,3 +473,17 @@ def test_cli_a_plugin_whose_init_raises_fails_even_with_allow_unavailable(adhoc_
     assert row["divergence"] == ("fork-beam: before step 0 ({'op': '__init__'}): outcome of __init__ "
                                  "expected success, got RuntimeError: boom")
     assert "not run here" not in got.stdout
+
+
+MOONCAKE_LINE = '{"timestamp": 0, "input_length": 40, "output_length": 4, "hash_ids": [0]}\n'
+
+
+@pytest.mark.parametrize("command", [["eviction", str(WORKLOADS["tenant-flood"])],
+                                     ["prefix", "mooncake.jsonl", "--sizes", "4"]])
+def test_cli_a_plugin_whose_init_raises_is_the_backends_fail_in_every_command(adhoc_dir, tmp_path,
+                                                                               command):
+    (tmp_path / "mooncake.jsonl").write_text(MOONCAKE_LINE * 2)
+    got = kvbench(*command, "--backend", "mypkg.faulty:InitRaises", path=adhoc_dir, cwd=tmp_path)
+    assert got.returncode == 1, got.stdout + got.stderr  # a FAIL, not kvbench's error (2)
+    assert "the backend's fault: __init__ raised RuntimeError: boom" in got.stderr
+    assert "internal" not in got.stderr
