@@ -102,6 +102,8 @@ class NumpyFloatPaged(NumpyQuantPaged):
         return (per_slot, m.kv_pair, m.group_layers, m.kv_heads)
 
     def _write_slots(self, slots, kv) -> None:
+        if len(slots) == 0:  # an operation of zero tokens writes nothing (reshape(0, -1) cannot)
+            return
         d = self.config.model.head_dim
         x = np.asarray(kv, dtype=np.float64).reshape(self._row_shape(len(slots)) + (d,))
         ts = self.tensor_scale.astype(np.float64)

@@ -156,7 +156,8 @@ FILLED = {"kvbench eviction TRACE": "kvbench eviction workloads/tenant-flood.jso
               "kvbench gen --family fork_trees --seed 7 --out /tmp/t.jsonl"}
 # Commands in an engine's own environment (vLLM, SGLang or LMCache: scripts/engine_env.sh, opt-in).
 ENGINE_COMMAND = re.compile(r"(?:\S+=\S+ )*(?:\$[VS]/bin/|scripts/engine_env\.sh |[VS]=|"
-                            r"(?:python3 -m venv )?/work/lmcache-env)")
+                            r"(?:python3 -m venv )?/work/lmcache-env|"
+                            r".* --backend (?:vllm|sglang|lmcache)-?)")
 # The README's run and test commands (between their markers: .ci/run reads the second) set up a
 # venv with pip (network); the first is then the default run, a minute of CPU, whose parts run
 # here on single workloads; the second is the test suite, this test among it.
@@ -198,12 +199,13 @@ def substituted(command: str, scratch: Path) -> str:
 
 
 def mooncake_rows(n: int) -> str:
-    """``n`` requests of one to four 512-token blocks, each sharing its first block with the one
-    before it (Mooncake's synthetic trace has the same shape, 3,993 requests of up to 80 blocks)."""
+    """``n`` requests of one to four 512-token blocks, each starting with the same first block
+    (Mooncake's synthetic trace has the same shape, 3,993 requests of up to 80 blocks; an id
+    names a block with its prefix, so it stands at one position)."""
     rows, next_id = [], 1
     for i in range(n):
         blocks = 1 + i % 4
-        ids = [next_id - 1 if i else 0] + list(range(next_id, next_id + blocks - 1))
+        ids = [0] + list(range(next_id, next_id + blocks - 1))
         next_id += blocks - 1
         rows.append(json.dumps({"timestamp": 100 * i, "input_length": 512 * blocks - 17 * (i % 3),
                                 "output_length": 4 + i % 5, "hash_ids": ids}))

@@ -38,7 +38,7 @@ EXAMPLES = {
                "kvbench prefix mooncake_trace.jsonl --backend vllm-blockpool --keep-going"],
     "compare": ["kvbench compare results/runs/run-A.json results/runs/run-B.json --no-charts",
                 "kvbench compare sweep:prefix-cache@abc123 sweep:prefix-cache --metric hit_rate"],
-    "gates": ["kvbench gates                            # what CI runs",
+    "gates": ["kvbench gates                            # exact figures (CI runs these) and speed ratios",
               "kvbench gates --skip-ratios --case fork-beam"],
     "list": ["kvbench list"],
     "list-models": ["kvbench list-models --budget 12GiB --models llama-3-8b,opt-13b"],

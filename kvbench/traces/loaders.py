@@ -145,6 +145,7 @@ def load_mooncake(path, tenant: str = "mooncake", block_size: int | None = None,
     path = str(path)
     out: list[Request] = []
     prev_ms, prev_line = None, None
+    position = {}  # hash id -> (its block index, the line that first gave it)
     for lineno, text in _numbered_lines(path):
         def fail(reason, _line=lineno):
             raise TraceError(reason, path, _line)
@@ -173,6 +174,11 @@ def load_mooncake(path, tenant: str = "mooncake", block_size: int | None = None,
         if len(ids) != want:
             fail(f"hash_ids has {len(ids)} ids but input_length {prompt} needs "
                  f"ceil({prompt} / {source_block_size}) = {want}")
+        for i, h in enumerate(ids):  # an id names its block's whole prefix, so one position
+            at, first = position.setdefault(h, (i, lineno))
+            if at != i:
+                fail(f"hash id {h} names block {i} here but block {at} on line {first}: an id "
+                     f"names a block with its whole prefix, so it stands at one position")
         hashes, size = tuple(ids), source_block_size
         if block_size is not None:
             hashes, size = split_block_hashes(ids, prompt, block_size, source_block_size), block_size

@@ -184,6 +184,9 @@ def mooncake_line(ts=0, n=600, out=1, ids=(0, 1)) -> str:
     ([mooncake_line(ts=10), mooncake_line(ts=9)], 2, ["back in time", "line 1"]),
     ([mooncake_line(ts="now")], 1, ["timestamp"]),
     (["[1, 2]"], 1, ["JSON object"]),
+    # id 1 is block 1 of line 1 (a prefix of 2 blocks), so it cannot be block 0 of line 2
+    ([mooncake_line(ids=(0, 1)), mooncake_line(ts=5, ids=(1, 2))], 2,
+     ["hash id 1 names block 0 here but block 1 on line 1"]),
 ])
 def test_bad_mooncake_lines_are_refused_naming_file_and_line(tmp_path, lines, line, words):
     path = tmp_path / "bad.jsonl"
