@@ -75,7 +75,7 @@ def import_graph(*, programs: bool = True) -> dict[str, set]:
 
 # kvbench's wings, bottom first: each imports only from the wings below it (and the shared
 # utilities: kvbench.outputs, kvbench.progress, kvbench.charts, which import only contract).
-LAYERS = ("contract", "traces", "quant", "model", "checking", "analyses", "bench", "cli")
+LAYERS = ("contract", "traces", "quant", "model", "checking", "search", "analyses", "bench", "cli")
 
 
 def wing(module: str) -> str:
@@ -152,6 +152,17 @@ def test_the_layer_rule_finds_an_import_from_above():
                                        "kvbench.checking.suite -> kvbench.analyses.eviction"]
 
 
+def test_the_search_sits_above_the_checker():
+    # The search drives the checker; the checker knows nothing of who drives it.
+    graph = {"kvbench.checking.checker": {"kvbench.search.shrink"},
+             "kvbench.search.shrink": {"kvbench.checking.checker", "kvbench.model.oracle"},
+             "kvbench.search.fuzz": {"kvbench.analyses.suite"},
+             "kvbench.model.oracle": {"kvbench.search.histories"}}
+    assert layer_violations(graph) == ["kvbench.checking.checker -> kvbench.search.shrink",
+                                       "kvbench.model.oracle -> kvbench.search.histories",
+                                       "kvbench.search.fuzz -> kvbench.analyses.suite"]
+
+
 def test_wings_import_only_from_below():
     graph = import_graph(programs=False)
     assert graph["kvbench.cli.run"], "the import graph came out empty: the scan is broken"
@@ -172,9 +183,9 @@ def test_no_import_loops():
     assert cycles(graph) == []
 
 
-@pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.oracle",
-                                  "kvbench.checking.checker"])
-def test_the_oracle_and_checker_import_no_backend(wing):
+@pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.checker",
+                                  "kvbench.search.shrink", "kvbench.search.fuzz"])
+def test_the_model_checker_and_search_import_no_backend(wing):
     graph = import_graph()
     assert "kvbench.contract.protocol" in reachable(graph, wing)  # the scan sees their imports
     backends = sorted(m for m in reachable(graph, wing) if m.startswith("impls"))
