@@ -206,6 +206,36 @@ def test_the_model_imports_only_the_wings_below_it():
     assert outside == [], f"kvbench.model reaches {outside}"
 
 
+def _doc_entries(doc: str, package: str) -> dict[str, str]:
+    """docs/architecture.md's one-line entries under ``kvbench/<package>/``: name -> its text."""
+    entries, inside, name = {}, False, None
+    for line in doc.splitlines():
+        if line.startswith("kvbench/"):
+            inside = line.startswith(f"kvbench/{package}/ ")
+        elif inside and line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            entries[name] = text
+        elif inside and name and line.startswith(" "):
+            entries[name] += " " + line.strip()  # an entry's second line
+        else:
+            inside = False
+    return entries
+
+
+@pytest.mark.parametrize("package", ["model", "checking", "search"])
+def test_the_architecture_doc_names_every_module_of_the_model_checking_and_search(package):
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    entries = _doc_entries(doc, package)
+    folder = ROOT / "kvbench" / package
+    expected = ({p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+                | {f"{p.parent.name}/" for p in folder.glob("*/__init__.py")})
+    assert set(entries) == expected  # a module with no line, or a line naming no module
+    for sub in folder.glob("*/__init__.py"):  # a subpackage's line names its modules
+        unnamed = [p.name for p in sub.parent.glob("*.py")
+                   if p.name != "__init__.py" and p.name not in entries[f"{sub.parent.name}/"]]
+        assert unnamed == [], f"docs/architecture.md's {package}/{sub.parent.name}/ line: {unnamed}"
+
+
 def test_long_modules_say_why():
     long = {}
     for name, path in modules().items():
