@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # impls, for the catalogue's fault
 
-from kvbench.checking.shrink import DEFAULT_MAX_SECONDS  # noqa: E402
 from kvbench.cli import main  # noqa: E402
+from kvbench.search.shrink import DEFAULT_MAX_SECONDS  # noqa: E402
 from kvbench.traces.format import load, save  # noqa: E402
 from kvbench.traces.generators import generate  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Host-side prefix caching shared by the paged backends: block keys and the hybrid prefix hit.
 
 Keys are the backends' own (SHA-256, stable across processes), derived from what a prefill names:
-the checker derives which blocks may be shared independently (kvbench.checking.oracle).
+the checker derives which blocks may be shared independently (kvbench.model.oracle).
 """
 from __future__ import annotations
 

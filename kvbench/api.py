@@ -7,8 +7,6 @@ plug-in backends, notebooks. Names are only ever added here, never moved or remo
 from kvbench import quant
 from kvbench.checking.checker import Divergence, Verdict, check
 from kvbench.checking.driver import replay, replay_figures
-from kvbench.checking.oracle import Oracle
-from kvbench.checking.shrink import ShrinkResult, shrink
 from kvbench.contract import registry
 from kvbench.contract.formulas import ModelSpec, blocks_needed, budget_blocks, get_model
 from kvbench.contract.protocol import (
@@ -21,6 +19,8 @@ from kvbench.contract.protocol import (
                                        kv_tokens,
                                        kv_values,
 )
+from kvbench.model.oracle import Oracle
+from kvbench.search.shrink import ShrinkResult, shrink
 from kvbench.traces.format import (
                                        Append,
                                        Fork,

@@ -69,7 +69,7 @@ def free_run(backend: str, cfg, trace) -> int:
 
 
 def _oracle(cfg, caps):
-    from kvbench.checking.oracle import Oracle
+    from kvbench.model.oracle import Oracle
     return Oracle(dataclasses.replace(cfg), capabilities=caps)
 
 

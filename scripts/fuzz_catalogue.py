@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from impls.faults import CATALOGUE  # noqa: E402
-from kvbench.checking.fuzz import Campaign  # noqa: E402
 from kvbench.contract import registry  # noqa: E402
+from kvbench.search.fuzz import Campaign  # noqa: E402
 
 SPEED_BACKENDS = ("numpy", "python-objects")
 

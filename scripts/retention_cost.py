@@ -18,7 +18,7 @@ from pathlib import Path
 from impls.engines.vllm_kvmanager import capabilities_for
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Prefill
 
 RULES = (("sparse (vLLM's default)", 0), ("dense (SPEC)", None))  # retention interval

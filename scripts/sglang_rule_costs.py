@@ -18,8 +18,8 @@ from pathlib import Path
 
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.contract.protocol import Capabilities
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Prefill
 
 SGLANG = Capabilities(layout="paged", holds_kv=False, prefix_caching=True, fork_via="prefix",

@@ -75,7 +75,7 @@ def import_graph(*, programs: bool = True) -> dict[str, set]:
 
 # kvbench's wings, bottom first: each imports only from the wings below it (and the shared
 # utilities: kvbench.outputs, kvbench.progress, kvbench.charts, which import only contract).
-LAYERS = ("contract", "traces", "quant", "model", "checking", "analyses", "bench", "cli")
+LAYERS = ("contract", "traces", "quant", "model", "checking", "search", "analyses", "bench", "cli")
 
 
 def wing(module: str) -> str:
@@ -152,6 +152,17 @@ def test_the_layer_rule_finds_an_import_from_above():
                                        "kvbench.checking.suite -> kvbench.analyses.eviction"]
 
 
+def test_the_search_sits_above_the_checker():
+    # The search drives the checker; the checker knows nothing of who drives it.
+    graph = {"kvbench.checking.checker": {"kvbench.search.shrink"},
+             "kvbench.search.shrink": {"kvbench.checking.checker", "kvbench.model.oracle"},
+             "kvbench.search.fuzz": {"kvbench.analyses.suite"},
+             "kvbench.model.oracle": {"kvbench.search.histories"}}
+    assert layer_violations(graph) == ["kvbench.checking.checker -> kvbench.search.shrink",
+                                       "kvbench.model.oracle -> kvbench.search.histories",
+                                       "kvbench.search.fuzz -> kvbench.analyses.suite"]
+
+
 def test_wings_import_only_from_below():
     graph = import_graph(programs=False)
     assert graph["kvbench.cli.run"], "the import graph came out empty: the scan is broken"
@@ -172,9 +183,9 @@ def test_no_import_loops():
     assert cycles(graph) == []
 
 
-@pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.oracle",
-                                  "kvbench.checking.checker"])
-def test_the_oracle_and_checker_import_no_backend(wing):
+@pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.checker",
+                                  "kvbench.search.shrink", "kvbench.search.fuzz"])
+def test_the_model_checker_and_search_import_no_backend(wing):
     graph = import_graph()
     assert "kvbench.contract.protocol" in reachable(graph, wing)  # the scan sees their imports
     backends = sorted(m for m in reachable(graph, wing) if m.startswith("impls"))
@@ -193,6 +204,36 @@ def test_the_model_imports_only_the_wings_below_it():
         ("kvbench.model", "kvbench.contract", "kvbench.traces", "kvbench.quant"))
         or m.startswith("impls"))
     assert outside == [], f"kvbench.model reaches {outside}"
+
+
+def _doc_entries(doc: str, package: str) -> dict[str, str]:
+    """docs/architecture.md's one-line entries under ``kvbench/<package>/``: name -> its text."""
+    entries, inside, name = {}, False, None
+    for line in doc.splitlines():
+        if line.startswith("kvbench/"):
+            inside = line.startswith(f"kvbench/{package}/ ")
+        elif inside and line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            entries[name] = text
+        elif inside and name and line.startswith(" "):
+            entries[name] += " " + line.strip()  # an entry's second line
+        else:
+            inside = False
+    return entries
+
+
+@pytest.mark.parametrize("package", ["model", "checking", "search"])
+def test_the_architecture_doc_names_every_module_of_the_model_checking_and_search(package):
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    entries = _doc_entries(doc, package)
+    folder = ROOT / "kvbench" / package
+    expected = ({p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+                | {f"{p.parent.name}/" for p in folder.glob("*/__init__.py")})
+    assert set(entries) == expected  # a module with no line, or a line naming no module
+    for sub in folder.glob("*/__init__.py"):  # a subpackage's line names its modules
+        unnamed = [p.name for p in sub.parent.glob("*.py")
+                   if p.name != "__init__.py" and p.name not in entries[f"{sub.parent.name}/"]]
+        assert unnamed == [], f"docs/architecture.md's {package}/{sub.parent.name}/ line: {unnamed}"
 
 
 def test_long_modules_say_why():

@@ -2,7 +2,7 @@
 
 For each committed workload, under each policy `kvbench run` replays it with, the oracle alone
 replays it (the NumPy pool's capabilities, the run's settings) and reports the operations it
-holds and the edge conditions it reaches: the fuzzer's (kvbench.checking.fuzz.Watch: exact
+holds and the edge conditions it reaches: the fuzzer's (kvbench.search.fuzz.Watch: exact
 fits, refusals, evictions, hits on block-aligned prompts, window releases, forks at partial
 tails, wide decode steps, ...) and those below (a hit cut short by a sliding window, the
 lifecycles, the tiers, the prompt namings). A condition no run reaches is flagged. With
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from kvbench.analyses import suite
 from kvbench.checking.checker import applicable, check, oracle_for
-from kvbench.checking.fuzz import EDGES, Watch
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
+from kvbench.search.fuzz import EDGES, Watch
 from kvbench.traces.tier_ops import Abort, Load, Store
 
 IMPLS = Path(__file__).resolve().parents[2] / "impls"

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 from kvbench.charts import finish
 from kvbench.checking.checker import Verdict, check
-from kvbench.checking.oracle import Oracle
 from kvbench.contract.formulas import blocks_needed, jain_index
 from kvbench.contract.ledger import MEMORY_CATEGORIES
 from kvbench.contract.protocol import CacheConfig
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace
 
 if TYPE_CHECKING:  # imported where a table is made: a run that only checks skips its ~70 MB

@@ -40,7 +40,7 @@ import numpy as np
 from kvbench.checking import expectations, identities, tier_replay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.driver import Driver
-from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
+from kvbench.model.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
 from kvbench.model.tiered import TieredOracle

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from kvbench.bench import records
-from kvbench.checking.fuzz import DEFAULT_SHRINK_ATTEMPTS, DEFAULT_SHRINK_SECONDS, Campaign
 from kvbench.cli import options
 from kvbench.outputs import check_writable
 from kvbench.progress import Progress
+from kvbench.search.fuzz import DEFAULT_SHRINK_ATTEMPTS, DEFAULT_SHRINK_SECONDS, Campaign
 
 DEFAULT_MINUTES = 5.0
 

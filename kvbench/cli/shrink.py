@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 from kvbench.analyses import suite
-from kvbench.checking.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, shrink
 from kvbench.cli import options
 from kvbench.cli.run import add_cache_args, settings
 from kvbench.outputs import check_writable, write_text
 from kvbench.progress import Progress
+from kvbench.search.shrink import DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_SECONDS, shrink
 from kvbench.traces.loaders import load_trace
 
 

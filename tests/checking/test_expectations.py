@@ -103,7 +103,7 @@ def test_the_oracle_version_follows_its_sources(tmp_path, monkeypatch):
     monkeypatch.setattr(expectations, "ROOT", tmp_path)
     expectations.oracle_version.cache_clear()
     assert expectations.oracle_version() == before  # the same sources
-    oracle = tmp_path / "kvbench" / "checking" / "oracle.py"
+    oracle = tmp_path / "kvbench" / "model" / "oracle.py"
     oracle.write_text(oracle.read_text() + "\n# a change\n")
     expectations.oracle_version.cache_clear()
     assert expectations.oracle_version() != before

@@ -17,10 +17,10 @@ from impls.contiguous import Contiguous
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
 from kvbench.checking.identities import ledger_identities, structure_identities
-from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import BlockState, CacheConfig, Ledger, OutOfMemory, Prompt
+from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.traces.format import (
     Append,
     Fork,

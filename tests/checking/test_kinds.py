@@ -15,11 +15,11 @@ from impls.contiguous import Contiguous
 from impls.faults import ChunkSlidesAsWindow, SinkReleasedEarly
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.cli import main
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import CacheConfig, Prompt, kv_tokens
+from kvbench.model.oracle import Oracle
 
 GiB = 2**30
 

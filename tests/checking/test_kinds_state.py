@@ -12,10 +12,10 @@ from test_kinds import kinds_config, runs
 from impls.faults import StateHitsNever, StateNotZeroed, StateOneBoundaryEarly
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.contract.protocol import Prompt, advance_state, kv_tokens
+from kvbench.model.oracle import Oracle
 
 MAMBA = F.get_model("tiny-mamba")
 STATE = MAMBA.kv_groups[0]

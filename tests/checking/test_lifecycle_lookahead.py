@@ -14,8 +14,8 @@ from test_lifecycles import LIFECYCLE_TRACE
 from impls.numpy_lookahead import NumpyEagle, NumpyLookahead
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract.protocol import Capabilities
+from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.traces.ops import Accept, Append, Prefill
 
 LOOKAHEAD = Capabilities(lookahead_slots=True)

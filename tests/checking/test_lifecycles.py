@@ -11,9 +11,9 @@ from conftest import P, X, make_config, make_trace
 
 from impls.object_model import ObjectModel
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.contract import registry
 from kvbench.contract.protocol import Backend
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import TraceError, final_lengths, loads, op_to_dict, to_csv
 from kvbench.traces.ops import Accept, Append, Preempt, Prefill, Resume
 

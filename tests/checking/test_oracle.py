@@ -6,9 +6,9 @@ import copy
 import pytest
 from conftest import TINY, make_config
 
-from kvbench.checking.oracle import ModelOOM, Oracle, step
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Capabilities
+from kvbench.model.oracle import ModelOOM, Oracle, step
 
 B = 16
 BLOCK_BYTES = B * TINY.bytes_per_token  # 16 * 128 = 2048

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from kvbench.checking.oracle import Oracle
 from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
+from kvbench.model.oracle import Oracle
 
 from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM, capabilities_for  # without vLLM
 

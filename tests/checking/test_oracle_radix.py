@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvbench.checking.oracle import ModelOOM, Oracle
+from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.model.rules.sglang import RadixTree
 from kvbench.contract.protocol import CacheConfig, Capabilities
 

@@ -8,7 +8,7 @@ in tests/engines/test_vllm_kvmanager.py.
 """
 from __future__ import annotations
 
-from kvbench.checking.oracle import Oracle
+from kvbench.model.oracle import Oracle
 from kvbench.model.rules.vllm import retained_positions
 from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig

@@ -8,8 +8,8 @@ from conftest import make_config
 
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.contract import registry
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, loads
 
 # The trace: a block-aligned prompt seen before, every one of its blocks a hit.

@@ -25,9 +25,9 @@ from hypothesis.stateful import (
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
-from kvbench.checking.reproduce import failure_trace
 from kvbench.checking.verdict import OOM, SUCCESS
 from kvbench.contract import registry
+from kvbench.search.reproduce import failure_trace
 from kvbench.traces.format import (
     Append,
     Fork,

@@ -12,7 +12,7 @@ from conftest import P, X, counting_calls, make_config, make_trace
 from impls.numpy_paged import NumpyPaged
 from impls.object_model import ObjectModel
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
+from kvbench.model.oracle import Oracle
 
 # One sequence stays (block 0); then sequences 1, 2, ... of one block each come and go, each
 # taking block 1 and giving it back: 1 + 2 * 9 = 19 operations.

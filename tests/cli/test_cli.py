@@ -305,7 +305,7 @@ def test_every_command_that_reads_a_trace_takes_every_format_it_can():
 
 
 def test_a_terminated_fuzz_says_terminated_and_exits_143(tmp_path, monkeypatch, capsys):
-    from kvbench.checking import fuzz
+    from kvbench.search import fuzz
     from kvbench.cli import options
 
     def one(self, index, caps):  # SIGTERM in the first history

@@ -352,7 +352,7 @@ def test_an_io_error_writing_the_record_names_the_file(tmp_path):
 # --- shrink --------------------------------------------------------------------------------
 
 def test_shrink_stopped_at_once_still_cuts_after_the_failure(tmp_path, capsys, monkeypatch):
-    from kvbench.checking import shrink as S
+    from kvbench.search import shrink as S
     src = tmp_path / "tenant-flood.jsonl"
     src.write_text(Path(MIX).read_text())
     out = tmp_path / "min.jsonl"

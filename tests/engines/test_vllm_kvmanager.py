@@ -24,10 +24,10 @@ from conftest import P, X, make_config, make_trace
 
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.contract.formulas import get_model
 from kvbench.contract.protocol import CacheConfig, OutOfMemory, Prompt
+from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.ops import Accept, Append, Fork
 from kvbench.traces.loaders import load_requests

@@ -7,8 +7,8 @@ import pytest
 
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import ModelOOM, Oracle
 from kvbench.contract import registry
+from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.traces.format import load
 
 WORKLOADS = suite.WORKLOADS_DIR

@@ -8,8 +8,8 @@ import runpy
 from conftest import make_config
 
 from impls.numpy_paged import NumpyPaged
-from kvbench.checking.reproduce import emit_pytest
 from kvbench.contract import registry
+from kvbench.search.reproduce import emit_pytest
 from kvbench.traces.format import Header, Prefill, Trace, validate
 from kvbench.traces.ops import Abort, Preempt
 from kvbench.traces.tier_ops import TierSpec

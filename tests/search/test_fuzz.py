@@ -12,12 +12,12 @@ from impls import faults, faults_edges
 from impls.numpy_paged import NumpyPaged
 from kvbench.analyses import suite
 from kvbench.checking.checker import check, oracle_for
-from kvbench.checking.fuzz import Campaign, Watch, budget_for
-from kvbench.checking.reproduce import divergence_kind
 from kvbench.cli import main
 from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
-from kvbench.traces import random_histories as R
+from kvbench.search import histories as R
+from kvbench.search.fuzz import Campaign, Watch, budget_for
+from kvbench.search.reproduce import divergence_kind
 from kvbench.traces.format import Append, Fork, Header, Prefill, Trace, load, validate
 
 SMALL = 40  # histories: every fault below shows within this many under seed 0

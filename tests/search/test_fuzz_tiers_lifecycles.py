@@ -11,12 +11,12 @@ import pytest
 
 from impls import faults, faults_tiers
 from impls.numpy_paged import NumpyPaged
-from kvbench.checking.fuzz import Campaign
 from kvbench.cli import main
 from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
-from kvbench.traces import edits
-from kvbench.traces import random_histories as R
+from kvbench.search import edits
+from kvbench.search import histories as R
+from kvbench.search.fuzz import Campaign
 from kvbench.traces.format import Append, Prefill, loads
 from kvbench.traces.ops import Accept, Done, Free, Store
 

@@ -15,14 +15,14 @@ from test_faults import CASES
 from test_quant_pool import BytesWithoutMetadata, CowWithoutScales
 
 from impls.numpy_paged import NumpyPaged
-from kvbench.checking import shrink as S
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.checking.oracle import Oracle
-from kvbench.checking.reproduce import divergence_kind
 from kvbench.cli import main
 from kvbench.cli import shrink as shrink_cli
-from kvbench.traces import edits
+from kvbench.model.oracle import Oracle
+from kvbench.search import edits
+from kvbench.search import shrink as S
+from kvbench.search.reproduce import divergence_kind
 from kvbench.traces.format import Append, Fork, Free, Prefill, Trace, load, loads, validate
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
@@ -355,7 +355,7 @@ def test_a_failure_found_under_no_policy_replays_under_no_policy():
     # default; a failure written from a run under none must say so, or `kvbench check` would
     # replay it under settings it never failed under.
     from impls.faults import FloorBlocks
-    from kvbench.checking.reproduce import failure_trace
+    from kvbench.search.reproduce import failure_trace
     trace = load(str(WORKLOADS / "tenant-flood.jsonl"))
     assert suite.policies_for(trace, "auto") == ["lru", "lfu", "fair"]
     config = suite.config_for(trace, policy=None)

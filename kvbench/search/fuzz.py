@@ -1,14 +1,14 @@
 """Fuzzing a backend (`kvbench fuzz`): random histories over random settings under the checker,
 every failure shrunk to a small trace and a pytest case, with what the campaign reached.
 
-A campaign draws history after history (kvbench.traces.random_histories: only what the
+A campaign draws history after history (kvbench.search.histories: only what the
 backend's capabilities declare). For each it replays the trace through the oracle alone under a
 budget no operation can exhaust to find its peak demand, sets the budget against that peak as
 the history's settings say (exact fit, one block short, one over, tight, roomy), replays the
 oracle alone again under that budget watching which edge conditions the history reaches
 (:class:`Watch`), then checks the backend. A failure is classified by its divergence kind
-(kvbench.checking.reproduce.divergence_kind: the quantity, or the exception type) and the
-operation it happened at; the first of each class is shrunk (kvbench.checking.shrink) and
+(kvbench.search.reproduce.divergence_kind: the quantity, or the exception type) and the
+operation it happened at; the first of each class is shrunk (kvbench.search.shrink) and
 written as NAME.min.jsonl and test_NAME_min.py, later ones only counted. The summary (JSON and
 markdown) is rewritten after each new finding and at the end, so Ctrl-C loses nothing found.
 
@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.checking.checker import check, oracle_for
-from kvbench.checking.oracle import Oracle
-from kvbench.checking.reproduce import divergence_kind, failure_trace, jsonable, settings_of
-from kvbench.checking.shrink import shrink
 from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
+from kvbench.model.oracle import Oracle
 from kvbench.outputs import write_text
+from kvbench.search.histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
+from kvbench.search.reproduce import divergence_kind, failure_trace, jsonable, settings_of
+from kvbench.search.shrink import shrink
 from kvbench.traces.builder import peak_blocks
 from kvbench.traces.format import Append, Fork, Prefill, Trace
-from kvbench.traces.random_histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
 
 DEFAULT_SHRINK_SECONDS = 120.0
 DEFAULT_SHRINK_ATTEMPTS = 3000

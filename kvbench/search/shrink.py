@@ -7,7 +7,7 @@ smallest it found with a header that records where it came from. A backend that 
 nothing to shrink; a trace the checker cannot judge (not applicable, or an error of the harness
 itself) is refused with the reason.
 
-The moves (edits in kvbench/traces/edits.py), cheapest first and repeated until none helps:
+The moves (edits in kvbench/search/edits.py), cheapest first and repeated until none helps:
 cut after the failure; keep only the sequences touched in the last 1, 2, 4, ... operations before
 it; ddmin over sequences, then over append members and frees; merge appends; shorten token
 counts; lower the budget and the block size; renumber (docs/shrinking.md says more).
@@ -30,8 +30,8 @@ from kvbench.checking.verdict import OOM, Divergence, Verdict
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, CacheConfig
 from kvbench.progress import Deadline, OutOfTime
-from kvbench.traces import edits
-from kvbench.checking.reproduce import (
+from kvbench.search import edits
+from kvbench.search.reproduce import (
     divergence_kind,
     emit_pytest,
     failure_trace,
@@ -138,7 +138,7 @@ class ShrinkResult:
                 f"{self.seconds:.1f} s, {self.stopped}): {self.kind}")
 
     def pytest_source(self, factory: BackendFactory) -> str:
-        """The shrunk trace as a pytest case (kvbench.checking.reproduce.emit_pytest)."""
+        """The shrunk trace as a pytest case (kvbench.search.reproduce.emit_pytest)."""
         title = (f"Shrunk by `kvbench shrink` from {self.trace.header.params['source']['trace']} "
                  f"({len(self.original)} ops, first divergence at step {self.divergence.step})")
         return emit_pytest(self.trace, factory, self.shrunk_config, self.backend,

@@ -48,6 +48,8 @@ from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
 from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
 
+# The generator's name and version in the headers of the traces it draws: its old path, kept when
+# the module moved (kvbench/traces/ to kvbench/search/) so that a history is the same bytes as before.
 GENERATOR = "kvbench.traces.random_histories v1"
 BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 32)
 LARGE_BLOCK = 256  # a full block of 256 tokens: a one-byte fill counter wraps to 0

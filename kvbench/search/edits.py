@@ -1,4 +1,4 @@
-"""Edits that keep a trace legal: the moves a shrinker makes (kvbench/checking/shrink.py).
+"""Edits that keep a trace legal: the moves a shrinker makes (kvbench/search/shrink.py).
 
 Every edit takes a list of operations and returns a new one; none changes an operation in place.
 They are generic over the operation dataclasses' fields, so a field added to the format later
