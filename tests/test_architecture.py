@@ -372,3 +372,35 @@ def test_tests_mirror_the_packages():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     path = pyproject["tool"]["pytest"]["ini_options"]["pythonpath"]
     assert sorted(path) == sorted(["tests"] + [f"tests/{f}" for f in folders])
+
+
+def test_one_verdict_shape():
+    # The checker's verdict and the quantization checker's read alike: valid, status, the first
+    # failure of each kind (quantity, expected, actual, detail), first, explain(), as_dict().
+    from kvbench.checking.verdict import Divergence, Verdict
+    from kvbench.quant.check import QuantFailure, QuantVerdict
+
+    d1 = Divergence("t", 3, 7, {"op": "free"}, "blocks_used", 2, 3, "one block kept")
+    d2 = Divergence("t", 5, 9, {"op": "append"}, "kv of sequence 1", "zeros", "ones")
+    q1 = QuantFailure("max_abs_error", (0, 4), 0.5, 0.75, "bound")
+    q2 = QuantFailure("stored_bytes", None, 64, 72)
+    failing = [
+        (Verdict("t", "numpy", False, ops=6, divergence=d1,
+                 divergences=[{"kind": "blocks_used", "first": d1, "count": 2, "stopped": False},
+                              {"kind": "kv of sequence N", "first": d2, "count": 1, "stopped": True}]),
+         (d1, d2)),
+        (QuantVerdict(False, (q1, q2), scheme="int8"), (q1, q2)),
+    ]
+    for v, failures in failing:
+        assert (v.valid, v.status) == (False, "FAIL")
+        assert v.failures == failures and v.first is failures[0]
+        assert v.quantities() == [f.quantity for f in failures]
+        assert v.failure(failures[1].quantity) is failures[1] and v.failure("nothing") is None
+        assert all(str(f) in v.explain() for f in failures), v.explain()
+        assert v.as_dict()["valid"] is False
+        for f in v.failures:
+            assert {"quantity", "expected", "actual", "detail"} <= set(vars(f))
+    # a verdict that stopped at its first divergence, without keep_going, has that one failure
+    assert Verdict("t", "numpy", False, divergence=d1).failures == (d1,)
+    for v in (Verdict("t", "numpy", True, ops=6), QuantVerdict(True, scheme="int8")):
+        assert (v.valid, v.status, v.failures, v.first) == (True, "pass", (), None)
