@@ -473,3 +473,14 @@ def test_cli_a_plugin_whose_init_raises_fails_even_with_allow_unavailable(adhoc_
     assert row["divergence"] == ("fork-beam: before step 0 ({'op': '__init__'}): outcome of __init__ "
                                  "expected success, got RuntimeError: boom")
     assert "not run here" not in got.stdout
+
+
+def test_registry_load_reaches_a_named_object_as_a_plugin_is_reached():
+    # How kvbench reaches impls/ without importing it (the fault catalogue, the ratio gates'
+    # kernels): the object a "module:attr" names; a name without ":attr" is refused, saying so.
+    import impls.faults
+    from kvbench.contract import registry
+
+    assert registry.load("impls.faults:CATALOGUE") is impls.faults.CATALOGUE
+    with pytest.raises(ValueError, match="'impls.faults' must look like 'package.module:Factory'"):
+        registry.load("impls.faults")
