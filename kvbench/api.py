@@ -1,7 +1,7 @@
 """kvbench's small, stable public surface.
 
 What code outside kvbench may import without following the package's layout: the asv suite
-(which must also import the kvbench of older commits, see asv_bench/benchmarks/common.py),
+(which must also import the kvbench of older commits, see kvbench/bench/fixtures.py),
 plug-in backends, notebooks. Names are only ever added here, never moved or removed.
 """
 from kvbench import quant

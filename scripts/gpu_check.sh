@@ -23,4 +23,4 @@ py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
-exec "$py" -m kvbench.bench.gpu --out "$out" "$@"
+exec "$py" -m kvbench.cli.gpu --out "$out" "$@"

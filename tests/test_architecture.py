@@ -177,10 +177,94 @@ def test_shared_utilities_import_only_the_contract():
 
 
 def test_no_import_loops():
-    graph = import_graph(programs=False)
+    # Every import counts, function bodies' and programs' (`if __name__ == "__main__":`) too: a
+    # program that imports its caller's module is a loop all the same (bench.gpu <-> cli.gpu was).
+    graph = import_graph()
     assert "kvbench.checking.checker" in graph and graph["kvbench.checking.checker"], \
         "the import graph came out empty: the scan is broken"
     assert cycles(graph) == []
+
+
+def test_the_import_scan_sees_function_level_and_program_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n")
+    (pkg / "b.py").write_text('if __name__ == "__main__":\n    from pkg.a import f\n')
+    known = {"pkg", "pkg.a", "pkg.b"}
+    graph = {m: imports_of(m, pkg / f"{m.split('.')[1]}.py", known) for m in ("pkg.a", "pkg.b")}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def _string_arg(call) -> str:
+    arg = call.args[0] if call.args else None
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+
+
+def backend_imports(source: str) -> list[str]:
+    """Where ``source`` imports a module of impls/: an import statement (anywhere in the file), or
+    importlib.import_module / __import__ of a string naming one. (A ``"impls.x:Factory"`` target
+    handed to the registry's loader is how kvbench reaches a backend, as it reaches a plug-in's.)"""
+    found = []
+    for node in sorted((n for n in ast.walk(ast.parse(source)) if hasattr(n, "lineno")),
+                       key=lambda n: (n.lineno, n.col_offset)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else []
+        elif isinstance(node, ast.Call) and (
+                isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+                or isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")):
+            names = [_string_arg(node)]
+        else:
+            continue
+        found += [f"line {node.lineno}: {n}" for n in names if n == "impls" or n.startswith("impls.")]
+    return found
+
+
+def test_the_backend_import_scan_finds_each_way_in():
+    planted = ("import impls.numpy_paged\n"
+               "def f():\n    from impls import faults\n"
+               "import importlib\nimportlib.import_module('impls.torch_paged')\n"
+               "__import__('impls')\n"
+               "from kvbench.contract import registry\nregistry.load('impls.faults:CATALOGUE')\n"
+               "import implsx\n")
+    assert backend_imports(planted) == ["line 1: impls.numpy_paged", "line 3: impls",
+                                        "line 5: impls.torch_paged", "line 6: impls"]
+
+
+def test_kvbench_imports_nothing_of_impls():
+    # Backends (and the fault catalogue, the kernels the ratio gates time) are reached through the
+    # registry, as a plug-in's are: kvbench stands without impls/, and impls/ depends on kvbench.
+    found = {name: got for name, path in modules().items() if name.startswith("kvbench")
+             for got in [backend_imports(path.read_text(encoding="utf-8"))] if got}
+    assert "kvbench.contract.registry" in modules()  # the scan sees kvbench's modules
+    assert found == {}, found
+
+
+def asv_paths(source: str) -> list[str]:
+    """The string literals of ``source`` that are a path into asv_bench/ (a docstring or a message
+    that names the folder is no path)."""
+    return [f"line {n.lineno}: {n.value}" for n in sorted(
+        (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant)
+         and isinstance(n.value, str) and n.value.removeprefix("./").partition("/")[0] == "asv_bench"),
+        key=lambda n: (n.lineno, n.col_offset))]
+
+
+def test_the_asv_path_scan_finds_a_path_and_not_a_mention():
+    planted = ('"""Fixtures of asv_bench/benchmarks."""\n'
+               'COMMON = ROOT / "asv_bench" / "benchmarks" / "common.py"\n'
+               'OTHER = "asv_bench/benchmarks/common.py"\n'
+               'raise RuntimeError(f"append it to asv_bench/benchmarks/common.py in {ROOT}")\n')
+    assert asv_paths(planted) == ["line 2: asv_bench", "line 3: asv_bench/benchmarks/common.py"]
+
+
+def test_kvbench_loads_nothing_of_asv_bench_by_path():
+    # The asv suite is above kvbench (it imports kvbench, and loads kvbench/bench/fixtures.py):
+    # `kvbench gates` runs from an installed kvbench, without the asv suite beside it.
+    found = {name: got for name, path in modules().items() if name.startswith("kvbench")
+             for got in [asv_paths(path.read_text(encoding="utf-8"))] if got}
+    assert found == {}, found
 
 
 @pytest.mark.parametrize("wing", ["kvbench.model.oracle", "kvbench.checking.checker",
@@ -329,3 +413,35 @@ def test_tests_mirror_the_packages():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     path = pyproject["tool"]["pytest"]["ini_options"]["pythonpath"]
     assert sorted(path) == sorted(["tests"] + [f"tests/{f}" for f in folders])
+
+
+def test_one_verdict_shape():
+    # The checker's verdict and the quantization checker's read alike: valid, status, the first
+    # failure of each kind (quantity, expected, actual, detail), first, explain(), as_dict().
+    from kvbench.checking.verdict import Divergence, Verdict
+    from kvbench.quant.check import QuantFailure, QuantVerdict
+
+    d1 = Divergence("t", 3, 7, {"op": "free"}, "blocks_used", 2, 3, "one block kept")
+    d2 = Divergence("t", 5, 9, {"op": "append"}, "kv of sequence 1", "zeros", "ones")
+    q1 = QuantFailure("max_abs_error", (0, 4), 0.5, 0.75, "bound")
+    q2 = QuantFailure("stored_bytes", None, 64, 72)
+    failing = [
+        (Verdict("t", "numpy", False, ops=6, divergence=d1,
+                 divergences=[{"kind": "blocks_used", "first": d1, "count": 2, "stopped": False},
+                              {"kind": "kv of sequence N", "first": d2, "count": 1, "stopped": True}]),
+         (d1, d2)),
+        (QuantVerdict(False, (q1, q2), scheme="int8"), (q1, q2)),
+    ]
+    for v, failures in failing:
+        assert (v.valid, v.status) == (False, "FAIL")
+        assert v.failures == failures and v.first is failures[0]
+        assert v.quantities() == [f.quantity for f in failures]
+        assert v.failure(failures[1].quantity) is failures[1] and v.failure("nothing") is None
+        assert all(str(f) in v.explain() for f in failures), v.explain()
+        assert v.as_dict()["valid"] is False
+        for f in v.failures:
+            assert {"quantity", "expected", "actual", "detail"} <= set(vars(f))
+    # a verdict that stopped at its first divergence, without keep_going, has that one failure
+    assert Verdict("t", "numpy", False, divergence=d1).failures == (d1,)
+    for v in (Verdict("t", "numpy", True, ops=6), QuantVerdict(True, scheme="int8")):
+        assert (v.valid, v.status, v.failures, v.first) == (True, "pass", (), None)

@@ -1,1 +1,1 @@
-"""asv benchmarks: one module per area, fixtures in common.py (append only)."""
+"""asv benchmarks: one module per area, fixtures in common.py (kvbench/bench/fixtures.py, append only)."""

@@ -23,29 +23,27 @@ ones, and the ratio gates only with ``KVBENCH_RATIO_GATES=1`` (docs/benchmarks.m
   slowdown fails them and how often an unchanged tree does (results/gates/power.md).
 
 The cases, their settings and their backends are the asv suite's fixtures
-(asv_bench/benchmarks/common.py, loaded by path: the suite's own lists, which stored results are
-keyed by), and each case replays through kvbench's one driver (:func:`kvbench.checking.driver.replay_figures`,
-which common.py imports too), so the gates and the ``track_`` benchmarks measure the same thing.
+(:mod:`kvbench.bench.fixtures`, which asv_bench/benchmarks/common.py loads: the suite's own lists,
+which stored results are keyed by), and each case replays through kvbench's one driver (:func:`kvbench.checking.driver.replay_figures`,
+which the fixtures call too), so the gates and the ``track_`` benchmarks measure the same thing.
 
 The ratio gates are in :mod:`kvbench.bench.ratios`; `kvbench gates` in :mod:`kvbench.cli.gates`.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.bench.records import REPO_ROOT, RESULTS_DIR
+from kvbench.bench import fixtures
+from kvbench.bench.records import RESULTS_DIR
 from kvbench.checking.driver import replay_figures
 from kvbench.contract import registry
 from kvbench.outputs import write_text
 from kvbench.progress import Progress
 
 EXPECTED_PATH = RESULTS_DIR / "gates" / "expected.json"
-COMMON_PATH = REPO_ROOT / "asv_bench" / "benchmarks" / "common.py"
 
 # Backends by their `kvbench list` names, and each one's name in the asv suite (common.BACKENDS),
 # where torch on the CPU and the per-object model have benchmark names of their own.
@@ -61,16 +59,8 @@ REL_TOL = 1e-9
 
 
 def bench_common():
-    """The asv suite's common.py (its fixtures), one copy shared with the gates."""
-    mod = sys.modules.get("kvbench_asv_common")
-    if mod is None:
-        if not COMMON_PATH.exists():
-            raise RuntimeError(f"{COMMON_PATH} is missing: the gates need the asv suite's fixtures")
-        spec = importlib.util.spec_from_file_location("kvbench_asv_common", COMMON_PATH)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules["kvbench_asv_common"] = mod
-    return mod
+    """The asv suite's fixtures (:mod:`kvbench.bench.fixtures`, its common.py), the gates' too."""
+    return fixtures
 
 
 # --- exact gates ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 GPU benchmarks, written as JSON result records.
 
     scripts/gpu_check.sh [OUTDIR]                         # on a CUDA machine (OUTDIR: $OUT)
-    python -m kvbench.bench.gpu --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
+    python -m kvbench.cli.gpu --device cpu --size tiny --out /tmp/check   # anywhere, ~1 min
 
 What it writes under OUTDIR:
 
@@ -40,6 +40,7 @@ import numpy as np
 from kvbench.analyses import suite
 from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
+from kvbench.contract import registry
 from kvbench.contract.formulas import ModelSpec, blocks_needed
 from kvbench.contract.protocol import CacheConfig, Prompt
 
@@ -113,9 +114,6 @@ def run_checks(traces, device: str, out: Path) -> list[dict]:
 
 
 def bench_decode(torch, device, size: dict, clock: Clock) -> list[dict]:
-    from impls.numpy_paged import NumpyPaged
-    from impls.torch_paged import TorchPaged
-
     model, rounds, warmup = size["model"], size["rounds"], size["warmup"]
     rows = []
     for batch in size["batches"]:
@@ -127,9 +125,9 @@ def bench_decode(torch, device, size: dict, clock: Clock) -> list[dict]:
         kv_host = kv_array(batch, model)
         medians = {}
         for impl, kv_where in (("numpy", "host"), ("torch", "device"), ("torch", "host")):
-            cls = NumpyPaged if impl == "numpy" else TorchPaged
-            backend = cls(CacheConfig(model=model, block_size=BLOCK, num_blocks=num_blocks,
-                                      device=str(device) if impl == "torch" else "cpu"))
+            backend = registry.create(impl, CacheConfig(
+                model=model, block_size=BLOCK, num_blocks=num_blocks,
+                device=str(device) if impl == "torch" else "cpu"))
             for seq, p in enumerate(prompts):
                 backend.prefill(seq, Prompt(p), kv_array(p, model, seq))
             kv = torch.from_numpy(kv_host).to(device) if kv_where == "device" else kv_host
@@ -153,9 +151,6 @@ def bench_decode(torch, device, size: dict, clock: Clock) -> list[dict]:
 
 
 def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
-    from impls.numpy_paged import NumpyPaged
-    from impls.torch_paged import TorchPaged
-
     model, T, rounds = size["model"], size["seq_tokens"], size["bw_rounds"]
     nbytes = T * model.bytes_per_token
     kv_host = kv_array(T, model)
@@ -170,7 +165,7 @@ def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
     # numpy: host copy of the same bytes.
     dst = np.empty_like(kv_host)
     host_copy = clock.median(lambda: np.copyto(dst, kv_host), rounds, 2, host=True)
-    nb = NumpyPaged(cfg)
+    nb = registry.create("numpy", cfg)
 
     def numpy_fresh():
         if 0 in nb.row_of:
@@ -190,7 +185,7 @@ def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
         to_host, to_host_kind = clock.median(lambda: src.cpu(), rounds, 2), "Tensor.cpu (device to host)"
     else:  # gather's .cpu() is free on cpu: the yardstick is the plain copy
         to_host, to_host_kind = dev_copy, "Tensor.copy_"
-    tb = TorchPaged(dataclasses.replace(cfg, device=str(device)))
+    tb = registry.create("torch", dataclasses.replace(cfg, device=str(device)))
 
     def torch_fresh():
         if 0 in tb.row_of:
@@ -210,8 +205,6 @@ def bench_bandwidth(torch, device, size: dict, clock: Clock) -> list[dict]:
 
 
 def memory_check(torch, device, size: dict) -> list[dict]:
-    from impls.torch_paged import TorchPaged
-
     model = size["model"]
     cfg = CacheConfig(model=model, block_size=BLOCK, num_blocks=size["memory_blocks"], device=str(device))
     formula = cfg.num_blocks * cfg.block_size * model.bytes_per_token
@@ -221,7 +214,7 @@ def memory_check(torch, device, size: dict) -> list[dict]:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(device)
-        b = TorchPaged(cfg)
+        b = registry.create("torch", cfg)
         torch.cuda.synchronize(device)
         rep = b.memory_report()
         delta = torch.cuda.memory_allocated(device) - before
@@ -229,13 +222,14 @@ def memory_check(torch, device, size: dict) -> list[dict]:
         row.update(rep, allocated_delta=delta, allocated_over_formula=delta / formula,
                    ok=0 <= extra <= rep["index_bytes"] + MEMORY_SLACK)
     else:
-        b = TorchPaged(cfg)
+        b = registry.create("torch", cfg)
         rep = b.memory_report()
         row.update(rep, ok=rep["pool_bytes"] == formula)
     b.close()
     return [row]
 
 
-if __name__ == "__main__":  # the program lives with the other commands, in kvbench.cli
-    from kvbench.cli.gpu import main
-    sys.exit(main())
+if __name__ == "__main__":  # the program is kvbench.cli.gpu's: importing it from here made a loop
+    print("python -m kvbench.bench.gpu: error: the device check is now `python -m kvbench.cli.gpu` "
+          "(the same options)", file=sys.stderr)
+    sys.exit(2)

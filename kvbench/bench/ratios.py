@@ -55,9 +55,14 @@ import numpy as np
 
 from kvbench.bench.gates import bench_common
 from kvbench.bench.records import RESULTS_DIR
+from kvbench.contract import registry
 from kvbench.outputs import write_text
 
 BASELINE_PATH = RESULTS_DIR / "gates" / "ratios.json"
+# The backends' code the gates time, reached by name as a plug-in's is (kvbench imports no impls/).
+PAGED_KERNELS = "impls.paged_kernels:kernels"  # the NumPy pool's compiled steps, None without numba
+QUANT_KERNELS_AVAILABLE = "impls.quant_kernels:available"
+NUMPY_QUANTIZE = "impls.quant_numpy:quantize"
 FACTOR = 1.12  # a gate fails on a slowdown estimated above this (sqrt(1.25) = 1.118) ...
 # ... in the test suite, above this: a neighbour on a CI machine's cores moves one run by more
 # than the gates' own margin, and a red main for no change costs more than a slowdown seen later
@@ -186,8 +191,7 @@ def compiled_decode() -> str:
     """Why the decode gates cannot run as designed here ("" when they can): their baselines time
     the NumPy pool's compiled decode step, and without numba the vectorized step runs, 2-5x
     slower: a reading of another path, not a regression."""
-    from impls import paged_kernels
-    if paged_kernels.kernels() is None:
+    if registry.load(PAGED_KERNELS)() is None:
         return ("numba cannot be imported, so the NumPy pool's decode step runs uncompiled; the "
                 "baseline times the compiled one (impls/paged_kernels.py): install numba, a "
                 "kvbench dependency")
@@ -196,8 +200,7 @@ def compiled_decode() -> str:
 
 def compiled_quantizer() -> str:
     """Why quantize_vs_steps cannot run here ("" when it can): its subject is the compiled kernels."""
-    from impls import quant_kernels
-    ok, why = quant_kernels.available()
+    ok, why = registry.load(QUANT_KERNELS_AVAILABLE)()
     return "" if ok else why
 
 
@@ -382,19 +385,19 @@ def quantize_vs_steps(factory=None) -> tuple[Callable, Callable]:
     bound by the memory the neighbours share and the kernel by its arithmetic; against the
     steps, on data within the core's cache, the four quarters of the baseline's recording came
     within 2.7% of each other (results/gates/power.md: the estimates of the campaign's runs)."""
-    from impls import quant_numpy
     from kvbench import quant as Q
+    numpy_quantize = registry.load(NUMPY_QUANTIZE)
     x = np.random.default_rng(0).standard_normal((QUANT_ROWS, 128), dtype=np.float32)
     scheme = Q.QuantScheme(8, False, "token")
-    quantize = factory or quant_numpy.quantize
+    quantize = factory or numpy_quantize
     # glibc's malloc serves a block this large from fresh pages (mmap) until one as large was
     # freed (its threshold then rises to it): freed here, the steps' temporaries come from the
     # heap whatever ran before (from fresh pages, faults and all, the ratio was 8.0, not 3.8)
     np.empty(4 << 20, np.uint8)  # freed at once
-    qt, qs = quantize(x, scheme), quant_numpy.quantize(x, scheme, compiled=False)
+    qt, qs = quantize(x, scheme), numpy_quantize(x, scheme, compiled=False)
     def steps(_):
         for _ in range(QUANT_CALLS):
-            quant_numpy.quantize(x, scheme, out=qs, compiled=False)
+            numpy_quantize(x, scheme, out=qs, compiled=False)
 
     def kernels(_):
         for _ in range(QUANT_CALLS):

@@ -72,6 +72,29 @@ class Verdict:
             return "ERROR"
         return {True: "pass", False: "FAIL", None: "n/a"}[self.valid]
 
+    # The one shape of kvbench's verdicts (kvbench.quant's QuantVerdict has it too): valid,
+    # status, failures (the first of each kind, in order: quantity, expected, actual, detail and
+    # where), first, quantities(), failure(quantity), explain(), as_dict().
+    @property
+    def failures(self) -> tuple:
+        if self.divergences:
+            return tuple(c["first"] for c in self.divergences)
+        return () if self.divergence is None else (self.divergence,)
+
+    @property
+    def first(self) -> Divergence | None:
+        return self.failures[0] if self.failures else None
+
+    def quantities(self) -> list:
+        return [f.quantity for f in self.failures]
+
+    def failure(self, quantity: str) -> Divergence | None:
+        return next((f for f in self.failures if f.quantity == quantity), None)
+
+    def explain(self) -> str:
+        why = self.error or self.not_applicable or "; ".join(str(f) for f in self.failures)
+        return f"{self.status} ({self.backend} on {self.trace})" + (f": {why}" if why else "")
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("series", "divergence", "divergences")}
         d["divergence"] = None if self.divergence is None else dict(self.divergence.__dict__)

@@ -1,4 +1,4 @@
-"""``python -m kvbench.bench.gpu``: the device check of the torch backend as a program (the checks
+"""``python -m kvbench.cli.gpu``: the device check of the torch backend as a program (the checks
 and benchmarks themselves are kvbench.bench.gpu's), through kvbench's one error path."""
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from pathlib import Path
 from kvbench.analyses import suite
 from kvbench.bench import gpu, records
 from kvbench.cli.options import Parser, UsageError, run
+from kvbench.contract import registry
 from kvbench.outputs import check_writable
 
-PROG = "python -m kvbench.bench.gpu"
+PROG = "python -m kvbench.cli.gpu"
+# The torch backend's reading of a --device name (cuda, cuda:N, cpu), reached as a plug-in's is.
+RESOLVE_DEVICE = "impls.torch_paged:resolve_device"
 
 
 def main(argv=None) -> int:
-    """``python -m kvbench.bench.gpu``, through kvbench's one error path (one line, exit 2)."""
+    """``python -m kvbench.cli.gpu``, through kvbench's one error path (one line, exit 2)."""
     return run(_main, argv, prog=PROG)
 
 
@@ -32,13 +35,12 @@ def _main(argv) -> int:
     p.add_argument("--skip-bench", action="store_true", help="checker only")
     args = p.parse_args(argv)
 
-    from impls.torch_paged import TorchPaged, resolve_device
-    ok, why = TorchPaged.available()
+    ok, why = registry.resolve("torch").available()
     if not ok:
         raise UsageError(f"the torch backend cannot run here: {why}")
     import torch
     try:
-        device = resolve_device(torch, args.device)
+        device = registry.load(RESOLVE_DEVICE)(torch, args.device)
     except ValueError as e:
         raise UsageError(f"--device {args.device}: {e}") from None
     out = check_writable(args.out, option="--out", folder=True)
@@ -89,3 +91,8 @@ def _main(argv) -> int:
     print(f"gpu_check: {len(checks)} checks, {len(failed)} failed; results in {path} "
           f"({time.perf_counter() - started:.0f} s)")
     return 0 if not failed and mem_ok else 1
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -2,7 +2,7 @@
 before any work starts.
 
 Every entry point (``kvbench``, ``python -m kvbench.cli``, ``python -m kvbench.cli.gates``,
-``python -m kvbench.bench.gpu``, ``python -m kvbench.bench.compare``) runs through :func:`run`:
+``python -m kvbench.cli.gpu``, ``python -m kvbench.bench.compare``) runs through :func:`run`:
 
 - a bad option or input prints one line, ``kvbench: error: FILE:LINE: reason`` or
   ``kvbench: error: --option: reason``, and exits 2, never with a traceback;

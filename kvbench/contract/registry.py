@@ -22,6 +22,19 @@ from kvbench.contract.protocol import Backend, CacheConfig
 ENTRY_POINT_GROUP = "kvbench.backends"
 
 
+def load(target: str, what: str = "target"):
+    """The object a ``package.module:attr`` string names, its module imported now: how kvbench
+    reaches code of impls/ (backends, the fault catalogue, kernels) and of plug-ins without
+    importing it by name, so that none of kvbench's modules depends on a backend's."""
+    module, _, attr = target.partition(":")
+    if not attr:
+        raise ValueError(f"{what} {target!r} must look like 'package.module:Factory'")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class BackendUnavailable(NotImplementedError):
     """A backend that cannot be made here: its import fails, ``available()`` says no, its factory
     does not take a CacheConfig or returns something else than a Backend, or it refuses the
@@ -61,13 +74,7 @@ class BackendEntry:
             raise ValueError(f"backend {self.name}: unknown tags {sorted(unknown)} (known: {', '.join(TAGS)})")
 
     def load(self):
-        module, _, attr = self.target.partition(":")
-        if not attr:
-            raise ValueError(f"backend target {self.target!r} must look like 'package.module:Factory'")
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return load(self.target, what="backend target")
 
     def available(self) -> tuple[bool, str]:
         try:

@@ -45,7 +45,8 @@ class QuantFailure:
 
 @dataclass
 class QuantVerdict:
-    """The checker's verdict as data: valid, and the first failure of each kind in check order."""
+    """The checker's verdict as data: valid, and the first failure of each kind in check order
+    (the shape of kvbench.checking.verdict.Verdict: valid, status, failures, first, explain())."""
 
     valid: bool
     failures: tuple = ()
@@ -53,6 +54,10 @@ class QuantVerdict:
     rmse_ratio: dict | None = None  # rmse / (scale / sqrt 12) over the groups where it means something
     notes: tuple = ()  # checks skipped and why, refusals observed
     scheme: str = ""
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.valid else "FAIL"
 
     @property
     def first(self) -> QuantFailure | None:

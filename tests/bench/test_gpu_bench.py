@@ -77,3 +77,12 @@ def test_cuda_on_a_machine_without_it_is_refused(tmp_path):
     from kvbench.cli.gpu import main
     assert main(["--device", "cuda", "--out", str(tmp_path), "--skip-check"]) == 2
     assert not list(tmp_path.iterdir())
+
+
+def test_the_old_program_name_says_where_the_program_went(tmp_path):
+    # `python -m kvbench.bench.gpu` ran kvbench.cli.gpu's program (an import loop); now it says
+    # where the program is and exits 2, writing nothing.
+    proc = subprocess.run([sys.executable, "-m", "kvbench.bench.gpu", "--device", "cpu", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "python -m kvbench.cli.gpu" in proc.stderr and not list(tmp_path.iterdir())

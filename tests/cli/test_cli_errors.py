@@ -420,10 +420,10 @@ def run_module(*args, **kw):
 
 
 @pytest.mark.parametrize("args, names", [
-    (["kvbench.bench.gpu", "--device", "cpu", "--size", "tiny", "--traces", "/nonexistent.jsonl"],
+    (["kvbench.cli.gpu", "--device", "cpu", "--size", "tiny", "--traces", "/nonexistent.jsonl"],
      "/nonexistent.jsonl: No such file or directory"),
-    (["kvbench.bench.gpu", "--device", "nosuch"], "--device nosuch: "),
-    (["kvbench.bench.gpu", "--device", "cpu", "--out", "/proc/version/x"], "--out: /proc/version/x"),
+    (["kvbench.cli.gpu", "--device", "nosuch"], "--device nosuch: "),
+    (["kvbench.cli.gpu", "--device", "cpu", "--out", "/proc/version/x"], "--out: /proc/version/x"),
     (["kvbench.cli.gates", "--blocks", "0"], "--blocks: must be a positive integer, got 0"),
     (["kvbench.bench.compare", "/nonexistent.json", "/nonexistent.json"], "/nonexistent.json: No such file"),
     (["kvbench.cli", "eviction", "/nonexistent.jsonl"], "/nonexistent.jsonl: No such file"),
@@ -433,7 +433,7 @@ def test_every_entry_point_takes_the_one_error_path(args, names):
     pytest.importorskip("torch")
     got = run_module(*args)
     assert got.returncode == 2, got.stderr
-    prog = "python -m kvbench.bench.gpu" if args[0] == "kvbench.bench.gpu" else "kvbench"
+    prog = "python -m kvbench.cli.gpu" if args[0] == "kvbench.cli.gpu" else "kvbench"
     assert got.stderr.startswith(f"{prog}: error: ") and names in got.stderr, got.stderr
     assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr
 

@@ -487,3 +487,14 @@ def test_cli_a_plugin_whose_init_raises_is_the_backends_fail_in_every_command(ad
     assert got.returncode == 1, got.stdout + got.stderr  # a FAIL, not kvbench's error (2)
     assert "the backend's fault: __init__ raised RuntimeError: boom" in got.stderr
     assert "internal" not in got.stderr
+
+
+def test_registry_load_reaches_a_named_object_as_a_plugin_is_reached():
+    # How kvbench reaches impls/ without importing it (the fault catalogue, the ratio gates'
+    # kernels): the object a "module:attr" names; a name without ":attr" is refused, saying so.
+    import impls.faults
+    from kvbench.contract import registry
+
+    assert registry.load("impls.faults:CATALOGUE") is impls.faults.CATALOGUE
+    with pytest.raises(ValueError, match="'impls.faults' must look like 'package.module:Factory'"):
+        registry.load("impls.faults")
