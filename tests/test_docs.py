@@ -129,8 +129,6 @@ EXCLUDED = {
     "--extra ray -c requirements/cpu-torch.txt --find-links /opt/wheels --python-version 3.11 --upgrade "
     "-o requirements/test.txt": "rewrites the committed lock on purpose, from the index's newest releases "
                                 "(tests/test_ci.py holds the lock to pyproject's ranges)",
-    "python scripts/goals.py": MEASURES, "python scripts/goals.py --rows million": MEASURES,
-    "KVBENCH_TRACES=../shared/traces python scripts/goals.py --rows mooncake": MEASURES,
     "python scripts/scaling.py --breakdown": MEASURES,
     "python scripts/scaling.py --draw": "redraws the committed results/scaling/curve.png on purpose: the "
                                         "same bytes only under the matplotlib and FreeType that drew it",

@@ -80,7 +80,7 @@ def test_each_single_line_bug_of_a_pool_is_caught_by_the_default_suite(table, na
     # Issue 12: the default run catches what the tests catch. Each of these slips shows only at
     # an edge (a refusal, an exact fit, 128 sharers, 65 live sequences, blocks of 256, 17+ block
     # prompts, the int4 pool) or is a control; docs/workloads.md's table says which the suite missed
-    # before the edge workloads (scripts/default_reach.py).
+    # before the edge workloads (measured when they were added).
     row = table[name]
     assert row["caught"] == "yes", f"{name}: passes every committed workload"
     assert base in registry.DEFAULT_BACKENDS  # the pool it is planted into runs by default

@@ -1,4 +1,4 @@
-"""What `kvbench fuzz` found (results/fuzz/campaigns.md), each minimal trace as a test: these
+"""What `kvbench fuzz` found (tests/engines/findings/), each minimal trace as a test: these
 pass on the fixed backends."""
 from __future__ import annotations
 
@@ -100,8 +100,10 @@ def test_a_chunk_completing_a_block_whose_cached_copy_its_append_evicts_is_cache
 
 # --- engine findings: pinned where the engine's rule is not kvbench's (they skip without it) ---
 
-CAMPAIGNS = Path(__file__).resolve().parents[2] / "results" / "fuzz" / "campaigns"
-SERVING_FUZZ = Path(__file__).resolve().parents[2] / "results" / "engines" / "vllm-kvmanager" / "serving" / "fuzz"
+# The traces each test replays, as `kvbench fuzz` and `kvbench shrink` wrote them.
+FINDINGS = Path(__file__).resolve().parent / "findings"
+CAMPAIGNS = FINDINGS / "campaigns"
+SERVING_FUZZ = FINDINGS / "serving"
 
 
 def _engine_check(name: str, trace, **rules):
@@ -175,7 +177,7 @@ def test_vllm_under_its_sparse_retention_a_one_token_window_still_costs_a_forks_
                                      "05-blocks-used-prefill"])
 def test_vllm_serving_default_findings_of_sparse_retention_pass_under_the_declared_rule(finding):
     """Found at vLLM's serving default before the oracle modelled its sparse retention of sliding
-    groups' blocks (retention 0; results/fuzz/campaigns.md): held to the declared rule, each
+    groups' blocks (retention 0; tests/engines/findings/): held to the declared rule, each
     passes, as it passes under dense retention (vllm-kvmanager-dense) held to SPEC's."""
     pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
     trace = load(str(CAMPAIGNS / "vllm-kvmanager" / f"{finding}.min.jsonl"))
@@ -212,7 +214,7 @@ def test_vllm_a_chunked_group_holds_only_its_current_chunk_at_a_prefill(finding)
                                      "vllm-kvmanager-dense/09-shared-blocks-fork",
                                      "vllm-kvmanager/08-outcome-out-of-memory-expected-success-a-fork"])
 def test_vllm_findings_of_a_resumed_sequence_pass_now(finding):
-    """Found as "a resume finds its own unhashed blocks" (results/fuzz/campaigns.md); they were
+    """Found as "a resume finds its own unhashed blocks" (tests/engines/findings/); they were
     two kvbench bugs, both fixed: the oracle gave a resume's blocks the keys of the sequence's
     blocks before its preemption (test_a_resumed_sequence_caches_its_blocks_anew), and the
     adapter made a resume a request of the prompt's token ids alone, fewer than its tokens. 08:
@@ -227,7 +229,7 @@ def test_vllm_findings_of_a_resumed_sequence_pass_now(finding):
 
 
 def test_vllm_a_resume_is_a_request_of_all_its_tokens():
-    """The serving default's campaign (results/engines/vllm-kvmanager/serving/fuzz, seed 1, 05): a
+    """The serving default's campaign (tests/engines/findings/serving/seed1/05): a
     1-token prompt named by its token id, 1 token appended, preempted, resumed, forked. The
     resume recomputes 2 tokens, so the fork is a request of 2 (the adapter once gave the resume
     the prompt's 1 id alone, and the fork came out 1 token long)."""
@@ -315,7 +317,7 @@ SGLANG_FINDINGS = ["01-cached-blocks-append", "02-cached-blocks-prefill", "03-ca
 
 @pytest.mark.parametrize("finding", SGLANG_FINDINGS)
 def test_sglang_findings_are_its_declared_rules(finding):
-    """Every SGLang finding of the campaign was a rule it now declares (results/fuzz/campaigns.md):
+    """Every SGLang finding of the campaign was a rule it now declares (tests/engines/findings/):
     a page per request over-evicted (01, B = 32), a whole radix leaf evicted (03, 04 and 06 at
     B = 1 and 2: the resumed sequence's 3 tokens need 2 of its 3 cached ones' pages, and its
     node goes whole), the capped hit's page computed again (05: a fork of 6 tokens in 6 pages is
