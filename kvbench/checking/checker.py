@@ -43,6 +43,7 @@ from kvbench.checking.driver import Driver
 from kvbench.checking.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
+from kvbench.model.rules import rule_set
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
@@ -71,7 +72,7 @@ def applicable(trace: Trace, backend: Backend) -> str:
     refused = refuse_kinds(backend.name, caps, model)
     if refused:
         return refused
-    if caps.hit_drops_last_block and any(g.releases for g in model.kv_groups):
+    if rule_set(caps).hit_drops_last_block and any(g.releases for g in model.kv_groups):
         return (f"{backend.name} drops an EAGLE hit's last block, which beside the windows of "
                 f"model {model.name} is not modelled")
     if not caps.fork and _forks(trace):
