@@ -58,7 +58,11 @@ def applicable(trace: Trace, backend: Backend) -> str:
     refused = refuse_kinds(name, caps, model)
     if refused:
         return refused
-    if rule_set(caps).hit_drops_last_block and any(g.releases for g in model.kv_groups):
+    try:
+        rules = rule_set(caps)
+    except ValueError as e:  # the backend's declaration, named as its
+        raise ValueError(f"{name}'s Capabilities: {e}") from None
+    if rules.hit_drops_last_block and any(g.releases for g in model.kv_groups):
         return (f"{name} drops an EAGLE hit's last block, which beside the windows of "
                 f"model {model.name} is not modelled")
     if not caps.fork and "fork" in uses:

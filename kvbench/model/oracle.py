@@ -15,8 +15,8 @@ Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on
 ``contiguous`` (SPEC §3: one slab per sequence and group in a first-fit arena). Eviction follows
 SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8 (each group's kind from
 kinds.KINDS); salted, tagged block keys SPEC §9. A real engine's documented rules that differ
-from SPEC's (its ``Capabilities``) are followed when it declares them: rules/vllm.py and
-rules/sglang.py name them.
+from SPEC's (its rule set, ``Capabilities.rules``; ``self.rules``) are followed when it declares
+them: rules/vllm.py and rules/sglang.py name them.
 
 The paged model fixes which physical block each operation takes (docs/writing-a-backend.md;
 pool.py: the free stack and the cached queue), so a backend that declares ``block_ids`` is
@@ -133,7 +133,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
-        # An engine's radix tree over the cached blocks (Capabilities.evicts_whole_leaves), and
+        # An engine's radix tree over the cached blocks (its rules' evicts_whole_leaves), and
         # per live request [its prompt's full blocks, the blocks it inserted] (one group).
         self.tree = RadixTree(self.rules.leaf_order) if (
             self.caching and self.rules.evicts_whole_leaves) else None

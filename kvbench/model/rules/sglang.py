@@ -7,7 +7,7 @@
 - ``capped_hit_recomputed``: the block a capped hit computes again goes back when the cache still
   holds its key, and the cached one is shared instead.
 
-An engine that declares ``Capabilities.evicts_whole_leaves`` (SGLang's ``RadixCache`` and
+An engine whose rule set has ``evicts_whole_leaves`` (SGLang's ``RadixCache`` and
 ``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole
 unlocked leaves. Which blocks form a node depends on where the engine's walks ended, so the model
 replays the walks the engine makes (sglang/srt/mem_cache/radix_cache.py, 0.5.23):
