@@ -23,8 +23,8 @@ from kvbench.contract.protocol import OutOfMemory
 
 class NumpyLookahead(NumpyPaged):
     name = "numpy-lookahead"
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, lookahead_slots=True, block_ids=False,
-                                       tiers=(), swap=False)
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, rule_params={"lookahead_slots": True},
+                                       block_ids=False, tiers=(), swap=False)
 
     def __init__(self, config):
         super().__init__(config)
@@ -99,8 +99,9 @@ class NumpyEagle(NumpyLookahead):
     name = "numpy-eagle"
     # no group that releases blocks: an EAGLE drop beside a window is not modelled
     # EAGLE's dropped block is a full-attention rule: one full group
-    capabilities = dataclasses.replace(NumpyLookahead.capabilities, hit_drops_last_block=True,
-                                       kinds=("full",), groups=False)
+    capabilities = dataclasses.replace(NumpyLookahead.capabilities, rule_params={
+        **NumpyLookahead.capabilities.rule_params, "hit_drops_last_block": True},
+        kinds=("full",), groups=False)
 
     def _hit_plan(self, keys):
         L, hits = super()._hit_plan(keys)

@@ -22,10 +22,8 @@ from kvbench.contract.protocol import Capabilities
 from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Prefill
 
-SGLANG = Capabilities(layout="paged", holds_kv=False, prefix_caching=True, fork_via="prefix",
-                      hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True,
-                      evicts_whole_leaves=True, eviction_demand="page_per_request",
-                      capped_hit_recomputed=True)
+SGLANG = Capabilities(layout="paged", holds_kv=False, prefix_caching=True, cache_salt=True,
+                      rules="sglang")
 SPEC_RULES = {"whole leaves": {"evicts_whole_leaves": False},
               "page per request": {"eviction_demand": "need"},
               "capped hit recomputed": {"capped_hit_recomputed": False}}

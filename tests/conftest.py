@@ -144,7 +144,7 @@ def engine_lifecycle_na(trace, v) -> bool:
     """True, having asserted it n/a with the reason, when ``trace`` writes prompts in chunks or
     speculates (SPEC §13), which the vLLM block-pool and SGLang adapters do not drive (vLLM's
     manager does); False for any other trace."""
-    from kvbench.checking.checker import lifecycle
+    from kvbench.checking.applicable import lifecycle
     if not lifecycle(trace) & {"chunked", "speculative"}:
         return False
     assert v.valid is None and any(r in v.not_applicable for r in ENGINE_LIFECYCLE_REASONS), v.not_applicable

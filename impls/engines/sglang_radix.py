@@ -84,9 +84,11 @@ VERSION = "0.5.23"
 #   fork, needs a free page for its last page although the tree holds it.
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
-                            hit_leaves_last_token=True, caches_every_full_block=True, cache_salt=True,
-                            evicts_whole_leaves=True, eviction_demand="page_per_request",
-                            capped_hit_recomputed=True)
+                            cache_salt=True,
+                            # hit_leaves_last_token, caches_every_full_block, evicts_whole_leaves,
+                            # eviction_demand="page_per_request", capped_hit_recomputed: the
+                            # sglang rule set's defaults (kvbench/model/rules/sglang.py)
+                            rules="sglang")
 
 
 def _torchvision_importable() -> None:
@@ -202,8 +204,8 @@ class SglangRadix(Backend):
         s = self._s = _sglang()
         self.page = P = config.block_size
         self.caching = bool(config.prefix_caching)
-        self.capabilities = dataclasses.replace(CAPABILITIES, leaf_order=self.radix_policy,
-                                                fork_via="prefix" if self.caching else "copy")
+        self.capabilities = dataclasses.replace(CAPABILITIES, rule_params={
+            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"})
         size = config.num_blocks * P
         if P == 1:
             self.alloc = s.TokenToKVPoolAllocator(size=size, dtype=s.torch.float16, device="cpu",

@@ -93,25 +93,27 @@ FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace give
 
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(), chunked_prefill=True,
-                            hit_leaves_last_token=True, caches_every_full_block=True,
-                            keeps_duplicate_blocks=True, groups=True,
-                            window_release="next_allocation", cache_salt=True,
+                            groups=True, cache_salt=True,
                             # SPEC §12. Not sinks(S, W): vLLM's SinkFullAttentionSpec is full
                             # attention whose sinks are static K/V outside the request's blocks
                             # (static_sink_attention.py); no manager of vLLM's releases a window
                             # beside kept sinks.
                             kinds=("full", "sliding", "chunked", "mla", "state"),
-                            lookahead_slots=True, kept_drafts_cached_at_next_append=True,
-                            sparse_window_retention=True,  # the serving default's, 0
-                            chunk_start_hit=True)
+                            # hit_leaves_last_token, caches_every_full_block,
+                            # keeps_duplicate_blocks, window_release="next_allocation",
+                            # lookahead_slots, kept_drafts_cached_at_next_append,
+                            # sparse_window_retention (the serving default's, 0), chunk_start_hit:
+                            # the vllm rule set's defaults (kvbench/model/rules/vllm.py)
+                            rules="vllm")
 
 
 def capabilities_for(caching: bool, retention_interval) -> Capabilities:
     """What the adapter declares for a manager with or without prefix caching and with this
     ``prefix_cache_retention_interval``: a fork through the prefix cache (without one, computed
     again whole); sparse retention of window blocks at 0, dense at None."""
-    return dataclasses.replace(CAPABILITIES, fork_via="prefix" if caching else "copy",
-                               sparse_window_retention=retention_interval == 0)
+    return dataclasses.replace(CAPABILITIES, rule_params={
+        "fork_via": "prefix" if caching else "copy",
+        "sparse_window_retention": retention_interval == 0})
 
 
 @functools.lru_cache(maxsize=1)
@@ -474,4 +476,5 @@ class VllmKVManagerDense(VllmKVManager):
 
     name = "vllm-kvmanager-dense"
     retention_interval = None
-    capabilities = dataclasses.replace(CAPABILITIES, sparse_window_retention=False)
+    capabilities = dataclasses.replace(CAPABILITIES,
+                                       rule_params={"sparse_window_retention": False})

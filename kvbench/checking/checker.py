@@ -43,13 +43,12 @@ from kvbench.checking.driver import Driver
 from kvbench.model.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
+from kvbench.checking.applicable import applicable, lifecycle  # noqa: F401 (their old home)
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
-from kvbench.contract.protocol import (Backend, OutOfMemory, Prompt, _takes, kv_tokens, refuse_kinds,
-                                       takes_lifecycle)
-from kvbench.traces.columns import OpTable
-from kvbench.traces.format import Fork, Prefill, Trace, op_to_dict
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, _takes, kv_tokens
+from kvbench.traces.format import Prefill, Trace, op_to_dict
 from kvbench.traces.tier_ops import TIER_OPS
 
 BLOCK_FIELDS = named(blocks=True)  # compared only for a paged layout
@@ -59,82 +58,6 @@ SAMPLE_WINDOW_BLOCKS = 4  # the random window verified after each operation, in 
 class _Stop(Exception):
     def __init__(self, divergence: Divergence):
         self.divergence = divergence
-
-
-def applicable(trace: Trace, backend: Backend) -> str:
-    """'' when the backend can run the trace, else why not."""
-    caps = backend.capabilities
-    model = backend.config.model
-    if model.hybrid and not caps.groups:
-        return (f"{backend.name} does not run KV cache groups or sliding windows, and model "
-                f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
-    refused = refuse_kinds(backend.name, caps, model)
-    if refused:
-        return refused
-    if caps.hit_drops_last_block and any(g.releases for g in model.kv_groups):
-        return (f"{backend.name} drops an EAGLE hit's last block, which beside the windows of "
-                f"model {model.name} is not modelled")
-    if not caps.fork and _forks(trace):
-        return f"{backend.name} does not support fork and the trace forks"
-    policy = backend.config.policy
-    if policy and policy not in caps.eviction:
-        return f"{backend.name} does not implement eviction policy {policy!r}"
-    if backend.config.prefix_caching and caps.prefix_caching and not caps.cache_salt and _salted(trace):
-        # Its cache would share blocks across the salts and adapters it is never told (SPEC §9).
-        return (f"{backend.name} does not declare cache_salt: it cannot take the salts, adapters "
-                f"or token ids this trace's prompts carry")
-    return _lifecycle_applicable(lifecycle(trace), backend) or tier_replay.applicable(trace, backend)
-
-
-def lifecycle(trace: Trace) -> set:
-    """The scheduler lifecycles (SPEC §13) the trace uses: 'speculative' (an accept), 'chunked'
-    (a prefill of a prompt's first chunk), 'preempt', 'swap' (a preempt by swap)."""
-    ops = trace.ops
-    ops = ops.side.values() if isinstance(ops, OpTable) else ops
-    used = set()
-    for op in ops:
-        if op.kind == "accept":
-            used.add("speculative")
-        elif op.kind == "preempt":
-            used.update(("preempt", "swap") if op.mode == "swap" else ("preempt",))
-        elif op.kind == "prefill" and op.prompt_tokens is not None:
-            used.add("chunked")
-    return used
-
-
-def _lifecycle_applicable(used: set, backend: Backend) -> str:
-    if not used:
-        return ""
-    caps, model = backend.capabilities, backend.config.model
-    if "speculative" in used:
-        if not takes_lifecycle(backend, "speculative"):
-            return f"{backend.name} does not roll back draft tokens (no accept: speculative decoding, SPEC §13)"
-        if any(g.state_bytes is not None for g in model.kv_groups):
-            return (f"a rollback of model {model.name}'s state groups would need the state before "
-                    f"the drafts (SPEC §12): not modelled")
-        if any(g.releases for g in model.kv_groups):  # sliding, chunked and sinks groups
-            return (f"a rollback under the {', '.join(g.kind for g in model.kv_groups if g.releases)} "
-                    f"group(s) of model {model.name} would need blocks the group already released: "
-                    f"not modelled")
-    if "swap" in used and caps.tiers and not caps.swap:  # without tiers: the tier replay says so
-        return (f"{backend.name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
-                f"its tiers)")
-    if "chunked" in used and not takes_lifecycle(backend, "chunked"):
-        return f"{backend.name} does not take a prompt in chunks (no chunked_prefill, SPEC §13)"
-    return ""
-
-
-def _salted(trace: Trace) -> bool:
-    """Whether a prefill names a salt, an adapter or token ids."""
-    ops = trace.ops
-    if isinstance(ops, OpTable):
-        return bool(ops.keys)
-    return any(isinstance(op, Prefill) and (op.salt or op.adapter or op.token_ids) for op in ops)
-
-
-def _forks(trace: Trace) -> bool:
-    ops = trace.ops
-    return ops.count("fork") > 0 if isinstance(ops, OpTable) else any(isinstance(op, Fork) for op in ops)
 
 
 def check(trace: Trace, backend: Backend | None, *, gather: str = "touched", series: bool = False,

@@ -47,35 +47,6 @@ from kvbench.traces.tier_ops import Abort, Done, Load, Store
 TIER_FIELDS = ("capacity", "stored", "storing", "loading", "free", "bytes_down", "bytes_up", "hits")
 
 
-def applicable(trace, backend) -> str:
-    """'' when the backend can replay the trace's tiers (or it has none), else why not."""
-    tiers = trace.header.tiers
-    if not tiers:
-        return ""
-    caps, cfg = backend.capabilities, backend.config
-    names = ", ".join(t.name for t in tiers)
-    if not caps.tiers:
-        moves = "stores to and loads from" if _transfers(trace) else "swaps sequences out to"
-        return f"{backend.name} declares no tiers (SPEC §11) and the trace {moves} {names}"
-    missing = sorted({t.policy for t in tiers} - set(caps.tiers))
-    if missing:
-        return f"{backend.name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
-    if cfg.model.hybrid:
-        return f"tier replays run models of one full-attention group, and {cfg.model.name} has more"
-    if not (cfg.prefix_caching and caps.prefix_caching) and _transfers(trace):  # a swap needs no hash
-        return "a tier holds hashed blocks only: the replay needs prefix caching on"
-    if cfg.policy:
-        return "tier replays run without an eviction policy (a load in flight is never a victim yet)"
-    return ""
-
-
-def _transfers(trace) -> bool:
-    """Whether the trace stores or loads (beyond preemption by swap)."""
-    ops = trace.ops
-    ops = ops.side.values() if hasattr(ops, "side") else ops
-    return any(op.kind in ("store", "load") for op in ops)
-
-
 def segment_kv(segments, start: int, stop: int, model, dtype, shift: int = 0):
     """The K/V that ``segments`` [(writer, start, count)] put at positions start .. stop-1
     (``shift``: the same writers' values ``shift`` positions further on, a wrong copy's)."""

@@ -92,11 +92,6 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
-FORK_VIA = ("share", "prefix", "copy")
-EVICTION_DEMANDS = ("need", "page_per_request")
-WINDOW_RELEASE_RULES = ("end_of_operation", "next_allocation")
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares; the checker checks all of it and says what it skipped."""
@@ -108,28 +103,14 @@ class Capabilities:
     prefix_caching: bool = False
     quantized: bool = False
     eviction: tuple = ()  # policy names it implements
-    devices: tuple | None = None  # unread: the device is CacheConfig.device; accepted, warned
-    # Documented rules of a real engine that differ from SPEC's; the oracle holds the engine to
-    # them (all off: SPEC's rules).
-    # How a fork is served: "share" (SPEC §2: every block shared, copy-on-write at the first
-    # write), "prefix" (a new request whose prompt is the parent's tokens, served by the prefix
-    # cache: the child shares the parent's full blocks and computes the rest again into new
-    # blocks), "copy" (a new request with no prefix cache: every block computed again).
-    fork_via: str = "share"
-    # The last prompt token is always computed again, for its logits: a prefix hit stops at
-    # (T - 1) // B blocks (vLLM's get_computed_blocks, SGLang's _compute_max_prefix_len).
-    hit_leaves_last_token: bool = False
-    # Every full block is cached, not only those the trace hashes: a prompt block without a
-    # hash and a block filled by decode are cached under a key of their own, never hit by another.
-    caches_every_full_block: bool = False
-    # A block computed again under a hash that is already cached stays cached as a second copy
-    # (vLLM: "we don't de-duplicate the blocks in the cache") instead of being given back.
-    keeps_duplicate_blocks: bool = False
-    # SPEC §8: runs models of several KV cache groups and sliding windows. When a sliding
-    # group's out-of-window blocks go back: "end_of_operation" (SPEC), or "next_allocation"
-    # (vLLM: when the request next allocates, judged on its length before that operation).
+    # The engine rules it follows where they differ from SPEC's: a rule set's name
+    # (kvbench.model.rules.RULE_SETS: "spec", "vllm", "sglang") and that set's parameters, each
+    # over the set's default (kvbench/model/rules/base.py names every rule). An unknown set or
+    # parameter is an error when the backend is checked.
+    rules: str = "spec"
+    rule_params: dict = field(default_factory=dict, hash=False)
+    # SPEC §8: runs models of several KV cache groups and sliding windows.
     groups: bool = False
-    window_release: str = "end_of_operation"
     # SPEC §12: the group kinds (KVGroup.family) it runs besides what ``groups`` covers.
     kinds: tuple = ("full", "sliding")
     # SPEC §13: a prefill's Prompt may be the first chunk of a longer prompt (``prompt_tokens``);
@@ -140,44 +121,6 @@ class Capabilities:
     cache_salt: bool = False
     # block_state() hands out and releases blocks in kvbench's order (docs/writing-a-backend.md), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
-    # SPEC §13: an accept that rejects drafts keeps their blocks for the next step's drafts
-    # (vLLM's lookahead slots) instead of releasing those wholly past the new length: still in
-    # use and the sequence's (blocks_used, seq_blocks), holding no token (token_states), and
-    # written before any new block by its next appends; a free releases them before its tail.
-    lookahead_slots: bool = False
-    # EAGLE / MTP drafting (vLLM's use_eagle, in every manager): a prefix hit drops the last block
-    # it matched, computed again for the draft head's hidden states (a hit of L blocks is L - 1).
-    hit_drops_last_block: bool = False
-    # A block that an accept's kept drafts completed is cached at the sequence's next append, not
-    # at the accept (vLLM: cache_blocks caps at the request's verified tokens when it allocates,
-    # and an accept allocates nothing); a free before then never caches it.
-    kept_drafts_cached_at_next_append: bool = False
-    # A sliding group's prefix cache keeps only the blocks a later hit can end on (vLLM's sparse
-    # retention, prefix_cache_retention_interval = 0): the ceil((W - 1) / B) blocks below block
-    # (P - 1) // B of a P-token prompt, and those below the hit's junction (the full groups' hit
-    # where the sliding group's was shorter); its other blocks go back uncached
-    # (kvbench.model.rules.vllm).
-    sparse_window_retention: bool = False
-    # On a model of chunked groups alone, a prefix-cache lookup counts every block left of the
-    # chunk that holds the hit's last allowed token as computed, with no lookup, named by the
-    # trace or not (vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit: null blocks);
-    # kvbench's oracle hits only blocks the trace names.
-    chunk_start_hit: bool = False
-    # SGLang's prefix cache (radix_cache.py, unified_radix_cache.py), one rule each:
-    # cached blocks are the nodes of a radix tree and eviction frees whole unlocked leaves, in
-    # the order of ``leaf_order`` (its --radix-eviction-policy), before the allocation, for the
-    # allocation's shortfall (kvbench.model.rules.sglang models the tree; SPEC: block by block,
-    # first released first evicted, only when a block is taken).
-    evicts_whole_leaves: bool = False
-    leaf_order: str = "lru"
-    # What an allocation evicts for: "need" (the blocks it takes) or "page_per_request" (SGLang's
-    # paged allocator: the new tokens plus one page per request, or a page per request for a
-    # decode step of one token each, whatever it takes; page size 1 is exact).
-    eviction_demand: str = "need"
-    # A hit that hit_leaves_last_token capped computes the capped block again into a new block
-    # (admission and eviction count it); the insert after the call gives that block back and
-    # shares the cached one when the cache still holds its key (SGLang's checkpoint).
-    capped_hit_recomputed: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them).
@@ -191,18 +134,37 @@ class Capabilities:
     swap: bool = False
 
     def __post_init__(self):
-        if self.devices is not None:
-            warnings.warn("Capabilities(devices=...) is unread and will be removed: the device a "
-                          "backend runs on is CacheConfig.device (its available() says whether it "
-                          "can)", DeprecationWarning, stacklevel=3)
-        if self.fork_via not in FORK_VIA:
-            raise ValueError(f"fork_via must be one of {FORK_VIA}, got {self.fork_via!r}")
-        if self.eviction_demand not in EVICTION_DEMANDS:
-            raise ValueError(f"eviction_demand must be one of {EVICTION_DEMANDS}, "
-                             f"got {self.eviction_demand!r}")
-        if self.window_release not in WINDOW_RELEASE_RULES:
-            raise ValueError(f"window_release must be one of {WINDOW_RELEASE_RULES}, "
-                             f"got {self.window_release!r}")
+        if not isinstance(self.rules, str):
+            raise ValueError(f"Capabilities.rules is a rule set's name, got {self.rules!r}")
+
+
+# The engine-rule flags Capabilities had before its rule sets (each now a parameter of
+# kvbench.model.rules'), and ``devices`` (never read): an old-form plug-in that sets one is read
+# for one release, the flags as parameters of the rule set it declares, with a DeprecationWarning.
+OLD_RULE_FLAGS = ("fork_via", "hit_leaves_last_token", "caches_every_full_block",
+                  "keeps_duplicate_blocks", "window_release", "lookahead_slots",
+                  "hit_drops_last_block", "kept_drafts_cached_at_next_append",
+                  "sparse_window_retention", "chunk_start_hit", "evicts_whole_leaves",
+                  "leaf_order", "eviction_demand", "capped_hit_recomputed")
+_capabilities_init = Capabilities.__init__
+
+
+@functools.wraps(_capabilities_init)
+def _capabilities_old_form(self, *args, **kwargs):
+    if kwargs.pop("devices", None) is not None:
+        warnings.warn("Capabilities(devices=...) is unread and will be removed: the device a "
+                      "backend runs on is CacheConfig.device (its available() says whether it "
+                      "can)", DeprecationWarning, stacklevel=3)
+    old = {k: kwargs.pop(k) for k in OLD_RULE_FLAGS if k in kwargs}
+    if old:
+        warnings.warn(f"Capabilities({', '.join(f'{k}=...' for k in old)}) is the old form, read "
+                      "until the next release: declare rules=<rule set> and rule_params={...} "
+                      "(docs/writing-a-backend.md)", DeprecationWarning, stacklevel=3)
+        kwargs["rule_params"] = {**dict(kwargs.get("rule_params") or {}), **old}
+    _capabilities_init(self, *args, **kwargs)
+
+
+Capabilities.__init__ = _capabilities_old_form
 
 
 def refuse_kinds(backend_name: str, caps: Capabilities, model: ModelSpec) -> str:
@@ -559,6 +521,6 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 
 
 __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
-           "REPORTED_FIELDS", "BlockState", "BlockChanges", "WINDOW_RELEASE_RULES", "Backend",
+           "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
            "kv_tokens",
            "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle"]

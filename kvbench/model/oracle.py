@@ -15,8 +15,8 @@ Two layouts are modelled: ``paged`` (SPEC §2: blocks, reference counts, copy-on
 ``contiguous`` (SPEC §3: one slab per sequence and group in a first-fit arena). Eviction follows
 SPEC §5; KV cache groups, sliding windows and hybrid prefix hits SPEC §8 (each group's kind from
 kinds.KINDS); salted, tagged block keys SPEC §9. A real engine's documented rules that differ
-from SPEC's (its ``Capabilities``) are followed when it declares them: rules/vllm.py and
-rules/sglang.py name them.
+from SPEC's (its rule set, ``Capabilities.rules``; ``self.rules``) are followed when it declares
+them: rules/vllm.py and rules/sglang.py name them.
 
 The paged model fixes which physical block each operation takes (docs/writing-a-backend.md;
 pool.py: the free stack and the cached queue), so a backend that declares ``block_ids`` is
@@ -47,9 +47,10 @@ from kvbench.contract.protocol import (
 from kvbench.model.arena import Arena
 from kvbench.model.kinds import kind_of
 from kvbench.model.pool import BlockPool
-from kvbench.model.rules.sglang import RadixTree, SGLangRules
-from kvbench.model.rules.spec import SpecRules
-from kvbench.model.rules.vllm import VLLMRules
+from kvbench.model.rules import rule_set
+from kvbench.model.rules.sglang import RadixTree, SGLangSteps
+from kvbench.model.rules.spec import SpecSteps
+from kvbench.model.rules.vllm import VLLMSteps
 from kvbench.quant import pool as quant_pool
 
 
@@ -101,7 +102,7 @@ def extra_keys(salt=None, adapter=None) -> tuple:
     return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
 
 
-class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
+class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
     def __init__(self, config: CacheConfig, layout: str = "paged",
                  capabilities: Capabilities | None = None):
         if layout not in ("paged", "contiguous"):
@@ -109,7 +110,8 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
         self.config = config
         self.layout = layout
         self.caps = capabilities or Capabilities()
-        self.window_release = self.caps.window_release
+        self.rules = rule_set(self.caps)  # the engine's rules, SPEC's by default
+        self.window_release = self.rules.window_release
         self.groups = config.model.kv_groups
         self.kinds = [kind_of(g, config.block_size) for g in self.groups]
         self.windows = [g.window for g in self.groups]
@@ -131,10 +133,10 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
-        # An engine's radix tree over the cached blocks (Capabilities.evicts_whole_leaves), and
+        # An engine's radix tree over the cached blocks (its rules' evicts_whole_leaves), and
         # per live request [its prompt's full blocks, the blocks it inserted] (one group).
-        self.tree = RadixTree(self.caps.leaf_order) if (
-            self.caching and self.caps.evicts_whole_leaves) else None
+        self.tree = RadixTree(self.rules.leaf_order) if (
+            self.caching and self.rules.evicts_whole_leaves) else None
         self._tree_reqs: dict = {}
         self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
@@ -535,7 +537,7 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
         self._dirty.add(seq)
         if self.layout == "paged":
             keep = F.blocks_needed(new, self.B)
-            lookahead = self.caps.lookahead_slots
+            lookahead = self.rules.lookahead_slots
             if lookahead and not st.ahead:
                 st.ahead = [[] for _ in st.tables]
             for g, table in enumerate(st.tables):
@@ -556,7 +558,7 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
                     self.filled += fill - self.blocks[b][1]
                     self.blocks[b][1] = fill
                 for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
-                    if table[i] is not None and self.caps.kept_drafts_cached_at_next_append:
+                    if table[i] is not None and self.rules.kept_drafts_cached_at_next_append:
                         st.later.append((g, i))
                     elif table[i] is not None:
                         self._filled(table[i], g, seq, i)
@@ -576,7 +578,7 @@ class Oracle(BlockPool, Arena, SpecRules, VLLMRules, SGLangRules):
 
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
-        via = self.caps.fork_via if self.layout == "paged" else "share"
+        via = self.rules.fork_via if self.layout == "paged" else "share"
         G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
         victims = []
         if self.layout == "contiguous":

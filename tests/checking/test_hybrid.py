@@ -322,7 +322,8 @@ class NextAllocation(NumpyPaged):
     """vLLM's rule: a request's out-of-window blocks go at its next allocation, judged on its
     length before that operation."""
 
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, window_release="next_allocation")
+    capabilities = dataclasses.replace(NumpyPaged.capabilities,
+                                       rule_params={"window_release": "next_allocation"})
 
     def _slide(self, rows, lengths):  # nothing at the end of an operation
         pass
@@ -512,7 +513,7 @@ def test_a_fork_served_through_the_prefix_cache_on_a_hybrid_model():
     # blocks, cached under keys every group shares at a position, in both groups.
     from kvbench.contract.protocol import Capabilities
     o = Oracle(config(prefix_caching=True), capabilities=Capabilities(
-        fork_via="prefix", caches_every_full_block=True, groups=True))
+        rule_params={"fork_via": "prefix", "caches_every_full_block": True}, groups=True))
     o.prefill(0, 40, "t", 64, step=0)  # per group 3 blocks, 2 of them full; (40 - 31) // 16 = 0
     o.fork(1, 0, 64, step=1)
     led = o.expected_ledger()
@@ -534,8 +535,9 @@ def test_a_fork_through_the_prefix_cache_names_the_blocks_a_window_released():
     model = F.ModelSpec("sliding-only", layers=2, kv_heads=2, head_dim=8,
                         groups=F.hybrid_groups(2, (5,)))
     o = Oracle(CacheConfig(model=model, block_size=4, num_blocks=16, prefix_caching=True),
-               capabilities=Capabilities(fork_via="prefix", caches_every_full_block=True,
-                                         groups=True, window_release="next_allocation"))
+               capabilities=Capabilities(rule_params={
+                   "fork_via": "prefix", "caches_every_full_block": True,
+                   "window_release": "next_allocation"}, groups=True))
     o.prefill(0, 8, "t", 32, step=0)
     o.append([0], [8], step=1)  # 16 tokens; released on 8: (8 - 5 + 1) // 4 = 1 block
     o.append([0], [1], step=2)  # 17 tokens; released on 16: (16 - 4) // 4 = 3 blocks

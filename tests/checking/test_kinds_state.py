@@ -92,8 +92,8 @@ def test_no_hit_where_the_state_at_the_hit_length_is_gone():
 
 
 def test_a_state_model_does_not_roll_back_drafts():
-    from kvbench.checking.checker import _lifecycle_applicable
-    why = _lifecycle_applicable({"speculative"}, NumpyPaged(kinds_config(MAMBA)))
+    from kvbench.checking.applicable import _lifecycles
+    why = _lifecycles({"speculative"}, NumpyPaged(kinds_config(MAMBA)))
     assert "state groups would need the state before the drafts" in why
 
 

@@ -18,7 +18,7 @@ from kvbench.contract.protocol import Capabilities
 from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.traces.ops import Accept, Append, Prefill
 
-LOOKAHEAD = Capabilities(lookahead_slots=True)
+LOOKAHEAD = Capabilities(rule_params={"lookahead_slots": True})
 
 
 def test_a_rejected_drafts_block_stays_the_sequences_until_its_next_append_writes_it():
@@ -53,7 +53,8 @@ def test_a_kept_block_is_no_other_sequences_room():
 
 def test_an_eagle_hit_drops_its_last_matched_block():
     o = Oracle(make_config(num_blocks=16, prefix_caching=True),
-               capabilities=Capabilities(prefix_caching=True, hit_drops_last_block=True))
+               capabilities=Capabilities(prefix_caching=True,
+                                         rule_params={"hit_drops_last_block": True}))
     o.prefill(0, 50, "a", 50, 0, hashes=("h0", "h1", "h2"))
     o.prefill(1, 50, "a", 50, 1, hashes=("h0", "h1", "h2"))
     assert o.hit_blocks == 3 - 1
@@ -64,7 +65,8 @@ def test_an_eagle_hit_drops_its_last_matched_block():
 def test_a_block_of_kept_drafts_is_cached_at_the_next_append_where_declared():
     def run(later: bool, append_first: bool) -> int:
         o = Oracle(make_config(num_blocks=8, prefix_caching=True), capabilities=Capabilities(
-            prefix_caching=True, caches_every_full_block=True, kept_drafts_cached_at_next_append=later))
+            prefix_caching=True, rule_params={"caches_every_full_block": True,
+                                              "kept_drafts_cached_at_next_append": later}))
         o.prefill(0, 14, "a", 40, 0)
         o.append([0], [5], 1, drafts=[4])  # 19 tokens, drafts at 15 .. 18
         o.accept(0, 4, 4, 2)  # all kept: block 0 (positions 0 .. 15) full of kept tokens
@@ -96,7 +98,7 @@ def test_the_lookahead_pools_pass_the_lifecycles_and_a_refusal_with_kept_blocks(
 
 def test_keeping_the_blocks_without_declaring_it_fails_at_the_first_kept_block():
     undeclared = type("Undeclared", (NumpyLookahead,), {"capabilities": dataclasses.replace(
-        NumpyLookahead.capabilities, lookahead_slots=False)})
+        NumpyLookahead.capabilities, rule_params={"lookahead_slots": False})})
     trace = suite.load_traces([suite.WORKLOADS_DIR / "lifecycle-speculative.jsonl"])[0]
     assert check(trace, NumpyLookahead(suite.config_for(trace))).valid is True
     v = check(trace, undeclared(suite.config_for(trace)))
@@ -126,9 +128,10 @@ def test_a_second_fork_hits_the_blocks_a_first_fork_computed_of_its_parents_kept
     # 1 appends 5 drafts and keeps 2 (3 tokens: blocks 1 and 2 full of kept drafts, uncached).
     # Fork 2 hits block 0 and computes blocks 1 and 2 (the parent's content); fork 3 then hits
     # those, up to its last token: 2 blocks, 1 new.
-    caps = Capabilities(prefix_caching=True, caches_every_full_block=True, keeps_duplicate_blocks=True,
-                        hit_leaves_last_token=True, fork_via="prefix", lookahead_slots=True,
-                        kept_drafts_cached_at_next_append=True)
+    caps = Capabilities(prefix_caching=True, rule_params={
+        "caches_every_full_block": True, "keeps_duplicate_blocks": True,
+        "hit_leaves_last_token": True, "fork_via": "prefix", "lookahead_slots": True,
+        "kept_drafts_cached_at_next_append": True})
     o = Oracle(make_config(block_size=1, num_blocks=11, prefix_caching=True), capabilities=caps)
     o.prefill(0, 1, "a", 1, 0)
     o.fork(1, 0, 1, 1)  # hits (1 - 1) // 1 = 0: 1 + 1 = 2 in use

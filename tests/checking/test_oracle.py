@@ -399,14 +399,15 @@ def test_fair_tie_on_excess_goes_to_the_larger_tenant_id():
 
 # --- engine rules a backend declares (Capabilities) -------------------------------------------
 
-def engine(num_blocks=64, caching=True, **caps) -> Oracle:
+def engine(num_blocks=64, caching=True, **rules) -> Oracle:
+    """An oracle under SPEC's rules with ``rules`` switched (the spec rule set's parameters)."""
     return Oracle(make_config(B, num_blocks, prefix_caching=caching), layout="paged",
-                  capabilities=Capabilities(**caps))
+                  capabilities=Capabilities(rule_params=rules))
 
 
 def test_an_unknown_fork_rule_is_refused():
-    with pytest.raises(ValueError, match="fork_via"):
-        Capabilities(fork_via="clone")
+    with pytest.raises(ValueError, match="rule set 'spec': fork_via must be one of"):
+        engine(fork_via="clone")
 
 
 def test_fork_via_copy_computes_every_block_again():

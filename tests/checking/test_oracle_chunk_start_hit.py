@@ -15,7 +15,8 @@ from kvbench.model.oracle import Oracle
 
 from impls.engines.vllm_kvmanager import CAPABILITIES as VLLM, capabilities_for  # without vLLM
 
-SPEC_RULE = dataclasses.replace(VLLM, chunk_start_hit=False)  # the oracle's own hit
+SPEC_RULE = dataclasses.replace(VLLM, rule_params={  # the oracle's own hit
+    **VLLM.rule_params, "chunk_start_hit": False})
 
 
 def blocks_after_prefill(groups, block_size: int, tokens: int, declared: bool, caching=True) -> int:

@@ -11,16 +11,14 @@ from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.model.rules.sglang import RadixTree
 from kvbench.contract.protocol import CacheConfig, Capabilities
 
-SGLANG_RULES = Capabilities(prefix_caching=True, fork_via="prefix", hit_leaves_last_token=True,
-                            caches_every_full_block=True, evicts_whole_leaves=True,
-                            eviction_demand="page_per_request", capped_hit_recomputed=True)
+SGLANG_RULES = Capabilities(prefix_caching=True, rules="sglang")
 
 
 def oracle(block_size: int, num_blocks: int, **spec_rules) -> Oracle:
     """An oracle holding a backend to SGLang's rules, but ``spec_rules`` put back to SPEC's."""
     config = CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=True,
                          store_kv=False)
-    return Oracle(config, capabilities=dataclasses.replace(SGLANG_RULES, **spec_rules))
+    return Oracle(config, capabilities=dataclasses.replace(SGLANG_RULES, rule_params=spec_rules))
 
 
 def cached(o: Oracle) -> int:

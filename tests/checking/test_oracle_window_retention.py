@@ -9,6 +9,7 @@ in tests/engines/test_vllm_kvmanager.py.
 from __future__ import annotations
 
 from kvbench.model.oracle import Oracle
+from kvbench.model.rules import rule_set
 from kvbench.model.rules.vllm import retained_positions
 from kvbench.contract.formulas import get_model, with_group_kinds
 from kvbench.contract.protocol import CacheConfig
@@ -70,7 +71,7 @@ def test_the_retained_window_runs_end_at_the_replay_boundary_and_the_junction():
 
 
 def test_the_declared_rule_gives_the_hand_counted_ledgers():
-    assert SERVING.sparse_window_retention
+    assert rule_set(SERVING).sparse_window_retention
     assert ledgers(SERVING) == [
         (8 + 8, 0, 0),  # 64 // 8 = 8 blocks per group; vLLM releases no window at a prefill
         # The full group caches its 8 blocks, the sliding group blocks 3..6 only.

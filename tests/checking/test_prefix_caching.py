@@ -8,6 +8,7 @@ from conftest import make_config
 
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
+from kvbench.model.rules import rule_set
 from kvbench.contract import registry
 from kvbench.model.oracle import Oracle
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, loads
@@ -39,7 +40,7 @@ def test_a_prompt_whose_every_block_is_cached(name):
     assert v.status == "pass", v.divergence
     # 2 = 8 tokens / 4 per block: both blocks of the second prompt were hits (1 = 2 - 1 for a
     # backend that declares EAGLE's rule, a hit of L blocks taken as L - 1).
-    assert v.final_ledger["prefix_hit_blocks"] == 2 - backend.capabilities.hit_drops_last_block
+    assert v.final_ledger["prefix_hit_blocks"] == 2 - rule_set(backend.capabilities).hit_drops_last_block
     # After the last free both blocks stay cached (counted free): 6 = 6 - 0 in use.
     assert v.final_ledger["cached_blocks"] == 2 and v.final_ledger["blocks_free"] == 6
 

@@ -21,6 +21,7 @@ from conftest import make_config
 from kvbench.analyses.suite import config_for, load_traces
 from kvbench.checking.checker import check
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.model.rules import rule_set
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
 
@@ -137,7 +138,7 @@ def test_a_block_freed_twice_under_sparse_retention_fails_hybrid_windows(vllm):
     from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
     trace = workload("hybrid-windows")
     cfg = config_for(trace, policy=None, prefix_caching=True)
-    assert VllmKVManager(cfg).capabilities.sparse_window_retention
+    assert rule_set(VllmKVManager(cfg).capabilities).sparse_window_retention
     d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
     assert (d.step, d.op["seq"], d.quantity) == (9, 1, "sum of group_blocks"), str(d)
     assert d.expected < d.actual  # blocks_used below the blocks the tables hold

@@ -112,7 +112,8 @@ def _engine_check(name: str, trace, **rules):
     from kvbench.contract import registry
     config = suite.config_for(trace, policy=suite.policies_for(trace, None)[0])
     backend = registry.create(name, dataclasses.replace(config, store_kv=False))
-    backend.capabilities = dataclasses.replace(backend.capabilities, **rules)
+    backend.capabilities = dataclasses.replace(
+        backend.capabilities, rule_params={**backend.capabilities.rule_params, **rules})
     try:
         return check(trace, backend)
     finally:

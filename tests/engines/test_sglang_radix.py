@@ -62,7 +62,8 @@ def trace_of(*ops, block_size=16):
 
 def held_to_spec(backend, **rule):
     """The backend with one declared rule put back to SPEC's (the oracle then expects SPEC's)."""
-    backend.capabilities = dataclasses.replace(backend.capabilities, **rule)
+    backend.capabilities = dataclasses.replace(
+        backend.capabilities, rule_params={**backend.capabilities.rule_params, **rule})
     return backend
 
 

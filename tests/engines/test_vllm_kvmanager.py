@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import P, X, make_config, make_trace
 
+from kvbench.model.rules import rule_set
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
@@ -230,7 +231,7 @@ def test_hybrid_config_has_one_group_spec_per_kvbench_group(vllm):
     assert [type(g.kv_cache_spec) for g in groups] == [SlidingWindowSpec, FullAttentionSpec]
     assert groups[0].kv_cache_spec.sliding_window == W
     assert [len(g.layer_names) for g in groups] == [2, 2]  # 4 layers, alternating kinds
-    assert be.capabilities.groups and be.capabilities.window_release == "next_allocation"
+    assert be.capabilities.groups and rule_set(be.capabilities).window_release == "next_allocation"
 
 
 def test_a_window_is_released_at_the_next_allocation_on_the_length_before_it(vllm):
@@ -301,7 +302,8 @@ def test_under_specs_window_rule_vllm_diverges_at_the_first_prefill(vllm):
     from impls.engines.vllm_kvmanager import VllmKVManager
     trace = load_traces([p for p in committed_workloads() if p.stem == "hybrid-windows"])[0]
     be = VllmKVManager(config_for(trace, policy=None))
-    be.capabilities = dataclasses.replace(be.capabilities, window_release="end_of_operation")
+    be.capabilities = dataclasses.replace(be.capabilities, rule_params={
+        **be.capabilities.rule_params, "window_release": "end_of_operation"})
     assert trace.ops[0].tokens == 71 and trace.header.settings["block_size"] == HB
     v = check(trace, be)
     d = v.divergence
@@ -319,12 +321,13 @@ def test_the_serving_default_is_held_to_its_sparse_retention_and_fails_specs_rul
     from test_oracle_window_retention import config, retention_trace
     trace = retention_trace()
     be = VllmKVManager(config())
-    assert be.capabilities.sparse_window_retention
+    assert rule_set(be.capabilities).sparse_window_retention
     v = check(trace, be)
     assert v.valid is True, str(v.divergence)
     assert be.ledger().cached_blocks == 31 and be.ledger().prefix_hit_blocks == 9
     spec = VllmKVManager(config())
-    spec.capabilities = dataclasses.replace(spec.capabilities, sparse_window_retention=False)
+    spec.capabilities = dataclasses.replace(spec.capabilities, rule_params={
+        **spec.capabilities.rule_params, "sparse_window_retention": False})
     d = check(trace, spec).divergence
     # At the first free: SPEC caches 8 + 8 = 16 blocks, vLLM the full group's 8 and 4 of the window.
     assert (d.step, d.quantity, d.expected, d.actual) == (1, "cached_blocks", 16, 8 + 4)
@@ -334,7 +337,7 @@ def test_dense_retention_is_held_to_specs_rule_on_the_same_trace(vllm):
     from impls.engines.vllm_kvmanager import VllmKVManagerDense
     from test_oracle_window_retention import config, retention_trace
     be = VllmKVManagerDense(config())
-    assert not be.capabilities.sparse_window_retention
+    assert not rule_set(be.capabilities).sparse_window_retention
     assert check(retention_trace(), be).valid is True
 
 
@@ -545,8 +548,8 @@ def test_a_block_completed_by_kept_drafts_is_cached_at_the_next_allocation(vllm)
     trace = make_trace(P(0, 14), Append(0, (0,), (5,), (4,)), Accept(0, 0, 4), Fork(0, 1, 0), X(1), X(0))
     assert check(trace, manager(num_blocks=8, caching=True)).valid is True
     undeclared = manager(num_blocks=8, caching=True)
-    undeclared.capabilities = dataclasses.replace(undeclared.capabilities,
-                                                  kept_drafts_cached_at_next_append=False)
+    undeclared.capabilities = dataclasses.replace(undeclared.capabilities, rule_params={
+        **undeclared.capabilities.rule_params, "kept_drafts_cached_at_next_append": False})
     v = check(trace, undeclared)
     d = v.divergence
     assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 3, "blocks_used", 3, 4)

@@ -7,7 +7,7 @@
 - ``capped_hit_recomputed``: the block a capped hit computes again goes back when the cache still
   holds its key, and the cached one is shared instead.
 
-An engine that declares ``Capabilities.evicts_whole_leaves`` (SGLang's ``RadixCache`` and
+An engine whose rule set has ``evicts_whole_leaves`` (SGLang's ``RadixCache`` and
 ``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole
 unlocked leaves. Which blocks form a node depends on where the engine's walks ended, so the model
 replays the walks the engine makes (sglang/srt/mem_cache/radix_cache.py, 0.5.23):
@@ -38,8 +38,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-# SGLang's get_priority of each policy (mem_cache/evict_policy.py): smaller goes first.
-LEAF_ORDERS = ("lru", "lfu", "fifo", "mru", "priority", "slru")
+from kvbench.model.rules.base import LEAF_ORDERS  # noqa: F401 (SGLang's get_priority's)
+from kvbench.model.rules.spec import SpecRules
+
 SLRU_PROTECTED_HITS = 2  # SLRUStrategy's protected_threshold default
 
 
@@ -169,14 +170,24 @@ class RadixTree:
         return out
 
 
-class SGLangRules:
+class SGLangRules(SpecRules):
+    """SGLang's rules (its RadixCache): the defaults are the serving engine's
+    (--radix-eviction-policy lru, a page size above 1)."""
+
+    name = "sglang"
+    PARAMS = {"fork_via": "prefix", "hit_leaves_last_token": True, "caches_every_full_block": True,
+              "evicts_whole_leaves": True, "leaf_order": "lru",
+              "eviction_demand": "page_per_request", "capped_hit_recomputed": True}
+
+
+class SGLangSteps:
     """The oracle's steps under SGLang's rules (a mixin of kvbench.model.oracle.Oracle): each is a
     no-op under SPEC's."""
 
     def _tree_match(self, keys, tokens: int) -> None:
         """The engine's match at admission (refused or not): it walks the blocks it may hit."""
         if self.tree is not None:
-            cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+            cap = max(0, tokens - 1) // self.B if self.rules.hit_leaves_last_token else len(keys)
             self.tree.match(list(keys[:cap]))
 
     def _tree_checkpoint(self, seq, prompt: int | None = None, release: bool = False) -> None:
@@ -208,9 +219,9 @@ class SGLangRules:
         the uncached free blocks; whole leaves of its tree, or cached blocks first released first."""
         new_tokens = [t for t in new_tokens if t > 0]  # a request allocating nothing
         if not self.caching or not new_tokens or (
-                self.tree is None and self.caps.eviction_demand == "need"):
+                self.tree is None and self.rules.eviction_demand == "need"):
             return  # SPEC: a cached block goes only when a block is taken
-        if self.caps.eviction_demand == "page_per_request" and self.B > 1:
+        if self.rules.eviction_demand == "page_per_request" and self.B > 1:
             need = len(new_tokens) if decode else -(-sum(new_tokens) // self.B) + len(new_tokens)
         short = need - self.uncached_free
         if short <= 0:
@@ -227,7 +238,7 @@ class SGLangRules:
     def _share_cached(self, table, g: int, i: int, key) -> None:
         """capped_hit_recomputed: block ``i``, computed again, goes back if the cache still holds
         its key, and the cached block is shared instead (the insert frees the duplicate)."""
-        if not self.caps.capped_hit_recomputed or (g, key) not in self.by_hash:
+        if not self.rules.capped_hit_recomputed or (g, key) not in self.by_hash:
             return
         cached = self.by_hash[(g, key)][0]
         if cached != table[i]:

@@ -6,8 +6,24 @@ caps both engines' rule sets put on them where a backend declares them (``hit_le
 """
 from __future__ import annotations
 
+from kvbench.model.rules.base import RuleSet
 
-class SpecRules:
+SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
+    "fork_via", "hit_leaves_last_token", "caches_every_full_block", "keeps_duplicate_blocks",
+    "window_release", "lookahead_slots", "hit_drops_last_block",
+    "kept_drafts_cached_at_next_append", "sparse_window_retention", "chunk_start_hit",
+    "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed")}
+
+
+class SpecRules(RuleSet):
+    """SPEC's rules; each engine rule (RuleSet's docstring) may be switched on one by one, as a
+    backend that follows SPEC but for a few of them declares (and as the old flags did)."""
+
+    name = "spec"
+    PARAMS = SPEC_PARAMS
+
+
+class SpecSteps:
     """The hit, the cache entries and the fork as a request (a mixin of
     kvbench.model.oracle.Oracle)."""
 
@@ -49,12 +65,10 @@ class SpecRules:
             L, hits = self._chunk_start_hit(keys, tokens)
             return L, hits, sum(1 for per in hits for i in per if i < L)
         L, hits = self._hit_plan(keys)
-        if self.caps.hit_drops_last_block and L:  # EAGLE: the last matched block computed again
+        if self.rules.hit_drops_last_block and L:  # EAGLE: the last matched block computed again
             L, hits = self._hit_plan(keys[:L - 1])
-        counted = L
-        if self.caps.hit_leaves_last_token:
-            counted = min(L, max(0, tokens - 1) // self.B)
-        if (self.caps.keeps_duplicate_blocks or self.caps.capped_hit_recomputed) and counted < L:
+        counted = min(L, self._most_hit_tokens(tokens) // self.B)
+        if (self.rules.keeps_duplicate_blocks or self.rules.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
         return L, hits, sum(1 for per in hits for i in per if i < counted)
@@ -62,12 +76,12 @@ class SpecRules:
     def _most_hit_tokens(self, tokens: int) -> int:
         """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
         the last one is computed again)."""
-        return max(0, tokens - 1) if self.caps.hit_leaves_last_token else tokens
+        return self.rules.most_hit_tokens(tokens)
 
     def _register(self, b: int, g: int, key) -> None:
         """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
         block only in an engine that keeps duplicates."""
-        self._cache(b, g, key, self.caps.keeps_duplicate_blocks)
+        self._cache(b, g, key, self.rules.keeps_duplicate_blocks)
 
     def _filled(self, b: int, g: int, seq, i: int) -> None:
         """Block ``b`` (position ``i`` of ``seq``, group ``g``) just became full: an engine that
@@ -76,10 +90,10 @@ class SpecRules:
         served through the prefix cache finds the parent's blocks in every group)."""
         st = self.seqs.get(seq)
         if st is not None and not self._keeps(st, g, i):
-            if self.caching and self.caps.caches_every_full_block:  # a fork still names it
+            if self.caching and self.rules.caches_every_full_block:  # a fork still names it
                 st.released_keys.setdefault(i, ("filled", seq, i))
             return
-        if self.caching and self.caps.caches_every_full_block and b not in self.hash_of:
+        if self.caching and self.rules.caches_every_full_block and b not in self.hash_of:
             self._register(b, g, self._filled_key(seq, i))
 
     def _filled_key(self, seq, i: int) -> tuple:

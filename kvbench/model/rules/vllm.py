@@ -25,6 +25,7 @@ window or a free releases them. Chunked-local groups keep every block (vLLM's ba
 from __future__ import annotations
 
 from kvbench.contract import formulas as F
+from kvbench.model.rules.spec import SpecRules
 
 
 def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, block_size: int):
@@ -77,12 +78,24 @@ def chunk_lookup(by_hash, keys, members, chunk: int, max_tokens: int, block_size
     return start, run
 
 
-class VLLMRules:
+class VLLMRules(SpecRules):
+    """vLLM's rules (its KVCacheManager, v1): the defaults are the serving engine's; a fork is
+    served through the prefix cache ("prefix"), or computed again ("copy") without one."""
+
+    name = "vllm"
+    PARAMS = {"fork_via": "prefix", "hit_leaves_last_token": True, "caches_every_full_block": True,
+              "keeps_duplicate_blocks": True, "window_release": "next_allocation",
+              "lookahead_slots": True, "hit_drops_last_block": False,
+              "kept_drafts_cached_at_next_append": True, "sparse_window_retention": True,
+              "chunk_start_hit": True}
+
+
+class VLLMSteps:
     """The oracle's steps under vLLM's rules (a mixin of kvbench.model.oracle.Oracle)."""
 
     def _chunk_rule(self) -> bool:
         """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
-        return (self.caching and self.caps.chunk_start_hit
+        return (self.caching and self.rules.chunk_start_hit
                 and all(g.family == "chunked" for g in self.groups))
 
     def _chunk_start_hit(self, keys, tokens: int) -> tuple[int, list]:
@@ -110,13 +123,13 @@ class VLLMRules:
         """Per group, the positions of a new request's blocks a sparse window retention caches,
         given its prompt, its hit's keys and its hit of L blocks; [] without that rule. Read
         before the request takes a block (its new blocks may evict a cached one)."""
-        if not (self.caps.sparse_window_retention and self.caching
+        if not (self.rules.sparse_window_retention and self.caching
                 and any(g.family == "sliding" for g in self.groups)):
             return []
-        cap = max(0, tokens - 1) // self.B if self.caps.hit_leaves_last_token else len(keys)
+        cap = max(0, tokens - 1) // self.B if self.rules.hit_leaves_last_token else len(keys)
         top = first_group_hit(
             self.by_hash, self.groups, keys, cap, self.B,
-            self._most_hit_tokens(tokens) if self.caps.chunk_start_hit else None)
+            self._most_hit_tokens(tokens) if self.rules.chunk_start_hit else None)
         junction = top if top > L else 0
         return [retained_positions(prompt_tokens, junction, group, self.B)
                 for group in self.groups]
