@@ -13,17 +13,9 @@ import pytest
 from kvbench.bench.store import Store
 from kvbench.cli import main
 from kvbench.traces.format import TraceError, loads, to_csv
+from test_cli_errors import refused
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def refused(argv, capsys, *, names: str) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith("kvbench: error: ") and err.count("\n") == 1, err
-    assert names in err, err
-    return err
 
 
 # --- names read from files ---------------------------------------------------------------------
