@@ -120,12 +120,11 @@ def run_one(trace: Trace, backend_name: str, config: CacheConfig, gather: str = 
     backend call may take (check's)."""
     with watching(op_timeout):
         try:
-            backend = guarded("__init__", registry.resolve(backend_name).create, config)
+            backend = make(backend_name, config)
+        except registry.BackendUnavailable as e:
+            v = Verdict(trace=trace.name, backend=backend_name, valid=None, not_applicable=str(e))
+            return verdict_row(trace, backend_name, config, v, unavailable=str(e))
         except BackendRaised as e:
-            if isinstance(e.error, registry.BackendUnavailable):
-                v = Verdict(trace=trace.name, backend=backend_name, valid=None,
-                            not_applicable=str(e.error))
-                return verdict_row(trace, backend_name, config, v, unavailable=str(e.error))
             v = Verdict(trace=trace.name, backend=backend_name, valid=False, traceback=e.traceback,
                         divergence=_lifecycle_failure(trace, e, before=True))
             return verdict_row(trace, backend_name, config, v)

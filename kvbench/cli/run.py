@@ -14,7 +14,7 @@ from kvbench.analyses import eviction, suite
 from kvbench.analyses.settings import RunSettings
 from kvbench.bench import records
 from kvbench.checking import expectations
-from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, BackendRaised, guarded, watching
+from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, BackendRaised, guarded, make, watching
 from kvbench.cli import options, serve
 from kvbench.cli.tables import print_table
 from kvbench.contract import formulas as F
@@ -139,10 +139,12 @@ def probe(name: str, config, op_timeout: float | None = DEFAULT_OP_TIMEOUT) -> s
     that crashes (raises other than a refusal, or hangs) runs: its FAIL is recorded there."""
     with watching(op_timeout):
         try:
-            backend = guarded("__init__", registry.resolve(name).create, config)
+            backend = make(name, config)
             guarded("close", backend.close)
-        except BackendRaised as e:
-            return str(e.error) if isinstance(e.error, registry.BackendUnavailable) else ""
+        except registry.BackendUnavailable as e:
+            return str(e)
+        except BackendRaised:
+            pass
     return ""
 
 
