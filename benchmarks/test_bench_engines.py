@@ -40,7 +40,7 @@ CASES = [(w, kind, impl) for w, kind in replay_cases() for impl in (*ENGINES, "n
 
 @pytest.mark.parametrize("workload,kind,impl", CASES, ids=[f"{impl}-{w}" for w, _, impl in CASES])
 def test_replay(benchmark, workload, kind, impl):
-    from kvbench.checking.checker import applicable
+    from kvbench.checking.applicable import applicable
 
     trace, cfg = trace_and_config(workload)
     entry = registry.resolve(impl)

@@ -17,7 +17,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from kvbench.analyses import suite
-from kvbench.checking.checker import applicable, check, oracle_for
+from kvbench.checking.applicable import applicable
+from kvbench.checking.checker import check, oracle_for
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.search.fuzz import EDGES, Watch

@@ -43,7 +43,7 @@ from kvbench.checking.driver import Driver
 from kvbench.model.oracle import ModelOOM, Oracle, content_segments
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
-from kvbench.checking.applicable import applicable, lifecycle  # noqa: F401 (their old home)
+from kvbench.checking.applicable import applicable
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named

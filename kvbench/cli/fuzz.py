@@ -10,7 +10,6 @@ Ctrl-C keeps every finding and the summary so far.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from kvbench.bench import records
 from kvbench.cli import options
