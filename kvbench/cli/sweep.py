@@ -11,7 +11,7 @@ from kvbench.bench import sweep_charts
 from kvbench.bench.store import DEFAULT_STORE, Store
 from kvbench.cli import options
 from kvbench.cli.tables import print_table
-from kvbench.outputs import check_writable, inside, name_problem, write_bytes
+from kvbench.outputs import check_writable, inside, name_problem, write_bytes, write_text
 
 
 def charts_dir(store: Store, sweep: str, out, source: str = "", option: str = "--out"):
@@ -143,7 +143,7 @@ def cmd_results(args) -> int:
     if note:
         print(note)
     if args.csv:
-        df.to_csv(args.csv, index=False)
+        write_text(args.csv, df.to_csv(index=False))  # atomic: an interrupted write leaves the old file
         print(f"cells: {args.csv}")
     specs = []
     if args.heatmap:

@@ -453,7 +453,7 @@ def test_heatmap_cells_are_the_mean_over_the_other_axes():
     assert "mean over seed" in fig._suptitle.get_text()
 
 
-def test_sweep_command_results_and_compare(tmp_path, capsys):
+def test_sweep_command_results_and_compare(tmp_path, capsys, monkeypatch):
     hand_trace(tmp_path)
     grid = write_grid(tmp_path / "g.toml", GRID + '[[charts]]\nkind = "heatmap"\nx = "block_size"\ny = "budget"\n'
                       'metric = "mean_fragmentation"\n[[charts]]\nkind = "lines"\nx = "budget"\nmetric = "peak_blocks"\n')
@@ -475,6 +475,17 @@ def test_sweep_command_results_and_compare(tmp_path, capsys):
     assert line16.split()[2:] == ["4", "4"]
     line8 = next(line for line in table.splitlines() if line.split()[:2] == ["hand", "8"])
     assert line8.split()[2:] == ["7", "7"]
+    cells = tmp_path / "cells.csv"
+    assert main(["results", "g", "--store", store, "--csv", str(cells)]) == 0
+    assert len(pd.read_csv(cells)) == 30  # one row per cell of the grid
+    capsys.readouterr()
+    # The CSV is written whole or not at all: a write that fails leaves the previous file.
+    monkeypatch.setattr("os.replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    assert main(["results", "g", "--store", store, "--csv", str(cells), "--where", "block_size=8"]) == 2
+    monkeypatch.undo()
+    assert "cells.csv: No space left" in capsys.readouterr().err
+    assert len(pd.read_csv(cells)) == 30
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cells.")]  # no temporary left
     record = tmp_path / "run.json"
     record.write_text(json.dumps({"kind": "run", "machine": {}, "commit": "x", "created": "now",
                                   "rows": [{"workload": "hand", "backend": "numpy", "policy": "-", "peak_blocks": 4}]}))
