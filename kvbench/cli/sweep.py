@@ -144,7 +144,8 @@ def cmd_results(args) -> int:
         print(note)
     if args.csv:
         write_text(args.csv, df.to_csv(index=False))  # atomic: an interrupted write leaves the old file
-        print(f"cells: {args.csv}")
+        if args.csv != "-":
+            print(f"cells: {args.csv}")
     specs = []
     if args.heatmap:
         specs.append({"kind": "heatmap", "x": args.heatmap[0], "y": args.heatmap[1], "metric": args.metric})
