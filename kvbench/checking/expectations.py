@@ -208,6 +208,7 @@ class Recorder:
         tmp = self.path.with_name(f"{self.path.stem}.{os.getpid()}.tmp.npz")
         try:  # a folder it cannot write leaves the check as it was, uncached
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            remove_orphans(self.path)
             np.savez(tmp, **arrays)
             os.replace(tmp, self.path)
         except OSError as e:
@@ -216,6 +217,22 @@ class Recorder:
                 tmp.unlink(missing_ok=True)
             return False
         return True
+
+
+def remove_orphans(path: Path) -> None:
+    """Remove the temporary files of ``path`` whose writer has ended without renaming them (a
+    process killed mid-save): a live writer's, this process's included, are left alone."""
+    for tmp in path.parent.glob(f"{path.stem}.*.tmp.npz"):
+        pid = tmp.name[len(path.stem) + 1:-len(".tmp.npz")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        except (PermissionError, OverflowError):
+            pass  # another user's live process, or not a pid: not ours to remove
 
 
 class Tape:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +202,18 @@ def test_a_folder_it_cannot_write_leaves_the_check_uncached(tmp_path):
     blocker.write_text("not a folder")
     v = check(FORKS, NumpyPaged(make_config()), cache=blocker / "expectations")
     assert v.status == "pass" and v.expectations == ""
+
+
+def test_a_save_removes_the_temporaries_of_writers_killed_mid_save(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True)
+    dead, alive = int(ended.stdout), os.getppid()  # the first has exited; pytest's parent lives
+    folder = tmp_path / "expectations"
+    check(FORKS, NumpyPaged(make_config()), cache=folder)
+    (stored,) = folder.glob("*.npz")
+    orphan = stored.with_name(f"{stored.stem}.{dead}.tmp.npz")
+    busy = stored.with_name(f"{stored.stem}.{alive}.tmp.npz")
+    orphan.write_bytes(b"half")
+    busy.write_bytes(b"half")
+    expectations.remove_orphans(stored)
+    assert not orphan.exists() and busy.exists()
