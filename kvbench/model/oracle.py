@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -44,6 +43,7 @@ from kvbench.contract.protocol import (
     Ledger,
     hash_writer,
 )
+from kvbench.model import eviction
 from kvbench.model.arena import Arena
 from kvbench.model.kinds import kind_of
 from kvbench.model.pool import BlockPool
@@ -240,38 +240,12 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         return [s for s in self.seqs if s not in protect]
 
     def _pick_victim(self, candidates) -> int:
-        policy = self.config.policy
-        if policy == "lru":
-            return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
-        if policy == "lfu":
-            return min(candidates, key=lambda s: (self.seqs[s].use_count, self.seqs[s].last_access, s))
-        if policy == "fair":
-            return self._pick_fair(candidates)
-        raise ValueError(f"unknown eviction policy {policy!r} (lru, lfu, fair)")
+        return eviction.pick_victim(self, candidates)
 
     def tenant_usage(self) -> dict:
         """Blocks (slots, contiguous) in the tables of each tenant with a live sequence."""
         self._settle()
         return {t: u for t, (u, n) in self._usage.items() if n}
-
-    def weights(self) -> dict:
-        tenants = {st.tenant for st in self.seqs.values()} | set(self.config.tenant_weights)
-        # Decimal text, not binary: weight 0.1 is exactly 1/10.
-        return {t: Fraction(str(self.config.tenant_weights.get(t, 1))) for t in tenants}
-
-    def _pick_fair(self, candidates) -> int:
-        w = self.weights()
-        total_w = sum(w.values())
-        budget = self.config.num_blocks if self.layout == "paged" else self.config.arena_slots
-        usage = self.tenant_usage()
-        # quota_t = w_t / W * B_total, compared exactly.
-        excess = {t: Fraction(u) - w[t] / total_w * budget for t, u in usage.items()}
-        over = [t for t in usage if usage[t] * total_w > w[t] * budget]
-        for t in sorted(over, key=lambda t: (excess[t], t), reverse=True):
-            mine = [s for s in candidates if self.seqs[s].tenant == t]
-            if mine:
-                return min(mine, key=lambda s: (self.seqs[s].last_access, s))
-        return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
 
     def _evict(self, victim: int) -> None:
         tenant = self.seqs[victim].tenant
