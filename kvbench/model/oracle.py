@@ -97,11 +97,6 @@ class TenantStats:
     recomputed_tokens: int = 0
 
 
-def extra_keys(salt=None, adapter=None) -> tuple:
-    """A prefill's extra keys, each tagged with its kind: a salt "x" and an adapter "x" differ."""
-    return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
-
-
 class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
     def __init__(self, config: CacheConfig, layout: str = "paged",
                  capabilities: Capabilities | None = None):
@@ -155,49 +150,6 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                 if b is not None:
                     self._drop_ref(b)
         st.ahead = []
-
-    # --- block keys (SPEC §9) --------------------------------------------------------------
-
-    def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
-                    tagged: bool = True) -> tuple:
-        """Keys of the prompt's full blocks: equal keys, equal prefix (and equal K/V).
-
-        From block hashes (each already names its prefix): the hash, with the tagged extra keys.
-        From token ids: the exact prefix, as a node of a trie whose root holds the extra keys.
-        ``tagged=False``: the same without extra keys (what the content alone would share).
-        """
-        n = tokens // self.B
-        extra = extra_keys(salt, adapter) if tagged else ()
-        if token_ids is not None:
-            keys, parent = [], ("root", extra)
-            for i in range(min(n, len(token_ids) // self.B)):
-                node = (parent, tuple(token_ids[i * self.B:(i + 1) * self.B]))
-                parent = ("ids", self._nodes.setdefault(node, len(self._nodes)))
-                keys.append(parent)
-            return tuple(keys)
-        hashes = tuple(hashes or ())[:n]
-        return tuple((extra, h) for h in hashes) if extra else hashes
-
-    def _note_writers(self, seq, untagged, extra) -> None:
-        for key in untagged:
-            self.writers.setdefault(key, {}).setdefault(extra, seq)
-
-    def cross_key_writers(self, seq) -> list:
-        """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
-        (another salt or adapter): a block shared with one of them is a cross-tenant leak."""
-        st = self.seqs.get(seq) or self.preempted.get(seq)
-        if st is None or not st.prompt.get("untagged"):
-            return []
-        mine = st.prompt["extra"]
-        found = {}
-        for key in st.prompt["untagged"]:
-            for extra, s in self.writers.get(key, {}).items():
-                if extra != mine and s != seq:
-                    found.setdefault(s, extra)
-        # First those whose keys carry the same values under other kinds (a salt "x" and an
-        # adapter "x"): what an untagged hash confuses.
-        values = sorted(v for _, v in mine)
-        return sorted(found.items(), key=lambda item: (sorted(v for _, v in item[1]) != values, item[0]))
 
     # --- what a call needs -----------------------------------------------------------------
 
@@ -320,15 +272,13 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
         self._tree_match(lookup, tokens)
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
-        untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False) if keys else ()
-        extra = extra_keys(salt, adapter)
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
                       segments=content_segments(seq, tokens, whole, self.B),
                       prompt={"hashes": tuple(hashes or ()) or None, "salt": salt, "adapter": adapter,
-                              "token_ids": token_ids, "extra": extra, "untagged": untagged})
+                              "token_ids": token_ids,
+                              **self._note_writers(seq, tokens, hashes, token_ids, salt, adapter)})
         if prompt_tokens is not None and prompt_tokens > tokens:  # the chunks still to come
             st.prompt.update(prompt_tokens=prompt_tokens, chunk_keys=whole)
-        self._note_writers(seq, untagged, extra)
         if self.layout == "paged":
             L, hits, counted = self._cache_hits(lookup, tokens)
             st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)

@@ -1,4 +1,5 @@
-"""SPEC's rule set: the prefix hit (SPEC §8, §12) and what the cache keeps (SPEC §9), with the
+"""SPEC's rule set: the block keys (salted, tagged: SPEC §9), the prefix hit (SPEC §8, §12) and
+what the cache keeps (SPEC §9), with the
 caps both engines' rule sets put on them where a backend declares them (``hit_leaves_last_token``,
 ``hit_drops_last_block``, ``caches_every_full_block``, ``keeps_duplicate_blocks``,
 ``capped_hit_recomputed``; all off: SPEC's), and a fork served as a new request (``fork_via``
@@ -15,6 +16,11 @@ SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
     "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed")}
 
 
+def extra_keys(salt=None, adapter=None) -> tuple:
+    """A prefill's extra keys, each tagged with its kind: a salt "x" and an adapter "x" differ."""
+    return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
+
+
 class SpecRules(RuleSet):
     """SPEC's rules; each engine rule (RuleSet's docstring) may be switched on one by one, as a
     backend that follows SPEC but for a few of them declares (and as the old flags did)."""
@@ -24,8 +30,54 @@ class SpecRules(RuleSet):
 
 
 class SpecSteps:
-    """The hit, the cache entries and the fork as a request (a mixin of
+    """The block keys, the hit, the cache entries and the fork as a request (a mixin of
     kvbench.model.oracle.Oracle)."""
+
+    def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
+                    tagged: bool = True) -> tuple:
+        """Keys of the prompt's full blocks: equal keys, equal prefix (and equal K/V).
+
+        From block hashes (each already names its prefix): the hash, with the tagged extra keys.
+        From token ids: the exact prefix, as a node of a trie whose root holds the extra keys.
+        ``tagged=False``: the same without extra keys (what the content alone would share).
+        """
+        n = tokens // self.B
+        extra = extra_keys(salt, adapter) if tagged else ()
+        if token_ids is not None:
+            keys, parent = [], ("root", extra)
+            for i in range(min(n, len(token_ids) // self.B)):
+                node = (parent, tuple(token_ids[i * self.B:(i + 1) * self.B]))
+                parent = ("ids", self._nodes.setdefault(node, len(self._nodes)))
+                keys.append(parent)
+            return tuple(keys)
+        hashes = tuple(hashes or ())[:n]
+        return tuple((extra, h) for h in hashes) if extra else hashes
+
+    def _note_writers(self, seq, tokens: int, hashes, token_ids, salt, adapter) -> dict:
+        """Note ``seq`` as a writer of its prompt's blocks under its extra keys; what
+        ``cross_key_writers`` reads of its prompt."""
+        untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False)
+        extra = extra_keys(salt, adapter)
+        for key in untagged:
+            self.writers.setdefault(key, {}).setdefault(extra, seq)
+        return {"extra": extra, "untagged": untagged}
+
+    def cross_key_writers(self, seq) -> list:
+        """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
+        (another salt or adapter): a block shared with one of them is a cross-tenant leak."""
+        st = self.seqs.get(seq) or self.preempted.get(seq)
+        if st is None or not st.prompt.get("untagged"):
+            return []
+        mine = st.prompt["extra"]
+        found = {}
+        for key in st.prompt["untagged"]:
+            for extra, s in self.writers.get(key, {}).items():
+                if extra != mine and s != seq:
+                    found.setdefault(s, extra)
+        # First those whose keys carry the same values under other kinds (a salt "x" and an
+        # adapter "x"): what an untagged hash confuses.
+        values = sorted(v for _, v in mine)
+        return sorted(found.items(), key=lambda item: (sorted(v for _, v in item[1]) != values, item[0]))
 
     def _hit_plan(self, keys) -> tuple[int, list]:
         """The hit (SPEC §8, §12): the longest prefix of L blocks such that every full group has
