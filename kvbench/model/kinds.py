@@ -26,6 +26,12 @@ class Kind:
         """Positions of the blocks the group no longer holds at ``tokens`` tokens."""
         return F.released_blocks(tokens, self.group, self.B)
 
+    def releasing(self, table: list, tokens: int) -> list:
+        """Positions of ``table`` still holding a block the group gives back at ``tokens`` tokens,
+        highest first (the order the oracle releases them in)."""
+        gone = self.released(tokens)
+        return [i for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1) if table[i] is not None]
+
     def held(self, tokens: int) -> list:
         """Positions of the blocks the group holds at ``tokens`` tokens: those a prefix hit of
         ``tokens`` tokens needs cached."""

@@ -220,36 +220,22 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
-    def _release_windows(self, seqs, lengths) -> None:
-        """Release every block of ``seqs`` a group no longer holds at T tokens (T from
-        ``lengths``; F.released_blocks: below ``T - W + 1`` for a sliding group, below the
-        current chunk for a chunked one, between the sinks and the window for sinks): group by
+    def _release_windows(self, seqs, when: str = "end_of_operation") -> None:
+        """Under the rule set's ``window_release`` ``when``: release every block of ``seqs`` a
+        group no longer holds at their current lengths (its kind's ``releasing``): group by
         group, writers in batch order, highest position first."""
+        if self.window_release != when:
+            return
         for g, kind in enumerate(self.kinds):
-            if not kind.releases:
-                continue
-            for s in seqs:
+            for s in seqs if kind.releases else ():
                 self._dirty.add(s)
                 st = self.seqs[s]
-                table = st.tables[g]
-                gone = kind.released(lengths[s])
-                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
-                    if table[i] is not None:
-                        if table[i] in self.hash_of:  # a fork through the prefix cache names it
-                            st.released_keys[i] = self.hash_of[table[i]][1]
-                        self._drop_ref(table[i])
-                        table[i] = None
-
-    def _snapshot(self):
-        marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
-        return copy.deepcopy((self.seqs, self._pool_state())), marks
-
-    def _restore(self, snap) -> None:
-        (self.seqs, pool), (self._free_low, logged) = snap
-        self._set_pool_state(pool)
-        if logged is not None:  # the changes undone are no changes
-            del self._cached_log[logged:]
-        self._dirty.update(self.seqs)  # sequences are new objects: settle them again
+                for i in kind.releasing(st.tables[g], st.tokens):
+                    b = st.tables[g][i]
+                    if b in self.hash_of:  # a fork through the prefix cache names it
+                        st.released_keys[i] = self.hash_of[b][1]
+                    self._drop_ref(b)
+                    st.tables[g][i] = None
 
     # --- the operations --------------------------------------------------------------------
 
@@ -299,8 +285,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                         self._filled(st.tables[g][i], g, seq, i)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
-            if self.window_release == "end_of_operation":
-                self._release_windows([seq], {seq: tokens})
+            self._release_windows([seq])
         else:
             st.slabs = self._place(sizes)
             self.seqs[seq] = st
@@ -338,16 +323,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                 raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
                                  f"{st.slab[1]}-slot reservation")
         call = ("append", lambda drop: self._append_need(seqs, tokens, drop), [])
-        lazy = self.layout == "paged" and self.window_release == "next_allocation"
-        snap = self._snapshot() if lazy and any(self.releasing) else None
-        if snap is not None:  # vLLM: the request's next allocation first drops what slid out
-            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
-        try:
-            victims = self._make_room(call, set(seqs))
-        except ModelOOM:
-            if snap is not None:
-                self._restore(snap)
-            raise
+        victims = self._make_room_released(call, seqs)
         self._spec_from = {s: self.seqs[s].tokens + dt - d for s, dt, d in zip(seqs, tokens, drafts)
                            if d} if drafts else {}
         if self.layout == "paged":
@@ -377,8 +353,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             st.tokens += dt
             st.last_access = step
             st.use_count += 1
-        if self.layout == "paged" and not lazy:
-            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
+        if self.layout == "paged":
+            self._release_windows(seqs)
         return victims
 
     def _paged_write(self, seqs, tokens) -> None:

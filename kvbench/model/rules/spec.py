@@ -183,8 +183,7 @@ class SpecSteps:
         # The child's blocks below a window hold the parent's content: its own fork names them.
         child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
         self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
-        if self.window_release == "end_of_operation":
-            self._release_windows([seq], {seq: child.tokens})
+        self._release_windows([seq])
 
     def _fork_keys(self, src, via: str) -> list:
         """Cache keys a fork of ``src`` served as a new request looks up: the parent's full

@@ -24,6 +24,8 @@ window or a free releases them. Chunked-local groups keep every block (vLLM's ba
 """
 from __future__ import annotations
 
+import copy
+
 from kvbench.contract import formulas as F
 from kvbench.model.rules.spec import SpecRules
 
@@ -92,6 +94,32 @@ class VLLMRules(SpecRules):
 
 class VLLMSteps:
     """The oracle's steps under vLLM's rules (a mixin of kvbench.model.oracle.Oracle)."""
+
+    def _make_room_released(self, call, seqs) -> list:
+        """An append's room (``_make_room``); under ``window_release`` "next_allocation" the
+        request's allocation first drops what slid out of its windows, undone if it is refused."""
+        if self.layout != "paged" or not any(self.releasing) or self.window_release == "end_of_operation":
+            return self._make_room(call, set(seqs))
+        snap = self._snapshot()
+        self._release_windows(seqs, "next_allocation")
+        try:
+            return self._make_room(call, set(seqs))
+        except Exception:  # ModelOOM: the refused call changes nothing
+            self._restore(snap)
+            raise
+
+    def _snapshot(self):
+        """What ``_restore`` puts back: only this rule changes the model before a call that may
+        yet be refused."""
+        marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
+        return copy.deepcopy((self.seqs, self._pool_state())), marks
+
+    def _restore(self, snap) -> None:
+        (self.seqs, pool), (self._free_low, logged) = snap
+        self._set_pool_state(pool)
+        if logged is not None:  # the changes undone are no changes
+            del self._cached_log[logged:]
+        self._dirty.update(self.seqs)  # sequences are new objects: settle them again
 
     def _chunk_rule(self) -> bool:
         """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
