@@ -335,11 +335,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             for b, g, key in self._chunk_done:
                 self._register(b, g, key)
             self._chunk_done = []
-            for s in seqs:  # blocks its last accept completed with kept drafts
-                st = self.seqs[s]
-                for g, i in st.later:
-                    self._filled(st.tables[g][i], g, s, i)
-                st.later = []
+            self._cache_later(seqs)
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]
@@ -385,17 +381,6 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
 
-    def _next_block(self, seq, fill: int, g: int) -> int:
-        """The block a write past ``seq``'s table takes: a lookahead slot it kept, else a new one."""
-        ahead = self.seqs[seq].ahead
-        if not ahead or not ahead[g]:
-            return self._new_block(fill, g)
-        b = ahead[g].pop(0)
-        self.blocks[b][1] = fill
-        self.filled += fill
-        self.edits += 1
-        return b
-
     def _completed(self, b: int, g: int, seq, i: int) -> None:
         """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
         a block of a chunked prompt becomes the cache entry of its key once the append has taken
@@ -437,20 +422,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self._dirty.add(seq)
         if self.layout == "paged":
             keep = F.blocks_needed(new, self.B)
-            lookahead = self.rules.lookahead_slots
-            if lookahead and not st.ahead:
-                st.ahead = [[] for _ in st.tables]
             for g, table in enumerate(st.tables):
-                if lookahead:  # kept, unwritten, for the next drafts (never shared: drafts wrote them)
-                    for b in table[keep:]:
-                        self.filled -= self.blocks[b][1]
-                        self.blocks[b][1] = 0
-                    st.ahead[g][:0] = table[keep:]
-                    self.edits += 1
-                else:
-                    for b in reversed(table[keep:]):
-                        if b is not None:
-                            self._drop_ref(b)
+                self._drop_drafts(st, g, table[keep:])
                 del table[keep:]
                 if keep and table[-1] is not None:
                     b = table[-1]
@@ -458,10 +431,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                     self.filled += fill - self.blocks[b][1]
                     self.blocks[b][1] = fill
                 for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
-                    if table[i] is not None and self.rules.kept_drafts_cached_at_next_append:
-                        st.later.append((g, i))
-                    elif table[i] is not None:
-                        self._filled(table[i], g, seq, i)
+                    if table[i] is not None:
+                        self._drafts_filled(st, g, seq, i)
         st.tokens = new
         return []
 
