@@ -48,7 +48,7 @@ from kvbench.model.arena import Arena
 from kvbench.model.kinds import kind_of
 from kvbench.model.pool import BlockPool
 from kvbench.model.rules import rule_set
-from kvbench.model.rules.sglang import RadixTree, SGLangSteps
+from kvbench.model.rules.sglang import SGLangSteps
 from kvbench.model.rules.spec import SpecSteps
 from kvbench.model.rules.vllm import VLLMSteps
 from kvbench.quant import pool as quant_pool
@@ -128,11 +128,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
-        # An engine's radix tree over the cached blocks (its rules' evicts_whole_leaves), and
-        # per live request [its prompt's full blocks, the blocks it inserted] (one group).
-        self.tree = RadixTree(self.rules.leaf_order) if (
-            self.caching and self.rules.evicts_whole_leaves) else None
-        self._tree_reqs: dict = {}
+        self._init_tree()  # an engine's radix tree (rules/sglang.py), None under other rules
         self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
     # --- capacity --------------------------------------------------------------------------
@@ -450,21 +446,13 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
         via = self.rules.fork_via if self.layout == "paged" else "share"
-        G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
+        n = len(parent.tables[0]) if parent.tables else 0
         victims = []
         if self.layout == "contiguous":
             sizes = self._slab_sizes(final)
             victims = self._make_room(("fork", None, sizes), {seq, src})
         elif via != "share":
-            self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
-            keys = self._fork_keys(src, via)
-            self._tree_match(keys, parent.tokens)
-
-            def need(drop):
-                L, hits, _ = self._cache_hits(keys, parent.tokens)
-                return G * (n - L) + self._taken_back(hits, drop)
-
-            victims = self._make_room(("fork", need, []), {seq, src})
+            victims, keys = self._fork_room(seq, src, via)
         states = [g for g, kind in enumerate(self.kinds) if kind.copied_at_fork and n]
         if via == "share" and states and self.layout == "paged":  # SPEC §12: a copy of each state
             victims = self._make_room(("fork", lambda drop: len(states), []), {seq, src})

@@ -154,6 +154,21 @@ class SpecSteps:
         life = self._lives.get(seq, 0)
         return ("filled", seq, i) + ((life,) if life else ())
 
+    def _fork_room(self, seq, src, via: str) -> tuple[list, list]:
+        """A fork served as a new request: the engine's walks, the keys it looks up
+        (``_fork_keys``) and the room its blocks need. Returns (victims, keys)."""
+        parent = self.seqs[src]
+        n = len(parent.tables[0]) if parent.tables else 0
+        self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
+        keys = self._fork_keys(src, via)
+        self._tree_match(keys, parent.tokens)
+
+        def need(drop):
+            L, hits, _ = self._cache_hits(keys, parent.tokens)
+            return len(self.groups) * (n - L) + self._taken_back(hits, drop)
+
+        return self._make_room(("fork", need, []), {seq, src}), keys
+
     def _fork_as_request(self, seq, child, parent, keys) -> None:
         """``fork_via`` "prefix" or "copy" (vLLM, SGLang): the child is a new request with the
         parent's tokens, served by the prefix cache (``keys``: ``_fork_keys``): the cached blocks
