@@ -271,14 +271,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                          + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
                          for g in range(G)]
             self.seqs[seq] = st  # first: a full block's caching reads its retention
-            for g in range(G):
-                for i in range(L, n):
-                    if i < len(lookup):
-                        if self._keeps(st, g, i):
-                            self._share_cached(st.tables[g], g, i, lookup[i])
-                            self._register(st.tables[g][i], g, lookup[i])
-                    elif self.blocks[st.tables[g][i]][1] == self.B:
-                        self._filled(st.tables[g][i], g, seq, i)
+            self._cache_prompt(seq, st, lookup, L, n)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
             self._release_windows([seq])

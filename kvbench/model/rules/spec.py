@@ -154,6 +154,18 @@ class SpecSteps:
         life = self._lives.get(seq, 0)
         return ("filled", seq, i) + ((life,) if life else ())
 
+    def _cache_prompt(self, seq, st, keys, L: int, n: int) -> None:
+        """A prefill's new blocks ``L .. n - 1``: a keyed one (``keys`` by position) becomes its
+        key's cache entry where the group keeps it; a full one past the keys is ``_filled``."""
+        for g, table in enumerate(st.tables):
+            for i in range(L, n):
+                if i < len(keys):
+                    if self._keeps(st, g, i):
+                        self._share_cached(table, g, i, keys[i])
+                        self._register(table[i], g, keys[i])
+                elif self.blocks[table[i]][1] == self.B:
+                    self._filled(table[i], g, seq, i)
+
     def _fork_room(self, seq, src, via: str) -> tuple[list, list]:
         """A fork served as a new request: the engine's walks, the keys it looks up
         (``_fork_keys``) and the room its blocks need. Returns (victims, keys)."""
