@@ -2,8 +2,9 @@
 
 Over 500 lines: the operations of both layouts (paged and contiguous) over KV cache groups, with
 eviction, prefix caching and the block order; the block pool (pool.py), the arena (arena.py),
-each group kind (kinds.py) and the rule sets (rules/) are modules of their own, and what remains
-is the order in which an operation asks them, which each operation needs whole.
+each group kind (kinds.py), the rule sets (rules/: the block keys, the hit and every engine's
+steps) and the eviction policies (eviction.py) are modules of their own, and what remains is the
+order in which an operation asks them, which each operation needs whole.
 
 It imports no backend code. Each operation (``prefill``, ``append``, ``fork``, ``free``, ...)
 advances the model by one backend call and either returns the victims it evicted or raises
