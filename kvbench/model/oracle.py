@@ -321,10 +321,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             self._evict_before_alloc(self._append_need(seqs, tokens), grow,
                                      decode=all(dt == 1 for dt in grow))
             self._paged_write(seqs, tokens)
-            # after every block the append takes: a cached copy its allocations evicted is gone
-            for b, g, key in self._chunk_done:
-                self._register(b, g, key)
-            self._chunk_done = []
+            self._cache_chunks()
             self._cache_later(seqs)
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
@@ -370,18 +367,6 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                     dt -= take
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
-
-    def _completed(self, b: int, g: int, seq, i: int) -> None:
-        """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
-        a block of a chunked prompt becomes the cache entry of its key once the append has taken
-        its blocks (as an engine caches after allocating); a block holding a draft
-        token is cached by no engine (its accept may still roll it back)."""
-        chunk = self.seqs[seq].prompt.get("chunk_keys")
-        if chunk is not None and i < len(chunk):
-            if self.caching and self._keeps(self.seqs[seq], g, i):
-                self._chunk_done.append((b, g, chunk[i]))
-        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
-            self._filled(b, g, seq, i)
 
     def append_segments(self, seq, count: int, draft: int = 0, step: int = 0) -> list:
         """[(writer, start, count)]: who writes the next ``count`` positions of ``seq`` (before

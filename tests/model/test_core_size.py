@@ -11,7 +11,7 @@ CORE = ("oracle.py", "pool.py", "arena.py", "__init__.py")
 NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py", "tiered.py")
 # Issue 46 asks for 500; 1,014 before the kinds' and engines' steps and the policies moved out.
 # What is left is the operations of both layouts, the pool, the arena, the ledger and the content.
-CORE_LINES = 868
+CORE_LINES = 853
 
 
 def test_every_module_of_the_model_is_core_or_named_outside_it():

@@ -166,6 +166,25 @@ class SpecSteps:
                 elif self.blocks[table[i]][1] == self.B:
                     self._filled(table[i], g, seq, i)
 
+    def _completed(self, b: int, g: int, seq, i: int) -> None:
+        """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
+        a block of a chunked prompt becomes the cache entry of its key once the append has taken
+        its blocks (as an engine caches after allocating); a block holding a draft
+        token is cached by no engine (its accept may still roll it back)."""
+        chunk = self.seqs[seq].prompt.get("chunk_keys")
+        if chunk is not None and i < len(chunk):
+            if self.caching and self._keeps(self.seqs[seq], g, i):
+                self._chunk_done.append((b, g, chunk[i]))
+        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
+            self._filled(b, g, seq, i)
+
+    def _cache_chunks(self) -> None:
+        """The chunked prompts' blocks an append completed become their keys' cache entries,
+        after every block the append takes (a cached copy its allocations evicted is gone)."""
+        for b, g, key in self._chunk_done:
+            self._register(b, g, key)
+        self._chunk_done = []
+
     def _fork_room(self, seq, src, via: str) -> tuple[list, list]:
         """A fork served as a new request: the engine's walks, the keys it looks up
         (``_fork_keys``) and the room its blocks need. Returns (victims, keys)."""
