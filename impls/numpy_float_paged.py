@@ -24,6 +24,7 @@ import numpy as np
 
 from impls.numpy_paged import NumpyPaged, lazy_zeros
 from impls.numpy_quant_paged import NumpyQuantPaged
+from kvbench.contract.protocol import Refusal
 
 CALIBRATED_AMAX = 1001.0  # max |K/V| kvbench writes: (...) mod 2003 - 1001
 
@@ -76,8 +77,9 @@ class NumpyFloatPaged(NumpyQuantPaged):
         self.rows_per_slot = m.kv_pair * m.group_layers * m.kv_heads
         nvfp4 = self.kv_format == "nvfp4"
         if nvfp4 and m.kv_heads * d % 16:
-            raise NotImplementedError(f"{self.name}: kv_heads * head_dim = {m.kv_heads * d} does not "
-                                      f"split into NVFP4's 16-element blocks")
+            raise NotImplementedError(Refusal(
+                self.name, "store K/V whose rows do not split into NVFP4's 16-element blocks",
+                "SPEC §12", f"model {m.name} has kv_heads * head_dim = {m.kv_heads * d}"))
         self.nvfp4_blocks = m.kv_heads * d // 16  # per (token, K/V, layer)
         # Per token slot: its codes, and its scales (per row, or per 16 channels of a row).
         self.code_shape = (self.rows_per_slot * (d // 2 if nvfp4 else d),)

@@ -19,6 +19,7 @@ from kvbench.contract.protocol import (
     Capabilities,
     Ledger,
     OutOfMemory,
+    refuse_model,
 )
 
 POLICIES = ("lru", "lfu", "fair")
@@ -61,9 +62,9 @@ class ObjectModel(Backend):
         super().__init__(config)
         if config.policy is not None and config.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {config.policy!r} (known: {', '.join(POLICIES)})")
-        if config.model.hybrid:  # declared in its capabilities; refused here for direct use
-            raise NotImplementedError(f"{self.name} models one full-attention group, not "
-                                      f"{config.model.name}'s KV cache groups")
+        refused = refuse_model(self.name, self.capabilities, config.model)
+        if refused:  # declared in its capabilities; refused here for direct use
+            raise NotImplementedError(refused)
         self.block_size = config.block_size
         self.blocks = [Block(i, config.block_size) for i in range(config.num_blocks)]
         self.free_blocks = self.blocks[::-1]  # a stack: pop() hands out low ids first

@@ -13,9 +13,10 @@ import os
 
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import CacheConfig
+from kvbench.model import eviction
 from kvbench.traces.format import INT64_MAX, Trace, TraceError
 
-POLICIES = ("lru", "lfu", "fair")
+POLICIES = tuple(eviction.POLICIES)  # the device eviction policies kvbench/model/eviction.py has
 INDEX_BYTES_PER_BLOCK = 64  # a pool's arrays per block without K/V: ids, counts, tables (generous)
 
 

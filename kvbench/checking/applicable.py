@@ -1,11 +1,13 @@
 """Whether a backend can run a trace: '' or why not, decided in one place from what the trace
 uses (``trace_uses``) and what the backend declares: its group kinds, its rule set, the
 operations it takes (SPEC §13's lifecycles, fork, salts) and its tiers (SPEC §11). Each reason
-names the backend's declaration and what the trace or model needs of it.
+is a Refusal (kvbench.contract.protocol), one shape: who does not do what (SPEC §N), and what
+the trace, the model or the settings need of it.
 """
 from __future__ import annotations
 
-from kvbench.contract.protocol import Backend, refuse_kinds, takes_lifecycle
+from kvbench.contract.protocol import MODEL, TIER_REPLAY, Backend, Refusal, refuse_model, takes_lifecycle
+from kvbench.model.kinds import kind_of
 from kvbench.model.rules import rule_set
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Trace
@@ -48,14 +50,17 @@ def trace_uses(trace: Trace) -> set:
 
 
 def applicable(trace: Trace, backend: Backend) -> str:
-    """'' when the backend can run the trace, else why not."""
+    """'' when the backend can run the trace, else why not (a Refusal's one shape)."""
+    refusal = refuse(trace, backend)
+    return str(refusal) if refusal else ""
+
+
+def refuse(trace: Trace, backend: Backend) -> Refusal | None:
+    """None when the backend can run the trace, else why not."""
     caps, cfg = backend.capabilities, backend.config
     model, name = cfg.model, backend.name
     uses = trace_uses(trace)
-    if model.hybrid and not caps.groups:
-        return (f"{name} does not run KV cache groups or sliding windows, and model "
-                f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
-    refused = refuse_kinds(name, caps, model)
+    refused = refuse_model(name, caps, model)
     if refused:
         return refused
     try:
@@ -63,59 +68,68 @@ def applicable(trace: Trace, backend: Backend) -> str:
     except ValueError as e:  # the backend's declaration, named as its
         raise ValueError(f"{name}'s Capabilities: {e}") from None
     if rules.hit_drops_last_block and any(g.releases for g in model.kv_groups):
-        return (f"{name} drops an EAGLE hit's last block, which beside the windows of "
-                f"model {model.name} is not modelled")
+        return Refusal(MODEL, "drop an EAGLE hit's last block beside windows", "SPEC §8",
+                       f"{name} declares hit_drops_last_block and model {model.name} has "
+                       f"{', '.join(g.kind for g in model.kv_groups)}")
     if not caps.fork and "fork" in uses:
-        return f"{name} does not support fork and the trace forks"
+        return Refusal(name, "support fork", "SPEC §2", "the trace forks")
     if cfg.policy and cfg.policy not in caps.eviction:
-        return f"{name} does not implement eviction policy {cfg.policy!r}"
+        return Refusal(name, f"implement eviction policy {cfg.policy!r}", "SPEC §5",
+                       "the run evicts under it")
     if cfg.prefix_caching and caps.prefix_caching and not caps.cache_salt and "salted" in uses:
-        # Its cache would share blocks across the salts and adapters it is never told (SPEC §9).
-        return (f"{name} does not declare cache_salt: it cannot take the salts, adapters "
-                f"or token ids this trace's prompts carry")
+        # Its cache would share blocks across the salts and adapters it is never told.
+        return Refusal(name, "declare cache_salt", "SPEC §9", "the trace's prompts carry salts, "
+                       "adapters or token ids, which it cannot take")
     return _lifecycles(uses, backend) or _tiers(trace, uses, backend)
 
 
-def _lifecycles(uses: set, backend: Backend) -> str:
-    caps, model, name = backend.capabilities, backend.config.model, backend.name
+def _lifecycles(uses: set, backend: Backend) -> Refusal | None:
+    caps, cfg, name = backend.capabilities, backend.config, backend.name
     if "speculative" in uses:
         if not takes_lifecycle(backend, "speculative"):
-            return f"{name} does not roll back draft tokens (no accept: speculative decoding, SPEC §13)"
-        if any(g.state_bytes is not None for g in model.kv_groups):
-            return (f"a rollback of model {model.name}'s state groups would need the state before "
-                    f"the drafts (SPEC §12): not modelled")
-        if any(g.releases for g in model.kv_groups):  # sliding, chunked and sinks groups
-            return (f"a rollback under the {', '.join(g.kind for g in model.kv_groups if g.releases)} "
-                    f"group(s) of model {model.name} would need blocks the group already released: "
-                    f"not modelled")
+            return Refusal(name, "roll back draft tokens with accept", "SPEC §13",
+                           "the trace accepts drafts (speculative decoding)")
+        # Each kind says whether the model rolls its drafts back.
+        kinds = [kind_of(g, cfg.block_size) for g in cfg.model.kv_groups]
+        unmodelled = [(g, k) for g, k in zip(cfg.model.kv_groups, kinds) if k.rollback_needs]
+        if unmodelled:
+            needs = " and ".join(dict.fromkeys(k.rollback_needs for _, k in unmodelled))
+            return Refusal(MODEL, f"roll back drafts over {', '.join(g.kind for g, _ in unmodelled)} "
+                           f"groups", "SPEC §13", f"the trace accepts drafts on model "
+                           f"{cfg.model.name}, which would need {needs}")
     if "swap" in uses and caps.tiers and not caps.swap:  # without tiers: _tiers says so
-        return (f"{name} does not preempt by swap (SPEC §13: swap_out and swap_in over "
-                f"its tiers)")
+        return Refusal(name, "preempt by swap over its tiers", "SPEC §13",
+                       "the trace swaps sequences out (swap_out, swap_in)")
     if "chunked" in uses and not takes_lifecycle(backend, "chunked"):
-        return f"{name} does not take a prompt in chunks (no chunked_prefill, SPEC §13)"
-    return ""
+        return Refusal(name, "take a prompt in chunks with chunked_prefill", "SPEC §13",
+                       "the trace prefills prompts in chunks")
+    return None
 
 
-def _tiers(trace: Trace, uses: set, backend: Backend) -> str:
+def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
     """The tier replay's part (SPEC §11; kvbench.checking.tier_replay replays them)."""
     tiers = trace.header.tiers
     if not tiers:
-        return ""
+        return None
     caps, cfg, name = backend.capabilities, backend.config, backend.name
     names = ", ".join(t.name for t in tiers)
     if not caps.tiers:
         moves = "stores to and loads from" if "transfers" in uses else "swaps sequences out to"
-        return f"{name} declares no tiers (SPEC §11) and the trace {moves} {names}"
+        return Refusal(name, "declare tiers", "SPEC §11", f"the trace {moves} {names}")
     missing = sorted({t.policy for t in tiers} - set(caps.tiers))
     if missing:
-        return f"{name}'s tiers do not run policy {missing[0]!r} (they run {', '.join(caps.tiers)})"
+        return Refusal(name, f"run tier policy {missing[0]!r}, only {', '.join(caps.tiers)}",
+                       "SPEC §11", f"the trace's tiers {names} use it")
     if cfg.model.hybrid:
-        return f"tier replays run models of one full-attention group, and {cfg.model.name} has more"
+        return Refusal(TIER_REPLAY, "run models of more than one full-attention group", "SPEC §11",
+                       f"model {cfg.model.name} has {', '.join(g.kind for g in cfg.model.kv_groups)}")
     if not (cfg.prefix_caching and caps.prefix_caching) and "transfers" in uses:  # a swap needs no hash
-        return "a tier holds hashed blocks only: the replay needs prefix caching on"
+        return Refusal(name, "cache prefixes in this run", "SPEC §11", "the trace stores and "
+                       "loads blocks a tier holds by their hashes")
     if cfg.policy:
-        return "tier replays run without an eviction policy (a load in flight is never a victim yet)"
-    return ""
+        return Refusal(TIER_REPLAY, "run with an eviction policy", "SPEC §11",
+                       f"the run evicts under {cfg.policy!r} (a load in flight is never a victim yet)")
+    return None
 
 
-__all__ = ["applicable", "lifecycle", "trace_uses"]
+__all__ = ["applicable", "lifecycle", "refuse", "trace_uses"]

@@ -47,7 +47,7 @@ from kvbench.checking.applicable import applicable
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
-from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, _takes, kv_tokens
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, Refusal, _takes, kv_tokens
 from kvbench.traces.format import Prefill, Trace, op_to_dict
 from kvbench.traces.tier_ops import TIER_OPS
 
@@ -112,7 +112,8 @@ def _check(trace, backend, *, gather, series, progress, model, keep_going, cache
                                          else "gather='none'")
     quantized = bool(backend.config.kv_format)
     if quantized and not caps.quantized:
-        verdict.valid, verdict.not_applicable = None, f"{backend.name} does not store quantized K/V"
+        verdict.valid, verdict.not_applicable = None, str(Refusal(
+            backend.name, "store quantized K/V", "SPEC §4", f"the run asks for {backend.config.kv_format}"))
         return verdict
     if caps.layout != "paged":
         verdict.skipped["blocks"] = f"{caps.layout} layout has no blocks"

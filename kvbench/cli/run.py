@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.analyses import eviction, suite
-from kvbench.analyses.settings import RunSettings
+from kvbench.analyses.settings import POLICIES, RunSettings
 from kvbench.bench import records
 from kvbench.checking import expectations
 from kvbench.checking.raised import DEFAULT_OP_TIMEOUT, BackendRaised, guarded, make, watching
@@ -36,7 +36,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=options.positive_int,
                    help="contiguous `max` reservation (default: next pow2 of the longest sequence)")
     g.add_argument("--device", default="cpu", help="device for the torch backend: cpu or cuda")
-    g.add_argument("--policy", default="auto", choices=["auto", "lru", "lfu", "fair", "all", "none"],
+    g.add_argument("--policy", default="auto", choices=["auto", *POLICIES, "all", "none"],
                    help="eviction policy: lru, lfu, fair, all, none, auto (all three for tenant mixes)")
     g.add_argument("--prefix-caching", default=None, action=argparse.BooleanOptionalAction,
                    help="reuse cached blocks by block hash (default: on when the trace has hashes)")

@@ -167,13 +167,36 @@ def _capabilities_old_form(self, *args, **kwargs):
 Capabilities.__init__ = _capabilities_old_form
 
 
-def refuse_kinds(backend_name: str, caps: Capabilities, model: ModelSpec) -> str:
-    """'' when the backend declares every group kind of the model (SPEC §12), else why not."""
+@dataclass(frozen=True)
+class Refusal:
+    """Why a run is n/a, in the one shape every such reason has: "<who> does not <lacks> (SPEC
+    §N), and <needs>". ``who``: the backend, or the part of kvbench that cannot follow it
+    (``MODEL``, ``TIER_REPLAY``); ``needs``: what the trace, the model or the settings ask."""
+
+    who: str
+    lacks: str
+    spec: str  # "SPEC §N"
+    needs: str
+
+    def __str__(self) -> str:
+        return f"{self.who} does not {self.lacks} ({self.spec}), and {self.needs}"
+
+
+MODEL, TIER_REPLAY = "kvbench's model", "kvbench's tier replay"
+
+
+def refuse_model(backend_name: str, caps: Capabilities, model: ModelSpec) -> Refusal | None:
+    """None when the backend declares the model's KV cache groups (SPEC §8) and every kind of
+    them (SPEC §12), else why not."""
+    kinds = ", ".join(g.kind for g in model.kv_groups)
+    if model.hybrid and not caps.groups:
+        return Refusal(backend_name, "run KV cache groups or sliding windows", "SPEC §8",
+                       f"model {model.name} has {kinds}")
     missing = sorted({g.family for g in model.kv_groups} - set(caps.kinds))
-    if not missing:
-        return ""
-    return (f"{backend_name} does not run {' or '.join(missing)} groups (SPEC §12), and model "
-            f"{model.name} has {', '.join(g.kind for g in model.kv_groups)}")
+    if missing and caps.groups:
+        return Refusal(backend_name, f"run {' or '.join(missing)} groups", "SPEC §12",
+                       f"model {model.name} has {kinds}")
+    return None
 
 
 @dataclass
@@ -230,7 +253,7 @@ class Backend(ABC):
         self.config = config
         # A pool of KV cache groups refuses a kind it does not declare (the checker says n/a to
         # it) for direct use too: a replay or a sweep would read it as full attention.
-        refused = self.capabilities.groups and refuse_kinds(self.name, self.capabilities, config.model)
+        refused = self.capabilities.groups and refuse_model(self.name, self.capabilities, config.model)
         if refused:
             raise NotImplementedError(refused)
 

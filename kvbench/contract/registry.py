@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-from kvbench.contract.protocol import Backend, CacheConfig
+from kvbench.contract.protocol import Backend, CacheConfig, Refusal
 
 ENTRY_POINT_GROUP = "kvbench.backends"
 
@@ -108,6 +108,8 @@ class BackendEntry:
         try:
             backend = factory(config)
         except (ValueError, NotImplementedError) as e:
+            if e.args and isinstance(e.args[0], Refusal):  # already an n/a's reason: named as this entry
+                raise BackendUnavailable(str(dataclasses.replace(e.args[0], who=self.name))) from e
             raise BackendUnavailable(f"{self.name} cannot run with these settings: "
                                      f"{type(e).__name__}: {e}") from e
         if not isinstance(backend, Backend):

@@ -17,6 +17,9 @@ class Kind:
     releases = False  # gives blocks back while its sequence lives
     ring = False  # the contiguous layout's slab is a ring capped at the window
     copied_at_fork = False  # a fork sharing the blocks copies the last one (a state)
+    # What an accept's rollback of drafts (SPEC §13) would need that the model does not keep
+    # (None: the group rolls back; the checker says n/a to a trace that accepts otherwise).
+    rollback_needs: str | None = None
 
     def __init__(self, group: F.KVGroup, block_size: int):
         self.group = group
@@ -25,6 +28,12 @@ class Kind:
     def released(self, tokens: int) -> range:
         """Positions of the blocks the group no longer holds at ``tokens`` tokens."""
         return F.released_blocks(tokens, self.group, self.B)
+
+    def releasing(self, table: list, tokens: int) -> list:
+        """Positions of ``table`` still holding a block the group gives back at ``tokens`` tokens,
+        highest first (the order the oracle releases them in)."""
+        gone = self.released(tokens)
+        return [i for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1) if table[i] is not None]
 
     def held(self, tokens: int) -> list:
         """Positions of the blocks the group holds at ``tokens`` tokens: those a prefix hit of
@@ -66,6 +75,7 @@ class SlidingKind(Kind):
 
     releases = True
     ring = True
+    rollback_needs = "blocks the group already released"
 
     def slab(self, size: int) -> int:
         return min(size, self.group.window)
@@ -78,12 +88,14 @@ class ChunkedKind(Kind):
     """chunked(C): the blocks of the current chunk, from floor(T/C)*C."""
 
     releases = True
+    rollback_needs = "blocks the group already released"
 
 
 class SinksKind(Kind):
     """sinks(S, W): the first S tokens' blocks for good, and a window of W."""
 
     releases = True
+    rollback_needs = "blocks the group already released"
 
 
 class StateKind(Kind):
@@ -92,6 +104,7 @@ class StateKind(Kind):
 
     releases = True
     copied_at_fork = True
+    rollback_needs = "the state before the drafts (SPEC §12)"
 
     def released_span(self, table: list, tokens: int) -> tuple:
         return (0, tokens)

@@ -2,8 +2,9 @@
 
 Over 500 lines: the operations of both layouts (paged and contiguous) over KV cache groups, with
 eviction, prefix caching and the block order; the block pool (pool.py), the arena (arena.py),
-each group kind (kinds.py) and the rule sets (rules/) are modules of their own, and what remains
-is the order in which an operation asks them, which each operation needs whole.
+each group kind (kinds.py), the rule sets (rules/: the block keys, the hit and every engine's
+steps) and the eviction policies (eviction.py) are modules of their own, and what remains is the
+order in which an operation asks them, which each operation needs whole.
 
 It imports no backend code. Each operation (``prefill``, ``append``, ``fork``, ``free``, ...)
 advances the model by one backend call and either returns the victims it evicted or raises
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import (
@@ -44,11 +44,12 @@ from kvbench.contract.protocol import (
     Ledger,
     hash_writer,
 )
+from kvbench.model import eviction
 from kvbench.model.arena import Arena
 from kvbench.model.kinds import kind_of
 from kvbench.model.pool import BlockPool
 from kvbench.model.rules import rule_set
-from kvbench.model.rules.sglang import RadixTree, SGLangSteps
+from kvbench.model.rules.sglang import SGLangSteps
 from kvbench.model.rules.spec import SpecSteps
 from kvbench.model.rules.vllm import VLLMSteps
 from kvbench.quant import pool as quant_pool
@@ -97,11 +98,6 @@ class TenantStats:
     recomputed_tokens: int = 0
 
 
-def extra_keys(salt=None, adapter=None) -> tuple:
-    """A prefill's extra keys, each tagged with its kind: a salt "x" and an adapter "x" differ."""
-    return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
-
-
 class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
     def __init__(self, config: CacheConfig, layout: str = "paged",
                  capabilities: Capabilities | None = None):
@@ -133,11 +129,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
-        # An engine's radix tree over the cached blocks (its rules' evicts_whole_leaves), and
-        # per live request [its prompt's full blocks, the blocks it inserted] (one group).
-        self.tree = RadixTree(self.rules.leaf_order) if (
-            self.caching and self.rules.evicts_whole_leaves) else None
-        self._tree_reqs: dict = {}
+        self._init_tree()  # an engine's radix tree (rules/sglang.py), None under other rules
         self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
     # --- capacity --------------------------------------------------------------------------
@@ -155,49 +147,6 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                 if b is not None:
                     self._drop_ref(b)
         st.ahead = []
-
-    # --- block keys (SPEC §9) --------------------------------------------------------------
-
-    def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
-                    tagged: bool = True) -> tuple:
-        """Keys of the prompt's full blocks: equal keys, equal prefix (and equal K/V).
-
-        From block hashes (each already names its prefix): the hash, with the tagged extra keys.
-        From token ids: the exact prefix, as a node of a trie whose root holds the extra keys.
-        ``tagged=False``: the same without extra keys (what the content alone would share).
-        """
-        n = tokens // self.B
-        extra = extra_keys(salt, adapter) if tagged else ()
-        if token_ids is not None:
-            keys, parent = [], ("root", extra)
-            for i in range(min(n, len(token_ids) // self.B)):
-                node = (parent, tuple(token_ids[i * self.B:(i + 1) * self.B]))
-                parent = ("ids", self._nodes.setdefault(node, len(self._nodes)))
-                keys.append(parent)
-            return tuple(keys)
-        hashes = tuple(hashes or ())[:n]
-        return tuple((extra, h) for h in hashes) if extra else hashes
-
-    def _note_writers(self, seq, untagged, extra) -> None:
-        for key in untagged:
-            self.writers.setdefault(key, {}).setdefault(extra, seq)
-
-    def cross_key_writers(self, seq) -> list:
-        """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
-        (another salt or adapter): a block shared with one of them is a cross-tenant leak."""
-        st = self.seqs.get(seq) or self.preempted.get(seq)
-        if st is None or not st.prompt.get("untagged"):
-            return []
-        mine = st.prompt["extra"]
-        found = {}
-        for key in st.prompt["untagged"]:
-            for extra, s in self.writers.get(key, {}).items():
-                if extra != mine and s != seq:
-                    found.setdefault(s, extra)
-        # First those whose keys carry the same values under other kinds (a salt "x" and an
-        # adapter "x"): what an untagged hash confuses.
-        values = sorted(v for _, v in mine)
-        return sorted(found.items(), key=lambda item: (sorted(v for _, v in item[1]) != values, item[0]))
 
     # --- what a call needs -----------------------------------------------------------------
 
@@ -240,38 +189,12 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         return [s for s in self.seqs if s not in protect]
 
     def _pick_victim(self, candidates) -> int:
-        policy = self.config.policy
-        if policy == "lru":
-            return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
-        if policy == "lfu":
-            return min(candidates, key=lambda s: (self.seqs[s].use_count, self.seqs[s].last_access, s))
-        if policy == "fair":
-            return self._pick_fair(candidates)
-        raise ValueError(f"unknown eviction policy {policy!r} (lru, lfu, fair)")
+        return eviction.pick_victim(self, candidates)
 
     def tenant_usage(self) -> dict:
         """Blocks (slots, contiguous) in the tables of each tenant with a live sequence."""
         self._settle()
         return {t: u for t, (u, n) in self._usage.items() if n}
-
-    def weights(self) -> dict:
-        tenants = {st.tenant for st in self.seqs.values()} | set(self.config.tenant_weights)
-        # Decimal text, not binary: weight 0.1 is exactly 1/10.
-        return {t: Fraction(str(self.config.tenant_weights.get(t, 1))) for t in tenants}
-
-    def _pick_fair(self, candidates) -> int:
-        w = self.weights()
-        total_w = sum(w.values())
-        budget = self.config.num_blocks if self.layout == "paged" else self.config.arena_slots
-        usage = self.tenant_usage()
-        # quota_t = w_t / W * B_total, compared exactly.
-        excess = {t: Fraction(u) - w[t] / total_w * budget for t, u in usage.items()}
-        over = [t for t in usage if usage[t] * total_w > w[t] * budget]
-        for t in sorted(over, key=lambda t: (excess[t], t), reverse=True):
-            mine = [s for s in candidates if self.seqs[s].tenant == t]
-            if mine:
-                return min(mine, key=lambda s: (self.seqs[s].last_access, s))
-        return min(candidates, key=lambda s: (self.seqs[s].last_access, s))
 
     def _evict(self, victim: int) -> None:
         tenant = self.seqs[victim].tenant
@@ -294,36 +217,22 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
     # --- sliding windows (SPEC §8) ---------------------------------------------------------
 
-    def _release_windows(self, seqs, lengths) -> None:
-        """Release every block of ``seqs`` a group no longer holds at T tokens (T from
-        ``lengths``; F.released_blocks: below ``T - W + 1`` for a sliding group, below the
-        current chunk for a chunked one, between the sinks and the window for sinks): group by
+    def _release_windows(self, seqs, when: str = "end_of_operation") -> None:
+        """Under the rule set's ``window_release`` ``when``: release every block of ``seqs`` a
+        group no longer holds at their current lengths (its kind's ``releasing``): group by
         group, writers in batch order, highest position first."""
+        if self.window_release != when:
+            return
         for g, kind in enumerate(self.kinds):
-            if not kind.releases:
-                continue
-            for s in seqs:
+            for s in seqs if kind.releases else ():
                 self._dirty.add(s)
                 st = self.seqs[s]
-                table = st.tables[g]
-                gone = kind.released(lengths[s])
-                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
-                    if table[i] is not None:
-                        if table[i] in self.hash_of:  # a fork through the prefix cache names it
-                            st.released_keys[i] = self.hash_of[table[i]][1]
-                        self._drop_ref(table[i])
-                        table[i] = None
-
-    def _snapshot(self):
-        marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
-        return copy.deepcopy((self.seqs, self._pool_state())), marks
-
-    def _restore(self, snap) -> None:
-        (self.seqs, pool), (self._free_low, logged) = snap
-        self._set_pool_state(pool)
-        if logged is not None:  # the changes undone are no changes
-            del self._cached_log[logged:]
-        self._dirty.update(self.seqs)  # sequences are new objects: settle them again
+                for i in kind.releasing(st.tables[g], st.tokens):
+                    b = st.tables[g][i]
+                    if b in self.hash_of:  # a fork through the prefix cache names it
+                        st.released_keys[i] = self.hash_of[b][1]
+                    self._drop_ref(b)
+                    st.tables[g][i] = None
 
     # --- the operations --------------------------------------------------------------------
 
@@ -346,15 +255,13 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
         self._tree_match(lookup, tokens)
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
-        untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False) if keys else ()
-        extra = extra_keys(salt, adapter)
         st = SeqState(tenant=tenant, tokens=tokens, final=final, last_access=step, use_count=1,
                       segments=content_segments(seq, tokens, whole, self.B),
                       prompt={"hashes": tuple(hashes or ()) or None, "salt": salt, "adapter": adapter,
-                              "token_ids": token_ids, "extra": extra, "untagged": untagged})
+                              "token_ids": token_ids,
+                              **self._note_writers(seq, tokens, hashes, token_ids, salt, adapter)})
         if prompt_tokens is not None and prompt_tokens > tokens:  # the chunks still to come
             st.prompt.update(prompt_tokens=prompt_tokens, chunk_keys=whole)
-        self._note_writers(seq, untagged, extra)
         if self.layout == "paged":
             L, hits, counted = self._cache_hits(lookup, tokens)
             st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)
@@ -365,18 +272,10 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                          + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
                          for g in range(G)]
             self.seqs[seq] = st  # first: a full block's caching reads its retention
-            for g in range(G):
-                for i in range(L, n):
-                    if i < len(lookup):
-                        if self._keeps(st, g, i):
-                            self._share_cached(st.tables[g], g, i, lookup[i])
-                            self._register(st.tables[g][i], g, lookup[i])
-                    elif self.blocks[st.tables[g][i]][1] == self.B:
-                        self._filled(st.tables[g][i], g, seq, i)
+            self._cache_prompt(seq, st, lookup, L, n)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
-            if self.window_release == "end_of_operation":
-                self._release_windows([seq], {seq: tokens})
+            self._release_windows([seq])
         else:
             st.slabs = self._place(sizes)
             self.seqs[seq] = st
@@ -414,16 +313,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                 raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
                                  f"{st.slab[1]}-slot reservation")
         call = ("append", lambda drop: self._append_need(seqs, tokens, drop), [])
-        lazy = self.layout == "paged" and self.window_release == "next_allocation"
-        snap = self._snapshot() if lazy and any(self.releasing) else None
-        if snap is not None:  # vLLM: the request's next allocation first drops what slid out
-            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
-        try:
-            victims = self._make_room(call, set(seqs))
-        except ModelOOM:
-            if snap is not None:
-                self._restore(snap)
-            raise
+        victims = self._make_room_released(call, seqs)
         self._spec_from = {s: self.seqs[s].tokens + dt - d for s, dt, d in zip(seqs, tokens, drafts)
                            if d} if drafts else {}
         if self.layout == "paged":
@@ -431,15 +321,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             self._evict_before_alloc(self._append_need(seqs, tokens), grow,
                                      decode=all(dt == 1 for dt in grow))
             self._paged_write(seqs, tokens)
-            # after every block the append takes: a cached copy its allocations evicted is gone
-            for b, g, key in self._chunk_done:
-                self._register(b, g, key)
-            self._chunk_done = []
-            for s in seqs:  # blocks its last accept completed with kept drafts
-                st = self.seqs[s]
-                for g, i in st.later:
-                    self._filled(st.tables[g][i], g, s, i)
-                st.later = []
+            self._cache_chunks()
+            self._cache_later(seqs)
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]
@@ -453,8 +336,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             st.tokens += dt
             st.last_access = step
             st.use_count += 1
-        if self.layout == "paged" and not lazy:
-            self._release_windows(seqs, {s: self.seqs[s].tokens for s in seqs})
+        if self.layout == "paged":
+            self._release_windows(seqs)
         return victims
 
     def _paged_write(self, seqs, tokens) -> None:
@@ -485,29 +368,6 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
 
-    def _next_block(self, seq, fill: int, g: int) -> int:
-        """The block a write past ``seq``'s table takes: a lookahead slot it kept, else a new one."""
-        ahead = self.seqs[seq].ahead
-        if not ahead or not ahead[g]:
-            return self._new_block(fill, g)
-        b = ahead[g].pop(0)
-        self.blocks[b][1] = fill
-        self.filled += fill
-        self.edits += 1
-        return b
-
-    def _completed(self, b: int, g: int, seq, i: int) -> None:
-        """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
-        a block of a chunked prompt becomes the cache entry of its key once the append has taken
-        its blocks (as an engine caches after allocating); a block holding a draft
-        token is cached by no engine (its accept may still roll it back)."""
-        chunk = self.seqs[seq].prompt.get("chunk_keys")
-        if chunk is not None and i < len(chunk):
-            if self.caching and self._keeps(self.seqs[seq], g, i):
-                self._chunk_done.append((b, g, chunk[i]))
-        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
-            self._filled(b, g, seq, i)
-
     def append_segments(self, seq, count: int, draft: int = 0, step: int = 0) -> list:
         """[(writer, start, count)]: who writes the next ``count`` positions of ``seq`` (before
         they are written): a block of its chunked prompt holds its key's K/V, as if a prefill
@@ -537,20 +397,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self._dirty.add(seq)
         if self.layout == "paged":
             keep = F.blocks_needed(new, self.B)
-            lookahead = self.rules.lookahead_slots
-            if lookahead and not st.ahead:
-                st.ahead = [[] for _ in st.tables]
             for g, table in enumerate(st.tables):
-                if lookahead:  # kept, unwritten, for the next drafts (never shared: drafts wrote them)
-                    for b in table[keep:]:
-                        self.filled -= self.blocks[b][1]
-                        self.blocks[b][1] = 0
-                    st.ahead[g][:0] = table[keep:]
-                    self.edits += 1
-                else:
-                    for b in reversed(table[keep:]):
-                        if b is not None:
-                            self._drop_ref(b)
+                self._drop_drafts(st, g, table[keep:])
                 del table[keep:]
                 if keep and table[-1] is not None:
                     b = table[-1]
@@ -558,10 +406,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                     self.filled += fill - self.blocks[b][1]
                     self.blocks[b][1] = fill
                 for i in range(first_draft // self.B, new // self.B):  # full now, drafts kept
-                    if table[i] is not None and self.rules.kept_drafts_cached_at_next_append:
-                        st.later.append((g, i))
-                    elif table[i] is not None:
-                        self._filled(table[i], g, seq, i)
+                    if table[i] is not None:
+                        self._drafts_filled(st, g, seq, i)
         st.tokens = new
         return []
 
@@ -579,21 +425,13 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
     def fork(self, seq, src, final, step) -> list:
         parent = self.seqs[src]
         via = self.rules.fork_via if self.layout == "paged" else "share"
-        G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
+        n = len(parent.tables[0]) if parent.tables else 0
         victims = []
         if self.layout == "contiguous":
             sizes = self._slab_sizes(final)
             victims = self._make_room(("fork", None, sizes), {seq, src})
         elif via != "share":
-            self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
-            keys = self._fork_keys(src, via)
-            self._tree_match(keys, parent.tokens)
-
-            def need(drop):
-                L, hits, _ = self._cache_hits(keys, parent.tokens)
-                return G * (n - L) + self._taken_back(hits, drop)
-
-            victims = self._make_room(("fork", need, []), {seq, src})
+            victims, keys = self._fork_room(seq, src, via)
         states = [g for g, kind in enumerate(self.kinds) if kind.copied_at_fork and n]
         if via == "share" and states and self.layout == "paged":  # SPEC §12: a copy of each state
             victims = self._make_room(("fork", lambda drop: len(states), []), {seq, src})

@@ -110,7 +110,7 @@ class NoEviction(ObjectModel):
 def test_not_applicable_without_fork():
     v = check(FORK_COW, NoFork(make_config()))
     assert v.valid is None and v.status == "n/a" and v.ops == 0
-    assert v.not_applicable == "numpy-nofork does not support fork and the trace forks"
+    assert v.not_applicable == "numpy-nofork does not support fork (SPEC §2), and the trace forks"
     v = check(make_trace(P(0, 4), A((0, 1),)), NoFork(make_config()))
     assert v.valid is True  # no fork in this trace
 

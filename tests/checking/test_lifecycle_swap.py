@@ -158,10 +158,10 @@ def test_a_backend_without_tiers_or_swap_is_not_applicable_with_the_reason(name)
     if not ok:
         pytest.skip(why)
     v = check(swap_trace(), entry.create(make_config(num_blocks=8, prefix_caching=True)))
-    assert v.valid is None and "declares no tiers (SPEC §11)" in v.not_applicable
+    assert v.valid is None and "does not declare tiers (SPEC §11)" in v.not_applicable
     no_swap = type("NoSwap", (NumpyPaged,), {"capabilities": dataclasses.replace(
         NumpyPaged.capabilities, swap=False)})
     v = check(swap_trace(), no_swap(make_config(num_blocks=8, prefix_caching=True)))
     assert v.valid is None
-    assert v.not_applicable == ("numpy does not preempt by swap (SPEC §13: swap_out and swap_in "
-                                "over its tiers)")
+    assert v.not_applicable == ("numpy does not preempt by swap over its tiers (SPEC §13), and "
+                                "the trace swaps sequences out (swap_out, swap_in)")

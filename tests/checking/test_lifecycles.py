@@ -168,8 +168,8 @@ def test_a_backend_without_accept_is_not_applicable_with_the_reason():
 
     v = check(LIFECYCLE_TRACE, NoAccept(make_config(num_blocks=32)))
     assert v.valid is None
-    assert v.not_applicable == ("no-accept does not roll back draft tokens (no accept: "
-                                "speculative decoding, SPEC §13)")
+    assert v.not_applicable == ("no-accept does not roll back draft tokens with accept (SPEC §13), "
+                                "and the trace accepts drafts (speculative decoding)")
     # Preemption asks nothing new of a backend: free, then prefill again.
     preempt_only = make_trace(P(0, 20), Preempt(0, 0), Resume(0, 0), X(0))
     assert check(preempt_only, NoAccept(make_config(num_blocks=32))).valid is True

@@ -278,7 +278,7 @@ def test_adhoc_backend_passes_every_committed_workload(adhoc_dir, on_path, targe
                                         or "does not roll back draft tokens" in v.not_applicable)
             continue
         if trace.header.tiers:  # and before SPEC §11
-            assert v.valid is None and "declares no tiers (SPEC §11)" in v.not_applicable
+            assert v.valid is None and "does not declare tiers (SPEC §11)" in v.not_applicable
             continue
         assert v.valid is True, f"{trace.name}: {v.divergence}"
         assert v.ops == len(trace.ops)
@@ -360,7 +360,7 @@ def test_cli_reports_unsupported_fork_and_broken_import_as_not_applicable(instal
                       ("my-nofork", "prefill-alpaca"): "pass",  # no fork in it: checked
                       ("my-broken", "fork-beam"): "n/a", ("my-broken", "prefill-alpaca"): "n/a"}
     why = rows_by(rows, "not_applicable")
-    assert why[("my-nofork", "fork-beam")] == "my-nofork does not support fork and the trace forks"
+    assert why[("my-nofork", "fork-beam")] == "my-nofork does not support fork (SPEC §2), and the trace forks"
     assert why[("my-broken", "fork-beam")].startswith("cannot import mypkg.broken:Pool")
     assert "n/a  my-nofork on fork-beam: my-nofork does not support fork" in got.stdout
 

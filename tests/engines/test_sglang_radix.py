@@ -156,15 +156,16 @@ def test_a_hybrid_model_is_not_applicable(sglang, path):
     v = check(trace, SglangRadix(cfg))
     kinds = ", ".join(g.kind for g in cfg.model.kv_groups)
     assert v.valid is None and v.ops == 0
-    assert v.not_applicable == (f"sglang-radix does not run KV cache groups or sliding windows, "
-                                f"and model {cfg.model.name} has {kinds}")
+    assert v.not_applicable == (f"sglang-radix does not run KV cache groups or sliding windows "
+                                f"(SPEC §8), and model {cfg.model.name} has {kinds}")
 
 
 def test_an_eviction_policy_is_not_applicable(sglang):
     from impls.engines.sglang_radix import SglangRadix
     trace = load_traces([committed_workloads()[0]])[0]
     v = check(trace, SglangRadix(config_for(trace, policy="lfu")))
-    assert v.not_applicable == "sglang-radix does not implement eviction policy 'lfu'"
+    assert v.not_applicable == ("sglang-radix does not implement eviction policy 'lfu' (SPEC §5), "
+                                "and the run evicts under it")
 
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason=f"shared trace not found: {MOONCAKE}")

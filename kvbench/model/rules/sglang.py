@@ -184,6 +184,13 @@ class SGLangSteps:
     """The oracle's steps under SGLang's rules (a mixin of kvbench.model.oracle.Oracle): each is a
     no-op under SPEC's."""
 
+    def _init_tree(self) -> None:
+        """The radix tree over the cached blocks (``evicts_whole_leaves``), and per live request
+        [its prompt's full blocks, the blocks it inserted] (one group)."""
+        self.tree = RadixTree(self.rules.leaf_order) if (
+            self.caching and self.rules.evicts_whole_leaves) else None
+        self._tree_reqs: dict = {}
+
     def _tree_match(self, keys, tokens: int) -> None:
         """The engine's match at admission (refused or not): it walks the blocks it may hit."""
         if self.tree is not None:

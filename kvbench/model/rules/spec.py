@@ -1,4 +1,5 @@
-"""SPEC's rule set: the prefix hit (SPEC §8, §12) and what the cache keeps (SPEC §9), with the
+"""SPEC's rule set: the block keys (salted, tagged: SPEC §9), the prefix hit (SPEC §8, §12) and
+what the cache keeps (SPEC §9), with the
 caps both engines' rule sets put on them where a backend declares them (``hit_leaves_last_token``,
 ``hit_drops_last_block``, ``caches_every_full_block``, ``keeps_duplicate_blocks``,
 ``capped_hit_recomputed``; all off: SPEC's), and a fork served as a new request (``fork_via``
@@ -15,6 +16,11 @@ SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
     "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed")}
 
 
+def extra_keys(salt=None, adapter=None) -> tuple:
+    """A prefill's extra keys, each tagged with its kind: a salt "x" and an adapter "x" differ."""
+    return tuple((kind, v) for kind, v in (("salt", salt), ("adapter", adapter)) if v is not None)
+
+
 class SpecRules(RuleSet):
     """SPEC's rules; each engine rule (RuleSet's docstring) may be switched on one by one, as a
     backend that follows SPEC but for a few of them declares (and as the old flags did)."""
@@ -24,8 +30,54 @@ class SpecRules(RuleSet):
 
 
 class SpecSteps:
-    """The hit, the cache entries and the fork as a request (a mixin of
+    """The block keys, the hit, the cache entries and the fork as a request (a mixin of
     kvbench.model.oracle.Oracle)."""
+
+    def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
+                    tagged: bool = True) -> tuple:
+        """Keys of the prompt's full blocks: equal keys, equal prefix (and equal K/V).
+
+        From block hashes (each already names its prefix): the hash, with the tagged extra keys.
+        From token ids: the exact prefix, as a node of a trie whose root holds the extra keys.
+        ``tagged=False``: the same without extra keys (what the content alone would share).
+        """
+        n = tokens // self.B
+        extra = extra_keys(salt, adapter) if tagged else ()
+        if token_ids is not None:
+            keys, parent = [], ("root", extra)
+            for i in range(min(n, len(token_ids) // self.B)):
+                node = (parent, tuple(token_ids[i * self.B:(i + 1) * self.B]))
+                parent = ("ids", self._nodes.setdefault(node, len(self._nodes)))
+                keys.append(parent)
+            return tuple(keys)
+        hashes = tuple(hashes or ())[:n]
+        return tuple((extra, h) for h in hashes) if extra else hashes
+
+    def _note_writers(self, seq, tokens: int, hashes, token_ids, salt, adapter) -> dict:
+        """Note ``seq`` as a writer of its prompt's blocks under its extra keys; what
+        ``cross_key_writers`` reads of its prompt."""
+        untagged = self.prompt_keys(tokens, hashes, token_ids, tagged=False)
+        extra = extra_keys(salt, adapter)
+        for key in untagged:
+            self.writers.setdefault(key, {}).setdefault(extra, seq)
+        return {"extra": extra, "untagged": untagged}
+
+    def cross_key_writers(self, seq) -> list:
+        """Earlier sequences that wrote the same prompt blocks as ``seq`` under other extra keys
+        (another salt or adapter): a block shared with one of them is a cross-tenant leak."""
+        st = self.seqs.get(seq) or self.preempted.get(seq)
+        if st is None or not st.prompt.get("untagged"):
+            return []
+        mine = st.prompt["extra"]
+        found = {}
+        for key in st.prompt["untagged"]:
+            for extra, s in self.writers.get(key, {}).items():
+                if extra != mine and s != seq:
+                    found.setdefault(s, extra)
+        # First those whose keys carry the same values under other kinds (a salt "x" and an
+        # adapter "x"): what an untagged hash confuses.
+        values = sorted(v for _, v in mine)
+        return sorted(found.items(), key=lambda item: (sorted(v for _, v in item[1]) != values, item[0]))
 
     def _hit_plan(self, keys) -> tuple[int, list]:
         """The hit (SPEC §8, §12): the longest prefix of L blocks such that every full group has
@@ -102,6 +154,52 @@ class SpecSteps:
         life = self._lives.get(seq, 0)
         return ("filled", seq, i) + ((life,) if life else ())
 
+    def _cache_prompt(self, seq, st, keys, L: int, n: int) -> None:
+        """A prefill's new blocks ``L .. n - 1``: a keyed one (``keys`` by position) becomes its
+        key's cache entry where the group keeps it; a full one past the keys is ``_filled``."""
+        for g, table in enumerate(st.tables):
+            for i in range(L, n):
+                if i < len(keys):
+                    if self._keeps(st, g, i):
+                        self._share_cached(table, g, i, keys[i])
+                        self._register(table[i], g, keys[i])
+                elif self.blocks[table[i]][1] == self.B:
+                    self._filled(table[i], g, seq, i)
+
+    def _completed(self, b: int, g: int, seq, i: int) -> None:
+        """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
+        a block of a chunked prompt becomes the cache entry of its key once the append has taken
+        its blocks (as an engine caches after allocating); a block holding a draft
+        token is cached by no engine (its accept may still roll it back)."""
+        chunk = self.seqs[seq].prompt.get("chunk_keys")
+        if chunk is not None and i < len(chunk):
+            if self.caching and self._keeps(self.seqs[seq], g, i):
+                self._chunk_done.append((b, g, chunk[i]))
+        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
+            self._filled(b, g, seq, i)
+
+    def _cache_chunks(self) -> None:
+        """The chunked prompts' blocks an append completed become their keys' cache entries,
+        after every block the append takes (a cached copy its allocations evicted is gone)."""
+        for b, g, key in self._chunk_done:
+            self._register(b, g, key)
+        self._chunk_done = []
+
+    def _fork_room(self, seq, src, via: str) -> tuple[list, list]:
+        """A fork served as a new request: the engine's walks, the keys it looks up
+        (``_fork_keys``) and the room its blocks need. Returns (victims, keys)."""
+        parent = self.seqs[src]
+        n = len(parent.tables[0]) if parent.tables else 0
+        self._tree_checkpoint(src)  # the child finds the parent's blocks in the tree
+        keys = self._fork_keys(src, via)
+        self._tree_match(keys, parent.tokens)
+
+        def need(drop):
+            L, hits, _ = self._cache_hits(keys, parent.tokens)
+            return len(self.groups) * (n - L) + self._taken_back(hits, drop)
+
+        return self._make_room(("fork", need, []), {seq, src}), keys
+
     def _fork_as_request(self, seq, child, parent, keys) -> None:
         """``fork_via`` "prefix" or "copy" (vLLM, SGLang): the child is a new request with the
         parent's tokens, served by the prefix cache (``keys``: ``_fork_keys``): the cached blocks
@@ -131,8 +229,7 @@ class SpecSteps:
         # The child's blocks below a window hold the parent's content: its own fork names them.
         child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
         self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
-        if self.window_release == "end_of_operation":
-            self._release_windows([seq], {seq: child.tokens})
+        self._release_windows([seq])
 
     def _fork_keys(self, src, via: str) -> list:
         """Cache keys a fork of ``src`` served as a new request looks up: the parent's full

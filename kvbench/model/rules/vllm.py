@@ -4,8 +4,9 @@
   the hit's last chunk as computed (``chunk_lookup``, the groups' fixed point);
 - ``sparse_window_retention``: a sliding group caches only the window runs a hit can end on
   (below);
-- ``keeps_duplicate_blocks``, ``window_release="next_allocation"``,
-  ``kept_drafts_cached_at_next_append``: read where the oracle takes, releases and caches blocks.
+- ``window_release="next_allocation"``, ``lookahead_slots``, ``kept_drafts_cached_at_next_append``:
+  the steps below (``VLLMSteps``) that the oracle's append and accept call;
+- ``keeps_duplicate_blocks``: read where the cache registers a block (rules/spec.py).
 
 Sparse retention, in detail. SPEC §8 caches every full block of every group. vLLM at its
 serving default (``prefix_cache_retention_interval = 0``) caches a sliding group's block only
@@ -23,6 +24,8 @@ The request's other blocks of the group (its decode blocks included) go back unc
 window or a free releases them. Chunked-local groups keep every block (vLLM's base mask).
 """
 from __future__ import annotations
+
+import copy
 
 from kvbench.contract import formulas as F
 from kvbench.model.rules.spec import SpecRules
@@ -92,6 +95,76 @@ class VLLMRules(SpecRules):
 
 class VLLMSteps:
     """The oracle's steps under vLLM's rules (a mixin of kvbench.model.oracle.Oracle)."""
+
+    def _make_room_released(self, call, seqs) -> list:
+        """An append's room (``_make_room``); under ``window_release`` "next_allocation" the
+        request's allocation first drops what slid out of its windows, undone if it is refused."""
+        if self.layout != "paged" or not any(self.releasing) or self.window_release == "end_of_operation":
+            return self._make_room(call, set(seqs))
+        snap = self._snapshot()
+        self._release_windows(seqs, "next_allocation")
+        try:
+            return self._make_room(call, set(seqs))
+        except Exception:  # ModelOOM: the refused call changes nothing
+            self._restore(snap)
+            raise
+
+    def _drop_drafts(self, st, g: int, blocks: list) -> None:
+        """An accept's blocks of group ``g`` past the new length: released from the tail (SPEC
+        §13), or, under ``lookahead_slots``, kept unwritten for the next drafts (never shared:
+        drafts wrote them)."""
+        if not self.rules.lookahead_slots:
+            for b in reversed(blocks):
+                if b is not None:
+                    self._drop_ref(b)
+            return
+        if not st.ahead:
+            st.ahead = [[] for _ in st.tables]
+        for b in blocks:
+            self.filled -= self.blocks[b][1]
+            self.blocks[b][1] = 0
+        st.ahead[g][:0] = blocks
+        self.edits += 1
+
+    def _next_block(self, seq, fill: int, g: int) -> int:
+        """The block a write past ``seq``'s table takes: a lookahead slot it kept, else a new one."""
+        ahead = self.seqs[seq].ahead
+        if not ahead or not ahead[g]:
+            return self._new_block(fill, g)
+        b = ahead[g].pop(0)
+        self.blocks[b][1] = fill
+        self.filled += fill
+        self.edits += 1
+        return b
+
+    def _drafts_filled(self, st, g: int, seq, i: int) -> None:
+        """An accept's kept drafts filled block ``i``: cached now, or under
+        ``kept_drafts_cached_at_next_append`` at the sequence's next append (``_cache_later``)."""
+        if self.rules.kept_drafts_cached_at_next_append:
+            st.later.append((g, i))
+        else:
+            self._filled(st.tables[g][i], g, seq, i)
+
+    def _cache_later(self, seqs) -> None:
+        """The blocks the sequences' last accepts filled with kept drafts, cached now."""
+        for s in seqs:
+            st = self.seqs[s]
+            for g, i in st.later:
+                self._filled(st.tables[g][i], g, s, i)
+            st.later = []
+
+    def _snapshot(self):
+        """What ``_restore`` puts back: only this rule changes the model before a call that may
+        yet be refused."""
+        marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
+        return copy.deepcopy((self.seqs, self._pool_state())), marks
+
+    def _restore(self, snap) -> None:
+        (self.seqs, pool), (self._free_low, logged) = snap
+        self._set_pool_state(pool)
+        if logged is not None:  # the changes undone are no changes
+            del self._cached_log[logged:]
+        self._dirty.update(self.seqs)  # sequences are new objects: settle them again
 
     def _chunk_rule(self) -> bool:
         """``chunk_start_hit`` applies: a prefix cache and a model of chunked groups alone."""
