@@ -1,8 +1,8 @@
 """Boundary workloads of the default run, generated from each rule's parameters (SPEC §13
 "Boundaries"): a rule declares its parameters and their edge values, relative to the block size
 (``Edge(a, c)`` is ``a * B + c``); a covering design picks a few cases in which every edge value of
-every parameter, and every pair of values of the parameters it names as interacting, occurs; the
-rule builds its traces from those cases. A rule added later gets its edges by declaring them.
+every parameter, and every combination of values of the parameters it names as interacting,
+occurs; the rule builds its traces from those cases. A rule added later gets its edges by declaring them.
 
 The rules, and the edges each covers:
 
@@ -63,33 +63,33 @@ class Edge:
 
 @dataclass(frozen=True)
 class Rule:
-    """A rule's parameters (name -> its edge values), the pairs of them whose values interact
-    (every pair of values occurs in some case), which cases can be built (``valid``), and
-    ``build``: the rule's traces from its cases."""
+    """A rule's parameters (name -> its edge values), the tuples of them whose values interact
+    (every combination of their values occurs in some case), which cases can be built
+    (``valid``), and ``build``: the rule's traces from its cases."""
 
     name: str
     spec: str
     params: dict
     build: Callable
-    pairs: tuple = ()
+    interactions: tuple = ()
     valid: Callable = field(default=lambda case: True)
 
     def cases(self) -> list[dict]:
-        return cover(self.params, self.pairs, self.valid)
+        return cover(self.params, self.interactions, self.valid)
 
 
-def cover(params: dict, pairs=(), valid=lambda case: True) -> list[dict]:
+def cover(params: dict, interactions=(), valid=lambda case: True) -> list[dict]:
     """A covering design: cases (one value per parameter) in which every value of every parameter
-    occurs, and every pair of values of each named pair of parameters, among the valid cases
-    (what no valid case holds is not asked for). Greedy: each case the valid one that covers the
-    most not yet covered, the first in product order on ties."""
+    occurs, and every combination of values of each named tuple of parameters (a pair: pairwise),
+    among the valid cases (what no valid case holds is not asked for). Greedy: each case the
+    valid one that covers the most not yet covered, the first in product order on ties."""
     names = list(params)
     everything = [dict(zip(names, values)) for values in itertools.product(*params.values())]
     candidates = [c for c in everything if valid(c)]
 
     def covers(case) -> set:
-        got = {(p, case[p]) for p in names}
-        return got | {((p, case[p]), (q, case[q])) for p, q in pairs}
+        got = {((p, case[p]),) for p in names}
+        return got | {tuple((p, case[p]) for p in together) for together in interactions}
 
     wanted = set().union(*(covers(c) for c in candidates)) if candidates else set()
     chosen = []
@@ -224,7 +224,7 @@ def _rollback(cases) -> list[Trace]:
 
 ROLLBACK = Rule("rollback", "§13", {
     "end": tuple(ENDS), "shared": ("none", "fork", "cache"), "k": EDGES, "n": ("none", "some", "all")},
-    _rollback, pairs=(("end", "shared"), ("end", "k"), ("shared", "k"), ("end", "n")),
+    _rollback, interactions=(("end", "shared", "n"), ("end", "k"), ("shared", "k")),
     valid=_rollback_valid)
 
 
@@ -252,7 +252,7 @@ def _chunks(cases) -> list[Trace]:
 CHUNKS = Rule("chunks", "§13", {
     "P": (Edge(3), Edge(3, 1)), "cut1": (Edge(1, -1), Edge(1), Edge(1, 1)),
     "cut2": (Edge(2, -1), Edge(2), Edge(2, 1)), "hit": ("prefill", "append", "complete")},
-    _chunks, pairs=(("cut1", "cut2"), ("cut1", "hit"), ("cut2", "hit")))
+    _chunks, interactions=(("cut1", "cut2"), ("cut1", "hit"), ("cut2", "hit")))
 
 
 CHAINS_B = 4
@@ -277,7 +277,7 @@ def _chains(cases) -> list[Trace]:
 
 
 CHAINS = Rule("chains", "§9", {"p": (1, 2), "tail": (Edge(0), Edge(0, 1))}, _chains,
-              pairs=(("p", "tail"),))
+              interactions=(("p", "tail"),))
 
 
 HYBRID_B = 8

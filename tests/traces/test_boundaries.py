@@ -34,13 +34,14 @@ def test_cover_holds_every_value_and_every_named_pair():
     assert len(alone) == 3  # the most values of one parameter: 3 of a
     for p, values in params.items():
         assert {c[p] for c in alone} == set(values)
-    paired = bd.cover(params, pairs=(("a", "b"),))
+    paired = bd.cover(params, interactions=(("a", "b"),))
     assert {(c["a"], c["b"]) for c in paired} == set(itertools.product((1, 2, 3), ("x", "y")))
     assert len(paired) == 6  # 3 * 2 pairs, each case one of them
 
 
 def test_cover_asks_only_for_what_a_valid_case_holds():
-    cases = bd.cover({"a": (1, 2), "b": (1, 2)}, pairs=(("a", "b"),), valid=lambda c: c["a"] <= c["b"])
+    cases = bd.cover({"a": (1, 2), "b": (1, 2)}, interactions=(("a", "b"),),
+                     valid=lambda c: c["a"] <= c["b"])
     assert sorted((c["a"], c["b"]) for c in cases) == [(1, 1), (1, 2), (2, 2)]
 
 
@@ -51,8 +52,10 @@ def test_every_rule_covers_its_declared_edges(rule):
     valid = [c for c in valid if rule.valid(c)]
     for p in rule.params:
         assert {c[p] for c in cases} == {c[p] for c in valid}, p
-    for p, q in rule.pairs:
-        assert {(c[p], c[q]) for c in cases} == {(c[p], c[q]) for c in valid}, (p, q)
+    for together in rule.interactions:
+        def combo(c):
+            return tuple(c[p] for p in together)
+        assert {combo(c) for c in cases} == {combo(c) for c in valid}, together
     assert len(cases) <= len(valid)
 
 
@@ -96,9 +99,10 @@ def test_window_kinds_take_every_size_against_the_block_size():
 
 
 def _rollbacks(t):
-    """Each accept: (new length, k drafted, n kept, how the block at the new end is shared)."""
+    """Each accept: (new length, k drafted, n kept, what shares the block the new length ends
+    in: "fork", "cache" (a request of the same token ids holds it) or "none")."""
     B = t.header.settings["block_size"]
-    length, ids, forked, drafted, out = {}, {}, set(), {}, []
+    length, ids, forked, drafted, before, out = {}, {}, set(), {}, {}, []
     for op in t.ops:
         if isinstance(op, Prefill):
             length[op.seq], ids[op.seq] = op.tokens, op.token_ids
@@ -107,15 +111,17 @@ def _rollbacks(t):
             forked |= {op.seq, op.src}
         elif isinstance(op, Append):
             for s, n, k in zip(op.seqs, op.tokens, op.draft or (0,) * len(op.seqs)):
-                length[s] += n
                 if k:
-                    drafted[s] = k
+                    drafted[s], before[s] = k, length[s]
+                length[s] += n
         elif isinstance(op, Accept):
             k = drafted.pop(op.seq)
             length[op.seq] -= k - op.n
             e = length[op.seq]
-            cached = any(o != op.seq and ids[o] == ids[op.seq] and o in length for o in ids)
-            shared = "fork" if op.seq in forked else "cache" if cached and e >= B else "none"
+            # the end's block is one the sequence held before its drafts (n = 0), shared then
+            held = op.n == 0 and e >= B
+            cached = any(o != op.seq and o in length and ids[o] == ids[op.seq] for o in ids)
+            shared = "none" if not held else "fork" if op.seq in forked else "cache" if cached else "none"
             out.append((e, k, op.n, shared))
         elif isinstance(op, Free):
             length.pop(op.seq)
@@ -125,15 +131,16 @@ def _rollbacks(t):
 
 def test_rollbacks_end_on_every_edge_shared_or_not():
     B, rollbacks = _rollbacks(by_rule("rollback")[0])
+    assert B == 4
     ends = {("edge0" if e == B else "block0" if e < B else "edge" if e % B == 0 else "mid", shared)
             for e, _, _, shared in rollbacks}
-    # on a block edge past block 0 (e = 2B), shared by a fork and through the prefix cache
-    assert {("edge", "fork"), ("edge", "cache"), ("edge", "none")} <= ends
-    assert {("block0", "none"), ("edge0", "fork"), ("mid", "cache")} <= ends
+    # ending on a block edge (e = B, e = 2B) of a block shared by a fork or through the prefix
+    # cache, and of one held alone; inside block 0 and mid-block
+    assert {("edge", "fork"), ("edge", "cache"), ("edge", "none"), ("edge0", "fork"),
+            ("edge0", "cache"), ("edge0", "none"), ("block0", "none"), ("mid", "none")} <= ends
     assert any(e < B and k > B for e, k, _, _ in rollbacks)  # drafts over a block, back into block 0
-    assert any(k == 2 * B + 1 and n == 0 for _, k, n, _ in rollbacks)  # 2B + 1 drafts, all rejected
+    assert any(k == 2 * B + 1 and n == 0 for _, k, n, _ in rollbacks)  # 2B + 1 = 9 drafts, none kept
     assert any(k == n for _, k, n, _ in rollbacks)  # all kept: no rollback
-    assert 2 * B + 1 == 9  # ROLLBACK_B = 4
 
 
 def test_chunk_cuts_fall_on_and_beside_block_edges_with_a_request_between():
@@ -237,10 +244,10 @@ CATCHES = {
     # sliding(1) and chunked(1) hold no block, full holds ceil(4 / 4) = 1, sinks its sink's
     # ceil(1 / 4) = 1: 2 blocks. Floored, 1 // 4 = 0: the sink's block goes, 1.
     E.SinkBlocksFloored: ("boundary-windows-0", 3, "blocks_used", 1 + 1, 1),
-    # Steps 97-100, the case (edge, cache): 23 prefills 2B = 8 tokens by ids, 24 the same ids
-    # (a hit of both blocks), 24 drafts k = B + 1 = 5 and keeps none: it ends at 8 = 2 * 4, on
-    # the edge of block 1, which 23 shares. 2 blocks in use; the needless copy makes 3.
-    E.RollbackCopiesSharedTail: ("boundary-rollback-0", 100, "blocks_used", 2, 2 + 1),
+    # Steps 57-60, the case (edge, fork, none kept): 13 prefills 2B = 8 tokens, forks 14,
+    # drafts 1 and keeps none: it ends at 8 = 2 * 4, on the edge of block 1, which 14 shares.
+    # 2 blocks in use (each counted once); the needless copy makes 3.
+    E.RollbackCopiesSharedTail: ("boundary-rollback-0", 60, "blocks_used", 2, 2 + 1),
     # Steps 21-23, the case (block0, none): 5 prefills 1 token, drafts 5, keeps none: 1 token,
     # ceil(1 / 4) = 1 block held; 1 // 4 = 0 releases block 0.
     E.RollbackInFirstBlockDropsIt: ("boundary-rollback-0", 23, "blocks_used", 1, 0),
