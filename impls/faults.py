@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from impls.contiguous import Contiguous
-from impls.faults_edges import EDGE_BUGS
+from impls.faults_edges import BOUNDARY_BUGS, EDGE_BUGS
 from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
 from impls.numpy_float_paged import NumpyFp8Tensor, NumpyNvfp4
 from impls.numpy_lookahead import NumpyEagle
@@ -807,3 +807,5 @@ FLOAT_FORMAT_BUGS = [
     ("fp8 dequantized by dividing by the scale", Fp8DividedByScale),
 ]
 CATALOGUE += [Bug(name, "kvbench #47", fault, False) for name, fault in FLOAT_FORMAT_BUGS]
+# Bugs at SPEC §13's boundaries, which only the generated boundary workloads reach.
+CATALOGUE += [Bug(name, "kvbench #47", fault, False) for name, fault, _, _ in BOUNDARY_BUGS]

@@ -10,11 +10,14 @@ docs/workloads.md's table says which the default run caught before the edge work
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
+from impls.pool_tiers import TierSlots
+from impls.prefix_keys import cache_completed_chunk
 from kvbench.contract.protocol import OutOfMemory
 
 
@@ -227,4 +230,157 @@ EDGE_BUGS = [
     ("fill counts in uint8 (blocks of 256)", FillInUint8, "numpy"),
     ("block table not grown on a prefill (17+ blocks)", TableNotGrownOnPrefill, "numpy"),
     ("int4 copy-on-write without the zero points", Int4CopyWithoutZeroPoint, "numpy-int4"),
+]
+
+
+# --- bugs at SPEC §13's boundaries: each passes every committed workload; the boundary workloads
+# the default run generates (kvbench.traces.boundaries) catch it. Written as a backend's author
+# outside the project would, from the docs: a subclass of a correct pool and one slip.
+
+class SinkBlocksFloored(NumpyPaged):
+    """A sinks(S, W) group keeps ``S // B`` blocks for its sinks, not ``ceil(S / B)``: right when
+    S is a multiple of B (the one committed sinks model, S = B = 8), one block short otherwise."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.kept = [g.sinks[0] // self.B if g.sinks else 0 for g in self.groups]
+
+
+class RollbackCopiesSharedTail(NumpyPaged):
+    """A rollback makes the tail it leaves private, as a write would (copy-on-write at the
+    truncation): a copy no write asked for, taken only where the new tail is still shared, which
+    is a rollback ending on the edge of a block a fork or a prefix hit shares."""
+
+    def accept(self, seq, n, *, drafted, step=0):
+        out = super().accept(seq, n, drafted=drafted, step=step)
+        r = self._row(seq)
+        nb = int(self.nblocks[r])
+        for g, t in enumerate(self.tables):
+            tail = int(t[r, nb - 1]) if nb else -1
+            if tail >= 0 and self.refcount[tail] > 1 and self.n_free:
+                copy = self._take(1)
+                self.block_group[copy] = g
+                self.group_used[g] += 1
+                self._set_fill(copy, self.fill[tail])
+                if self.pool is not None:
+                    self._copy_blocks(np.array([tail]), copy)
+                self._add_refs(np.array([tail]), -1)
+                t[r, nb - 1] = copy[0]
+        return out
+
+
+class RollbackInFirstBlockDropsIt(NumpyPaged):
+    """A rollback keeps the blocks it completes, ``new // B``, when the new length lies inside
+    the first block (``ceil`` elsewhere): block 0, partly written, is released with the drafts."""
+
+    def accept(self, seq, n, *, drafted, step=0):
+        r = self._row(seq)
+        new = int(self.tokens[r]) - (drafted - n)
+        out = super().accept(seq, n, drafted=drafted, step=step)
+        if 0 < new < self.B:
+            gone = [t[r, 0:1].copy() for t in self.tables]
+            for t in self.tables:
+                t[r, 0] = -1
+            self._past_length(r, gone)
+            self.nblocks[r] = 0
+        return out
+
+
+class ChunkAppendCachesPartial(NumpyPaged):
+    """An append of a chunked prompt caches the blocks it reached, ``ceil(T / B)``, not those it
+    completed, ``floor``: a request arriving before the next chunk hits a block half written (the
+    prefill's own chunk is cached right)."""
+
+    def _cache_chunks(self, seqs) -> None:
+        for s in seqs:
+            if s in self.chunking:
+                r = self.row_of[s]
+                cache_completed_chunk(self.chunking, s, -(-int(self.tokens[r]) // self.B),
+                                      lambda lo, hi: [t[r, lo:hi].tolist() for t in self.tables],
+                                      self.by_hash, self.hash_of)
+
+
+class TokenKeysUnchained(NumpyPaged):
+    """A prompt named by token ids keys each block by its own ids (and extra keys), not chained
+    to its parent: a block whose ids repeat after another prefix hits."""
+
+    def prefill(self, seq, prompt, kv=None, **kw):
+        ids = prompt.token_ids
+        if ids is not None:
+            B = self.B
+            own = tuple(hashlib.sha256(np.asarray(ids[i * B:(i + 1) * B], "<i8").tobytes()).hexdigest()
+                        for i in range(len(ids) // B))
+            prompt = dataclasses.replace(prompt, token_ids=None, block_hashes=own)
+        return super().prefill(seq, prompt, kv, **kw)
+
+
+class GroupsDecodeSkipsClock(NumpyPaged):
+    """The decode step of a model of several groups (one token each) leaves ``last_access`` and
+    ``use_count`` as they were: LRU and LFU then pick a sequence that just decoded."""
+
+    def _decode_one(self, rows, dts, kv, step):
+        last, uses = self.last_access[rows].copy(), self.use_count[rows].copy()
+        done = super()._decode_one(rows, dts, kv, step)
+        if done and self.G > 1:
+            self.last_access[rows], self.use_count[rows] = last, uses
+        return done
+
+
+class _EvictsLoading(TierSlots):
+    def evictable(self, key) -> bool:
+        return self.ready[key] and key not in self.pinned  # the loads reading it forgotten
+
+
+class TierEvictsLoading(NumpyPaged):
+    """A lower tier's eviction picks its least recent stored block even while a load reads it:
+    a store into a full tier during a load overwrites the slot the load copies up from."""
+
+    def _make_tier(self, spec, storage):
+        return _EvictsLoading(spec, self._tier_arrays(spec, storage))
+
+
+class SwapRefusedOnExactFit(NumpyPaged):
+    """A swap needs more room than its blocks (``>`` for ``>=``): into a tier with exactly the
+    room it needs, the sequence is preempted by recompute instead."""
+
+    def swap_out(self, seq, tier, *, step=0):
+        t = self._tiers[self._tier(tier)]
+        n = -(-self._tokens_of(self._row(seq)) // self.B)
+        if len(t.free) + sum(map(t.evictable, t.recency)) == n:
+            self.free(seq, step=step)  # no room, as it counts: recomputed at its resume
+            return
+        super().swap_out(seq, tier, step=step)
+
+
+class KvEncodingIgnored(NumpyPaged):
+    """Block bytes at the model's dtype whatever its KV encoding: an fp8 (1 byte an element),
+    fp8 per token-head (1 byte and a 4-byte scale a head) or NVFP4 model counted as bf16."""
+
+    def block_bytes(self) -> int:
+        m = self.config.model
+        if m.kv_encoding == "native":
+            return super().block_bytes()
+        return self.B * 2 * m.group_layers * m.kv_heads * m.head_dim * m.dtype_bytes
+
+
+# (name, fault, the default backend it is planted into, the boundary it needs)
+BOUNDARY_BUGS = [
+    ("a sinks group keeps S // B blocks, not ceil(S / B)", SinkBlocksFloored, "numpy",
+     "S not a multiple of B"),
+    ("a rollback copies the tail it leaves shared", RollbackCopiesSharedTail, "numpy",
+     "a rollback ending on the edge of a shared block"),
+    ("a rollback inside block 0 releases it", RollbackInFirstBlockDropsIt, "numpy",
+     "a rollback ending in block 0"),
+    ("a chunked append caches the block it left partly written", ChunkAppendCachesPartial, "numpy",
+     "an append cutting a chunk mid-block, a request after it"),
+    ("token-id block keys not chained to their prefix", TokenKeysUnchained, "numpy",
+     "a block's ids repeated after another prefix"),
+    ("the multi-group decode step skips the LRU clock", GroupsDecodeSkipsClock, "numpy",
+     "a hybrid model under an eviction policy"),
+    ("a tier evicts a block a load is reading", TierEvictsLoading, "numpy",
+     "a store into a full tier during a load"),
+    ("a swap refused when the tier fits exactly", SwapRefusedOnExactFit, "numpy",
+     "a swap into exactly the room it needs"),
+    ("block bytes at the model's dtype, not its KV encoding", KvEncodingIgnored, "numpy",
+     "an fp8, fp8 per token-head or NVFP4 model"),
 ]

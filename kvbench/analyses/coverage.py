@@ -47,7 +47,7 @@ CONDITIONS = EDGES + (CUT_HIT,) + tuple(BY_OPS)
 
 def default_runs(paths=None) -> list:
     """(trace, config) of each run of the default suite's workloads, as `kvbench run` makes them."""
-    traces = suite.load_traces(paths or suite.committed_workloads())
+    traces = suite.load_traces(paths) if paths else suite.default_traces()
     return [(t, suite.config_for(t, policy=p)) for t in traces for p in suite.policies_for(t, "auto")]
 
 

@@ -27,6 +27,14 @@ def committed_workloads() -> list[Path]:
     return sorted(WORKLOADS_DIR.glob("*.jsonl"))
 
 
+def default_traces() -> list[Trace]:
+    """What `kvbench run` with no argument checks: the committed workloads, then the boundary
+    workloads generated from each rule's edges (kvbench.traces.boundaries; none is a file, so
+    none drifts from its rule)."""
+    from kvbench.traces.boundaries import boundary_traces
+    return load_traces(committed_workloads()) + boundary_traces()
+
+
 def config_for(trace: Trace, *, policy: str | None = None, **settings) -> CacheConfig:
     """``RunSettings(**settings).config(trace, policy)``: one trace's CacheConfig, for a caller
     that holds no RunSettings (a test, a script)."""

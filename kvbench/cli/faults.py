@@ -22,7 +22,7 @@ COLUMNS = ["bug", "upstream", "caught", "workload", "step", "first divergence"]
 
 def catalogue(bugs=None, paths=None, progress: bool = False) -> list[dict]:
     """One row per planted fault: the first run of the default suite that fails it."""
-    traces = suite.load_traces(paths or suite.committed_workloads())
+    traces = suite.load_traces(paths) if paths else suite.default_traces()
     runs = [(t, suite.config_for(t, policy=p)) for t in traces for p in suite.policies_for(t, "auto")]
     bugs = list(bugs or registry.load(CATALOGUE))
     bar = Progress(len(bugs), "faults", "faults", enabled=progress)

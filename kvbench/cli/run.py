@@ -230,10 +230,12 @@ def trace_options(args) -> dict:
 
 
 def run_workloads(args, stdout) -> int:
-    paths = args.traces or suite.committed_workloads()
-    if not paths:
-        raise options.UsageError("no workloads: run `kvbench gen` first")
-    traces = suite.load_traces(paths, args.format, **trace_options(args))
+    if args.traces:
+        paths = args.traces
+        traces = suite.load_traces(paths, args.format, **trace_options(args))
+    else:  # the committed workloads and the generated boundary workloads
+        traces = suite.default_traces()
+        paths = [t.path or t.name for t in traces]
     if args.output:
         check_writable(args.output, option="--output", stdout=True)
     else:

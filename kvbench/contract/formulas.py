@@ -407,6 +407,12 @@ PRESETS: dict[str, ModelSpec] = {
         # = 512 bytes.
         ModelSpec("tiny-mamba", layers=4, kv_heads=2, head_dim=8,
                   groups=hybrid_groups(4, ("state(512)",) * 3 + (None,))),
+        # tiny in SPEC §12's float formats: fp8 (e4m3) with per-tensor scales, fp8 with a scale
+        # per token per head, NVFP4 (head_dim 16: one e4m3 scale per 16 elements).
+        ModelSpec("tiny-fp8", layers=2, kv_heads=2, head_dim=8, kv_encoding="fp8"),
+        ModelSpec("tiny-fp8-token-head", layers=2, kv_heads=2, head_dim=8,
+                  kv_encoding="fp8-per-token-head"),
+        ModelSpec("tiny-nvfp4", layers=2, kv_heads=2, head_dim=16, kv_encoding="nvfp4"),
         *MODELS_2026,
     )
 }

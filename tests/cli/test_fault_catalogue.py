@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from impls.faults import CATALOGUE
-from impls.faults_edges import EDGE_BUGS
+from impls.faults_edges import BOUNDARY_BUGS, EDGE_BUGS
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
 from kvbench.cli import faults as cli
@@ -49,7 +49,7 @@ def test_a_salt_leak_names_both_requests(table):
                          ids=lambda c: c.__name__)
 def test_the_backends_the_faults_are_planted_into_pass_the_suite(base):
     # The control: what the catalogue reports is the fault, not the suite or the backend.
-    for trace in suite.load_traces(suite.committed_workloads()):
+    for trace in suite.default_traces():
         for policy in suite.policies_for(trace, "auto"):
             try:
                 backend = base(suite.config_for(trace, policy=policy))
@@ -296,3 +296,11 @@ def test_a_cut_hit_fault_fails_the_default_run_at_hybrid_cut_hits(table):
     d = table["a hybrid hit cut short by the window: its room counts the longer hit's window too"]["divergence"]
     assert (d.trace, d.step, d.quantity, d.expected, d.actual) == (
         "hybrid-cut-hits", 11, "outcome of prefill", "success", "out-of-memory")
+
+
+@pytest.mark.parametrize("name", [n for n, _, _, _ in BOUNDARY_BUGS])
+def test_each_boundary_fault_passes_the_committed_workloads_and_fails_a_boundary_one(table, name):
+    # The default suite replays the committed workloads first: a fault first caught on a
+    # boundary workload passed every committed one (tests/traces/test_boundaries.py names the step).
+    row = table[name]
+    assert row["caught"] == "yes" and row["workload"].startswith("boundary-"), row["workload"]

@@ -1,0 +1,408 @@
+"""Boundary workloads of the default run, generated from each rule's parameters (SPEC §13
+"Boundaries"): a rule declares its parameters and their edge values, relative to the block size
+(``Edge(a, c)`` is ``a * B + c``); a covering design picks a few cases in which every edge value of
+every parameter, and every combination of values of the parameters it names as interacting,
+occurs; the rule builds its traces from those cases. A rule added later gets its edges by declaring them.
+
+The rules, and the edges each covers:
+
+- ``windows`` (§8, §12): a model of four groups, sinks(S, W_s), sliding(W), chunked(C) and full,
+  with S, W_s, W and C each in {1, B - 1, B, B + 1, 2B + 1} (or 2B), at B in {4, 8}: one-token
+  steps over every length up to 3B + 2, a fork, multi-token steps, prefix hits at and past
+  multiples of B.
+- ``rollback`` (§13): a speculative append of k drafts, k in {1, B - 1, B, B + 1, 2B + 1}, and an
+  accept keeping 0, some or all of them, ending mid-block, on a block edge, inside block 0 or on
+  its edge, on a block the sequence holds alone, shares with a fork, or shares through the prefix
+  cache; then a write after it.
+- ``chunks`` (§13): a prompt of P in {3B, 3B + 1} tokens written in chunks cut at B - 1, B, B + 1
+  and at 2B - 1, 2B, 2B + 1 (the second cut by an append), and a request for the same prompt
+  after the first chunk, after the second, or once the prompt is complete.
+- ``chains`` (§9): prompts by token ids whose block at position p in {1, 2} repeats the ids of
+  another prompt's block after a different prefix, whole or with a partial block after it.
+- ``hybrid-eviction`` (§5, §8): a tenant mix on a sliding-window model (every policy runs it):
+  a decode step of w in {1, 2, 9} sequences, of 1 or B tokens each, right before a prefill that
+  must evict, so the victim depends on what that step recorded.
+- ``tiers`` (§11, §13): a load in flight while the same blocks are stored to a full tier (its
+  eviction must skip them), freed, aborted or loaded again; a store to a tier of no room; a swap
+  into a tier with exactly, and one less than, the room it needs.
+- ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
+
+Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
+default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvbench.traces.builder import _Builder
+from kvbench.traces.format import Header, Trace, validate
+from kvbench.traces.ops import Preempt
+from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
+
+GENERATOR = "kvbench.traces.boundaries v1"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """The value ``a * B + c`` of a parameter at block size B."""
+
+    a: int
+    c: int = 0
+
+    def __call__(self, B: int) -> int:
+        return self.a * B + self.c
+
+    def __str__(self) -> str:
+        if not self.a:
+            return str(self.c)
+        lead = "B" if self.a == 1 else f"{self.a}B"
+        return lead + (f"{self.c:+d}" if self.c else "")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule's parameters (name -> its edge values), the tuples of them whose values interact
+    (every combination of their values occurs in some case), which cases can be built
+    (``valid``), and ``build``: the rule's traces from its cases."""
+
+    name: str
+    spec: str
+    params: dict
+    build: Callable
+    interactions: tuple = ()
+    valid: Callable = field(default=lambda case: True)
+
+    def cases(self) -> list[dict]:
+        return cover(self.params, self.interactions, self.valid)
+
+
+def cover(params: dict, interactions=(), valid=lambda case: True) -> list[dict]:
+    """A covering design: cases (one value per parameter) in which every value of every parameter
+    occurs, and every combination of values of each named tuple of parameters (a pair: pairwise),
+    among the valid cases (what no valid case holds is not asked for). Greedy: each case the
+    valid one that covers the most not yet covered, the first in product order on ties."""
+    names = list(params)
+    everything = [dict(zip(names, values)) for values in itertools.product(*params.values())]
+    candidates = [c for c in everything if valid(c)]
+
+    def covers(case) -> set:
+        got = {((p, case[p]),) for p in names}
+        return got | {tuple((p, case[p]) for p in together) for together in interactions}
+
+    wanted = set().union(*(covers(c) for c in candidates)) if candidates else set()
+    chosen = []
+    while wanted:
+        best = max(candidates, key=lambda c: len(covers(c) & wanted))
+        chosen.append(best)
+        wanted -= covers(best)
+    return chosen
+
+
+class _Ops(_Builder):
+    """The builder with transfers (SPEC §11): loads, stores, completions, aborts."""
+
+    next_id = 0
+
+    def _tid(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def load(self, tokens: int, token_ids, tenant: str = "default") -> tuple[int, int]:
+        seq, tid = self.next_seq, self._tid()
+        self.next_seq += 1
+        self.ops.append(Load(len(self.ops), seq, tenant, int(tokens), None, None, None,
+                             tuple(int(t) for t in token_ids), None, id=tid))
+        self.length[seq] = int(tokens)
+        return seq, tid
+
+    def store(self, seq: int, tier: str, blocks=None) -> int:
+        tid = self._tid()
+        self.ops.append(Store(len(self.ops), tid, seq, tier, None if blocks is None else tuple(blocks)))
+        return tid
+
+    def done(self, tid: int, ok: bool = True) -> None:
+        self.ops.append(Done(len(self.ops), tid, ok))
+
+    def abort(self, seq: int) -> None:
+        self.ops.append(Abort(len(self.ops), seq))
+        del self.length[seq]
+
+    def free_all(self) -> None:
+        for s in sorted(self.length):
+            self.free(s)
+
+
+def _ids(case_index: int, n: int, start: int = 0) -> list:
+    """Token ids of a case's prompt: distinct between cases (no hit across them)."""
+    base = 1000 * (case_index + 1)
+    return list(range(base + start, base + start + n))
+
+
+def _trace(rule: str, index: int, b: _Builder, cases: list, settings: dict, **header) -> Trace:
+    params = {"rule": rule, "cases": [{k: str(v) for k, v in c.items()} for c in cases]}
+    h = Header(family="boundary", generator=GENERATOR, params=params, seed=0,
+               settings=settings, **header)
+    return validate(Trace(h, b.ops, name=f"boundary-{rule}-{index}"))
+
+
+# --- the rules ------------------------------------------------------------------------------
+
+EDGES = (Edge(0, 1), Edge(1, -1), Edge(1), Edge(1, 1), Edge(2, 1))
+
+
+def _windows(cases) -> list[Trace]:
+    """One trace a case: tiny-hybrid's 4 layers as [sinks(S, W_s), sliding(W), chunked(C), full]."""
+    out = []
+    for i, c in enumerate(cases):
+        B = c["B"]
+        S, Ws, W, C = (c[k](B) for k in ("S", "W_s", "W", "C"))
+        groups = (f"sinks({S},{Ws})", f"sliding({W})", f"chunked({C})", "full")
+        b = _Ops()
+        top = 3 * B + 2  # past 2B + 1, the largest edge, by more than a block
+        prompt = _ids(i, top)
+        a = b.prefill(1, token_ids=prompt[:1])
+        for _ in range(top - 1):  # every length 2 .. 3B + 2, one token at a time
+            b.append([a], [1])
+        a2 = b.fork(a)
+        b.append([a2, a], [B + 1, 2 * B])  # multi-token steps across blocks, from a shared tail
+        for n in (B, B + 1, 2 * B, 2 * B + 1, 3 * B):  # hits at and past multiples of B
+            s = b.prefill(n, token_ids=prompt[:n])
+            b.append([s], [1])
+        b.free_all()
+        again = b.prefill(3 * B + 1, token_ids=prompt[:3 * B + 1])  # hits what was cached at the frees
+        b.append([again], [B])
+        b.free_all()
+        out.append(_trace("windows", i, b, [c], {"model": "tiny-hybrid", "block_size": B,
+                                                  "num_blocks": 64, "prefix_caching": True},
+                          groups=groups))
+    return out
+
+
+WINDOWS = Rule("windows", "§8, §12", {
+    "B": (4, 8), "S": EDGES, "W_s": EDGES[:4] + (Edge(2),), "W": EDGES, "C": EDGES}, _windows)
+
+
+ENDS = {"mid": Edge(2, 1), "edge": Edge(2), "block0": Edge(0, 1), "edge0": Edge(1)}
+ROLLBACK_B = 4
+
+
+def _kept(c) -> int:
+    k = c["k"](ROLLBACK_B)
+    return {"none": 0, "some": k // 2, "all": k}[c["n"]]
+
+
+def _rollback_valid(c) -> bool:
+    """The sequence holds at least one token before its drafts: end - n >= 1."""
+    return ENDS[c["end"]](ROLLBACK_B) - _kept(c) >= 1 and (c["n"] != "some" or c["k"](ROLLBACK_B) > 1)
+
+
+def _rollback(cases) -> list[Trace]:
+    """One trace: per case, a sequence of ``end - n`` tokens (shared with a fork or, by the same
+    token ids, with a request that hit it), k drafts, an accept of n; then one token by each."""
+    B = ROLLBACK_B
+    b = _Ops()
+    for i, c in enumerate(cases):
+        k, n = c["k"](B), _kept(c)
+        before = ENDS[c["end"]](B) - n
+        ids = _ids(i, before)
+        s = b.prefill(before, token_ids=ids)
+        other = None
+        if c["shared"] == "fork":
+            other = b.fork(s)
+        elif c["shared"] == "cache":
+            other, s = s, b.prefill(before, token_ids=ids)  # hits s's full blocks
+        b.append([s], [k], [k])
+        b.accept(s, k, n)
+        b.append([s], [1])
+        if other is not None:
+            b.append([other], [1])
+        b.free_all()
+    return [_trace("rollback", 0, b, cases, {"block_size": B, "num_blocks": 64, "prefix_caching": True})]
+
+
+ROLLBACK = Rule("rollback", "§13", {
+    "end": tuple(ENDS), "shared": ("none", "fork", "cache"), "k": EDGES, "n": ("none", "some", "all")},
+    _rollback, interactions=(("end", "shared", "n"), ("end", "k"), ("shared", "k")),
+    valid=_rollback_valid)
+
+
+CHUNKS_B = 4
+
+
+def _chunks(cases) -> list[Trace]:
+    """One trace: per case, a prompt of P tokens written as a prefill of c1 tokens, an append up
+    to c2, then the rest; a request for the whole prompt arrives after one of the three parts (the
+    first to ask for it besides the writer), and may hit only the blocks complete by then."""
+    B = CHUNKS_B
+    b = _Ops()
+    for i, c in enumerate(cases):
+        P, c1, c2 = c["P"](B), c["cut1"](B), c["cut2"](B)
+        ids = _ids(i, P)
+        a = b.prefill(c1, token_ids=ids, prompt_tokens=P)
+        for part, more in (("prefill", c2 - c1), ("append", P - c2), ("complete", 1)):
+            if c["hit"] == part:
+                b.append([b.prefill(P, token_ids=ids)], [1])
+            b.append([a], [more])
+        b.free_all()
+    return [_trace("chunks", 0, b, cases, {"block_size": B, "num_blocks": 96, "prefix_caching": True})]
+
+
+CHUNKS = Rule("chunks", "§13", {
+    "P": (Edge(3), Edge(3, 1)), "cut1": (Edge(1, -1), Edge(1), Edge(1, 1)),
+    "cut2": (Edge(2, -1), Edge(2), Edge(2, 1)), "hit": ("prefill", "append", "complete")},
+    _chunks, interactions=(("cut1", "cut2"), ("cut1", "hit"), ("cut2", "hit")))
+
+
+CHAINS_B = 4
+
+
+def _chains(cases) -> list[Trace]:
+    """One trace: per case, a prompt X, then a prompt whose block p repeats X's block p after a
+    different prefix (no hit but on blocks before p that match: none), then X again (every block)."""
+    B = CHAINS_B
+    b = _Ops()
+    for i, c in enumerate(cases):
+        p, tail = c["p"], c["tail"](B)
+        n = (p + 1) * B + tail
+        x = _ids(i, n)
+        y = _ids(i, p * B, start=500) + x[p * B:]  # another prefix, then X's blocks from p on
+        first = b.prefill(n, token_ids=x)
+        b.free(first)  # cached, free: a wrong hit would take them back
+        b.prefill(n, token_ids=y)
+        b.prefill(n, token_ids=x)
+        b.free_all()
+    return [_trace("chains", 0, b, cases, {"block_size": B, "num_blocks": 64, "prefix_caching": True})]
+
+
+CHAINS = Rule("chains", "§9", {"p": (1, 2), "tail": (Edge(0), Edge(0, 1))}, _chains,
+              interactions=(("p", "tail"),))
+
+
+HYBRID_B = 8
+
+
+def _hybrid_eviction(cases) -> list[Trace]:
+    """One trace a case, on tiny-hybrid (sliding(32), full) under two tenants: w sequences of one
+    block, then z; a decode step of the w (d tokens each); a prefill of every free block plus
+    one: the victim is the least recent, z, unless the step's access went unrecorded."""
+    B = HYBRID_B
+    out = []
+    for i, c in enumerate(cases):
+        w, d = c["w"], c["d"](B)
+        b = _Ops()
+        tenants = ("fg", "bg")
+        wide = [b.prefill(B - d if d < B else 1, tenants[j % 2]) for j in range(w)]
+        z = b.prefill(1, "bg")
+        b.append([z], [1])
+        b.append(wide, [d] * w)
+        # 2 groups, each sequence at most 2 tokens over a block: ceil(T / B) blocks a group.
+        held = sum(2 * -(-b.length[s] // B) for s in wide) + 2 * 1
+        N = held + 4
+        r = b.prefill((N - held) // 2 * B + 1, "fg")  # 2 * ((N - held) / 2 + 1) blocks: evicts
+        b.append([r], [1])
+        b.free_all()
+        out.append(_trace("hybrid-eviction", i, b, [c], {"model": "tiny-hybrid", "block_size": B,
+                                                          "num_blocks": N},
+                          tenants={"fg": 2, "bg": 1}))
+    return out
+
+
+HYBRID_EVICTION = Rule("hybrid-eviction", "§5, §8", {"w": (1, 2, 9), "d": (Edge(0, 1), Edge(1))},
+                       _hybrid_eviction)
+
+
+TIERS_B = 4
+
+
+def _tiers(cases) -> list[Trace]:
+    """One trace a case. A prompt of 2 blocks is stored to host (capacity 2: full) and freed; an
+    unhashed prefill takes the device; a load of the prompt begins (it reads both host blocks);
+    then, before its completion, ``during``: a store of another 2-block prompt to host (LRU would
+    evict what the load reads: it must skip them, refusing the store), a second load of the same
+    blocks, the abort of the load, or nothing; then the completions, and a swap of a sequence into
+    a tier of ``room`` (none: a store of no full block there first; exact; one short)."""
+    B = TIERS_B
+    out = []
+    for i, c in enumerate(cases):
+        b = _Ops()
+        ids = _ids(i, 2 * B + 1)
+        other = _ids(i, 2 * B, start=500)
+        a = b.prefill(2 * B, token_ids=ids[:2 * B])
+        sid = b.store(a, "host")
+        b.done(sid)
+        b.free(a)
+        flush = b.prefill(8 * B)  # the device forgets the prompt: the loads read host
+        b.free(flush)
+        seq, lid = b.load(2 * B + 1, ids)
+        if c["during"] == "store":
+            o = b.prefill(2 * B, token_ids=other)
+            oid = b.store(o, "host")
+            b.done(oid)
+            b.free(o)
+        elif c["during"] == "load":
+            seq2, lid2 = b.load(2 * B + 1, ids)
+            b.done(lid2)
+            b.free(seq2)
+        if c["during"] == "abort":
+            b.abort(seq)
+        else:
+            b.done(lid)
+            b.free(seq)
+        need = 3  # the swapped sequence's blocks: ceil((2B + 2) / B)
+        room = {"none": 0, "exact": need, "short": need - 1}[c["room"]]
+        s = b.prefill(2 * B + 2)
+        if room == 0:  # a store of no full block (B - 1 tokens) to a tier of no room
+            short = b.prefill(B - 1)
+            b.done(b.store(short, "swap"))
+            b.free(short)
+        b.ops.append(Preempt(len(b.ops), s, "swap", "swap"))
+        b.resume(s)
+        b.append([s], [1])
+        b.free_all()
+        out.append(_trace("tiers", i, b, [c], {"block_size": B, "num_blocks": 8,
+                                                "prefix_caching": True},
+                          tiers=(TierSpec("host", 2), TierSpec("swap", room))))
+    return out
+
+
+TIERS = Rule("tiers", "§11, §13", {"during": ("store", "load", "abort", "nothing"),
+                                    "room": ("none", "exact", "short")}, _tiers)
+
+
+ENCODINGS_B = 8
+
+
+def _encodings(cases) -> list[Trace]:
+    """One trace a model: a prefill over a block edge, a fork, appends that copy the shared tail
+    and cross the next edge, a hit of the prompt's full blocks, the frees."""
+    out = []
+    for i, c in enumerate(cases):
+        B = ENCODINGS_B
+        b = _Ops()
+        ids = _ids(i, 2 * B + 3)
+        a = b.prefill(2 * B + 3, token_ids=ids)
+        a2 = b.fork(a)
+        b.append([a, a2], [1, B])
+        h = b.prefill(2 * B, token_ids=ids[:2 * B])
+        b.append([h], [1])
+        b.free_all()
+        out.append(_trace("encodings", i, b, [c], {"model": c["model"], "block_size": B,
+                                                    "num_blocks": 32, "prefix_caching": True}))
+    return out
+
+
+ENCODINGS = Rule("encodings", "§12", {"model": ("tiny-fp8", "tiny-fp8-token-head", "tiny-nvfp4")},
+                 _encodings)
+
+
+RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS]
+
+
+def boundary_traces(rules=None) -> list[Trace]:
+    """Every rule's traces, from its covering cases, in rule order."""
+    return [t for r in (rules or RULES) for t in r.build(r.cases())]
+
+
+__all__ = ["Edge", "Rule", "RULES", "cover", "boundary_traces"]
