@@ -30,7 +30,7 @@ from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.model.oracle import Oracle
 from kvbench.outputs import write_text
-from kvbench.search.histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
+from kvbench.search.histories import GENERATOR, KV_FORMATS, LIFECYCLES, OP_KINDS, random_history
 from kvbench.search.reproduce import divergence_kind, failure_trace, jsonable, settings_of
 from kvbench.search.shrink import shrink
 from kvbench.traces.builder import peak_blocks
@@ -44,6 +44,13 @@ MANY_SHARERS, MANY_LIVE, LONG_PROMPT_BLOCKS = 128, 65, 17
 # The edge conditions a campaign reports reached or not, in the order of the summary.
 REFUSAL, POLICY_REFUSAL = "refusal", "refusal under a policy (evicting all would not do)"
 STATE_HIT = "prefix hit on a state model (its state at a cached boundary)"
+# Reached only when the operation acted: the aborted load had blocks to read from a tier, the
+# rollback released a block (SPEC §13's edges: ending on a block edge, or on a block a fork or
+# the prefix cache shares).
+ABORT_LOADING = "abort of a load in flight (reading 1+ blocks from a tier)"
+ROLLBACK = "rollback releasing a block"
+SHARED_ROLLBACK = "rollback releasing a block, ending on a block shared (a fork, the prefix cache)"
+ZERO_OP = "operation of zero tokens (an empty prompt, an append member of none)"
 EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
@@ -52,8 +59,9 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          # SPEC §11 and §13, for a backend that declares them
          "load served from a tier", "store into a full tier",
          "store into a full tier while a load reads it", "failed transfer",
-         "abort of a load in flight", "free while its store is in flight",
-         "rollback releasing a block", "resume with a prefix hit", "preempt by swap to a tier",
+         ABORT_LOADING, "free while its store is in flight",
+         ROLLBACK, SHARED_ROLLBACK, "rollback ending on a block edge",
+         "resume with a prefix hit", "preempt by swap to a tier", ZERO_OP,
          # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
          # copies the state, an eviction takes a cached state's block
          STATE_HIT, "fork of a state model", "eviction on a state model")
@@ -75,8 +83,9 @@ class Watch:
         self.stats = (0, 0, 0, 0)  # evictions, recomputed tokens, hit blocks, cached blocks
         self.tiers = getattr(oracle, "tiers", None)  # a TieredOracle's (SPEC §11)
         self.tier_hits = 0
-        self.loading: set = set()  # sequences with a load in flight, and with a store in flight
-        self.storing: set = set()
+        self.loading: set = set()  # sequences with a load in flight of 1+ tier blocks
+        self.storing: set = set()  # and with a store in flight
+        self.before: list = []  # the block tables of the next operation's sequence (an accept's)
         self.states = any(g.state_bytes is not None for g in oracle.groups)
 
     def update(self, _n: int = 1) -> None:
@@ -93,6 +102,8 @@ class Watch:
                 self.reached.add("hit on a block-aligned prompt")
             if -(-op.tokens // B) >= LONG_PROMPT_BLOCKS:
                 self.reached.add("prompt of 17+ blocks")
+        if (isinstance(op, Prefill) and op.tokens == 0) or (isinstance(op, Append) and 0 in op.tokens):
+            self.reached.add(ZERO_OP)
         if isinstance(op, Append):
             if len(op.seqs) >= WIDE_DECODE and set(op.tokens) == {1}:
                 self.reached.add("wide decode (9+ sequences)")
@@ -124,9 +135,8 @@ class Watch:
     def _lifecycle(self, op, hit: bool) -> None:
         """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
         kind, B = op.kind, self.B
-        if kind == "accept" and op.seq in self.o.seqs and op.seq in self.tokens \
-                and -(-self.o.seqs[op.seq].tokens // B) < -(-self.tokens[op.seq] // B):
-            self.reached.add("rollback releasing a block")
+        if kind == "accept" and op.seq in self.o.seqs:
+            self._rollback(self.o.seqs[op.seq])
         if kind == "resume" and hit:
             self.reached.add("resume with a prefix hit")
         if kind == "preempt" and op.seq in getattr(self.o, "swapped", ()):
@@ -146,9 +156,23 @@ class Watch:
         if kind == "done" and not op.ok:
             self.reached.add("failed transfer")
         if kind == "abort" and op.seq in self.loading:
-            self.reached.add("abort of a load in flight")
+            self.reached.add(ABORT_LOADING)
         if kind in ("free", "abort") and op.seq in self.storing:
             self.reached.add("free while its store is in flight")
+
+    def _rollback(self, st) -> None:
+        """What an accept's rollback did, if it released a block of any group: whether the
+        sequence now ends on a block edge, and on a block another sequence or the prefix cache
+        holds too."""
+        o = self.o
+        if not any(b is not None for g, table in enumerate(self.before) for b in table[len(st.tables[g]):]):
+            return
+        self.reached.add(ROLLBACK)
+        if st.tokens % self.B == 0:
+            self.reached.add("rollback ending on a block edge")
+        tails = [t[-1] for t in st.tables if t and t[-1] is not None]
+        if any(o.blocks[b][0] > 1 or b in o.hash_of for b in tails):
+            self.reached.add(SHARED_ROLLBACK)
 
     def _counts(self, op) -> bool:
         """Evictions, recomputes, hits and cache reuse since the last operation; whether it hit."""
@@ -176,9 +200,13 @@ class Watch:
         """What the next operation is judged against: lengths, shared partial tails, windows."""
         o, B = self.o, self.B
         self.tokens = {s: st.tokens for s, st in o.seqs.items()}
+        nxt = self.ops[self.i] if self.i < len(self.ops) else None
+        self.before = []
+        if self.paged and nxt is not None and nxt.kind == "accept" and nxt.seq in o.seqs:
+            self.before = [list(t) for t in o.seqs[nxt.seq].tables]
         if self.tiers is not None:
             flying = self.tiers.transfers.values()
-            self.loading = {tr.seq for tr in flying if tr.kind == "load"}
+            self.loading = {tr.seq for tr in flying if tr.kind == "load" and tr.blocks}
             self.storing = {tr.seq for tr in flying if tr.kind == "store"}
         if not self.paged:
             return
@@ -268,7 +296,8 @@ class Campaign:
     shrink_attempts: int = DEFAULT_SHRINK_ATTEMPTS
     gather: str = "touched"
     first: bool = False  # stop at the first finding (measuring how soon a fault shows)
-    model_shapes: bool = False  # models from the presets and random mixes of kinds too
+    model_shapes: bool = True  # models from the presets and random mixes of kinds too (False:
+    # tiny and tiny-hybrid's full / sliding mixes only, `kvbench fuzz --base-model-only`)
     progress: object = None  # kvbench.progress.Progress, or anything with update() and note()
     findings: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=lambda: {k: Counter() for k in
@@ -278,6 +307,7 @@ class Campaign:
     not_applicable: Counter = field(default_factory=Counter)
     errors: list = field(default_factory=list)
     lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
+    formats: tuple = ()  # the KV formats it declares (read with its capabilities)
     stopped: str = ""
     stop: BaseException | None = field(default=None, repr=False)  # the Ctrl-C or SIGTERM
     elapsed: float = 0.0
@@ -293,9 +323,27 @@ class Campaign:
                     # preempt by recompute is a free and a prefill: every backend takes it
                     self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
                                             or takes_lifecycle(backend, name))
+                    self.formats = self.declared_formats()
             finally:
                 getattr(backend, "close", lambda: None)()
         return self._caps[prefix_caching]
+
+    def declared_formats(self) -> tuple:
+        """The KV formats of :data:`KV_FORMATS` the backend runs: made with one, it is
+        quantized and keeps it (a pool of one format keeps its own whatever it is given; a pool
+        without formats is not quantized; one that refuses a format raises)."""
+        out = []
+        for fmt in KV_FORMATS:
+            try:
+                backend = self.entry.create(dataclasses.replace(_BASE, kv_format=fmt))
+            except BackendUnavailable:
+                continue
+            try:
+                if backend.capabilities.quantized and backend.config.kv_format == fmt:
+                    out.append(fmt)
+            finally:
+                getattr(backend, "close", lambda: None)()
+        return tuple(out)
 
     def run(self) -> Campaign:
         """History after history until the budget is spent or Ctrl-C; returns itself."""
@@ -322,7 +370,8 @@ class Campaign:
         return self
 
     def one(self, index: int, caps: Capabilities) -> None:
-        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes)
+        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes,
+                                                self.formats)
         cov = self.coverage
         cov["op kinds"].update(drawn)
         cov["ops"].update(op.kind for op in trace.ops)
@@ -333,7 +382,8 @@ class Campaign:
                                + ["salts and adapters"] * settings.keyed
                                + [f"tiers {'+'.join(t.name for t in settings.tiers)}"] * bool(settings.tiers)
                                + [f"lifecycle {name}" for name in settings.lifecycles]
-                               + [f"shape {settings.shape}"] * bool(settings.shape))
+                               + [f"shape {settings.shape}"] * bool(settings.shape)
+                               + [f"kv format {settings.kv_format}"] * bool(settings.kv_format))
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
         config = settings.config(budget_for(settings.budget, peak, settings.tight, settings.own_blocks))
@@ -410,6 +460,7 @@ class Campaign:
         edges = self.coverage["edges"]
         return {
             "backend": self.entry.name, "seed": self.seed, "model_shapes": self.model_shapes,
+            "kv_formats": list(self.formats),
             "stopped": self.stopped,
             "histories": self.histories, "operations": self.ops, "seconds": round(self.elapsed, 2),
             "histories_per_minute": round(self.histories / minutes, 1) if minutes else None,
@@ -432,11 +483,18 @@ class Campaign:
 
 
 def summary_markdown(s: dict) -> str:
+    missed = s["coverage"]["edges not reached"]
     lines = [f"# kvbench fuzz: {s['backend']}", "",
              f"Seed {s['seed']}: {s['histories']} histories, {s['operations']:,} operations in "
              f"{s['seconds']:.0f} s ({s['histories_per_minute']} histories per minute), stopped by "
              f"{s['stopped']}. " + (f"{len(s['findings'])} kinds of failure found." if s["findings"]
-                                 else "Nothing found: the coverage below says what was tried."), ""]
+                                 else "Nothing found: the coverage below says what was tried."), "",
+             f"Edge conditions reached (each counted only where it acted): "
+             f"{len(s['coverage']['edges']) - len(missed)} of {len(s['coverage']['edges'])}."
+             + (f" Not reached, so not tested: {'; '.join(missed)}." if missed else ""), "",
+             "Models: " + ("the presets' patterns and random mixes of the kinds declared"
+                           if s["model_shapes"] else "tiny and tiny-hybrid only (--base-model-only)")
+             + "; KV formats: " + (", ".join(s["kv_formats"]) or "none declared") + ".", ""]
     if s["findings"]:
         lines += ["| finding | kind | at | hit | ops (shrunk) | first divergence | settings |",
                   "|---|---|---|---|---|---|---|"]
