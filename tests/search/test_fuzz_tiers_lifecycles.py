@@ -16,7 +16,7 @@ from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
 from kvbench.search import edits
 from kvbench.search import histories as R
-from kvbench.search import fuzz as F
+from kvbench.search import watch as F
 from kvbench.search.fuzz import Campaign
 from kvbench.traces.format import Append, Prefill, loads
 from kvbench.traces.ops import Accept, Done, Free, Store
