@@ -100,7 +100,7 @@ class ObjectModel(Backend):
             tail = seq.block_table[-1]
             room = tail.free_slots
             refs = tail.ref_count - dropped.get(tail.block_id, 0) - copied.get(tail.block_id, 0)
-            if room > 0 and refs > 1:
+            if room > 0 and refs > 1 and delta > 0:  # writing nothing copies nothing
                 need += 1  # this writer gets a private copy of the shared tail
                 copied[tail.block_id] = copied.get(tail.block_id, 0) + 1
             need += self._blocks_needed(delta - room)
@@ -182,7 +182,7 @@ class ObjectModel(Backend):
         for seq, delta in batch:
             remaining = delta
             tail = seq.block_table[-1] if seq.block_table else None
-            if tail is not None and tail.free_slots > 0:
+            if tail is not None and tail.free_slots > 0 and delta > 0:
                 if tail.ref_count > 1:  # copy-on-write: never change what a sharer reads
                     tail.ref_count -= 1
                     tail = self._allocate(tail.filled)

@@ -3,7 +3,10 @@ campaign finds within a history budget, after how many histories, shrunk to how 
 histories per minute against correct backends.
 
     python scripts/fuzz_catalogue.py [--histories 300] [--speed-histories 100] [--seed 0]
-                                     [--out results/fuzz]
+                                     [--base-model-only] [--fuzz-bugs] [--out results/fuzz]
+
+--fuzz-bugs: the planted edge bugs of impls/faults_fuzz.py (FUZZ_BUGS, what a default campaign
+must find) instead of the catalogue, written as edges.md / edges.json.
 
 Each fault runs `Campaign(first=True)` (stop at the first finding) with shrinking bounded by
 attempts, so the table is the same on every machine; the speed rows are wall time here.
@@ -17,9 +20,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# scripts/ off the path: its coverage.py would stand for the package numba imports at a compile
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "scripts"]
 
-from impls.faults import CATALOGUE  # noqa: E402
+from impls.faults import CATALOGUE, Bug  # noqa: E402
+from impls.faults_fuzz import FUZZ_BUGS  # noqa: E402
 from kvbench.contract import registry  # noqa: E402
 from kvbench.search.fuzz import Campaign  # noqa: E402
 
@@ -65,16 +70,22 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attempts", type=int, default=2000, help="shrink attempts per finding")
     p.add_argument("--only", help="faults whose class name contains this")
+    p.add_argument("--base-model-only", action="store_true",
+                   help="tiny and tiny-hybrid alone (kvbench fuzz --base-model-only)")
     p.add_argument("--model-shapes", action="store_true",
-                   help="models from the presets and random mixes of kinds too (kvbench fuzz --model-shapes)")
+                   help="the default now: does nothing (kept so that recorded commands run)")
+    p.add_argument("--fuzz-bugs", action="store_true",
+                   help="impls/faults_fuzz.py's planted edge bugs instead of the catalogue")
     p.add_argument("--out", default=str(ROOT / "results" / "fuzz"))
     args = p.parse_args(argv)
     rows = []
-    for bug in CATALOGUE:
+    shapes = not args.base_model_only
+    bugs = [Bug(name, "kvbench #47", fault, False) for name, fault in FUZZ_BUGS] if args.fuzz_bugs else CATALOGUE
+    for bug in bugs:
         target = f"{bug.fault.__module__}:{bug.fault.__qualname__}"
         if args.only and args.only not in target:
             continue
-        s = one(target, args.histories, args.seed, args.attempts, first=True, shapes=args.model_shapes)
+        s = one(target, args.histories, args.seed, args.attempts, first=True, shapes=shapes)
         f = s["findings"][0] if s["findings"] else None
         row = {"fault": bug.fault.__qualname__, "bug": bug.name, "upstream": bug.upstream,
                "found": f is not None, "history": f["history"] if f else None,
@@ -84,9 +95,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     speed = []
-    for name in SPEED_BACKENDS if not args.only else ():
-        s = one(name, args.speed_histories, args.seed, args.attempts, first=False,
-                shapes=args.model_shapes)
+    for name in SPEED_BACKENDS if not args.only and args.speed_histories else ():
+        s = one(name, args.speed_histories, args.seed, args.attempts, first=False, shapes=shapes)
         speed.append({"backend": name, "histories": s["histories"], "seconds": s["seconds"],
                       "histories_per_minute": s["histories_per_minute"],
                       "ops_per_second": s["ops_per_second"], "findings": len(s["findings"]),
@@ -94,9 +104,9 @@ def main(argv=None) -> int:
         print(json.dumps(speed[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "catalogue" + (f"-{args.only}" if args.only else "")
+    name = ("edges" if args.fuzz_bugs else "catalogue") + (f"-{args.only}" if args.only else "")
     record = {"command": "python scripts/fuzz_catalogue.py " + " ".join(argv or sys.argv[1:]),
-              "seed": args.seed, "model_shapes": args.model_shapes, "histories": args.histories, "attempts": args.attempts,
+              "seed": args.seed, "model_shapes": shapes, "histories": args.histories, "attempts": args.attempts,
               "faults": rows, "speed": speed}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(record))

@@ -449,7 +449,8 @@ class _Replay(Driver):
         def kv():
             if special:
                 writers = np.repeat([w for w, _, _ in segments], [c for _, _, c in segments])
-                positions = np.concatenate([np.arange(a, a + c) for _, a, c in segments])
+                positions = np.concatenate([np.zeros(0, np.int64)]  # none: an append of zero tokens
+                                           + [np.arange(a, a + c) for _, a, c in segments])
                 return kv_tokens(writers, positions, self.model, self.dtype)
             writers = np.repeat(np.asarray(seqs, dtype=np.int64), toks)
             positions = np.arange(int(toks.sum())) + np.repeat(starts - (np.cumsum(toks) - toks), toks)

@@ -6,7 +6,7 @@ backend's capabilities declare). For each it replays the trace through the oracl
 budget no operation can exhaust to find its peak demand, sets the budget against that peak as
 the history's settings say (exact fit, one block short, one over, tight, roomy), replays the
 oracle alone again under that budget watching which edge conditions the history reaches
-(:class:`Watch`), then checks the backend. A failure is classified by its divergence kind
+(kvbench.search.watch.Watch), then checks the backend. A failure is classified by its divergence kind
 (kvbench.search.reproduce.divergence_kind: the quantity, or the exception type) and the
 operation it happened at; the first of each class is shrunk (kvbench.search.shrink) and
 written as NAME.min.jsonl and test_NAME_min.py, later ones only counted. The summary (JSON and
@@ -30,165 +30,15 @@ from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.model.oracle import Oracle
 from kvbench.outputs import write_text
-from kvbench.search.histories import GENERATOR, LIFECYCLES, OP_KINDS, random_history
+from kvbench.search.histories import GENERATOR, KV_FORMATS, LIFECYCLES, OP_KINDS, random_history
 from kvbench.search.reproduce import divergence_kind, failure_trace, jsonable, settings_of
 from kvbench.search.shrink import shrink
+from kvbench.search.watch import EDGES, Watch
 from kvbench.traces.builder import peak_blocks
-from kvbench.traces.format import Append, Fork, Prefill, Trace
+from kvbench.traces.format import Trace
 
 DEFAULT_SHRINK_SECONDS = 120.0
 DEFAULT_SHRINK_ATTEMPTS = 3000
-WIDE_DECODE = 9  # sequences in a one-token step: a pool's vectorized decode path
-MANY_SHARERS, MANY_LIVE, LONG_PROMPT_BLOCKS = 128, 65, 17
-
-# The edge conditions a campaign reports reached or not, in the order of the summary.
-REFUSAL, POLICY_REFUSAL = "refusal", "refusal under a policy (evicting all would not do)"
-STATE_HIT = "prefix hit on a state model (its state at a cached boundary)"
-EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
-         "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
-         "cached block reused for new content", "window release", "copy-on-write",
-         "fork at a partial tail", "wide decode (9+ sequences)", "128+ sharers of a block",
-         "65+ live sequences", "prompt of 17+ blocks", "full block of 256+ tokens",
-         # SPEC §11 and §13, for a backend that declares them
-         "load served from a tier", "store into a full tier",
-         "store into a full tier while a load reads it", "failed transfer",
-         "abort of a load in flight", "free while its store is in flight",
-         "rollback releasing a block", "resume with a prefix hit", "preempt by swap to a tier",
-         # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
-         # copies the state, an eviction takes a cached state's block
-         STATE_HIT, "fork of a state model", "eviction on a state model")
-
-
-class Watch:
-    """A progress sink for an oracle-only check(): after each operation it looks at the oracle
-    and counts the edge conditions of :data:`EDGES` the operation reached (at most once per
-    history each)."""
-
-    def __init__(self, oracle: Oracle, trace: Trace):
-        self.o, self.ops, self.i = oracle, list(trace.ops), 0
-        self.B, self.paged = oracle.B, oracle.layout == "paged"
-        self.sliding = [g for g, w in enumerate(oracle.windows) if w is not None]
-        self.reached: set = set()
-        self.tokens: dict = {}
-        self.shared_tails: set = set()
-        self.released: dict = {}
-        self.stats = (0, 0, 0, 0)  # evictions, recomputed tokens, hit blocks, cached blocks
-        self.tiers = getattr(oracle, "tiers", None)  # a TieredOracle's (SPEC §11)
-        self.tier_hits = 0
-        self.loading: set = set()  # sequences with a load in flight, and with a store in flight
-        self.storing: set = set()
-        self.states = any(g.state_bytes is not None for g in oracle.groups)
-
-    def update(self, _n: int = 1) -> None:
-        o, op, B = self.o, self.ops[self.i], self.B
-        self.i += 1
-        hit = self._counts(op)
-        if self.paged and o.blocks_used == o.config.num_blocks:
-            self.reached.add("exact fit (every block in use)")
-        refused = self._refused(op)
-        if refused:
-            self.reached.add(POLICY_REFUSAL if o.config.policy else REFUSAL)
-        if isinstance(op, Prefill) and op.seq in o.seqs:
-            if hit and op.tokens % B == 0:
-                self.reached.add("hit on a block-aligned prompt")
-            if -(-op.tokens // B) >= LONG_PROMPT_BLOCKS:
-                self.reached.add("prompt of 17+ blocks")
-        if isinstance(op, Append):
-            if len(op.seqs) >= WIDE_DECODE and set(op.tokens) == {1}:
-                self.reached.add("wide decode (9+ sequences)")
-            if self.shared_tails.intersection(op.seqs) and not refused:
-                self.reached.add("copy-on-write")
-        if isinstance(op, Fork):
-            if self.tokens.get(op.src, 0) % B:
-                self.reached.add("fork at a partial tail")
-            if self.paged and int(o.refs.max(initial=0)) >= MANY_SHARERS:
-                self.reached.add("128+ sharers of a block")
-        if len(o.seqs) >= MANY_LIVE:
-            self.reached.add("65+ live sequences")
-        if B >= 256 and any(st.tokens >= B for st in o.seqs.values()):
-            self.reached.add("full block of 256+ tokens")
-        self._lifecycle(op, hit)
-        if self.states:
-            self._states(op, hit)
-        self._remember()
-
-    def _states(self, op, hit: bool) -> None:
-        """The edges of a model with state groups (SPEC §12) the operation reached."""
-        if hit:
-            self.reached.add(STATE_HIT)
-        if isinstance(op, Fork) and op.seq in self.o.seqs:
-            self.reached.add("fork of a state model")
-        if "eviction" in self.reached:
-            self.reached.add("eviction on a state model")
-
-    def _lifecycle(self, op, hit: bool) -> None:
-        """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
-        kind, B = op.kind, self.B
-        if kind == "accept" and op.seq in self.o.seqs and op.seq in self.tokens \
-                and -(-self.o.seqs[op.seq].tokens // B) < -(-self.tokens[op.seq] // B):
-            self.reached.add("rollback releasing a block")
-        if kind == "resume" and hit:
-            self.reached.add("resume with a prefix hit")
-        if kind == "preempt" and op.seq in getattr(self.o, "swapped", ()):
-            self.reached.add("preempt by swap to a tier")
-        if self.tiers is None:
-            return
-        hits = sum(t.hits for t in self.tiers.tiers)
-        if hits > self.tier_hits:
-            self.reached.add("load served from a tier")
-        self.tier_hits = hits
-        full = [t for t in self.tiers.tiers if t.spec.name == op.tier and len(t.entries) >= t.spec.capacity] \
-            if kind == "store" else []
-        if full:
-            self.reached.add("store into a full tier")
-        if any(e.loads for t in full for e in t.entries.values()):  # its room only the read blocks'
-            self.reached.add("store into a full tier while a load reads it")
-        if kind == "done" and not op.ok:
-            self.reached.add("failed transfer")
-        if kind == "abort" and op.seq in self.loading:
-            self.reached.add("abort of a load in flight")
-        if kind in ("free", "abort") and op.seq in self.storing:
-            self.reached.add("free while its store is in flight")
-
-    def _counts(self, op) -> bool:
-        """Evictions, recomputes, hits and cache reuse since the last operation; whether it hit."""
-        o = self.o
-        stats = (sum(t.evictions for t in o.tenant_stats.values()),
-                 sum(t.recomputed_tokens for t in o.tenant_stats.values()), o.hit_blocks,
-                 len(o.hash_of))
-        before, self.stats = self.stats, stats
-        for name, old, new in zip(("eviction", "recompute after eviction", "prefix hit"), before, stats):
-            if new > old:
-                self.reached.add(name)
-        if stats[3] < before[3] and not isinstance(op, Fork):
-            self.reached.add("cached block reused for new content")
-        return stats[2] > before[2]
-
-    def _refused(self, op) -> bool:
-        o = self.o
-        if isinstance(op, (Prefill, Fork)):
-            return op.seq not in o.seqs and op.seq not in o.preempted
-        if isinstance(op, Append):
-            return any(s in o.seqs and o.seqs[s].tokens == self.tokens.get(s) for s in op.seqs)
-        return False
-
-    def _remember(self) -> None:
-        """What the next operation is judged against: lengths, shared partial tails, windows."""
-        o, B = self.o, self.B
-        self.tokens = {s: st.tokens for s, st in o.seqs.items()}
-        if self.tiers is not None:
-            flying = self.tiers.transfers.values()
-            self.loading = {tr.seq for tr in flying if tr.kind == "load"}
-            self.storing = {tr.seq for tr in flying if tr.kind == "store"}
-        if not self.paged:
-            return
-        self.shared_tails = {s for s, st in o.seqs.items() if st.tokens % B and any(
-            t and t[-1] is not None and o.blocks[t[-1]][0] > 1 for t in st.tables)}
-        for s, st in o.seqs.items():
-            gone = sum(st.tables[g].count(None) for g in self.sliding if g < len(st.tables))
-            if gone > self.released.get(s, 0):
-                self.reached.add("window release")
-            self.released[s] = gone
 
 
 class _Peak:
@@ -268,7 +118,8 @@ class Campaign:
     shrink_attempts: int = DEFAULT_SHRINK_ATTEMPTS
     gather: str = "touched"
     first: bool = False  # stop at the first finding (measuring how soon a fault shows)
-    model_shapes: bool = False  # models from the presets and random mixes of kinds too
+    model_shapes: bool = True  # models from the presets and random mixes of kinds too (False:
+    # tiny and tiny-hybrid's full / sliding mixes only, `kvbench fuzz --base-model-only`)
     progress: object = None  # kvbench.progress.Progress, or anything with update() and note()
     findings: dict = field(default_factory=dict)
     coverage: dict = field(default_factory=lambda: {k: Counter() for k in
@@ -278,6 +129,7 @@ class Campaign:
     not_applicable: Counter = field(default_factory=Counter)
     errors: list = field(default_factory=list)
     lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
+    formats: tuple = ()  # the KV formats it declares (read with its capabilities)
     stopped: str = ""
     stop: BaseException | None = field(default=None, repr=False)  # the Ctrl-C or SIGTERM
     elapsed: float = 0.0
@@ -293,9 +145,27 @@ class Campaign:
                     # preempt by recompute is a free and a prefill: every backend takes it
                     self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
                                             or takes_lifecycle(backend, name))
+                    self.formats = self.declared_formats()
             finally:
                 getattr(backend, "close", lambda: None)()
         return self._caps[prefix_caching]
+
+    def declared_formats(self) -> tuple:
+        """The KV formats of :data:`KV_FORMATS` the backend runs: made with one, it is
+        quantized and keeps it (a pool of one format keeps its own whatever it is given; a pool
+        without formats is not quantized; one that refuses a format raises)."""
+        out = []
+        for fmt in KV_FORMATS:
+            try:
+                backend = self.entry.create(dataclasses.replace(_BASE, kv_format=fmt))
+            except BackendUnavailable:
+                continue
+            try:
+                if backend.capabilities.quantized and backend.config.kv_format == fmt:
+                    out.append(fmt)
+            finally:
+                getattr(backend, "close", lambda: None)()
+        return tuple(out)
 
     def run(self) -> Campaign:
         """History after history until the budget is spent or Ctrl-C; returns itself."""
@@ -322,7 +192,8 @@ class Campaign:
         return self
 
     def one(self, index: int, caps: Capabilities) -> None:
-        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes)
+        trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes,
+                                                self.formats)
         cov = self.coverage
         cov["op kinds"].update(drawn)
         cov["ops"].update(op.kind for op in trace.ops)
@@ -333,7 +204,8 @@ class Campaign:
                                + ["salts and adapters"] * settings.keyed
                                + [f"tiers {'+'.join(t.name for t in settings.tiers)}"] * bool(settings.tiers)
                                + [f"lifecycle {name}" for name in settings.lifecycles]
-                               + [f"shape {settings.shape}"] * bool(settings.shape))
+                               + [f"shape {settings.shape}"] * bool(settings.shape)
+                               + [f"kv format {settings.kv_format}"] * bool(settings.kv_format))
         peak = _peak(trace, _Configured(self.entry.name, self.capabilities(settings.prefix_caching),
                                         dataclasses.replace(settings.config(1), **self.entry.overrides)))
         config = settings.config(budget_for(settings.budget, peak, settings.tight, settings.own_blocks))
@@ -410,6 +282,7 @@ class Campaign:
         edges = self.coverage["edges"]
         return {
             "backend": self.entry.name, "seed": self.seed, "model_shapes": self.model_shapes,
+            "kv_formats": list(self.formats),
             "stopped": self.stopped,
             "histories": self.histories, "operations": self.ops, "seconds": round(self.elapsed, 2),
             "histories_per_minute": round(self.histories / minutes, 1) if minutes else None,
@@ -432,11 +305,18 @@ class Campaign:
 
 
 def summary_markdown(s: dict) -> str:
+    missed = s["coverage"]["edges not reached"]
     lines = [f"# kvbench fuzz: {s['backend']}", "",
              f"Seed {s['seed']}: {s['histories']} histories, {s['operations']:,} operations in "
              f"{s['seconds']:.0f} s ({s['histories_per_minute']} histories per minute), stopped by "
              f"{s['stopped']}. " + (f"{len(s['findings'])} kinds of failure found." if s["findings"]
-                                 else "Nothing found: the coverage below says what was tried."), ""]
+                                 else "Nothing found: the coverage below says what was tried."), "",
+             f"Edge conditions reached (each counted only where it acted): "
+             f"{len(s['coverage']['edges']) - len(missed)} of {len(s['coverage']['edges'])}."
+             + (f" Not reached, so not tested: {'; '.join(missed)}." if missed else ""), "",
+             "Models: " + ("the presets' patterns and random mixes of the kinds declared"
+                           if s["model_shapes"] else "tiny and tiny-hybrid only (--base-model-only)")
+             + "; KV formats: " + (", ".join(s["kv_formats"]) or "none declared") + ".", ""]
     if s["findings"]:
         lines += ["| finding | kind | at | hit | ops (shrunk) | first divergence | settings |",
                   "|---|---|---|---|---|---|---|"]

@@ -70,7 +70,14 @@ SWAP_PREEMPT_RATE = 0.7  # the preempt lifecycle in a tiered history, for a back
 MAX_DRAFT = 5  # draft tokens of one speculative append
 FAIL_RATE = 0.2  # transfers that complete with ok false
 OVERLAP_RATE = 0.5  # round trips followed by overlapping reloads of another stored prompt
-SHAPE_RATE = 0.6  # with --model-shapes: histories whose model is a drawn shape
+SHAPE_RATE = 0.6  # histories whose model is a drawn shape (unless base_model_only)
+# SPEC §4 and §12's KV formats, one drawn per history among those the backend declares
+# (:func:`declared_formats`).
+KV_FORMATS = ("fp8-tensor", "fp8-token-head", "nvfp4", "int8", "int4")
+ABORT_RELOAD_RATE = 0.25  # reloads of a stored prompt aborted in flight, while they read the tier
+OTHER_KEYS_RATE = 0.25  # keyed reloads under another salt or adapter: the tier must not serve them
+UNCHAINED_RATE = 0.3  # token-id prompts whose first block is another prefix's, the rest their own
+ZERO_RATE = 0.08  # prefills and append members of zero tokens (SPEC §13's operation of zero tokens)
 MLA_BASE = "tiny-mla"  # the base of MLA shapes (kv_heads 1, head_dim = the latent)
 
 
@@ -92,7 +99,8 @@ class Settings:
     ops: int = 32
     tiers: tuple = ()  # TierSpecs of the lower tiers (SPEC §11); empty: none
     lifecycles: tuple = ()  # of "chunked", "speculative", "preempt" (SPEC §13)
-    shape: str = ""  # --model-shapes: the preset whose kinds the model has, or "random mix"
+    shape: str = ""  # the preset whose kinds the model has, or "random mix" (draw_shape)
+    kv_format: str | None = None  # of those the backend declares; None: its own
 
     def kinds(self) -> tuple:
         """The group kinds of the model these settings run."""
@@ -105,7 +113,8 @@ class Settings:
     def config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(model=self.spec(), block_size=self.block_size, num_blocks=num_blocks,
                            policy=self.policy, prefix_caching=self.prefix_caching,
-                           tenant_weights=dict(self.tenants), max_context=next_pow2(self.max_len))
+                           tenant_weights=dict(self.tenants), max_context=next_pow2(self.max_len),
+                           kv_format=self.kv_format)
 
 
 def _window(rng, B: int) -> int:
@@ -207,10 +216,11 @@ def _draw_tiers(rng, caps: Capabilities) -> tuple:
     return (host, tier("disk", 32)) if rng.random() < 0.5 else (host,)
 
 
-def draw_settings(rng, caps: Capabilities, lifecycles: tuple = (), model_shapes: bool = False) -> Settings:
+def draw_settings(rng, caps: Capabilities, lifecycles: tuple = (), model_shapes: bool = True) -> Settings:
     """``lifecycles``: those of SPEC §13 the backend takes (kvbench.contract.protocol.takes_lifecycle;
     "preempt" is a free and a prefill, which every backend takes); ``model_shapes``: models
-    drawn from the presets and random mixes of kinds too (:func:`draw_shape`)."""
+    drawn from the presets and random mixes of kinds too (:func:`draw_shape`; False: tiny and
+    tiny-hybrid's full / sliding mixes only). The KV format is drawn apart (:func:`random_history`)."""
     B = int(rng.choice(BLOCK_SIZES))
     if rng.random() < LARGE_BLOCK_RATE:
         B = LARGE_BLOCK
@@ -377,7 +387,9 @@ class History(_Builder):
 
 
 def _prefill(h: History) -> None:
-    h.prefill(h.draw_length(), h.tenant())
+    """A prompt of a drawn length, now and then of none (an empty prompt: SPEC §13's operation
+    of zero tokens)."""
+    h.prefill(0 if h.rng.random() < ZERO_RATE else h.draw_length(), h.tenant())
 
 
 def _burst(h: History) -> None:
@@ -398,6 +410,9 @@ def _shared_prompt(h: History, keyed: bool) -> tuple[int, dict]:
         keys = dict(salt=salt, adapter=adapter)
         if rng.random() >= 0.5:
             ids = [k * VOCAB // PREFIXES + j for j in range(m * B)]
+            if m > 1 and rng.random() < UNCHAINED_RATE:  # its later blocks' ids are prefix k's,
+                other = (k + 1) % PREFIXES  # but not their prefix: no hit past a chained key
+                ids[:B] = [other * VOCAB // PREFIXES + j for j in range(B)]
             ids += list(range(h.own_ids, h.own_ids + tokens - m * B))
             h.own_ids += tokens - m * B
             return tokens, dict(token_ids=ids, **keys)
@@ -426,7 +441,8 @@ def _append(h: History) -> None:
     for s in seqs:
         edge = B - h.length[s] % B  # up to the tail block's end
         t = int(rng.choice([1, edge, edge + 1, int(rng.integers(1, 2 * B + 1))]))
-        tokens.append(min(max(1, t), h.room(s), h.chunk_left.get(s, t)))
+        zero = rng.random() < ZERO_RATE  # a member of the batch that writes nothing this step
+        tokens.append(0 if zero else min(max(1, t), h.room(s), h.chunk_left.get(s, t)))
     h.append(seqs, tokens)
 
 
@@ -514,7 +530,8 @@ def _append_drafts(h: History) -> None:
     rng = h.rng
     seqs = sorted(int(s) for s in rng.choice(room, size=int(rng.integers(1, len(room) + 1)), replace=False))
     drafts = [int(rng.integers(1, min(MAX_DRAFT, h.room(s) - 1) + 1)) for s in seqs]
-    lead = 0 if rng.random() < 0.2 else 1
+    # drafts alone now and then, always onto an empty sequence: a rollback then leaves it none
+    lead = 0 if rng.random() < 0.2 or any(h.length[s] == 0 for s in seqs) else 1
     h.append(seqs, [d + lead for d in drafts], drafts)
 
 
@@ -639,7 +656,12 @@ def _round_trip(h: History) -> None:
     if not early:  # the lease outlives the free
         h.done(tid, h.rng.random() >= FAIL_RATE)
     _flush(h)
-    h.load(tokens, h.tenant(), **kw)
+    if h.s.keyed and h.rng.random() < OTHER_KEYS_RATE:  # another tenant's salt or adapter
+        salt, adapter = KEYS[int(h.rng.integers(len(KEYS)))]
+        kw = {**kw, "salt": salt, "adapter": adapter}
+    seq = h.load(tokens, h.tenant(), **kw)
+    if h.rng.random() < ABORT_RELOAD_RATE:  # cancelled while it reads the tier
+        h.abort(seq)
     if h.rng.random() < OVERLAP_RATE:  # drawn last: the round trip as before it
         _overlapping_reloads(h)
 
@@ -673,7 +695,10 @@ def _overlapping_reloads(h: History) -> None:
     for i, tid in enumerate(order):
         if i == at:
             h.store(other, tier.name)
-        h.done(tid, rng.random() >= FAIL_RATE)
+        if rng.random() < ABORT_RELOAD_RATE:  # its request cancelled: the tier's blocks read no more
+            h.abort(h.in_flight[tid][1])
+        else:
+            h.done(tid, rng.random() >= FAIL_RATE)
 
 
 @dataclass(frozen=True)
@@ -854,10 +879,12 @@ def _family_history(rng, settings: Settings, caps: Capabilities):
 
 
 def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple = (),
-                   model_shapes: bool = False) -> tuple[Trace, Settings, list]:
+                   model_shapes: bool = True, formats: tuple = ()) -> tuple[Trace, Settings, list]:
     """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn);
     ``lifecycles``: those of SPEC §13 the backend takes; ``model_shapes``: see
-    :func:`draw_settings`. The header's settings leave
+    :func:`draw_settings`; ``formats``: the KV formats the backend declares
+    (:func:`declared_formats`), one drawn per history from a generator of its own, so that the
+    history is the same whichever formats the backend declares. The header's settings leave
     ``num_blocks`` to the caller (it is set against the peak); it names tenant weights only
     under a policy (a header with weights and no policy is replayed under every policy by
     `kvbench check`)."""
@@ -869,6 +896,9 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
         ops, drawn, settings, source = family
     else:
         ops, drawn, settings = random_ops(rng, settings, caps)
+    if formats:
+        fmt = np.random.default_rng([seed, index, 1])
+        settings = replace(settings, kv_format=str(fmt.choice(list(formats))))
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},

@@ -40,7 +40,7 @@ class _Builder:
     def append(self, seqs, tokens, draft=None) -> None:
         seqs = [int(s) for s in seqs]
         tokens = [int(t) for t in tokens]
-        if min(tokens) < 1:
+        if min(tokens) < 0:  # 0: a member writing nothing this step (SPEC §13)
             raise AssertionError(f"generator bug: append of {tokens} tokens at step {len(self.ops)}")
         self.ops.append(Append(len(self.ops), tuple(seqs), tuple(tokens),
                                None if draft is None else tuple(int(d) for d in draft)))

@@ -241,7 +241,7 @@ class OpTable:
 
 def first_invalid(t: OpTable) -> int | None:
     """The first operation that breaks the history rules (format's parse_op field ranges and
-    _Validator's), or None: steps strictly increase; ids >= 0, lengths >= 1, a non-empty
+    _Validator's), or None: steps strictly increase; ids >= 0, lengths >= 0, a non-empty
     tenant; an append batch naming a sequence twice; a sequence created twice; append, fork
     (from) or free of a sequence that is not live (unknown, or freed).
 
@@ -284,7 +284,7 @@ def _first_bad_in(t: OpTable, a: int, b: int, lives, empty: list) -> int | None:
     sequence not live), given each sequence's creation and first free (``lives``)."""
     kind, step, seq, src = t.kind[a:b], t.step[a:b], t.seq[a:b], t.src[a:b]
     nb = np.diff(t.batch[a:b + 1])
-    fields = ((step < 0) | ((kind != APPEND) & (seq < 0)) | ((kind == PREFILL) & (t.tokens[a:b] < 1))
+    fields = ((step < 0) | ((kind != APPEND) & (seq < 0)) | ((kind == PREFILL) & (t.tokens[a:b] < 0))
               | ((kind == FORK) & (src < 0)) | ((kind == APPEND) & (nb == 0)))
     fields[1:] |= step[1:] <= step[:-1]  # steps strictly increase, from the chunk before too
     if a:
@@ -294,7 +294,7 @@ def _first_bad_in(t: OpTable, a: int, b: int, lives, empty: list) -> int | None:
     lo, hi = int(t.batch[a]), int(t.batch[b])
     seqs, toks = t.flat_seq[lo:hi], t.flat_tok[lo:hi]
     op_of = np.repeat(np.arange(b - a), nb)  # each member's operation, from a
-    fields[op_of[(seqs < 0) | (toks < 1)]] = True
+    fields[op_of[(seqs < 0) | (toks < 0)]] = True
     order = np.lexsort((seqs, op_of))
     twice = (op_of[order][1:] == op_of[order][:-1]) & (seqs[order][1:] == seqs[order][:-1])
     fields[op_of[order][1:][twice]] = True

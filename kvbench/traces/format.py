@@ -182,7 +182,7 @@ def _parse_prefill(d, step, fail) -> Prefill:
             if not ((isinstance(h, int) and not isinstance(h, bool)) or (isinstance(h, str) and h)):
                 fail(f"block_hashes[{i}] must be an integer or a non-empty string, got {h!r}")
         hashes = tuple(hashes)
-    tokens = _int(d, "tokens", fail, 1)
+    tokens = _int(d, "tokens", fail, 0)  # an empty prompt: SPEC §13's operation of zero tokens
     prompt = None
     if d.get("prompt_tokens") is not None:
         prompt = _int(d, "prompt_tokens", fail, tokens)
@@ -216,7 +216,7 @@ def _parse_append(d, step, fail) -> Append:
         fail(f"append has {len(seqs)} seqs but {len(tokens)} token counts")
     for i, (s, t) in enumerate(zip(seqs, tokens)):
         _int({"seq": s}, "seq", fail, 0)
-        _int({f"tokens[{i}]": t}, f"tokens[{i}]", fail, 1)
+        _int({f"tokens[{i}]": t}, f"tokens[{i}]", fail, 0)  # a member writing nothing this step
     if len(set(seqs)) != len(seqs):
         fail("append names a sequence twice in one batch")
     if draft is not None:
@@ -455,14 +455,14 @@ def _check_history(table, path, lines, *, fields: bool, upto: int | None = None,
 
 def _batch_row(d, b) -> bool:
     """Store a well-formed append straight into the columns (checks at C speed: int elements,
-    ids >= 0, tokens >= 1, no id twice); False leaves the line to parse_op, which names what
+    ids >= 0, tokens >= 0, no id twice); False leaves the line to parse_op, which names what
     is wrong with it."""
     if type(d) is not dict or d.get("op") != "append":
         return False
     step, seqs, toks = d.get("step"), d.get("seqs"), d.get("tokens")
     if not (len(d) == 4 and type(step) is int and step >= 0 and type(seqs) is list and type(toks) is list
             and seqs and len(seqs) == len(toks) and set(map(type, seqs)) == {int}
-            and set(map(type, toks)) == {int} and min(seqs) >= 0 and min(toks) >= 1
+            and set(map(type, toks)) == {int} and min(seqs) >= 0 and min(toks) >= 0
             and max(seqs) < 1 << 63 and max(toks) < 1 << 63 and len(set(seqs)) == len(seqs)):
         return False
     b.row(C.APPEND, step, seqs=seqs, toks=toks)

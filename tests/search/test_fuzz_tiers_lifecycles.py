@@ -16,6 +16,7 @@ from kvbench.contract import registry
 from kvbench.contract.protocol import Capabilities
 from kvbench.search import edits
 from kvbench.search import histories as R
+from kvbench.search import watch as F
 from kvbench.search.fuzz import Campaign
 from kvbench.traces.format import Append, Prefill, loads
 from kvbench.traces.ops import Accept, Done, Free, Store
@@ -142,10 +143,14 @@ def test_a_preset_pattern_is_cut_down_keeping_each_kind():
     assert R._pattern(["full"], 1) == ["full"]
 
 
-def test_the_cli_takes_model_shapes(tmp_path, capsys):
+def test_model_shapes_are_the_default_and_the_old_flag_is_a_no_op(tmp_path, capsys):
     assert main(["fuzz", "--backend", "numpy", "--max-histories", "6", "--model-shapes",
-                 "--out", str(tmp_path), "--quiet"]) == 0, capsys.readouterr().out
-    assert '"model_shapes": true' in (tmp_path / "summary.json").read_text()
+                 "--out", str(tmp_path / "a"), "--quiet"]) == 0, capsys.readouterr().out
+    assert "--model-shapes is the default now" in capsys.readouterr().err
+    assert '"model_shapes": true' in (tmp_path / "a" / "summary.json").read_text()
+    assert main(["fuzz", "--backend", "numpy", "--max-histories", "6", "--base-model-only",
+                 "--out", str(tmp_path / "b"), "--quiet"]) == 0, capsys.readouterr().out
+    assert '"model_shapes": false' in (tmp_path / "b" / "summary.json").read_text()
 
 
 def test_shrinking_drops_a_transfer_with_its_sequence_and_its_completion():
@@ -168,8 +173,8 @@ def test_a_campaign_reaches_the_edges_of_transfers_and_lifecycles(tmp_path):
     assert s["findings"] == [] and s["errors"] == []
     edges = s["coverage"]["edges"]
     for edge in ("load served from a tier", "store into a full tier", "failed transfer",
-                 "abort of a load in flight", "free while its store is in flight",
-                 "rollback releasing a block", "resume with a prefix hit",
+                 F.ABORT_LOADING, "free while its store is in flight", F.ROLLBACK,
+                 "rollback ending on a block edge", F.SHARED_ROLLBACK, F.ZERO_OP, "resume with a prefix hit",
                  "store into a full tier while a load reads it"):
         assert edges[edge] > 0, (edge, edges)
 

@@ -69,10 +69,9 @@ PREFILL0 = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 4}
 # (operation lines after the header, line of the error, words of the message)
 BAD_OPS = [
     ([{"step": 0, "op": "evict", "seq": 0}], 2, "unknown op 'evict'"),
-    ([{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 0}], 2, "'tokens' must be >= 1, got 0"),
-    ([{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": -3}], 2, "'tokens' must be >= 1"),
-    ([PREFILL0, {"step": 1, "op": "append", "seqs": [0], "tokens": [0]}], 3, "'tokens[0]' must be >= 1"),
-    ([PREFILL0, {"step": 1, "op": "append", "seqs": [0], "tokens": [-1]}], 3, "'tokens[0]' must be >= 1"),
+    ([{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": -1}], 2, "'tokens' must be >= 0, got -1"),
+    ([{"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": -3}], 2, "'tokens' must be >= 0"),
+    ([PREFILL0, {"step": 1, "op": "append", "seqs": [0], "tokens": [-1]}], 3, "'tokens[0]' must be >= 0"),
     ([PREFILL0, {"step": 1, "op": "append", "seqs": [5], "tokens": [1]}], 3, "append to unknown sequence 5"),
     ([PREFILL0, {"step": 1, "op": "free", "seq": 0}, {"step": 2, "op": "append", "seqs": [0], "tokens": [1]}],
      4, "append to freed sequence 0"),
