@@ -1,7 +1,7 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
 catalogue (impls/faults.py) lists them; the default run catches each on tier-turns or
-tier-agentic (the swap fault on lifecycle-swap)."""
+tier-agentic (the preemption faults on lifecycle-swap or lifecycle-preempt)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +11,7 @@ import numpy as np
 from impls.numpy_paged import NumpyPaged
 from impls.pool_tiers import TierSlots
 from impls.prefix_keys import NO_EXTRA, prompt_keys
+from kvbench.contract.protocol import Prompt
 
 
 class LeaseEndsAtFree(NumpyPaged):
@@ -120,6 +121,16 @@ class SwapInReadsAnother(NumpyPaged):
         return t, theirs[:len(slots)] + slots[len(theirs):]
 
 
+class ResumeForgetsHashes(NumpyPaged):
+    """A preemption drops the request's block hashes with its blocks, as a free does: its resume
+    is a prefill of its length with no hashes, so it hits none of its blocks still cached and
+    computes them into new ones."""
+
+    def _resumed_prompt(self, seq):
+        prompt = super()._resumed_prompt(seq)
+        return Prompt(prompt.tokens, prompt.tenant, prompt.final_tokens)
+
+
 class LeasesOutOfRefcounts(NumpyPaged):
     """The pool keeps a store's leases in a count of its own, beside the blocks' reference
     counts (as an offloading connector holds blocks beside its engine's block pool): it holds
@@ -152,7 +163,9 @@ TIER_BUGS = [
      "kvbench §10, §11", LeasesOutOfRefcounts),
 ]
 
-# (name, upstream, fault): caught by the default run on lifecycle-swap
+# (name, upstream, fault): caught by the default run on lifecycle-swap or lifecycle-preempt
 SWAP_BUGS = [
     ("a swapped sequence resumes with another's K/V", "kvbench §13", SwapInReadsAnother),
+    ("a preemption drops the request's hashes: its resume hits none of its cached blocks",
+     "kvbench §13", ResumeForgetsHashes),
 ]

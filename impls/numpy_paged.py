@@ -114,6 +114,10 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         self.hit_blocks = 0
         # Chunked prompts (SPEC §13): sequence -> (its whole prompt's keys, blocks cached so far)
         self.chunking: dict = {}
+        # Preemption (SPEC §13): sequence -> the Prompt of its prefill (its block hashes), and a
+        # preempted one -> (that Prompt, its length, tenant, final length): its resume's request.
+        self.requests: dict = {}
+        self.preempted: dict = {}
         # The ledger's figures, kept as blocks change hands (ledger() scans nothing): blocks in
         # use, blocks with 2+ references, slots filled in blocks in use, blocks in use per
         # group; reservation per row, recomputed for the rows an operation touched.
@@ -390,6 +394,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
     def _drop_row(self, r: int) -> None:
         seq = int(self.seq_of_row[r])
         self.chunking.pop(seq, None)
+        self.requests.pop(seq, None)
         self._release_row(r)
         del self.row_of[seq]
         if seq < len(self.row_index):
@@ -541,8 +546,11 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
                 keys, later = keys[:tokens // self.B], keys
                 victims = self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
                 self.chunking[seq] = (later, len(keys))
+                self.requests[seq] = prompt
                 return victims
-        return self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
+        victims = self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)
+        self.requests[seq] = prompt  # dropped with its row
+        return victims
 
     def _prefill(self, seq, tokens, kv, tenant, final_tokens, step, protect, n, keys):
         if not keys and self.G * n <= self.free_top:  # nothing to look up or evict
@@ -940,7 +948,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         return tuple(victims)
 
     def free(self, seq, *, step=0):
-        if not self._drop_swapped(seq):  # a swapped sequence holds blocks of a tier only
+        if not self._drop_preempted(seq):  # a preempted sequence holds no device block
             self._drop_row(self._row(seq))
 
     def _reservation(self) -> int:

@@ -6,10 +6,12 @@ this module gives them NumPy arrays and copies.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
 from impls.pool_tiers import PoolTiers, run_count, slot_runs
+from kvbench.contract.protocol import Prompt
 
 PAGE = 4096
 
@@ -69,7 +71,38 @@ def tier_arrays(spec, storage, folder, offsets=None) -> list:
 
 
 class NumpyTiers(PoolTiers):
-    """The tier operations of a NumPy pool (a mixin of NumpyPaged): PoolTiers' array hooks."""
+    """The tier operations of a NumPy pool (a mixin of NumpyPaged): PoolTiers' array hooks; and
+    preemption told as itself (SPEC §13): the pool keeps a preempted sequence's request (the
+    Prompt of its prefill, its length) and its resume prefills from it."""
+
+    def preempt(self, seq, mode, *, tier=None, step=0) -> None:
+        r = self._row(seq)
+        kept = (self.requests.get(seq), int(self.tokens[r]), self.tenants[self.tenant_idx[r]],
+                int(self.final[r]))
+        if mode == "swap":
+            self.swap_out(seq, tier or self._tiers[0].name, step=step)
+        elif mode == "recompute":
+            self.free(seq, step=step)
+        else:
+            raise ValueError(f"{self.name}: unknown preemption mode {mode!r}")
+        self.preempted[seq] = kept
+
+    def resume(self, seq, kv=None, *, step=0, protect=()) -> tuple:
+        prompt = self._resumed_prompt(seq)
+        hits = self.hit_blocks
+        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)  # out of memory: still preempted
+        del self.preempted[seq]
+        if seq in getattr(self, "_swapped", {}):
+            self._swapped_up(seq, self.hit_blocks - hits)
+        return victims
+
+    def _resumed_prompt(self, seq) -> Prompt:
+        """The prefill of a resume: the kept request at the length the sequence had (a fork's
+        child has no request of its own, so no hashes to look up)."""
+        request, tokens, tenant, final = self.preempted[seq]
+        if request is None:
+            return Prompt(tokens, tenant, final)
+        return replace(request, tokens=tokens, final_tokens=final)
 
     _copy_rows = staticmethod(copy_rows)
 

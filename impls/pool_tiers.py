@@ -321,13 +321,18 @@ class PoolTiers:
     def swap_in(self, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
         hits = self.hit_blocks
         victims = self.prefill(seq, prompt, kv, step=step, protect=protect)  # out of memory: still swapped
-        L, r = self.hit_blocks - hits, self.row_of[seq]
+        self._swapped_up(seq, self.hit_blocks - hits)
+        return victims
+
+    def _swapped_up(self, seq, hit: int) -> None:
+        """A swapped sequence back on the device with ``hit`` blocks hit there: the rest of its
+        blocks copied up from its tier, which then drops them."""
+        r = self.row_of[seq]
         n = -(-self._tokens_of(r) // self.B)
         t, slots = self._swap_source(seq)
-        self._copy_up(t, slots[L:n], self._row_blocks_at(r, L, n))
-        t.bytes_up += self._block_bytes_moved(n - L)
+        self._copy_up(t, slots[hit:n], self._row_blocks_at(r, hit, n))
+        t.bytes_up += self._block_bytes_moved(n - hit)
         self._drop_swapped(seq)
-        return victims
 
     def _drop_swapped(self, seq) -> bool:
         """Drop a swapped sequence's blocks from its tier; False when none holds it."""
@@ -337,6 +342,12 @@ class PoolTiers:
         for i in range(len(held[1])):
             held[0].drop(("swap", seq, i))
         return True
+
+    def _drop_preempted(self, seq) -> bool:
+        """What a preempted sequence holds (blocks of a tier, a kept request) dropped at its
+        free; False when it is not preempted (it holds device blocks)."""
+        kept = getattr(self, "preempted", {}).pop(seq, None)
+        return self._drop_swapped(seq) or kept is not None
 
     def tier_ledgers(self) -> list:
         return [t.figures() for t in self._tiers]

@@ -682,7 +682,7 @@ class TorchPaged(TorchTiers, StackChanges, Backend):
         return tuple(victims)
 
     def free(self, seq, *, step=0):
-        if not self._drop_swapped(seq):  # a swapped sequence holds blocks of a tier only
+        if not self._drop_preempted(seq):  # a swapped sequence holds blocks of a tier only
             self._drop_row(self._row(seq))
 
     def ledger(self, seqs=None) -> Ledger:

@@ -6,7 +6,7 @@ the sequence is freed included."""
 from __future__ import annotations
 
 from impls.numpy_paged import NumpyPaged
-from kvbench.contract.protocol import CacheConfig
+from kvbench.contract.protocol import Backend, CacheConfig
 
 
 class EngineTiers(NumpyPaged):
@@ -23,6 +23,10 @@ class EngineTiers(NumpyPaged):
         if not ok:
             raise RuntimeError(f"{self.name}: {why}")
         super().__init__(config)
+
+    # A preemption stays a free and a prefill (each finishing the request in the engine's tier
+    # manager once), not the NumPy pool's own preempt and resume.
+    preempt, resume = Backend.preempt, Backend.resume
 
     def free(self, seq, *, step=0):
         super().free(seq, step=step)

@@ -47,7 +47,7 @@ from kvbench.checking.applicable import applicable
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
-from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, Refusal, _takes, kv_tokens
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, Refusal, _takes, kv_tokens, takes_lifecycle
 from kvbench.traces.format import Prefill, Trace, op_to_dict
 from kvbench.traces.tier_ops import TIER_OPS
 
@@ -205,6 +205,7 @@ class _Replay(Driver):
         self.index, self.op = -1, None
         self.traceback = ""
         self.tiered = tier_replay.TierReplay(self) if trace.header.tiers else None
+        self.tells_preempt = backend is not None and takes_lifecycle(backend, "preempt")
         self.tape, self.recorder = expectations.open_for(trace, oracle, gather, cache) \
             if backend is not None else (None, None)
         self.usage = None  # the tenants' usage after this operation
@@ -361,8 +362,8 @@ class _Replay(Driver):
         return seq in self.oracle.preempted
 
     def dropped(self, seq) -> bool:
-        return seq in self.oracle.preempted and not (self.tiered is not None
-                                                     and seq in self.oracle.swapped)
+        return seq in self.oracle.preempted and seq not in self.told and not (
+            self.tiered is not None and seq in self.oracle.swapped)
 
     def releasing(self, seq) -> None:
         if self.gather == "touched":
@@ -379,18 +380,25 @@ class _Replay(Driver):
         """Recompute an evicted sequence (its old content, its current length) before the op;
         swap a swapped one in."""
         if self.tiered is not None and seq in self.oracle.swapped:
-            return self.tiered.swap_in(seq, protect)
+            got = self.tiered.swap_in(seq, protect)
+            if got is not None:
+                self.told.discard(seq)
+            return got
         st = self.oracle.preempted[seq]
         segments = list(st.segments)
         step = self.op.step
-        prompt = self.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
-                               st.prompt.get("prompt_tokens"), st.prompt)
-        got = self.call("recompute",
-                        lambda kv: self.backend.prefill(seq, prompt, kv, step=step,
-                                                        protect=tuple(protect)),
-                        lambda: self.oracle.recompute(seq, step, protect),
+        if seq in self.told:  # the backend kept its request: its resume, told nothing more
+            what, backend_call = "resume", lambda kv: self.backend.resume(
+                seq, kv, step=step, protect=tuple(protect))
+        else:
+            prompt = self.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
+                                      st.prompt.get("prompt_tokens"), st.prompt)
+            what, backend_call = "recompute", lambda kv: self.backend.prefill(
+                seq, prompt, kv, step=step, protect=tuple(protect))
+        got = self.call(what, backend_call, lambda: self.oracle.recompute(seq, step, protect),
                         st.tokens, lambda: self.content(seq, segments))
         if got is not None:
+            self.told.discard(seq)
             self.verdict.recomputed_tokens += st.tokens
             self.mark(seq)
         return got
@@ -511,11 +519,16 @@ class _Replay(Driver):
 
     def free_call(self, seq, step) -> None:
         """The backend's free of ``seq``; its exception is the backend's FAIL."""
+        self.releasing_call("free", self.backend.free, seq, step=step)
+
+    def releasing_call(self, what, fn, *args, **kwargs) -> None:
+        """A backend call that only gives back (a free, a preempt); its exception, out of memory
+        included, is the backend's FAIL."""
         t0 = time.perf_counter()
         try:
-            guarded("free", self.backend.free, seq, step=step)
+            guarded(what, fn, *args, **kwargs)
         except OutOfMemory as e:
-            self.raised(BackendRaised("free", e))
+            self.raised(BackendRaised(what, e))
         except BackendRaised as e:
             self.raised(e)
         self.verdict.backend_seconds += time.perf_counter() - t0
@@ -530,15 +543,20 @@ class _Replay(Driver):
         self.mark(op.seq, max(0, new - B))
 
     def call_preempt(self, op) -> None:
-        """Preemption (SPEC §13): by recompute the backend frees the sequence, the oracle keeps
-        its content for the resume; by swap both move it to a tier (the tier replay's)."""
+        """Preemption (SPEC §13): by recompute the backend frees the sequence (or, having its
+        own preempt, is told the preemption), the oracle keeps its content for the resume; by
+        swap both move it to a tier (the tier replay's)."""
         self.mark(op.seq, kv=False)
         self.verdict.preemptions += 1
+        if self.tells_preempt:
+            self.told.add(op.seq)
         if op.mode == "swap":
             self.tiered.swap_out(op)
             return
         self.oracle.preempt(op.seq)
-        if self.backend is not None:
+        if self.tells_preempt:
+            self.releasing_call("preempt", self.backend.preempt, op.seq, "recompute", step=op.step)
+        elif self.backend is not None:
             self.free_call(op.seq, op.step)
 
     # --- what is compared after every operation ------------------------------------------------

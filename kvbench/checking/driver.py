@@ -3,9 +3,12 @@
 One trace operation may take several calls. A sequence that was evicted is recomputed
 (re-prefilled to its current length) in the same step, before the operation touches it. A prefill
 or fork refused for lack of memory leaves its sequence refused, and later operations on it are
-dropped. A preempted sequence (SPEC §13) is freed, and its resume, or the first operation that
-touches it, recomputes it. A free of an evicted sequence calls nothing: the backend dropped it
-when it evicted it. An accept settles the drafts of its sequence's last append; where that append
+dropped. A preempted sequence (SPEC §13) is told to a backend with its own preempt and resume
+(``takes_lifecycle(backend, "preempt")``) as a preempt, and its resume, or the first operation
+that touches it, is that backend's resume; to any other backend the preemption is a free and the
+resume a prefill of all its tokens (a recompute). A free of an evicted sequence calls nothing:
+the backend dropped it when it evicted it; a free of a sequence preempted by the backend's own
+preempt is its free (it drops what it kept). An accept settles the drafts of its sequence's last append; where that append
 was dropped, so is the accept.
 
 Two sides replay by these rules. :func:`replay` drives a backend alone and follows the victims it
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from math import fsum
 
-from kvbench.contract.protocol import OutOfMemory, Prompt
+from kvbench.contract.protocol import OutOfMemory, Prompt, takes_lifecycle
 
 
 class Driver:
@@ -29,6 +32,7 @@ class Driver:
         self.final = trace.final_lengths()
         self.refused: set = set()  # sequences whose prefill or fork was refused
         self.drafted: dict = {}  # sequence -> draft tokens its last append wrote, not yet accepted
+        self.told: set = set()  # preempted through the backend's own preempt: it keeps their requests
 
     # --- what a side supplies ---------------------------------------------------------------------
 
@@ -38,7 +42,7 @@ class Driver:
 
     def dropped(self, seq) -> bool:
         """Whether the backend no longer holds ``seq`` at all (so a free calls nothing)."""
-        return self.needs_restore(seq)
+        return self.needs_restore(seq) and seq not in self.told
 
     def restore(self, seq, protect):
         """Recompute ``seq``; its victims, or None when it does not fit."""
@@ -91,6 +95,7 @@ class Driver:
             self.releasing(op.seq)
         self.drafted.pop(op.seq, None)
         self.call_free(op, self.dropped(op.seq))
+        self.told.discard(op.seq)
 
     def accept(self, op) -> None:
         drafted = self.drafted.pop(op.seq, None)
@@ -140,12 +145,17 @@ class _Alone(Driver):
         return seq in self.evicted
 
     def restore(self, seq, protect):
-        n = self.length[seq]
-        prompt = Prompt(n, self.tenant[seq], self.final[seq], self.hashes.get(seq))
-        got = self.run(lambda: self.backend.prefill(seq, prompt, self.data(n), step=self.step,
-                                                    protect=tuple(protect)))
+        n, protect = self.length[seq], tuple(protect)
+        if seq in self.told:  # the backend kept its request
+            got = self.run(lambda: self.backend.resume(seq, self.data(n), step=self.step,
+                                                       protect=protect))
+        else:
+            prompt = Prompt(n, self.tenant[seq], self.final[seq], self.hashes.get(seq))
+            got = self.run(lambda: self.backend.prefill(seq, prompt, self.data(n), step=self.step,
+                                                        protect=protect))
         if got is not None:
             self.evicted.discard(seq)
+            self.told.discard(seq)
             self.counts["recomputed_tokens"] += n
         return got
 
@@ -176,10 +186,9 @@ class _Alone(Driver):
         return got
 
     def call_free(self, op, dropped) -> None:
-        if dropped:
-            self.evicted.discard(op.seq)
-        else:
+        if not dropped:
             self.backend.free(op.seq, step=op.step)
+        self.evicted.discard(op.seq)
         self.length.pop(op.seq, None)
 
     def call_accept(self, op, drafted) -> None:
@@ -187,7 +196,11 @@ class _Alone(Driver):
             self.length[op.seq] -= drafted - op.n
 
     def call_preempt(self, op) -> None:
-        self.backend.free(op.seq, step=op.step)  # by recompute: its resume prefills it again
+        if takes_lifecycle(self.backend, "preempt"):
+            self.backend.preempt(op.seq, op.mode, tier=op.tier, step=op.step)
+            self.told.add(op.seq)
+        else:  # by recompute: its resume prefills it again
+            self.backend.free(op.seq, step=op.step)
         self.evicted.add(op.seq)
 
 

@@ -23,6 +23,16 @@ and, declaring ``Capabilities.swap``, preemption by swap (SPEC §13, as the Tier
                                               its resume: a prefill whose blocks past the device
                                               hit take the tier's K/V; returns its victims
 
+(a backend with its own ``preempt`` and ``resume``, protocol.Backend's, is called
+``preempt(seq, "swap", tier=tier)`` and ``resume(seq, kv)`` instead, and keeps the request).
+
+When a transfer's bytes move is the backend's choice: at its begin, at its completion, or in
+between. The trace orders other operations between a begin and its completion (a free of the
+storing sequence, prefills and loads that take device blocks and evict cached ones, other
+completions, aborts), and what is checked holds whatever the moment: a store's source blocks
+are leased until it completes (a copy at completion reads what the sequence wrote), a load's
+targets are its sequence's alone until it completes (no hit on them, nothing reads them).
+
 What is checked: every per-tier figure against the oracle after each transfer operation, and
 ``stored + storing + free = capacity``, no count negative, ``loading <= stored``; at the end of
 every store, the K/V of each block it stored, read back from the tier, against what the
@@ -179,7 +189,10 @@ class TierReplay:
         r = self.r
         tier = op.tier or r.trace.header.tiers[0].name
         r.oracle.swap_out(op.seq, tier)
-        self._backend("swap_out", getattr(r.backend, "swap_out", None), op.seq, tier, step=op.step)
+        if r.tells_preempt:
+            self._backend("preempt", r.backend.preempt, op.seq, "swap", tier=tier, step=op.step)
+        else:
+            self._backend("swap_out", getattr(r.backend, "swap_out", None), op.seq, tier, step=op.step)
         self.compare()
 
     def swap_in(self, seq, protect):
@@ -195,11 +208,15 @@ class TierReplay:
                                    segment_kv(segments, lo, st.tokens, r.model, r.dtype,
                                               shift=oracle.B)])
 
-        told = r.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
-                             st.prompt.get("prompt_tokens"), st.prompt)
-        got = r.call("swap_in",
-                     lambda kv: r.backend.swap_in(seq, told, kv, step=step, protect=tuple(protect)),
-                     lambda: oracle.swap_in(seq, step, protect), st.tokens, kv)
+        if seq in r.told:  # the backend kept its request
+            what, backend_call = "resume", lambda kv: r.backend.resume(
+                seq, kv, step=step, protect=tuple(protect))
+        else:
+            told = r.told_prompt(st.tokens, st.tenant, st.final, st.prompt.get("hashes"),
+                                 st.prompt.get("prompt_tokens"), st.prompt)
+            what, backend_call = "swap_in", lambda kv: r.backend.swap_in(
+                seq, told, kv, step=step, protect=tuple(protect))
+        got = r.call(what, backend_call, lambda: oracle.swap_in(seq, step, protect), st.tokens, kv)
         if got is not None:
             r.mark(seq)  # whole
         self.compare()

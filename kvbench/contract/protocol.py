@@ -130,7 +130,8 @@ class Capabilities:
     # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
     # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored).
     tier_rules: tuple = ()
-    # SPEC §13: preempts by swap through those tiers (swap_out, swap_in: tier_replay names them).
+    # SPEC §13: preempts by swap through those tiers (swap_out and swap_in, or its own preempt
+    # and resume where it has them: tier_replay names them).
     swap: bool = False
 
     def __post_init__(self):
@@ -299,6 +300,23 @@ class Backend(ABC):
         appends that follow write the rest, and a block is cached once its last token is written.
         A backend runs chunked traces when it declares ``chunked_prefill``."""
         raise NotImplementedError(f"{self.name} does not roll back draft tokens")
+
+    def preempt(self, seq: int, mode: str, *, tier: str | None = None, step: int = 0) -> None:
+        """Preemption (SPEC §13), optional: ``seq`` gives up its device blocks as a free gives
+        them up ("recompute"), or first copies every block to lower tier ``tier`` ("swap", for a
+        backend declaring ``swap``; None: the first tier), but the backend keeps the request, its
+        length and its block hashes, for :meth:`resume`. A backend implementing it implements
+        both; the checker then calls them for a trace's preempt and resume (and for a free of a
+        preempted sequence, ``free``). A backend without them is told a free, and the resume is
+        a prefill of all the sequence's tokens (its prompt's hashes given again)."""
+        raise NotImplementedError(f"{self.name} is told a preemption as a free")
+
+    def resume(self, seq: int, kv=None, *, step: int = 0, protect=()) -> tuple:
+        """A preempted ``seq`` back on the device at the length it had, from what the backend
+        kept: its block hashes looked up first (device hits), after a swap the rest copied up
+        from the tier. ``kv``: the K/V of all its tokens, to write where it neither hits nor
+        copies. Returns its victims; OutOfMemory leaves it preempted, changing nothing."""
+        raise NotImplementedError(f"{self.name} is told a preemption as a free")
 
     @abstractmethod
     def ledger(self, seqs=None) -> Ledger:
@@ -472,11 +490,14 @@ def _ranged_gather(old, ranged: bool):
 
 def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     """Whether ``backend`` implements a scheduler lifecycle of SPEC §13: 'speculative' (its own
-    accept), 'chunked' (it declares ``chunked_prefill``)."""
+    accept), 'chunked' (it declares ``chunked_prefill``), 'preempt' (its own preempt and
+    resume: otherwise a preemption is a free, a resume a prefill)."""
     if lifecycle == "speculative":
         return type(backend).accept is not Backend.accept
     if lifecycle == "chunked":
         return backend.capabilities.chunked_prefill
+    if lifecycle == "preempt":  # told as a preemption: its own preempt and resume
+        return type(backend).preempt is not Backend.preempt
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 

@@ -137,10 +137,10 @@ class TakesTheCheckersValues(NumpyPaged):
         if not getattr(self, "_resuming", False):
             super()._copy_up(t, slots, blocks)
 
-    def swap_in(self, seq, prompt, kv=None, **kw):
+    def _swapped_up(self, seq, hit):  # swap_in's and resume's copy up
         self._resuming = True
         try:
-            return super().swap_in(seq, prompt, kv, **kw)
+            super()._swapped_up(seq, hit)
         finally:
             self._resuming = False
 
