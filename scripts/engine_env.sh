@@ -71,7 +71,7 @@ pip() { "$dir/bin/pip" install --quiet --disable-pip-version-check "$@"; }
 pip --no-deps "${engine_pkgs[@]}"
 pip --no-deps "${deps[@]}"
 pip --no-deps -e .                      # kvbench itself, and what its CLI and tests need:
-pip pandas matplotlib pyarrow fsspec pytest hypothesis pytest-benchmark
+pip pandas matplotlib pyarrow fsspec pytest pytest-xdist hypothesis pytest-benchmark  # xdist: pyproject's addopts
 "$dir/bin/python" -c "$probe"
 echo "$recipe" > "$marker"
 echo "$dir: the $engine environment is ready ($dir/bin/kvbench list shows its backends)"
