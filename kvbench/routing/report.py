@@ -60,3 +60,4 @@ def charts(rows, out, name: str) -> list:
         paths.append(_lines(rows, "num_blocks", "replicas", os.path.join(out, f"{name}-vs-cache.png"),
                             f"{name}: reuse against cache size ({policy})"))
     return paths
+

@@ -153,12 +153,14 @@ class RouteResult:
 
 def route(jobs, config: CacheConfig, replicas: int, policy: str = "longest-prefix", *,
           capabilities: Capabilities | None = None, plant: str | None = None,
-          resets=(), overlap_weight: float = 1.0, dynamo: bool = False) -> RouteResult:
+          resets=(), overlap_weight: float = 1.0, dynamo: bool = False,
+          on_events=None) -> RouteResult:
     """Serve ``jobs`` over ``replicas`` replicas of ``config`` behind a ``policy`` router.
 
     ``plant``: a planted fault of :data:`PLANTED`; ``resets``: (request index, replica) pairs,
     that replica's cache reset before that request is routed; ``dynamo``: Dynamo's RadixTree fed
-    the same events, its matches checked at every request (kvbench.routing.dynamo)."""
+    the same events, its matches checked at every request (kvbench.routing.dynamo);
+    ``on_events(replica, events)``: called with each replica's events as they are drained."""
     if replicas < 1:
         raise ValueError(f"--replicas: must be at least 1, got {replicas}")
     if plant is not None and plant not in PLANTED:
@@ -201,6 +203,8 @@ def route(jobs, config: CacheConfig, replicas: int, policy: str = "longest-prefi
         for r, rep in enumerate(reps):
             events = rep.events()
             result.events += len(events)
+            if on_events is not None and events:
+                on_events(r, events)
             reference.extend(r, events)
             router_index.extend(r, events)
             if tree is not None:
@@ -247,3 +251,32 @@ def route(jobs, config: CacheConfig, replicas: int, policy: str = "longest-prefi
 def _note(result: RouteResult, kind: str, message: str) -> None:
     entry = result.findings.setdefault(kind, [0, message])
     entry[0] += 1
+
+
+# --- a routed cell of `kvbench sweep` (kvbench.bench.grid, kvbench.bench.sweep) ------------------
+
+ROUTED = "route:"  # a grid's backend "route:POLICY": the trace routed over `replicas` replicas
+
+
+def routed_policy(backend: str) -> str | None:
+    """The policy of a routed cell's backend name (None: not a routed cell); an unknown policy
+    is refused."""
+    if not backend.startswith(ROUTED):
+        return None
+    policy = backend[len(ROUTED):]
+    if policy not in P.POLICIES:
+        raise ValueError(f"backend {backend!r}: unknown routing policy {policy!r}; known: "
+                         f"{', '.join(P.POLICIES)}")
+    return policy
+
+
+def routed_row(trace, config, backend: str, replicas: int) -> dict:
+    """A routed cell's record: the run's totals, status pass (no finding) or FAIL, the findings
+    by kind as text."""
+    jobs, _ = jobs_of_trace(trace, config.block_size)
+    result = route(jobs, config, replicas, routed_policy(backend))
+    row = result.totals()
+    row["router"] = row.pop("policy")  # the grid's own `policy` is the eviction policy
+    row["findings"] = ", ".join(f"{k} {n}" for k, n in row["findings"].items())
+    row["status"] = "FAIL" if result.findings else "pass"
+    return row
