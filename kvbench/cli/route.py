@@ -74,6 +74,9 @@ def _jobs(args):
 def cmd_route(args) -> int:
     check_writable(args.out, option="--out", folder=True)
     jobs, config, name = _jobs(args)
+    if not any(j.hashes for j in jobs):
+        print(f"note: {args.trace} names no prompt blocks (no block hashes or token ids): no "
+              f"prefix is shared, so nothing is available to route to")
     caps = Capabilities(prefix_caching=True, rules=args.rules)
     opts = dict(capabilities=caps, plant=args.plant, resets=args.reset,
                 overlap_weight=args.overlap_weight, dynamo=args.dynamo)
