@@ -56,10 +56,10 @@ class Replica:
 
     def events(self) -> list:
         """The events since the last call, in order."""
+        out, self._pending = self._pending, []
         own = getattr(self.oracle, "events", None)
         if callable(own):
-            return self._pending + list(own())
-        out, self._pending = self._pending, []
+            return out + list(own())
         parents = self.oracle.parent_of
         for entered, g, key in self.oracle.changes:
             if entered:

@@ -30,10 +30,10 @@ def grid(jobs, config, replica_counts, block_counts, policy: str, **opts) -> lis
 
 def _lines(rows, x: str, by: str, path, title: str):
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for value in sorted({r[by] for r in rows}):
+    for k, value in enumerate(sorted({r[by] for r in rows})):  # a colour per line, a style per figure
         mine = sorted((r for r in rows if r[by] == value), key=lambda r: r[x])
         for f in FIGURES:
-            ax.plot([r[x] for r in mine], [r[f] for r in mine], STYLES[f], marker="o",
+            ax.plot([r[x] for r in mine], [r[f] for r in mine], STYLES[f], marker="o", color=f"C{k}",
                     label=f"{f.removesuffix('_frac')}, {by.replace('num_', '')} {value}")
     ax.set_xlabel({"replicas": "replicas (N)", "num_blocks": "cache size per replica (blocks)"}[x])
     ax.set_ylabel("prompt tokens from a prefix cache (fraction)")

@@ -41,3 +41,14 @@ def test_events_replay_to_the_oracles_prefix_cache(workload):
                                                   job.salt, job.adapter), step)
         residency_matches(replica, replay)
     assert replay.count > 0
+
+
+def test_a_replica_whose_pool_announces_its_own_events_passes_them_on_and_a_reset_once():
+    trace = load(str(WORKLOADS / "prefix-reuse.jsonl"))
+    replica = Replica(config_for(trace, store_kv=False))
+    own = [[], ["its own"]]
+    replica.reset()
+    replica.oracle.events = lambda: own.pop(0)  # a pool with events() (SPEC §14's protocol)
+    first = replica.events()
+    assert [e.kind for e in first] == ["cleared"]
+    assert replica.events() == ["its own"]  # the reset's cleared is not announced twice
