@@ -3,6 +3,8 @@
 #
 #   scripts/engine_env.sh vllm DIR      # vLLM 0.33.0's scheduler-side classes on CPU torch
 #   scripts/engine_env.sh sglang DIR    # SGLang 0.5.23's mem_cache on CPU torch
+#   scripts/engine_env.sh dynamo DIR    # NVIDIA Dynamo 1.6.1's KV router RadixTree (no torch):
+#                                       # `kvbench route --dynamo` checks it against the reference
 #
 # Run from the repository root. Idempotent: a DIR whose environment is complete (its marker file
 # names the same recipe) is left as it is; a partial one is completed. Engines go in with --no-deps
@@ -12,8 +14,8 @@
 # under load (mostly downloads: triton is several hundred MB) and 2.6 GB.
 set -euo pipefail
 
-engine=${1:?usage: scripts/engine_env.sh vllm|sglang DIR}
-dir=${2:?usage: scripts/engine_env.sh vllm|sglang DIR}
+engine=${1:?usage: scripts/engine_env.sh vllm|sglang|dynamo DIR}
+dir=${2:?usage: scripts/engine_env.sh vllm|sglang|dynamo DIR}
 [ -f pyproject.toml ] && grep -q '^name = "kvbench"' pyproject.toml \
   || { echo "engine_env.sh: run it from the kvbench repository root" >&2; exit 2; }
 
@@ -46,7 +48,13 @@ case "$engine" in
           compressed-tensors==0.18.0 loguru==0.7.3 gguf==0.19.0
           openai==3.57.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7)  # UnifiedRadixCache's imports
     probe="import impls.engines.sglang_radix as s; ok, why = s.SglangRadix.available(); assert ok, why" ;;
-  *) echo "engine_env.sh: unknown engine '$engine' (vllm or sglang)" >&2; exit 2 ;;
+  dynamo)  # the Rust indexer's wheel (manylinux_2_28 x86_64, abi3); the ai-dynamo package above
+           # it pulls Kubernetes, transformers and the engines, none of which RadixTree needs
+    engine_pkgs=(ai-dynamo-runtime==1.6.1)
+    deps=(numpy==2.4.6 pydantic==2.13.5 pydantic-core==2.46.5 typing-inspection==0.4.5
+          annotated-types==0.8.0 typing-extensions==4.16.0 uvloop==0.23.0 tqdm==4.70.1)
+    probe="from kvbench.routing import dynamo; why = dynamo.available(); assert not why, why" ;;
+  *) echo "engine_env.sh: unknown engine '$engine' (vllm, sglang or dynamo)" >&2; exit 2 ;;
 esac
 
 # The marker names the whole recipe: a changed pin makes the environment incomplete again.
@@ -59,11 +67,11 @@ fi
 
 [ -x "$dir/bin/python" ] || python3 -m venv "$dir"
 pip() { "$dir/bin/pip" install --quiet --disable-pip-version-check "$@"; }
-pip torch==2.13.0                       # first: the CPU wheel (a bare torch is a CUDA build)
+[ "$engine" = dynamo ] || pip torch==2.13.0  # first: the CPU wheel (a bare torch is a CUDA build)
 pip --no-deps "${engine_pkgs[@]}"
 pip --no-deps "${deps[@]}"
 pip --no-deps -e .                      # kvbench itself, and what its CLI and tests need:
-pip pandas matplotlib pyarrow fsspec pytest hypothesis pytest-benchmark
+pip pandas matplotlib pyarrow fsspec pytest pytest-xdist hypothesis pytest-benchmark  # xdist: pyproject's addopts
 "$dir/bin/python" -c "$probe"
 echo "$recipe" > "$marker"
 echo "$dir: the $engine environment is ready ($dir/bin/kvbench list shows its backends)"

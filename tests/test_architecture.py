@@ -75,7 +75,7 @@ def import_graph(*, programs: bool = True) -> dict[str, set]:
 
 # kvbench's wings, bottom first: each imports only from the wings below it (and the shared
 # utilities: kvbench.outputs, kvbench.progress, kvbench.charts, which import only contract).
-LAYERS = ("contract", "traces", "quant", "model", "checking", "search", "analyses", "bench", "cli")
+LAYERS = ("contract", "traces", "quant", "model", "checking", "search", "analyses", "routing", "bench", "cli")
 
 
 def wing(module: str) -> str:

@@ -69,6 +69,7 @@ from kvbench import provenance
 from kvbench.analyses import suite
 from kvbench.contract import registry
 from kvbench.outputs import name_problem
+from kvbench.routing.route import routed_policy
 from kvbench.analyses.settings import POLICIES, RunSettings, flag, one_of
 from kvbench.traces.format import Trace, load
 
@@ -93,8 +94,13 @@ def _seconds(v) -> str:
     return "" if ok else "must be a number of seconds >= 0 (0: no limit)"
 
 
+def _replicas(v) -> str:
+    return "" if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "must be a positive integer"
+
+
 RUN_SETTINGS = {"gather": one_of("touched", "all", "end", "none"), "keep_going": flag,
-                "op_timeout": _seconds}
+                "op_timeout": _seconds,
+                "replicas": _replicas}  # a routed cell's (backend "route:POLICY", kvbench.routing)
 POLICY_SETTING = one_of("auto", "all", "none", *POLICIES)
 
 
@@ -436,9 +442,14 @@ def check_cells(grid: Grid, cells: list, traces: dict) -> None:
         raise GridError(grid.source, "no cells: the exclude rules remove every one")
     for name in dict.fromkeys(c.backend for c in cells):
         try:
-            registry.resolve(name)
+            if routed_policy(name) is None:
+                registry.resolve(name)
         except ValueError as e:
             raise GridError(grid.source, f"backends: {e}") from None
+    for c in cells:
+        if "replicas" in c.settings and routed_policy(c.backend) is None:
+            raise GridError(grid.source, f"cell {c.columns()}: 'replicas' is a setting of routed "
+                                         f"cells (backend \"route:POLICY\"), not of {c.backend}")
     where, tried = known_settings(), set()
     for c in cells:
         kwargs = {k: (None if k == "policy" and v == "none" else v) for k, v in c.settings.items()

@@ -37,6 +37,7 @@ from kvbench import provenance
 from kvbench.progress import Progress
 from kvbench.quant.pool import pool_block_bytes
 from kvbench.analyses import suite
+from kvbench.routing.route import routed_policy, routed_row
 from kvbench.traces.format import Trace
 
 # The status of a cell another sweep of the same grid into the same store ran (or is running).
@@ -83,7 +84,11 @@ def _run_claimed(cell: Cell, trace: Trace, store: Store, commit: dict) -> dict:
     cfg = None
     try:
         cfg = suite.config_for(trace, **{k: v for k, v in kwargs.items() if where[k] == "config"})
-        row = suite.run_one(trace, cell.backend, cfg, **{k: v for k, v in kwargs.items() if where[k] == "run"})
+        if routed_policy(cell.backend) is not None:  # the trace routed over replicas
+            row = routed_row(trace, cfg, cell.backend, kwargs.get("replicas", 1))
+        else:
+            row = suite.run_one(trace, cell.backend, cfg,
+                                **{k: v for k, v in kwargs.items() if where[k] == "run"})
         error = ""
     except Exception as e:  # recorded; the sweep goes on
         frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -22,7 +22,7 @@ REGISTER = ("kvbench.cli.run:register", "kvbench.cli.data:register_gen_prefix",
             "kvbench.cli.data:register_list", "kvbench.cli.eviction:register",
             "kvbench.cli.faults:register", "kvbench.cli.sweep:register",
             "kvbench.cli.shrink:register", "kvbench.cli.fuzz:register",
-            "kvbench.cli.serve:register")
+            "kvbench.cli.serve:register", "kvbench.cli.route:register")
 
 # Each command's examples, shown at the end of its --help.
 EXAMPLES = {
@@ -51,6 +51,8 @@ EXAMPLES = {
                 "kvbench results prefix-cache --rows backend --cols budget --metric hit_rate"],
     "shrink": ["kvbench shrink failing.jsonl --backend my_pkg.cache:MyCache --max-seconds 60",
                "kvbench shrink failing.jsonl --backend numpy --emit pytest"],
+    "route": ["kvbench route workloads/prefix-reuse.jsonl --replicas 4 --router longest-prefix",
+              "kvbench route mooncake_trace.jsonl --format mooncake --replicas 1,2,4,8,16 --router dynamo"],
     "fuzz": ["kvbench fuzz --backend numpy --minutes 2",
              "kvbench fuzz --backend my_pkg.cache:MyCache --seed 7 --first --out fuzz-out"],
 }

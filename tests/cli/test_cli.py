@@ -299,7 +299,7 @@ def test_every_command_that_reads_a_trace_takes_every_format_it_can():
                 takes[name] = fmt and list(fmt.choices)
     # prefix and serve need requests (lengths, arrivals, hashes): every public format
     requests = {"prefix", "serve"}
-    assert set(takes) == {"check", "run", "shrink", "eviction", "prefix", "serve"}
+    assert set(takes) == {"check", "run", "shrink", "eviction", "prefix", "serve", "route"}
     for name, choices in takes.items():
         assert choices == (list(LOADERS) if name in requests else trace_formats()), name
 
