@@ -142,7 +142,8 @@ class RunSettings:
             store_kv = False  # ledger only: memory_note() says so
         return CacheConfig(model=spec, block_size=bs, num_blocks=blocks, store_kv=store_kv,
                            device=self.device, max_context=int(mc), policy=policy,
-                           tenant_weights=dict(tenants or {}), prefix_caching=prefix_caching)
+                           tenant_weights=dict(tenants or {}), prefix_caching=prefix_caching,
+                           kv_format=s.get("kv_format"))
 
 
 class _GroupsError(ValueError):

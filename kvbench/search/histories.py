@@ -19,9 +19,12 @@ blocks left for later prompts); for a backend that declares them, SPEC §13's li
 and SPEC §11's transfers (stores, loads, completions that may fail, aborts, offload-and-reload
 round trips, half of them followed by two or three overlapping reloads of a prompt sized to
 its tier, flushes of the device's cache). A new operation is one more :class:`OpKind` in the
-list, with its ``needs`` predicate. With ``model_shapes`` the model may also be a preset's
-pattern of group kinds or a random mix of the kinds declared (:func:`draw_shape`), scaled down to
-tiny-hybrid's and tiny-mla's layers. One history in five comes instead
+list, with its ``needs`` predicate. Unless ``model_shapes`` is off, the model may also be a
+preset's pattern of group kinds or a random mix of the kinds declared (:func:`draw_shape`),
+scaled down to tiny-hybrid's and tiny-mla's layers; a KV format is drawn among those the backend
+declares. Now and then an operation writes zero tokens (an empty prompt, an append member of
+none: SPEC §13's edge), a reload is aborted while it reads the tier or comes under another
+salt, and a token-id prompt opens with another prefix's block. One history in five comes instead
 from one of kvbench's own families (:data:`FAMILY_SOURCES`: beam search and parallel sampling,
 continuous batching, shared prefixes, salted prompts, window edges, eviction and decode edges,
 chunked prefill, speculative forks, preemption, tiered turns)

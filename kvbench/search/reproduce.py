@@ -52,6 +52,8 @@ def settings_of(config: CacheConfig) -> dict:
          "num_blocks": config.num_blocks, "max_context": config.max_context,
          "prefix_caching": bool(config.prefix_caching),
          "policy": config.policy or "none"}  # "none" said: a tenant mix is otherwise run under all three
+    if config.kv_format:  # the format a pool of several failed in
+        s["kv_format"] = config.kv_format
     return s
 
 

@@ -68,7 +68,8 @@ HEADER_FIELDS = ("kvbench_trace", "family", "generator", "params", "seed", "tena
 # The header's settings (defaults of a run) and their types: a positive integer up to a bound,
 # a flag, or a name.
 SETTINGS = {"model": str, "block_size": MAX_BLOCK_SIZE, "num_blocks": INT64_MAX,
-            "max_context": INT64_MAX, "prefix_caching": bool, "store_kv": bool, "policy": str}
+            "max_context": INT64_MAX, "prefix_caching": bool, "store_kv": bool, "policy": str,
+            "kv_format": str}  # kv_format: a quantized pool's (a fuzz finding in one of its formats)
 
 
 def _unique_keys(pairs) -> dict:

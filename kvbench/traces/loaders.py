@@ -23,8 +23,9 @@ its loader here, its requests replayed one after another (:func:`requests_trace`
 
 Every loader refuses a bad row with :class:`kvbench.traces.format.TraceError` naming the file, the line
 and the reason. Blank lines (trailing or not) are skipped, a last line without a newline is read,
-an output of 0 tokens is allowed; a prompt needs at least one token (a prefill of 0 tokens is not
-an operation, see ``kvbench.traces.format``).
+an output of 0 tokens is allowed; a public request's prompt needs at least one token (kvbench's
+own format takes a prefill of 0 tokens, an edge a fuzz campaign writes; a logged request of none
+is a malformed row).
 """
 from __future__ import annotations
 

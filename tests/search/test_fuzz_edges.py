@@ -9,6 +9,7 @@ from conftest import make_config
 from impls import faults_fuzz
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check, oracle_for
+from kvbench.cli import main
 from kvbench.contract import registry
 from kvbench.search import watch as F
 from kvbench.search import histories as R
@@ -112,3 +113,13 @@ def test_each_planted_edge_bug_is_found_within_200_histories_by_default(name, fa
                  max_histories=DEFAULT_HISTORIES, shrink_attempts=1, first=True).run()
     assert c.stopped == "first finding", f"{name}: not found in {DEFAULT_HISTORIES} histories"
     assert not c.errors
+
+
+def test_a_finding_in_a_drawn_format_replays_in_that_format(tmp_path):
+    c = Campaign(registry.resolve("impls.faults_fuzz:Fp8Truncates"), tmp_path, seed=0,
+                 max_histories=DEFAULT_HISTORIES, shrink_attempts=200, first=True).run()
+    (f,) = c.findings.values()
+    assert f.settings["kv_format"] == "fp8-tensor"  # its default, int8, is right
+    mini = tmp_path / f"{f.name}.min.jsonl"
+    assert loads(mini.read_text()).header.settings["kv_format"] == "fp8-tensor"
+    assert main(["check", str(mini), "--backend", "impls.faults_fuzz:Fp8Truncates"]) == 1
