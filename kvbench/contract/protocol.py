@@ -566,5 +566,5 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 
 __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
-           "kv_tokens",
+           "kv_tokens", "Refusal",
            "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle"]
