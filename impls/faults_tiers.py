@@ -1,7 +1,7 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
-catalogue (impls/faults.py) lists them; the default run catches each on tier-turns or
-tier-agentic (the preemption faults on lifecycle-swap or lifecycle-preempt)."""
+catalogue (impls/faults.py) lists them; the default run catches each on tier-agentic,
+tier-races or tier-turns (the preemption faults on lifecycle-swap or lifecycle-preempt)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +38,59 @@ class LeaseEndsAtFree(NumpyPaged):
             super().complete(tid, ok, kv, step=step)
         finally:
             self._completing = None
+
+
+class StoreReadsRowAtCompletion(NumpyPaged):
+    """A store leases its source blocks, but its copy at completion looks them up again in its
+    sequence's table row: a free before the completion gave the row to the next request, and
+    the store copies that request's blocks."""
+
+    TRANSFER_AT = "completion"
+
+    def store(self, tid, seq, tier, blocks=None, *, step=0):
+        super().store(tid, seq, tier, blocks, step=step)
+        self._store_rows = {**getattr(self, "_store_rows", {}), tid: self.row_of[seq]}
+
+    def complete(self, tid, ok, kv=None, *, step=0):
+        kind, _, _, moved = self._transfers[tid]
+        self._reading = (self._store_rows.pop(tid), [p for p, *_ in moved]) if kind == "store" else None
+        try:
+            super().complete(tid, ok, kv, step=step)
+        finally:
+            self._reading = None
+
+    def _copy_down(self, t, blocks, slots):
+        if getattr(self, "_reading", None) is not None:
+            r, positions = self._reading
+            blocks = self.tables[0][r, positions]
+        super()._copy_down(t, blocks, slots)
+
+
+class LeaseEndsAtBegin(NumpyPaged):
+    """A store copies at its begin and ends its lease there (the bytes are down, so the blocks
+    seem free to go): a freed sequence's blocks go back to the pool while the store is still
+    in flight, and the device ledger counts them free before the completion."""
+
+    TRANSFER_AT = "begin"
+
+    def _lease(self, blocks) -> None:
+        pass
+
+    def _end_lease(self, blocks) -> None:
+        pass
+
+
+class LoadTargetHitEarly(NumpyPaged):
+    """A load's target blocks enter the prefix cache at its begin, not its completion: a prefill
+    of the same prefix before the completion hits blocks whose K/V is not there yet."""
+
+    def load(self, tid, seq, prompt, kv=None, **kw):
+        victims = super().load(tid, seq, prompt, kv, **kw)
+        for _, b, key, _, _ in self._transfers[tid][3]:
+            if key not in self.by_hash:
+                self.by_hash[key] = b
+                self.hash_of[b] = key
+        return victims
 
 
 class LoadIntoBlockBefore(NumpyPaged):
@@ -149,7 +202,7 @@ class LeasesOutOfRefcounts(NumpyPaged):
         return dataclasses.replace(state, refcount=refcount)
 
 
-# (name, upstream, fault): each caught by the default run (tier-turns, tier-agentic or lifecycle-swap)
+# (name, upstream, fault): each caught by the default run (tier-agentic, tier-races or tier-turns)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -161,6 +214,10 @@ TIER_BUGS = [
      "kvbench #24", PinIsAFlag),
     ("the reference counts leave a store's leases out: a leased block reads as held by none",
      "kvbench §10, §11", LeasesOutOfRefcounts),
+    ("a store's copy at completion reads its blocks from its sequence's row, reused by then",
+     "kvbench #47", StoreReadsRowAtCompletion),
+    ("a store copies at its begin and ends its lease there", "kvbench #47", LeaseEndsAtBegin),
+    ("a load's targets hit before it completes", "kvbench #47", LoadTargetHitEarly),
 ]
 
 # (name, upstream, fault): caught by the default run on lifecycle-swap or lifecycle-preempt

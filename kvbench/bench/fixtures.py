@@ -115,7 +115,7 @@ WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "p
              "lifecycle-chunked", "lifecycle-speculative", "lifecycle-preempt",
              "tier-turns",
              "variant-chunked", "variant-sinks", "variant-mla", "variant-mamba",
-             "tier-agentic", "hybrid-cut-hits", "lifecycle-swap"]
+             "tier-agentic", "hybrid-cut-hits", "lifecycle-swap", "tier-races"]
 TENANT_MIXES = ["tenant-flood", "tenant-fractional", "tenant-late",
                 "prefix-tenants",
                 "edge-eviction", "edge-decode"]

@@ -123,7 +123,9 @@ class Capabilities:
     block_ids: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
-    # read_stored (kvbench.checking.tier_replay names them).
+    # read_stored (kvbench.checking.tier_replay names them). It moves a transfer's bytes when
+    # it chooses between the begin and the completion; the checker puts frees, evictions,
+    # loads and aborts in between, and a store's lease must make the moment not matter.
     tiers: tuple = ()
     # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.model.tiers.TIER_RULES):
     # "whole_store_refused" (a store without room for all its blocks is refused whole),

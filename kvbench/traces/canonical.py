@@ -158,6 +158,10 @@ CANONICAL = [
     ("lifecycle-swap.jsonl", "swap_preemption",
      {"num_requests": 10, "prompt": [10, 40], "output": [30, 80], "decode_chunk": 8,
       "num_blocks": 20, "block_size": 16, "host": 8}, 0),
+    # Tiers (SPEC §11): between a store's begin and its completion its sequence is freed or
+    # aborted, a second store of its blocks begins and completes, a flush takes every block the
+    # leases leave, a load begins (and a prefill of its prompt arrives before it completes).
+    ("tier-races.jsonl", "tier_races", {"rounds": 10}, 0),
 ]
 
 

@@ -22,6 +22,9 @@
   named by block hashes and by token ids (which blocks may be shared, SPEC §9).
 - ``chunked_prefill``, ``speculative_forks``, ``preemption``, ``swap_preemption``
   (kvbench.traces.lifecycles): SPEC §13's scheduler lifecycles.
+- ``tiered_turns``, ``agentic_prefix``, ``tier_races`` (kvbench.traces.tier_workloads): SPEC
+  §11's transfers between the device and lower tiers, and operations between their begins and
+  completions.
 
 Every draw comes from one ``numpy.random.default_rng(seed)`` in a fixed order. The header records
 the family, the generator (with its version), every parameter with defaults filled in (length
@@ -53,7 +56,7 @@ from kvbench.traces.format import Trace
 from kvbench.traces.hybrid import hybrid_windows, window_decode, window_hits
 from kvbench.traces.isolation import salted_prefixes
 from kvbench.traces.lifecycles import chunked_prefill, preemption, speculative_forks, swap_preemption
-from kvbench.traces.tier_workloads import agentic_prefix, tiered_turns
+from kvbench.traces.tier_workloads import agentic_prefix, tier_races, tiered_turns
 from kvbench.traces.laws import (
     CONTEXT_LEN,
     LengthLaw,
@@ -418,6 +421,7 @@ FAMILIES = {
     "swap_preemption": swap_preemption,
     "tiered_turns": tiered_turns,
     "agentic_prefix": agentic_prefix,
+    "tier_races": tier_races,
 }
 
 

@@ -1,5 +1,6 @@
 """Workloads of tiers and transfers (SPEC §11): multi-turn conversations whose earlier turns are
-stored down between turns and loaded back.
+stored down between turns and loaded back; agents reloading a shared prefix; and races, other
+operations between a transfer's begin and its completion (:func:`tier_races`).
 
 Each turn of a conversation is a new sequence: the first a prefill, the later ones a load of the
 whole history so far plus a few new blocks; a short decode; a store of its full blocks (to
@@ -169,4 +170,69 @@ def agentic_prefix(seed: int = 0, *, agents: int = 2, rounds: int = 8, prefix: i
     return validate(Trace(header, b.ops, name="agentic_prefix"))
 
 
-__all__ = ["tiered_turns", "agentic_prefix"]
+RACES = ("free", "abort", "fail", "two stores", "reload")
+
+
+def tier_races(seed: int = 0, *, rounds: int = 10, block_size: int = 8, num_blocks: int = 24,
+               host: int = 8, disk: int = 16) -> Trace:
+    """Operations between a transfer's begin and its completion on the blocks it moves (SPEC
+    §11: the backend moves the bytes at any moment in between; the lease and the load's hold
+    must make that moment not matter).
+
+    Each round a request of 3 hashed blocks and 1 to ``block_size - 1`` tokens more (the only
+    draws from the seed) is prefilled and a store of its blocks begins (to host on even rounds,
+    disk on odd ones); then, by round (RACES, in turn):
+    its sequence is freed; or aborted; or freed and its store fails; or freed with a second
+    store of the same blocks to the other tier in flight, completed before the first; or freed
+    with a load in flight (below). Before each store completes, a flush takes every device
+    block the leases leave (an exact fit of ``num_blocks - 3`` blocks: the cached prefixes of
+    earlier rounds are evicted, and any leased block handed out shows), and is freed. In the
+    "reload" round, after the flush, a load of the round before's prompt (stored to both tiers,
+    gone from the device) and a block more begins before the store completes and completes
+    after it, and meanwhile a prefill of that prompt's first 2 blocks may not hit its targets.
+    """
+    if rounds < 1 or num_blocks < 12 or block_size < 2:
+        raise ValueError("tier_races: at least 1 round, 12 device blocks (3 leased, a load of 5 "
+                         "and a prefill of 3 beside them) and blocks of 2 tokens (a partial one)")
+    B = block_size
+    tiers = (TierSpec("host", host), TierSpec("disk", disk))
+    b, rng = _Ops(), random.Random(seed)
+
+    def partial() -> int:  # the tokens past a prompt's full blocks (the seed's one draw)
+        return rng.randint(1, B - 1)
+
+    for r in range(rounds):
+        race = RACES[r % len(RACES)]
+        hashes = tuple(f"r{r}.{j}" for j in range(3))
+        seq = b.seq()
+        b.add(Prefill(b.step, seq, "races", 3 * B + partial(), hashes))
+        tier, other = ("host", "disk") if r % 2 == 0 else ("disk", "host")
+        stores = [b.tid()]
+        b.add(Store(b.step, stores[0], seq, tier))
+        if race == "two stores":
+            stores.append(b.tid())
+            b.add(Store(b.step, stores[1], seq, other))
+        b.add(Abort(b.step, seq) if race == "abort" else Free(b.step, seq))
+        flush = b.seq()
+        b.add(Prefill(b.step, flush, "flush", (num_blocks - 3) * B))
+        b.add(Free(b.step, flush))
+        held = []
+        if race == "reload":  # the round before stored its prompt to both tiers
+            held, lid = [b.seq(), b.seq()], b.tid()
+            before = tuple(f"r{r - 1}.{j}" for j in range(3))
+            b.add(Load(b.step, held[0], "races", 4 * B + partial(), before + (f"r{r}.x",), id=lid))
+            b.add(Prefill(b.step, held[1], "races", 2 * B + partial(), before[:2]))
+        for tid in reversed(stores):
+            b.add(Done(b.step, tid, race != "fail"))
+        if held:
+            b.add(Done(b.step, lid, True))
+            for s in held:
+                b.add(Free(b.step, s))
+    params = {"rounds": rounds, "block_size": B, "num_blocks": num_blocks, "host": host, "disk": disk}
+    header = Header("tier_races", "kvbench.generators.tier_races v1", params, seed,
+                    settings={"block_size": B, "num_blocks": num_blocks, "prefix_caching": True},
+                    tiers=tiers)
+    return validate(Trace(header, b.ops, name="tier_races"))
+
+
+__all__ = ["tiered_turns", "agentic_prefix", "tier_races"]

@@ -22,7 +22,7 @@ DEFAULT_BLOCKS = 256
 # tests/traces/test_edges.py, the isolation family (tests/checking/test_prefix_caching.py) and hybrid decode
 # (tests/cli/test_fault_catalogue.py).
 EDGE_FAMILIES = {"refusals", "eviction_edges", "wide_forks", "decode_edges", "long_history",
-                 "salted_prefixes", "window_decode", "window_hits"}
+                 "salted_prefixes", "window_decode", "window_hits", "tier_races"}
 # Scheduler lifecycles (SPEC §13), as small: tests/checking/test_lifecycles.py, tests/cli/test_fault_catalogue.py.
 LIFECYCLE_FAMILIES = {"chunked_prefill", "speculative_forks", "preemption", "swap_preemption"}
 
