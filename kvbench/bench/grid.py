@@ -48,6 +48,9 @@ Settings are passed through by name: those that are parameters of
 :func:`~kvbench.analyses.suite.run_one`) to the replay; a name neither knows is refused. A setting
 added to ``config_for`` later is a grid setting at once.
 
+A backend ``route:POLICY`` (kvbench.routing) makes routed cells: the trace served by ``replicas``
+(a setting of those cells only) replicas behind that router, its totals the record.
+
 A cell's id is a content hash of (trace, backend, settings, seed, code): the code is the commit,
 plus a hash of the uncommitted diff when the tree is dirty. Running cells is kvbench.bench.sweep's.
 """

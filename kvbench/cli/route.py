@@ -47,6 +47,16 @@ def _reset(text: str) -> tuple:
     return pair
 
 
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: load alone), got {text!r}")
+    return value
+
+
 def _jobs(args):
     """The trace's requests and the replicas' CacheConfig (RunSettings: the one place)."""
     fmt = args.format or loaders.NATIVE
@@ -138,7 +148,7 @@ def register(sub) -> None:
                         "--prefill-tps, how long a request stays live, so the load")
     p.add_argument("--prefill-tps", type=options.positive_float, default=10000.0,
                    help="a public trace's prompt tokens per second (default 10000)")
-    p.add_argument("--overlap-weight", type=float, default=1.0,
+    p.add_argument("--overlap-weight", type=_weight, default=1.0,
                    help="the dynamo policy's kv_overlap_score_weight (default 1)")
     p.add_argument("--plant", choices=list(PLANTED),
                    help="a planted router fault, which the checks must catch (exit 1)")

@@ -67,3 +67,10 @@ def test_a_bad_reset_is_refused(tmp_path, capsys):
     trace.write_text(TINY)
     code = main(["route", str(trace), "--reset", "9@1", "--out", str(tmp_path / "out")])
     assert code == 2 and "replica 9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weight", ["-1", "nan", "x"])
+def test_a_bad_overlap_weight_is_refused(tmp_path, capsys, weight):
+    code = main(["route", "workloads/prefix-reuse.jsonl", "--overlap-weight", weight,
+                 "--out", str(tmp_path / "out")])
+    assert code == 2 and "--overlap-weight" in capsys.readouterr().err
