@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent, Residency
 from kvbench.model.kinds import kind_of
-from kvbench.model.oracle import extra_keys
+from kvbench.model.rules.spec import extra_keys
 
 _EMPTY = frozenset()
 
