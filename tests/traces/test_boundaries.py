@@ -281,7 +281,8 @@ def test_each_boundary_fault_fails_at_its_step(fault):
     trace = TRACES[name]
     v = check(trace, fault(suite.config_for(trace, policy=policy or None)))
     d = v.divergence
-    assert v.valid is False and (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), str(d)
+    assert v.valid is False, workload
+    assert (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), str(d)
     assert check(trace, NumpyPaged(suite.config_for(trace, policy=policy or None))).valid is True
 
 
