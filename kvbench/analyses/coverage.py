@@ -1,8 +1,9 @@
 """What the default suite reaches, so that the next blind spot shows before a bug finds it.
 
-For each committed workload, under each policy `kvbench run` replays it with, the oracle alone
-replays it (the NumPy pool's capabilities, the run's settings) and reports the operations it
-holds and the edge conditions it reaches: the fuzzer's (kvbench.search.fuzz.Watch: exact
+For each workload of the default run (the committed ones and the generated boundary ones),
+under each policy `kvbench run` replays it with, the oracle alone replays it (the NumPy pool's
+capabilities, the run's settings) and reports the operations it holds and the edge conditions it
+reaches: the fuzzer's (kvbench.search.fuzz.Watch: exact
 fits, refusals, evictions, hits on block-aligned prompts, window releases, forks at partial
 tails, wide decode steps, ...) and those below (a hit cut short by a sliding window, the
 lifecycles, the tiers, the prompt namings). A condition no run reaches is flagged. With

@@ -26,7 +26,7 @@ REGISTER = ("kvbench.cli.run:register", "kvbench.cli.data:register_gen_prefix",
 
 # Each command's examples, shown at the end of its --help.
 EXAMPLES = {
-    "run": ["kvbench run                              # every committed workload, every backend",
+    "run": ["kvbench run                              # every committed and boundary workload, every backend",
             "kvbench run workloads/fork-beam.jsonl --backend numpy --output -"],
     "check": ["kvbench check workloads/prefix-reuse.jsonl --backend numpy",
               "kvbench check mooncake_trace.jsonl --format mooncake --block-size 16 --keep-going"],

@@ -1,5 +1,6 @@
-"""`kvbench run` and `kvbench check`: committed workloads (or given traces) through backends under
-the checker; a serving simulation when `run` is given --trace or --scenario (kvbench/cli/serve.py)."""
+"""`kvbench run` and `kvbench check`: committed and boundary workloads (or given traces) through
+backends under the checker; a serving simulation when `run` is given --trace or --scenario
+(kvbench/cli/serve.py)."""
 from __future__ import annotations
 
 import argparse
@@ -391,7 +392,8 @@ def hit_line(row) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="check every workload on every backend and time them")
-    p.add_argument("traces", nargs="*", help="trace files (default: every committed workload)")
+    p.add_argument("traces", nargs="*", help="trace files (default: every committed workload, then the "
+                                             "boundary workloads generated from SPEC §13's edges)")
     p.add_argument("--backend", action="append", help="backend name or package.module:Factory (repeatable)")
     p.add_argument("--output", help="results file, - for stdout (default "
                                     "results/runs/run-<time>-<pid>-<commit>.json)")

@@ -1,8 +1,9 @@
 """Boundary workloads of the default run, generated from each rule's parameters (SPEC §13
 "Boundaries"): a rule declares its parameters and their edge values, relative to the block size
-(``Edge(a, c)`` is ``a * B + c``); a covering design picks a few cases in which every edge value of
-every parameter, and every combination of values of the parameters it names as interacting,
-occurs; the rule builds its traces from those cases. A rule added later gets its edges by declaring them.
+(``Edge(a, c)`` is ``a * B + c``); a covering design picks a few cases in which every edge value
+of every parameter, and every combination of values of the parameters it names as interacting,
+occurs; the rule builds its traces from those cases. A rule added later gets its edges by
+declaring them.
 
 The rules, and the edges each covers:
 
@@ -22,9 +23,10 @@ The rules, and the edges each covers:
 - ``hybrid-eviction`` (§5, §8): a tenant mix on a sliding-window model (every policy runs it):
   a decode step of w in {1, 2, 9} sequences, of 1 or B tokens each, right before a prefill that
   must evict, so the victim depends on what that step recorded.
-- ``tiers`` (§11, §13): a load in flight while the same blocks are stored to a full tier (its
-  eviction must skip them), freed, aborted or loaded again; a store to a tier of no room; a swap
-  into a tier with exactly, and one less than, the room it needs.
+- ``tiers`` (§11, §13): a load in flight while another prompt is stored into the full tier it
+  reads (the tier's eviction must skip the blocks being read), while a second load reads the same
+  blocks, or until its abort; a store of no full block into a tier of no room; a swap into a tier
+  with exactly, and one less than, the room it needs.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
@@ -297,10 +299,12 @@ def _hybrid_eviction(cases) -> list[Trace]:
         z = b.prefill(1, "bg")
         b.append([z], [1])
         b.append(wide, [d] * w)
-        # 2 groups, each sequence at most 2 tokens over a block: ceil(T / B) blocks a group.
+        # ceil(T / B) blocks in each of the 2 groups (the window of 32 holds all of them); z, 2
+        # tokens, holds 1 a group. 4 blocks left free; r takes 3 a group (2B + 1 tokens), 6:
+        # evicting z, the least recent, gives exactly the 2 missing.
         held = sum(2 * -(-b.length[s] // B) for s in wide) + 2 * 1
         N = held + 4
-        r = b.prefill((N - held) // 2 * B + 1, "fg")  # 2 * ((N - held) / 2 + 1) blocks: evicts
+        r = b.prefill(2 * B + 1, "fg")
         b.append([r], [1])
         b.free_all()
         out.append(_trace("hybrid-eviction", i, b, [c], {"model": "tiny-hybrid", "block_size": B,

@@ -281,17 +281,21 @@ def test_each_boundary_fault_fails_at_its_step(fault):
     trace = TRACES[name]
     v = check(trace, fault(suite.config_for(trace, policy=policy or None)))
     d = v.divergence
-    assert v.valid is False and (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), str(d)
+    assert v.valid is False, workload
+    assert (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), str(d)
     assert check(trace, NumpyPaged(suite.config_for(trace, policy=policy or None))).valid is True
 
 
 def test_an_fp8_model_counted_at_its_dtype_fails_at_the_first_prefill():
     t = by_rule("encodings")[0]  # tiny-fp8: 2 layers, 2 heads of 8, 1 byte an element
+    assert t.header.settings["model"] == "tiny-fp8"
     v = check(t, E.KvEncodingIgnored(suite.config_for(t)))
     d = v.divergence
-    assert v.valid is False and d.step == 0 and d.quantity.startswith("bytes")
-    # a block of 8 tokens: 8 * 2 * 2 * 2 * 8 * 1 = 512 bytes, counted at 2 bytes: 1024
-    assert F.block_bytes(8, F.get_model("tiny-fp8")) == 8 * 2 * 2 * 2 * 8 * 1
+    # step 0 prefills 2B + 3 = 19 tokens: ceil(19 / 8) = 3 blocks of 8 slots of 2 (K, V) * 2
+    # layers * 2 heads * 8 bytes; counted at bf16's 2 bytes an element, twice that
+    assert (d.step, d.quantity, d.expected, d.actual) == (0, "bytes_in_use", 3 * 8 * 2 * 2 * 2 * 8,
+                                                          3 * 8 * 2 * 2 * 2 * 8 * 2)
+    assert check(t, NumpyPaged(suite.config_for(t))).valid is True
 
 
 def test_every_boundary_fault_has_its_named_catch():
