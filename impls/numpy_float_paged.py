@@ -61,7 +61,7 @@ def encode(y, magnitudes: np.ndarray, sign_bit: int) -> np.ndarray:
     lo = np.maximum(hi - 1, 0)
     d_lo, d_hi = a - magnitudes[lo], magnitudes[hi] - a
     code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-    return (code | np.where(y < 0, sign_bit, 0)).astype(np.uint8)
+    return (code | np.where(np.signbit(y), sign_bit, 0)).astype(np.uint8)  # -0 keeps its sign, as a cast does
 
 
 class NumpyFloatPaged(NumpyQuantPaged):

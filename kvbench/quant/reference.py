@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from kvbench.quant.layouts import (
@@ -37,9 +38,10 @@ from kvbench.quant.layouts import (
 
 name = "reference"
 
-FP8_E4M3_MAX = 448.0  # 1.75 * 2^8: the largest finite e4m3fn value
-FP8_E4M3_MIN_NORMAL = 2.0**-6
-FP8_E4M3_MANTISSA_BITS = 3
+_E4M3 = ml_dtypes.finfo(ml_dtypes.float8_e4m3fn)
+FP8_E4M3_MAX = float(_E4M3.max)  # 448 = 1.75 * 2^8: the largest finite e4m3fn value
+FP8_E4M3_MIN_NORMAL = float(_E4M3.smallest_normal)  # 2^-6
+FP8_E4M3_MANTISSA_BITS = _E4M3.nmant  # 3
 
 
 def available() -> tuple[bool, str]:
@@ -170,11 +172,10 @@ def fp8_e4m3_round(y) -> np.ndarray:
     y = np.asarray(y, dtype=np.float64)
     if not np.isfinite(y).all():
         raise ValueError("fp8_e4m3_round: NaN/inf input")
-    a = np.abs(y)
-    _, e = np.frexp(a)  # a = m * 2^e, m in [0.5, 1): leading bit 2^(e-1)
-    quantum = np.ldexp(1.0, np.maximum(e - 1, -6) - FP8_E4M3_MANTISSA_BITS)
-    r = np.minimum(np.rint(a / quantum) * quantum, FP8_E4M3_MAX)
-    return np.copysign(r, y)
+    # ml_dtypes rounds to nearest even, from float64 in one rounding (through float32 would round
+    # twice). e4m3fn has no inf: past 464 (448 + half its last step) the cast gives NaN, so values
+    # are clipped to +-448 first, SPEC §12's saturation.
+    return np.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
 def fp8_e4m3_error_bound(y) -> np.ndarray:
@@ -195,8 +196,7 @@ class Fp8Tensor:
 # e2m1 (NVFP4's element format): 2 exponent bits (bias 1), 1 mantissa bit, no inf/NaN, max 6.
 # Its eight magnitudes: 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2).
 
-E2M1_MAX = 6.0
-E2M1_MANTISSA_BITS = 1
+E2M1_MAX = float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max)  # 6 = 1.5 * 2^2
 NVFP4_BLOCK = 16  # elements that share one e4m3 block scale
 
 
@@ -204,11 +204,9 @@ def e2m1_round(y) -> np.ndarray:
     """Nearest e2m1 value of each y (ties to even mantissa), saturating at +-6. float64 in and out."""
     y = np.asarray(y, dtype=np.float64)
     if not np.isfinite(y).all():
-        raise ValueError("e2m1_round: NaN/inf input")
-    a = np.abs(y)
-    _, e = np.frexp(a)  # a = m * 2^e: leading bit 2^(e-1); the smallest normal is 1 = 2^0
-    quantum = np.ldexp(1.0, np.maximum(e - 1, 0) - E2M1_MANTISSA_BITS)
-    return np.copysign(np.minimum(np.rint(a / quantum) * quantum, E2M1_MAX), y)
+        raise ValueError("e2m1_round: NaN/inf input")  # ml_dtypes would make NaN -0
+    # ml_dtypes' float4_e2m1fn rounds to nearest even and saturates; the clip says so explicitly.
+    return np.clip(y, -E2M1_MAX, E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
 
 
 def e2m1_error_bound(y) -> np.ndarray:
@@ -230,6 +228,20 @@ def fp8_scale(amax) -> np.ndarray:
     """SPEC §12's fp8 scale of a group whose max |x| is ``amax``: amax / 448 (1 for a zero group)."""
     amax = np.asarray(amax, dtype=np.float64)
     return np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+
+
+# NVFP4's two-level scale, checked against NVIDIA's and vLLM's code (not a quote of either):
+# - NVIDIA/TensorRT-Model-Optimizer modelopt/torch/quantization/qtensor/nvfp4_tensor.py: tensor
+#   scale ("weights_scaling_factor_2") amax / (6 * 448); block scale block amax / (6 * tensor
+#   scale) cast to float8_e4m3fn; codes e2m1(x / (block scale * tensor scale)), ties to even.
+# - vllm-project/vllm csrc/quantization/fp4/nvfp4_utils.cuh (cvt_warp_fp16_to_fp4, TensorRT-LLM's
+#   kernel) and vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py
+#   (ref_nvfp4_quant): the encode scale global_scale = 448 * 6 / amax (tests/kernels/quantization/
+#   nvfp4_utils.py), block scale e4m3(min(global_scale * block amax / 6, 448)), elements times
+#   1 / (block scale / global_scale), clipped to +-6, rounded to e2m1 (cvt.rn.satfinite), a zero
+#   block scale gives codes 0; read back code * block scale / global_scale.
+# The same rule (global_scale is 1 / tensor scale), but for float rounding; kvbench divides in
+# float64 and the checker accepts either side of an e4m3 tie within float32 rounding.
 
 
 def nvfp4_tensor_scale(amax: float) -> float:

@@ -3,6 +3,7 @@ the pools that store real fp8 / NVFP4 codes (impls/numpy_float_paged.py), their 
 the checker's hold on what they read back."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -73,15 +74,47 @@ def test_e4m3_rounds_to_nearest_even(y, want):
     assert Q.fp8_e4m3_round(y) == want
 
 
-def test_the_pools_rounding_agrees_with_the_reference_at_every_midpoint():
-    # Two implementations (a table look-up in the backend, exponent arithmetic in the reference):
-    # every value, every midpoint between neighbours, and a hair either side of it.
-    for mags, sign, ref in ((E4M3, 0x80, Q.fp8_e4m3_round), (E2M1, 0x8, Q.e2m1_round)):
-        table = {0x80: E4M3_VALUES, 0x8: E2M1_VALUES}[sign]
-        mid = (mags[1:] + mags[:-1]) / 2
-        y = np.concatenate([mags, mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf), [mags[-1] * 1.1]])
-        y = np.concatenate([y, -y])
-        assert np.array_equal(table[encode(y, mags, sign)].astype(np.float64), ref(y))
+def _float32_around_every_midpoint(mags: np.ndarray) -> np.ndarray:
+    """Every value, every midpoint between neighbours (exact in float32) and the float32 either
+    side of it, past the top too, both signs."""
+    mid = ((mags[1:] + mags[:-1]) / 2).astype(np.float32)
+    top = np.float32(mags[-1] + (mags[-1] - mags[-2]) / 2)  # the tie above the largest value
+    y = np.concatenate([mags.astype(np.float32), mid, [top, np.float32(mags[-1] * 1e6)]])
+    y = np.concatenate([y, np.nextafter(y, np.float32(0)), np.nextafter(y, np.float32(np.inf))])
+    return np.concatenate([y, -y])
+
+
+def _float32_sweep(top: float) -> np.ndarray:
+    """Every float32 in [0, top] whose low 9 mantissa bits are 0 (16384 a binade, subnormals
+    included), both signs: a dense sweep between the midpoints."""
+    bits = np.arange(0, np.float32(top).view(np.uint32) + 1, 1 << 9, dtype=np.uint32)
+    y = bits.view(np.float32)
+    return np.concatenate([y, -y])
+
+
+@pytest.mark.parametrize("fmt, mags, sign_bit", [
+    (ml_dtypes.float8_e4m3fn, E4M3, 0x80),
+    (ml_dtypes.float4_e2m1fn, E2M1, 0x8),
+])
+def test_the_pools_rounding_is_ml_dtypes_at_every_midpoint_and_between(fmt, mags, sign_bit):
+    # The pool's table look-up against ml_dtypes' cast (round to nearest even): the same code byte
+    # (sign of zero included) for every float32 where the rounding decides, and a dense sweep.
+    # ml_dtypes makes e4m3fn NaN past 464, where SPEC §12 saturates: the clip stands for that.
+    y = np.concatenate([_float32_around_every_midpoint(mags), _float32_sweep(2 * mags[-1])])
+    want = np.clip(y, -mags[-1], mags[-1]).astype(fmt).view(np.uint8)
+    got = encode(y.astype(np.float64), mags, sign_bit)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{fmt.__name__}: y = {y[bad[:5]]}: pool codes {got[bad[:5]]}, ml_dtypes {want[bad[:5]]}"
+    assert y.size > 4_000_000  # the sweep ran: 16384 a binade over some 130 binades, both signs
+
+
+def test_the_reference_rounds_a_float64_once():
+    # 1.0625 + 2^-40 is a hair above the e4m3 tie 1 + 1/16 between 1 and 1.125: it rounds up to
+    # 1.125. Through float32 first it would become the tie itself and round to 1 (even).
+    assert Q.fp8_e4m3_round(1.0625 + 2.0**-40) == 1.125
+    # e2m1: 0.25 + 2^-40 is above the tie 0.25 between 0 and 0.5: 0.5
+    assert Q.e2m1_round(0.25 + 2.0**-40) == 0.5
+    assert Q.fp8_e4m3_round(464 + 2.0**-40) == 448  # past 464 ml_dtypes alone gives NaN
 
 
 def test_every_code_decodes_within_range():
@@ -107,6 +140,36 @@ def test_nvfp4_scales():
     x = Q.nvfp4_round(rows, ts)
     assert np.isclose(x[0, 0], 6 * 448 * ts) and np.isclose(x[0, 16], 6 * 3 * ts)
     assert (x[0, 1:16] == 0).all()
+
+
+def test_nvfp4_block_scales_follow_vllms_recipe():
+    # vLLM (ref_nvfp4_quant, cvt_warp_fp16_to_fp4) encodes with global_scale = 448 * 6 / amax and
+    # block scale e4m3(min(global_scale * block amax / 6, 448)); kvbench divides by the tensor
+    # scale amax / (448 * 6) instead. amax 1001: block amax 1001 -> 2688 / 1001 * 1001 / 6 = 448;
+    # block amax 500 -> 2688 / 1001 * 500 / 6 = 223.78, between e4m3's 208 and 224 (step 16 in
+    # [128, 256)): 224.
+    rows = np.zeros((1, 32))
+    rows[0, 3], rows[0, 16] = -1001.0, 500.0
+    assert Q.nvfp4_block_scales(rows, Q.nvfp4_tensor_scale(1001.0)).tolist() == [[448.0, 224.0]]
+
+
+def test_check_nvfp4_accepts_vllms_float32_arithmetic():
+    # vLLM's reference quantizer step by step in float32 (its rounding, not kvbench's): the checker
+    # must not be narrower than the rule as NVIDIA's and vLLM's code computes it.
+    f32 = np.float32
+    x = np.random.default_rng(7).integers(-1001, 1002, (8, 64)).astype(f32)
+    x[0, 0] = 1001
+    g = f32(448 * 6) / f32(1001)  # global_scale
+    blocks = x.reshape(8, 4, 16)
+    bs = np.minimum(g * (np.abs(blocks).max(axis=-1) * f32(1 / 6)), f32(448))
+    bs = bs.astype(ml_dtypes.float8_e4m3fn).astype(f32)
+    with np.errstate(divide="ignore"):
+        out_scale = np.where(bs > 0, f32(1) / (bs * (f32(1) / g)), f32(0))
+    codes = np.clip(blocks * out_scale[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(f32)
+    x_hat = (codes * (bs / g)[..., None]).reshape(8, 64)
+    t = Q.Nvfp4Tensor(codes.reshape(8, 64), bs, float(f32(1) / g), x.shape, "float32")
+    verdict = Q.check_nvfp4(x, t, x_hat, amax=1001.0)
+    assert verdict.valid, verdict.first
 
 
 def _nvfp4(x, amax):
