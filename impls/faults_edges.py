@@ -363,6 +363,16 @@ class KvEncodingIgnored(NumpyPaged):
         return self.B * 2 * m.group_layers * m.kv_heads * m.head_dim * m.dtype_bytes
 
 
+class ZeroAppendCopiesSharedTail(NumpyPaged):
+    """An append member of 0 tokens counted as writing its tail: a tail it shares with a fork is
+    copied for nothing."""
+
+    def _append_plan(self, rows, dts, refcount, group=0):
+        tails, free_last, cow, _ = super()._append_plan(rows, np.maximum(dts, 1), refcount, group)
+        new = super()._append_plan(rows, dts, refcount, group)[3]
+        return tails, free_last, cow, new
+
+
 # (name, fault, the default backend it is planted into, the boundary it needs)
 BOUNDARY_BUGS = [
     ("a sinks group keeps S // B blocks, not ceil(S / B)", SinkBlocksFloored, "numpy",
@@ -383,4 +393,6 @@ BOUNDARY_BUGS = [
      "a swap into exactly the room it needs"),
     ("block bytes at the model's dtype, not its KV encoding", KvEncodingIgnored, "numpy",
      "an fp8, fp8 per token-head or NVFP4 model"),
+    ("an append of 0 tokens copies the tail it shares", ZeroAppendCopiesSharedTail, "numpy",
+     "an append of 0 tokens to a fork"),
 ]

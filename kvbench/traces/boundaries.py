@@ -28,6 +28,9 @@ The rules, and the edges each covers:
   blocks, or until its abort; a store of no full block into a tier of no room; a swap into a tier
   with exactly, and one less than, the room it needs.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
+- ``zero`` (§13): an operation of zero tokens: an empty prompt, an append of 0 tokens (alone or
+  as one member of a batch), a fork of the empty sequence, and the first append filling a block
+  of it, with and without prefix caching.
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
 default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
@@ -401,7 +404,44 @@ ENCODINGS = Rule("encodings", "§12", {"model": ("tiny-fp8", "tiny-fp8-token-hea
                  _encodings)
 
 
-RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS]
+ZERO_B = 4
+
+
+def _zero(cases) -> list[Trace]:
+    """One trace a prefix-caching setting: per case an empty prompt (0 tokens), then the
+    operation of the case on it, alone or beside a sequence that writes: an append of 0 tokens,
+    a fork of the empty sequence (beside: and of the other, whose shared partial tail a 0-token
+    append must not copy), or (``prefill``) the first append that fills a block from nothing;
+    then a write after it."""
+    B = ZERO_B
+    out = []
+    for cache in (False, True):
+        b = _Ops()
+        mine = [c for c in cases if c["cache"] is cache]
+        for i, c in enumerate(mine):
+            other = b.prefill(B + 1, token_ids=_ids(i, B + 1)) if c["beside"] == "batched" else None
+            e = b.prefill(0, token_ids=[])
+            both = [e] + ([other] if other is not None else [])
+            if c["op"] == "append":
+                b.append(both, [0] + [1] * (other is not None))
+            elif c["op"] == "fork":  # of the empty sequence, and of one whose tail it shares
+                child = b.fork(e)
+                forks = [child] + ([b.fork(other)] if other is not None else [])
+                b.append(forks, [0] * len(forks))  # nothing written: no tail copied
+                b.append([child], [B])
+            b.append(both, [B] + [0] * (other is not None))  # a block filled from nothing
+            b.free_all()
+        out.append(_trace("zero", int(cache), b, mine, {"block_size": B, "num_blocks": 32,
+                                                        "prefix_caching": cache}))
+    return out
+
+
+ZERO = Rule("zero", "§13", {"op": ("prefill", "append", "fork"), "beside": ("alone", "batched"),
+                            "cache": (False, True)}, _zero,
+            interactions=(("op", "beside", "cache"),))
+
+
+RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS, ZERO]
 
 
 def boundary_traces(rules=None) -> list[Trace]:

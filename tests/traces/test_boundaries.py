@@ -219,6 +219,23 @@ def test_encodings_are_every_float_format():
     assert encodings == {"fp8", "fp8-per-token-head", "nvfp4"}
 
 
+def test_zero_token_operations_come_alone_and_batched_with_and_without_prefix_caching():
+    from kvbench.traces.format import op_to_dict
+    traces = by_rule("zero")
+    assert [t.header.settings["prefix_caching"] for t in traces] == [False, True]
+    for t in traces:
+        ops = [op_to_dict(o) for o in t.ops]
+        assert any(o["op"] == "prefill" and o["tokens"] == 0 for o in ops)
+        zero_appends = [o for o in ops if o["op"] == "append" and 0 in o["tokens"]]
+        assert any(len(o["seqs"]) == 1 for o in zero_appends)  # alone
+        assert any(len(o["seqs"]) > 1 and set(o["tokens"]) != {0} for o in zero_appends)  # beside a writer
+        assert any(o["op"] == "fork" for o in ops)
+        # the first append of an empty sequence fills a block from nothing: B = 4 tokens
+        empties = {o["seq"] for o in ops if o["op"] == "prefill" and o["tokens"] == 0}
+        assert any(o["op"] == "append" and o["seqs"][0] in empties and o["tokens"][0] == bd.ZERO_B
+                   for o in ops)
+
+
 def test_the_default_run_checks_the_boundary_workloads_after_the_committed_ones():
     traces = suite.default_traces()
     names = [t.name for t in traces]
@@ -271,6 +288,10 @@ CATCHES = {
     # boundary-tiers-1 (room exact): the swap tier of 3 blocks takes the sequence of 2B + 2 =
     # 10 tokens, ceil(10 / 4) = 3 blocks, exactly.
     E.SwapRefusedOnExactFit: ("boundary-tiers-1", 13, "tier swap stored", 3, 0),
+    # boundary-zero-0, steps 25-29 (fork, batched): 8 prefills B + 1 = 5 tokens, ceil(5 / 4) =
+    # 2 blocks; 9 is empty (none); 10 forks 9, 11 forks 8 (sharing its 2); an append of 0
+    # tokens to 10 and 11 writes nothing: still 2 blocks; copying 11's shared tail makes 3.
+    E.ZeroAppendCopiesSharedTail: ("boundary-zero-0", 29, "blocks_used", 2, 2 + 1),
 }
 
 
