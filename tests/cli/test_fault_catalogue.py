@@ -14,6 +14,7 @@ from kvbench.checking.checker import check
 from kvbench.cli import faults as cli
 from kvbench.cli import main
 from kvbench.contract import registry
+from kvbench.contract.protocol import Backend
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,16 @@ def test_the_planted_faults_of_the_tests_are_caught_too(table):
 
 
 def test_a_salt_leak_names_both_requests(table):
-    d = table["salt and adapter name untagged in the block hash"]["divergence"]
+    # The pool's KV events show the leak first: a key announced for a block of another salt
+    # that stood for the first salt's block.
+    row = table["salt and adapter name untagged in the block hash"]
+    d = row["divergence"]
+    assert d.quantity == "residency of group 0, tier 0" and "one key for two blocks" in d.detail
+    # Without events, the hit across salts names both requests.
+    from impls.faults import UntaggedExtraKeys
+    trace = suite.load_traces([suite.WORKLOADS_DIR / f"{row['workload']}.jsonl"])[0]
+    silent = type("Silent", (UntaggedExtraKeys,), {"events": Backend.events})
+    d = check(trace, silent(suite.config_for(trace))).divergence
     assert "a hit across salts" in d.detail and "salt 'x'" in d.detail and "adapter 'x'" in d.detail
 
 
@@ -217,17 +227,18 @@ LIFECYCLE_CATCHES = {
     # the first rollback across a block edge: 2 grows 63 -> 68 -> 71 -> 76 (5 written, 4, 2, 4 of
     # the 4 drafts kept), then 81 with 3 kept: 80 = 5 * 16, so block 5 lies wholly past it;
     "a block of rejected drafts stays in the prefix cache": ("lifecycle-speculative", 18),
-    # 3's whole prompt p1.0 .. p1.4 arrives while 2 has written 24 of its 94 (p1.1 half written);
-    "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 3),
+    # 1 writes 24 of its 38-token prompt: p0.1 holds 24 - 16 = 8 of 16 tokens, and the pool's KV
+    # events (SPEC §14) announce it at once, before 3's prompt arrives to hit a half-written p1.1;
+    "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 1),
     # 2, preempted at step 8, resumes after 0 and 1 took the blocks it released.
     "a resumed sequence reads the blocks it held before (another's by then)": ("lifecycle-preempt", 12),
     # host holds 8 blocks: 9 (27 tokens, ceil(27 / 16) = 2 blocks) swaps out at step 27, 8 (45
     # tokens, 3 blocks) at 29, leaving 8 - 5 = 3, too few for 7's 72 tokens (5 blocks: recomputed);
     # 9 resumes at step 35 while 8 is still swapped, swapped out last.
     "a swapped sequence resumes with another's K/V": ("lifecycle-swap", 35),
-    # 0 prefills 80 tokens, 80 / 16 = 5 full blocks (p2.0 .. p2.3, r0.0), the last left uncached;
-    # its free at step 6 leaves 4 of them cached, not 5 (its partial sixth never is).
-    "an EAGLE hit's lookahead block left out of the caching mask": ("lifecycle-chunked", 6),
+    # 0 prefills 80 tokens, 80 / 16 = 5 full blocks (p2.0 .. p2.3, r0.0), the last left uncached:
+    # its KV events store 4 of them, not 5 (without events, its free at step 6 shows it).
+    "an EAGLE hit's lookahead block left out of the caching mask": ("lifecycle-chunked", 0),
 }
 
 
@@ -244,7 +255,8 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
     # to host, leasing the 2 hashed blocks (block 2, full by decode, has no hash); step 3 frees
     # it: the 2 leased blocks stay in use until step 5 completes the store; the fault drops the
     # lease of block 0 with its table's reference: 0 + 1 expected, 0 reported.
-    # Step 14: conversation 3 loads 1000, 1001 under salt "b"; host holds them under "a" only.
+    # Step 5 completes the store: host announces 1000, 1001 keyed by the raw hash (SPEC §14's
+    # tier events), where the model holds them under salt "a"; no device key stands for them.
     # Step 40: conversation 1's second-turn store to disk (its 3 hashed blocks 2000..2002) fails;
     # disk holds conversation 0's second turn alone: 4 blocks (1000..1003).
     # Step 107: conversation 2's last load is aborted; nothing else is live and no store is in
@@ -257,7 +269,10 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
     # tier-agentic, step 1: the prefix's 6 hashed blocks (0 .. 5 of ceil(49 / 8) = 7) are stored
     # to disk; block 0, held by one table and one store, reported with 1 reference, not 1 + 1.
     where = {T.LeaseEndsAtFree: (3, "reference count of block 0", 1, 0),
-             T.TierKeyIgnoresSalt: (14, "tier host loading", 0, 2),
+             T.TierKeyIgnoresSalt: (5, "residency of group 0, tier 1",
+                                    {"stored": [((("salt", "a"),), 1000), ((("salt", "a"),), 1001)],
+                                     "removed": []},
+                                    {"stored": ["backend key 1000", "backend key 1001"], "removed": []}),
              T.LoadIntoBlockBefore: (10, "kv of sequence 2", "what it wrote or inherited", "different values"),
              T.FailedStoreVisible: (40, "tier disk stored", 4, 4 + 3),
              T.AbortLeaksLoadBlocks: (107, "reference count of block", 0, 1),  # one of the 3
