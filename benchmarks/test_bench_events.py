@@ -5,11 +5,13 @@
 Each committed workload with a prefix cache churning (prefix-reuse, prefix-tenants), under
 ``kvbench run``'s settings, ledger only. Recorded once, by a checked replay: each operation's
 events and the oracle's expected changes. Timed in the same session: the pool replaying the trace
-alone (kvbench.bench.fixtures.replay: its operations per second), then the checker's event
+alone (kvbench.bench.fixtures.replay: its operations per second), the same replay asking the pool
+for its events after every operation (what publishing them costs it), then the checker's event
 verification of the recorded events (EventReplay.verify, per operation: the order rules, the
-pairing of keys, the residency against the oracle's: events per second). The second row's
+pairing of keys, the residency against the oracle's: events per second). The last row's
 ``extra_info`` carries ``events_per_s``, ``backend_ops_per_s`` and
-``event_check_per_op_vs_backend``, the event check's time per operation over the pool's.
+``event_check_per_op_vs_backend``, the event check's time per operation over the pool's; the
+second's ``publishing_vs_backend``, the replay with events over the replay without.
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class Quiet:
         raise AssertionError(what)
 
 
-@pytest.mark.parametrize("part", ["backend", "events"])
+@pytest.mark.parametrize("part", ["backend", "publishing", "events"])
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_events_verified_against_the_backends_rate(benchmark, workload, part):
     trace, config = trace_and_config(workload)
@@ -75,6 +77,10 @@ def test_events_verified_against_the_backends_rate(benchmark, workload, part):
     if part == "backend":
         def run():
             fixtures.replay(NumpyPaged(config), trace)
+    elif part == "publishing":
+        def run():
+            pool = NumpyPaged(config)
+            fixtures.replay(pool, trace, after_op=lambda op: pool.events())
     else:
         got, want = recorded(trace, config)
 
@@ -90,6 +96,10 @@ def test_events_verified_against_the_backends_rate(benchmark, workload, part):
     ops = len(trace.ops)
     if part == "backend":
         benchmark.extra_info["backend_ops_per_s"] = ops / median
+        return
+    if part == "publishing":
+        if (workload, "backend") in MEDIANS:
+            benchmark.extra_info["publishing_vs_backend"] = median / MEDIANS[workload, "backend"]
         return
     benchmark.extra_info["events_per_s"] = sum(map(len, got)) / median
     benchmark.extra_info["events_per_op"] = sum(map(len, got)) / ops
