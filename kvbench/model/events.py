@@ -5,7 +5,8 @@ Tier 0 is the oracle's prefix cache (``by_hash``: the keys a hit may find), tier
 stored in the lower tiers of kvbench.model.tiers. The changes are net over an operation: a key
 that entered and left within it (a load's target, cached then held out of the cache until the
 load completes) is no change. Tier 0 is read from the pool's ``key_log`` (the keys it touched:
-O(changes) per look); the lower tiers, small, are compared whole.
+O(changes) per look; a pool without one is compared whole); the lower tiers, small, are compared
+whole.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ class ExpectedEvents:
 
     def __init__(self, oracle):
         self.oracle = oracle
+        # A pool without the key log (an older or rewritten pool.py) is compared whole instead.
+        self.logged = hasattr(oracle, "key_log")
         oracle.key_log = {}
         self.present: dict[tuple, set] = {}  # (group, tier) -> keys, as of the last look
         for g, key in oracle.by_hash:
@@ -32,6 +35,10 @@ class ExpectedEvents:
         the last call, net; (group, tier) pairs without a change are left out."""
         out: dict = {}
         log, by_hash = self.oracle.key_log, self.oracle.by_hash
+        if not self.logged:
+            log.update(dict.fromkeys(gk for gk in by_hash if gk[1] not in self.present.get((gk[0], 0), ())))
+            log.update(dict.fromkeys((g, k) for (g, t), keys in self.present.items() if t == 0
+                                     for k in keys if (g, k) not in by_hash))
         for gk in log:
             g, key = gk
             self._note(out, (g, 0), key, gk in by_hash)

@@ -252,3 +252,23 @@ def test_a_draft_block_announced():
     d = check(trace, DraftBlockAnnounced(CONFIG)).divergence
     assert (d.index, d.quantity) == (1, "residency of group 0, tier 0")
     assert "backend key ('draft', 0, 1)" in d.detail
+
+
+def test_a_tier_announces_the_blocks_a_store_stored():
+    # Host of 4 blocks. 0 prefills 32 tokens (a, b); a store to host begins (nothing announced:
+    # storing is not stored, SPEC §11), then completes: a and b stored in tier 1, b's parent a.
+    from kvbench.traces.tier_ops import TierSpec
+    be = NumpyPaged(make_config(num_blocks=8, prefix_caching=True, store_kv=False))
+    be.attach_tiers([TierSpec("host", 4)])
+    be.prefill(0, Prompt(32, block_hashes=("a", "b")))
+    assert be.events() == [stored("a"), stored("b", "a")]
+    be.store(1, 0, "host")
+    assert be.events() == []
+    be.complete(1, True)
+    assert be.events() == [stored("a", None, 0, 1), stored("b", "a", 0, 1)]
+    # A failed store leaves nothing to announce.
+    be.prefill(1, Prompt(16, block_hashes=("c",)))
+    assert be.events() == [stored("c")]
+    be.store(2, 1, "host")
+    be.complete(2, False)
+    assert be.events() == []
