@@ -7,8 +7,8 @@ cache, which no committed workload has, and the index one is an event consumer's
 """
 from __future__ import annotations
 
-from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent, Residency
 from impls.numpy_paged import NumpyPaged
+from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent, Residency
 
 
 class AnnouncedAgainEveryStep(NumpyPaged):

@@ -248,6 +248,29 @@ def test_each_lifecycle_fault_fails_the_default_run_at_its_step(table, name):
     assert (row["caught"], row["workload"], row["step"]) == ("yes", *LIFECYCLE_CATCHES[name])
 
 
+# KV events (SPEC §14): each on hybrid-cut-hits (blocks of 8), the first committed workload that
+# caches, whose first hashed prefill is step 2 (1: 48 tokens, w0.0 .. w0.5).
+EVENT_CATCHES = {
+    # 1's first decode step (3): its last cached prompt block, w0.5, removed and stored again;
+    "a cached block registered again at every step: a stored follows its removed": 3,
+    # step 2's first stored block, w0.0, names a parent never stored;
+    "a stored names a parent that was never stored": 2,
+    # step 9's prefill of 8 tokens takes one block per group, evicting the oldest cached ones
+    # (w0.0 and w0.5 of the sliding group); the fault announces neither;
+    "an eviction announced by no removed": 9,
+    # step 13's prompt is the first with a partial last block: 53 = 6 * 8 + 5.
+    "a prompt's partial last block announced as stored": 13,
+}
+
+
+@pytest.mark.parametrize("name", EVENT_CATCHES)
+def test_each_event_fault_fails_the_default_run_at_its_step(table, name):
+    row = table[name]
+    assert (row["caught"], row["workload"], row["step"]) == ("yes", "hybrid-cut-hits", EVENT_CATCHES[name])
+    quantity = "event order" if "parent" in name else "residency of group 0, tier 0"
+    assert row["divergence"].quantity == quantity
+
+
 def test_each_tier_fault_fails_the_default_run_at_its_step(table):
     from impls import faults_tiers as T
     # tier-turns, blocks of 8. Step 0: conversation 0 prefills 23 tokens, hashes 1000 and 1001
