@@ -20,6 +20,7 @@ import numpy as np
 
 from impls.contiguous import Contiguous
 from impls.faults_edges import BOUNDARY_BUGS, EDGE_BUGS
+from impls.faults_events import EVENT_BUGS, EVENT_SLIPS
 from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
 from impls.numpy_float_paged import NumpyFp8Tensor, NumpyNvfp4
 from impls.numpy_lookahead import NumpyEagle
@@ -771,7 +772,9 @@ CATALOGUE = [
         EagleBlockUncached, False),
 ] + [Bug(name, "kvbench #12", fault, False) for name, fault, _ in EDGE_BUGS] \
   + [Bug(name, upstream, fault, True) for name, upstream, fault in TIER_BUGS] \
-  + [Bug(name, upstream, fault, False) for name, upstream, fault in SWAP_BUGS]
+  + [Bug(name, upstream, fault, False) for name, upstream, fault in SWAP_BUGS] \
+  + [Bug(name, upstream, fault, True) for name, upstream, fault in EVENT_BUGS] \
+  + [Bug(name, "kvbench §14", fault, False) for name, fault in EVENT_SLIPS]
 
 
 # --- SPEC §12's float formats: real fp8 and NVFP4 codes, read back wrong (issue 47) -------------

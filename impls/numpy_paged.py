@@ -21,6 +21,7 @@ import numpy as np
 from impls import paged_kernels
 from impls.changes import CachedQueue, StackChanges
 from impls.numpy_tiers import NumpyTiers
+from impls.pool_events import PoolEvents
 from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys, tagged_extra
 from impls.states import advance_states, initial_state, read_states
 from kvbench.contract import formulas as F
@@ -55,7 +56,7 @@ def lazy_zeros(shape, dtype) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-class NumpyPaged(NumpyTiers, StackChanges, Backend):
+class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
     name = "numpy"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
@@ -110,6 +111,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         # first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
+        self._init_events()  # SPEC §14: events() from by_hash
         self.evictable = CachedQueue()  # popitem(last=False): the oldest, O(1)
         self.hit_blocks = 0
         # Chunked prompts (SPEC §13): sequence -> (its whole prompt's keys, blocks cached so far)
@@ -542,6 +544,7 @@ class NumpyPaged(NumpyTiers, StackChanges, Backend):
         keys = []
         if self.config.prefix_caching:
             keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
+            self.note_prompt(keys)
             if len(keys) > tokens // self.B:  # a chunked prompt: its later blocks once written
                 keys, later = keys[:tokens // self.B], keys
                 victims = self._prefill(seq, tokens, kv, tenant, final_tokens, step, protect, n, keys)

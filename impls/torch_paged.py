@@ -23,6 +23,7 @@ from fractions import Fraction
 import numpy as np
 
 from impls.changes import CachedQueue, StackChanges
+from impls.pool_events import PoolEvents
 from impls.prefix_keys import cache_completed_chunk, hit_plan, prompt_keys
 from impls.states import advance_states, initial_state, read_states
 from impls.torch_tiers import TorchTiers
@@ -81,7 +82,7 @@ class _Counts:
         return self.refcount.index_select(0, index).cpu().numpy()
 
 
-class TorchPaged(TorchTiers, StackChanges, Backend):
+class TorchPaged(TorchTiers, StackChanges, PoolEvents, Backend):
     name = "torch"
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
@@ -153,6 +154,7 @@ class TorchPaged(TorchTiers, StackChanges, Backend):
         # `evictable` (oldest first) and are reused only when the uncached free blocks run out.
         self.by_hash: dict = {}
         self.hash_of: dict = {}
+        self._init_events()  # SPEC §14: events() from by_hash
         self.evictable = CachedQueue()
         self.hit_blocks = 0
         self.chunking: dict = {}  # chunked prompts: sequence -> (whole prompt's keys, blocks cached)
@@ -490,6 +492,7 @@ class TorchPaged(TorchTiers, StackChanges, Backend):
         keys = later = []
         if self.config.prefix_caching:
             later = prompt_keys(prompt, self.B)
+            self.note_prompt(later)
             keys = later[:tokens // self.B]  # a chunked prompt's later blocks: once written
         L, hits = hit_plan(keys, self.by_hash, self.groups, self.B) if keys else (0, [[]] * self.G)
         hit_all = [b for h in hits for b in h]

@@ -10,6 +10,10 @@ from kvbench.contract.protocol import Backend, CacheConfig
 
 
 class EngineTiers(NumpyPaged):
+    # No KV events (SPEC §14) yet: the pool's would cover the device alone, and the engine's tier
+    # managers announce theirs in their own terms (vLLM's offloading events, LMCache's), not read here.
+    events = Backend.events
+
     @staticmethod
     def probe() -> tuple[bool, str]:
         raise NotImplementedError

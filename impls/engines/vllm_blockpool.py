@@ -34,6 +34,7 @@ import types
 from impls.engines.block_tally import BlockTally
 from impls.prefix_keys import prompt_keys
 from kvbench.contract import formulas as F
+from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent
 from kvbench.contract.protocol import (
     Backend,
     CacheConfig,
@@ -94,7 +95,8 @@ class VllmBlockPool(Backend):
         self.caching = bool(config.prefix_caching)
         # + 1: vLLM takes block 0 as its null block.
         self.pool = vllm.BlockPool(num_gpu_blocks=config.num_blocks + 1, enable_caching=self.caching,
-                                   hash_block_size=config.block_size)
+                                   hash_block_size=config.block_size,
+                                   enable_kv_cache_events=self.caching)
         self._BlockHash = vllm.BlockHash
         self.tables: dict[int, list] = {}  # seq -> [KVCacheBlock]
         self.tokens: dict[int, int] = {}
@@ -159,8 +161,12 @@ class VllmBlockPool(Backend):
         self.pool.touch(hits)  # before get_new_blocks, which would evict a free hit
         table = hits + self.pool.get_new_blocks(n - len(hits))
         if len(hashes) > len(hits):
-            # vLLM's cache_full_blocks reads the request's block_hashes only (events are off).
-            request = types.SimpleNamespace(block_hashes=hashes)
+            # vLLM's cache_full_blocks reads the request's block_hashes, and for its KV events
+            # the token ids, LoRA, salt, multimodal features and session (none of them here:
+            # the salt and adapter are in the hashes already).
+            request = types.SimpleNamespace(block_hashes=hashes, all_token_ids=[0] * (n * B),
+                                            num_tokens=tokens, lora_request=None, cache_salt=None,
+                                            mm_features=[], session_id=None, prompt_embeds=None)
             self.pool.cache_full_blocks(request, table, num_cached_blocks=len(hits),
                                         num_full_blocks=len(hashes), block_size=B,
                                         kv_cache_group_id=0)
@@ -214,6 +220,25 @@ class VllmBlockPool(Backend):
         # As vLLM's KVCacheManager does: reversed, so a freed prefix's tail is evicted first.
         self.pool.free_blocks(reversed(table))
         del self.tables[seq], self.tokens[seq], self.final[seq]
+
+    def events(self) -> list:
+        """SPEC §14, from vLLM's own KV events (``BlockPool.take_events``): a ``BlockStored`` of n
+        hashes is n stored (the first's parent its ``parent_block_hash``, each next one's the hash
+        before it), a ``BlockRemoved`` one removed per hash, ``AllBlocksCleared`` a cleared."""
+        out = []
+        for e in self.pool.take_events():
+            kind = type(e).__name__
+            group = getattr(e, "group_idx", None) or 0
+            if kind == "BlockStored":
+                parent = e.parent_block_hash
+                for h in e.block_hashes:
+                    out.append(KVEvent(STORED, h, parent, group))
+                    parent = h
+            elif kind == "BlockRemoved":
+                out += [KVEvent(REMOVED, h, None, group) for h in e.block_hashes]
+            elif kind == "AllBlocksCleared":
+                out.append(KVEvent(CLEARED))
+        return out
 
     def ledger(self, seqs=None) -> Ledger:
         """From the tally (the blocks operations touched) and vLLM's free count: no pool scan."""

@@ -38,6 +38,7 @@ import traceback
 import numpy as np
 
 from kvbench.checking import expectations, identities, tier_replay
+from kvbench.checking.event_replay import EventReplay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.driver import Driver
 from kvbench.model.oracle import ModelOOM, Oracle, content_segments
@@ -47,7 +48,8 @@ from kvbench.checking.applicable import applicable
 from kvbench.model.tiered import TieredOracle
 from kvbench.checking.verdict import OOM, SUCCESS, Divergence, Verdict, dict_diff, refusal_detail
 from kvbench.contract.ledger import LEDGER_FIELDS, QUANTITIES, Ledger, named
-from kvbench.contract.protocol import Backend, OutOfMemory, Prompt, Refusal, _takes, kv_tokens, takes_lifecycle
+from kvbench.contract.protocol import (Backend, OutOfMemory, Prompt, Refusal, _takes, kv_tokens,
+                                       publishes_events, takes_lifecycle)
 from kvbench.traces.format import Prefill, Trace, op_to_dict
 from kvbench.traces.tier_ops import TIER_OPS
 
@@ -153,6 +155,8 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
             changed = replay.apply(op)
             expected = replay.compare_ledger(changed, last=index == last)
             replay.verify_kv(changed, last=index == last)
+            if replay.events is not None:
+                replay.events.compare()
             if series:
                 replay.record(expected)
             verdict.ops = index + 1
@@ -209,6 +213,12 @@ class _Replay(Driver):
         self.tape, self.recorder = expectations.open_for(trace, oracle, gather, cache) \
             if backend is not None else (None, None)
         self.usage = None  # the tenants' usage after this operation
+        self.events = None  # SPEC §14: the backend's KV events, where it publishes them
+        if backend is not None and oracle.caching:
+            if publishes_events(backend):
+                self.events = EventReplay(self)
+            else:
+                verdict.skipped["events"] = f"{backend.name} publishes no KV events"
 
     def diverge(self, quantity, expected, actual, detail="", *, soft=False):
         """Stop at this divergence; with ``keep_going``, a ``soft`` one (a figure or block id that

@@ -18,7 +18,8 @@ from kvbench.contract.ledger import LEDGER_FIELDS
 
 # The modules whose checks are named here, relative to the repository root.
 MODULES = ("kvbench/checking/checker.py", "kvbench/checking/identities.py",
-           "kvbench/checking/content.py", "kvbench/checking/tier_replay.py")
+           "kvbench/checking/content.py", "kvbench/checking/tier_replay.py",
+           "kvbench/checking/event_replay.py")
 
 
 @dataclass(frozen=True)
@@ -174,5 +175,14 @@ TIERS = (  # SPEC §11
 ) + tuple(_c(f"tier: {f}", "tier_replay", "TierReplay.compare", "tier {} {}",
              f"each tier's {f} against the oracle's") for f in TIER_FIELDS)
 
-CHECKS = CALLS + LEDGER + IDENTITIES + STRUCTURES + MIRROR + ORDERS + CONTENT + TIERS
+EVENTS = (  # SPEC §14, for a backend that publishes events()
+    _c("events: order rules", "event_replay", "EventReplay.apply", "event order",
+       "a key stored at most once while present, nothing removed that was not stored, a stored "
+       "block's parent present or none: the rule and the event that breaks it"),
+    _c("events: residency", "event_replay", "EventReplay.compare_group", "residency of group {}, tier {}",
+       "the keys the events stored and removed in the operation, net, are those the oracle's prefix "
+       "cache gained and lost: the residency replayed from them equals the oracle's"),
+)
+
+CHECKS = CALLS + LEDGER + IDENTITIES + STRUCTURES + MIRROR + ORDERS + CONTENT + TIERS + EVENTS
 BY_NAME = {c.name: c for c in CHECKS}

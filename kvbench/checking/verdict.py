@@ -49,6 +49,7 @@ class Verdict:
     recomputed_tokens: int = 0
     preemptions: int = 0  # the trace's preempt operations replayed (SPEC §13)
     gathers: int = 0
+    events: int = 0  # KV events checked (SPEC §14)
     hits: int = 0  # operations that found the sequence they touch still resident
     misses: int = 0  # ... that found it evicted, and recomputed it
     tenants: dict = field(default_factory=dict)  # tenant -> {evictions, recomputed_tokens, hits, misses}

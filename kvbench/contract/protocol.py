@@ -357,6 +357,14 @@ class Backend(ABC):
         what it must be). A backend that declares the ``state`` kind implements it."""
         raise NotImplementedError(f"{self.name} holds no state groups")
 
+    def events(self) -> list:
+        """SPEC §14: the KV events (kvbench.contract.events.KVEvent) it emitted since the last
+        call, in order: ``stored`` for each block that became a prefix-cache entry, ``removed``
+        for each that stopped being one, ``cleared`` for a reset; per group and tier. Optional:
+        a backend that defines it has its events checked after every operation
+        (:func:`publishes_events`); one that does not is reported "not checked: events"."""
+        raise NotImplementedError(f"{self.name} publishes no KV events")
+
     def close(self) -> None:
         """Release device memory (optional)."""
 
@@ -503,6 +511,11 @@ def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 
+def publishes_events(backend: Backend) -> bool:
+    """Whether ``backend`` publishes KV events (SPEC §14): it defines its own ``events()``."""
+    return getattr(type(backend), "events", Backend.events) is not Backend.events
+
+
 # K/V values of writer w at position p: ((w * 7919 + p * 131 + 3) + 17 e) mod 2003 - 1001 for
 # element e. As 17 is invertible mod the prime 2003, the row of base b is row 0 shifted by
 # c = b / 17 (mod 2003): a window of one periodic 1-D array. Every row is a slice of it, so
@@ -569,4 +582,5 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
            "kv_tokens", "Refusal",
-           "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle"]
+           "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle",
+           "publishes_events"]

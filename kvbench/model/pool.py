@@ -49,6 +49,8 @@ class BlockPool:
         self._free_low = 0
         self._cached_log: list | None = None
         self._ids = None  # free_list()'s buffer
+        # (group, key) of each key the prefix cache gained or lost, when a dict (model/events.py)
+        self.key_log: dict | None = None
 
     @property
     def blocks_used(self) -> int:
@@ -91,6 +93,8 @@ class BlockPool:
         self.by_hash[key].remove(b)
         if not self.by_hash[key]:
             del self.by_hash[key]
+            if self.key_log is not None:
+                self.key_log[key] = None
 
     def _drop_ref(self, b: int) -> None:
         """One reference less; at 0 the block goes to the end of the cached queue if hashed, on
@@ -143,6 +147,8 @@ class BlockPool:
         block only with ``duplicates`` (the first registered stays the one a hit takes)."""
         if (g, key) in self.by_hash and not duplicates:
             return
+        if self.key_log is not None:
+            self.key_log[(g, key)] = None
         self.by_hash.setdefault((g, key), []).append(b)
         self.hash_of[b] = (g, key)
 

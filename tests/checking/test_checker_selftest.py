@@ -24,6 +24,7 @@ from test_ledger_quantities import PAGED
 
 from impls.faults import CopyWithoutData, LruTiesWrongWay, StateNotZeroed
 from impls.faults_edges import ExactFitRefused, Int4CopyWithoutZeroPoint, PrefillKeepsBlockOnRefusal
+from impls.faults_events import ParentNeverStored
 from impls.faults_tiers import LeasesOutOfRefcounts
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking import checks
@@ -502,6 +503,24 @@ CASES = {
     "tier: loading": Case(tier_reports(tier_field("loading"), at_call=2), TIER_TRACE, 2, "tier host loading",
                           0, 1, config={"prefix_caching": True, "num_blocks": 16}),
 }
+
+# --- KV events (SPEC §14): CACHED's op 0 stores hashes 0, 1, 2 (1's parent 0, 2's parent 1) --
+class DropsLastStored(NumpyPaged):
+    """Its events leave out the stored of key 2."""
+
+    def events(self):
+        return [e for e in super().events() if e.key != 2]
+
+
+CASES.update({
+    "events: order rules": Case(ParentNeverStored, CACHED, 0, "event order",
+                                "a stored block's parent is present or none",
+                                config={"prefix_caching": True}),
+    "events: residency": Case(DropsLastStored, CACHED, 0, "residency of group 0, tier 0",
+                              {"stored": [0, 1, 2], "removed": []}, {"stored": [0, 1], "removed": []},
+                              "in the model's cache, not in the events' residency: [2]",
+                              config={"prefix_caching": True}),
+})
 
 # Checks whose cases live in another file: the ledger's fields, one case per field.
 ELSEWHERE = {f"ledger: {f}": "test_ledger_quantities.py::test_paged_backend_wrong_in_one_quantity_fails_there"

@@ -14,7 +14,7 @@ from test_lifecycles import LIFECYCLE_TRACE
 from impls.numpy_lookahead import NumpyEagle, NumpyLookahead
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
-from kvbench.contract.protocol import Capabilities
+from kvbench.contract.protocol import Backend, Capabilities
 from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.traces.ops import Accept, Append, Prefill
 
@@ -117,7 +117,11 @@ def test_an_eagle_hit_short_of_its_lookahead_block_fails_at_the_hit():
                        Prefill(0, 1, "a", 64, ("h0", "h1", "h2", "h3")), X(1), X(0))
     config = make_config(num_blocks=16, prefix_caching=True)
     assert check(trace, NumpyEagle(config), gather="all").valid is True
-    v = check(trace, EagleBlockUncached(config), gather="all")
+    # Its KV events (SPEC §14) show the missing entry first, at the prefill: h2 never stored.
+    d = check(trace, EagleBlockUncached(config), gather="all").divergence
+    assert (d.step, d.quantity) == (0, "residency of group 0, tier 0") and "['h2']" in d.detail
+    silent = type("Silent", (EagleBlockUncached,), {"events": Backend.events})  # the hit alone
+    v = check(trace, silent(config), gather="all")
     d = v.divergence
     assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 1, "blocks_used", 5, 6)
 

@@ -14,6 +14,7 @@ from kvbench.checking.checker import check
 from kvbench.cli import faults as cli
 from kvbench.cli import main
 from kvbench.contract import registry
+from kvbench.contract.protocol import Backend
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,16 @@ def test_the_planted_faults_of_the_tests_are_caught_too(table):
 
 
 def test_a_salt_leak_names_both_requests(table):
-    d = table["salt and adapter name untagged in the block hash"]["divergence"]
+    # The pool's KV events show the leak first: a key announced for a block of another salt
+    # that stood for the first salt's block.
+    row = table["salt and adapter name untagged in the block hash"]
+    d = row["divergence"]
+    assert d.quantity == "residency of group 0, tier 0" and "one key for two blocks" in d.detail
+    # Without events, the hit across salts names both requests.
+    from impls.faults import UntaggedExtraKeys
+    trace = suite.load_traces([suite.WORKLOADS_DIR / f"{row['workload']}.jsonl"])[0]
+    silent = type("Silent", (UntaggedExtraKeys,), {"events": Backend.events})
+    d = check(trace, silent(suite.config_for(trace))).divergence
     assert "a hit across salts" in d.detail and "salt 'x'" in d.detail and "adapter 'x'" in d.detail
 
 
@@ -217,17 +227,18 @@ LIFECYCLE_CATCHES = {
     # the first rollback across a block edge: 2 grows 63 -> 68 -> 71 -> 76 (5 written, 4, 2, 4 of
     # the 4 drafts kept), then 81 with 3 kept: 80 = 5 * 16, so block 5 lies wholly past it;
     "a block of rejected drafts stays in the prefix cache": ("lifecycle-speculative", 18),
-    # 3's whole prompt p1.0 .. p1.4 arrives while 2 has written 24 of its 94 (p1.1 half written);
-    "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 3),
+    # 1 writes 24 of its 38-token prompt: p0.1 holds 24 - 16 = 8 of 16 tokens, and the pool's KV
+    # events (SPEC §14) announce it at once, before 3's prompt arrives to hit a half-written p1.1;
+    "a chunked prompt's block cached before it is complete": ("lifecycle-chunked", 1),
     # 2, preempted at step 8, resumes after 0 and 1 took the blocks it released.
     "a resumed sequence reads the blocks it held before (another's by then)": ("lifecycle-preempt", 12),
     # host holds 8 blocks: 9 (27 tokens, ceil(27 / 16) = 2 blocks) swaps out at step 27, 8 (45
     # tokens, 3 blocks) at 29, leaving 8 - 5 = 3, too few for 7's 72 tokens (5 blocks: recomputed);
     # 9 resumes at step 35 while 8 is still swapped, swapped out last.
     "a swapped sequence resumes with another's K/V": ("lifecycle-swap", 35),
-    # 0 prefills 80 tokens, 80 / 16 = 5 full blocks (p2.0 .. p2.3, r0.0), the last left uncached;
-    # its free at step 6 leaves 4 of them cached, not 5 (its partial sixth never is).
-    "an EAGLE hit's lookahead block left out of the caching mask": ("lifecycle-chunked", 6),
+    # 0 prefills 80 tokens, 80 / 16 = 5 full blocks (p2.0 .. p2.3, r0.0), the last left uncached:
+    # its KV events store 4 of them, not 5 (without events, its free at step 6 shows it).
+    "an EAGLE hit's lookahead block left out of the caching mask": ("lifecycle-chunked", 0),
 }
 
 
@@ -235,6 +246,29 @@ LIFECYCLE_CATCHES = {
 def test_each_lifecycle_fault_fails_the_default_run_at_its_step(table, name):
     row = table[name]
     assert (row["caught"], row["workload"], row["step"]) == ("yes", *LIFECYCLE_CATCHES[name])
+
+
+# KV events (SPEC §14): each on hybrid-cut-hits (blocks of 8), the first committed workload that
+# caches, whose first hashed prefill is step 2 (1: 48 tokens, w0.0 .. w0.5).
+EVENT_CATCHES = {
+    # 1's first decode step (3): its last cached prompt block, w0.5, removed and stored again;
+    "a cached block registered again at every step: a stored follows its removed": 3,
+    # step 2's first stored block, w0.0, names a parent never stored;
+    "a stored names a parent that was never stored": 2,
+    # step 9's prefill of 8 tokens takes one block per group, evicting the oldest cached ones
+    # (w0.0 and w0.5 of the sliding group); the fault announces neither;
+    "an eviction announced by no removed": 9,
+    # step 13's prompt is the first with a partial last block: 53 = 6 * 8 + 5.
+    "a prompt's partial last block announced as stored": 13,
+}
+
+
+@pytest.mark.parametrize("name", EVENT_CATCHES)
+def test_each_event_fault_fails_the_default_run_at_its_step(table, name):
+    row = table[name]
+    assert (row["caught"], row["workload"], row["step"]) == ("yes", "hybrid-cut-hits", EVENT_CATCHES[name])
+    quantity = "event order" if "parent" in name else "residency of group 0, tier 0"
+    assert row["divergence"].quantity == quantity
 
 
 def test_each_tier_fault_fails_the_default_run_at_its_step(table):
@@ -246,8 +280,9 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
     # references, not 0 + 1. Step 3 flushes 168 = (24 - 3) * 8 tokens into the row step 2 freed;
     # a copy at completion (step 5) that reads the blocks from that row copies the flush's K/V.
     # Step 17: round 2's store fails; host holds round 0's 3 blocks, not 3 + 3.
-    # tier-turns, blocks of 8. Step 14: conversation 3 loads 1000, 1001 under salt "b"; host
-    # holds them under "a" only.
+    # tier-turns, blocks of 8. Step 5 completes conversation 0's store of hashes 1000, 1001
+    # under salt "a": host announces them keyed by the raw hash (SPEC §14's tier events), where
+    # the model holds them under salt "a"; no device key stands for them.
     # Step 107: conversation 2's last load is aborted; nothing else is live and no store is in
     # flight (store 29 completed at step 106): 0 blocks in use. The fault keeps its 3 targets
     # (3000..3002 from disk; 3003 has left host's LRU of 8 blocks): a reference no table and no
@@ -261,7 +296,10 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
     # blocks after agent 0's load (step 8) of the same 6 began: its targets are no hit, so host
     # serves 6 + 6 = 12 hits; hitting them, agent 1 takes none from host: 6.
     where = {T.LeaseEndsAtFree: ("tier-races", 2, "reference count of block 0", 1, 0),
-             T.TierKeyIgnoresSalt: ("tier-turns", 14, "tier host loading", 0, 2),
+             T.TierKeyIgnoresSalt: ("tier-turns", 5, "residency of group 0, tier 1",
+                                    {"stored": [((("salt", "a"),), 1000), ((("salt", "a"),), 1001)],
+                                     "removed": []},
+                                    {"stored": ["backend key 1000", "backend key 1001"], "removed": []}),
              T.LoadIntoBlockBefore: ("tier-agentic", 10, "kv of sequence 2",
                                      "what it wrote or inherited", "different values"),
              T.FailedStoreVisible: ("tier-races", 17, "tier host stored", 3, 3 + 3),

@@ -25,7 +25,7 @@ from impls.engines.vllm_blockpool import NOT_INSTALLED, VllmBlockPool
 from kvbench.analyses import prefix
 from kvbench.checking.checker import check
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
-from kvbench.contract.protocol import OutOfMemory, Prompt
+from kvbench.contract.protocol import Backend, OutOfMemory, Prompt
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import Request, load_requests
 
@@ -253,8 +253,15 @@ def test_checker_reports_a_hash_registered_twice(vllm):
     v = check(trace, VllmBlockPool(cfg))
     assert v.valid is False
     d = v.divergence
-    # At the free of seq 1 (op #2): the oracle caches 9's block only (1); vLLM caches 9's and its
-    # second block under 7 (2). Nothing else differs: same blocks used, free and hit.
+    # Its KV events (SPEC §14) show it first: at seq 1's prefill (op #1) vLLM announces a
+    # BlockStored of 7 while 7 is present.
+    assert (d.index, d.op["op"], d.quantity, d.expected) == (
+        1, "prefill", "event order", "a key is stored at most once while present")
+    # Without them, at the free of seq 1 (op #2): the oracle caches 9's block only (1); vLLM
+    # caches 9's and its second block under 7 (2). Nothing else differs: same blocks used, free
+    # and hit.
+    silent = type("Silent", (VllmBlockPool,), {"events": Backend.events})
+    d = check(trace, silent(cfg)).divergence
     assert (d.index, d.op["op"], d.quantity, d.expected, d.actual) == (2, "free", "cached_blocks", 1, 2)
 
 
@@ -346,3 +353,30 @@ def test_vllm_caches_blocks_filled_by_decode(manager):
     # Both stay cached; a kvbench trace names prompt blocks only (appends carry no hashes), so
     # kvbench would cache 1.
     assert manager.cached() == 2
+
+
+# --- KV events (SPEC §14): vLLM's own, from BlockPool.take_events ---------------------------
+
+def test_vllm_announces_its_cache_as_kv_events(vllm):
+    from kvbench.contract.events import REMOVED, STORED
+    be = VllmBlockPool(make_config(block_size=B, num_blocks=4, store_kv=False, prefix_caching=True))
+    # 40 tokens = 2 full blocks (hashes 1, 2) + 8: one BlockStored of 2 hashes, 2's parent 1.
+    be.prefill(0, Prompt(40, block_hashes=[1, 2]))
+    got = be.events()
+    assert [(e.kind, e.parent is None) for e in got] == [(STORED, True), (STORED, False)]
+    assert got[1].parent == got[0].key
+    first = [e.key for e in got]
+    be.free(0)
+    assert be.events() == []  # freed: still cached
+    # 4 new blocks of 4: the never used one, then the 3 freed, the 2 cached among them evicted
+    # (2 BlockRemoved); 4 hashes stored.
+    be.prefill(1, Prompt(64, block_hashes=[5, 6, 7, 8]))
+    got = be.events()
+    assert sorted(e.key for e in got if e.kind == REMOVED) == sorted(first)
+    assert len([e for e in got if e.kind == STORED]) == 4
+
+
+def test_the_checker_checks_vllms_events(vllm):
+    trace = load_traces([p for p in committed_workloads() if p.stem == "prefix-reuse"])[0]
+    v = check(trace, VllmBlockPool(config_for(trace, policy=None)))
+    assert v.valid is True and v.events > 0 and "events" not in v.skipped
