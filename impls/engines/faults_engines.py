@@ -14,6 +14,14 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
   time, so a block another request still holds goes back to the free queue.
 - ``VllmWindowEarly``: ``SlidingWindowManager.remove_skipped_blocks`` run one block past the
   tokens computed, so a block still inside the window is released.
+- ``VllmMambaEagleCheckpoint``: vLLM issue #54360 (speculative decoding on a Mamba hybrid in
+  align mode: every prefix hit silently 0), by the mechanism issue #53504 traced: the
+  scheduler's chunk split backs the prompt's checkpoint off one block for an EAGLE / MTP
+  drafter (``Scheduler._mamba_block_aligned_split`` with ``use_eagle_block_drop``) while the
+  manager's sparse retention keeps the boundary without the drop, so the state written is
+  never cached and the state cached is never written. vLLM 0.33 keeps the two in step (its
+  ``replay_boundaries`` take ``use_eagle``); planted by running the split with the drop and the
+  manager without it.
 """
 from __future__ import annotations
 
@@ -93,3 +101,10 @@ class VllmWindowEarly(VllmKVManager):
                 manager.remove_skipped_blocks(req.request_id,
                                               req.num_computed_tokens + self.block_size)
         return super().append(seqs, tokens, kv, step=step)
+
+
+class VllmMambaEagleCheckpoint(VllmKVManager):
+    """Over the serving default's align mode (a model with Mamba groups, prefix caching on)."""
+
+    name = "vllm-fault-mamba-eagle-checkpoint"
+    eagle = True  # the split's EAGLE block drop; the manager is built without use_eagle

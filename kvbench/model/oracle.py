@@ -342,7 +342,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
         def need(drop):  # new blocks, plus cached blocks it takes back from the free pool
             L, hits, _ = self._cache_hits(lookup, tokens)
-            return G * (n - L) + self._taken_back(hits, drop)
+            return self._new_blocks(lookup, prompt_tokens or tokens, tokens, L, n) \
+                + self._taken_back(hits, drop)
 
         self._tree_match(lookup, tokens)
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
@@ -360,19 +361,24 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)
             self._take_hits(hits)
             self.hit_blocks += counted
-            self._evict_before_alloc(G * (n - L), [tokens - L * self.B])
+            self._evict_before_alloc(self._new_blocks(lookup, prompt_tokens or tokens, tokens, L, n),
+                                     [tokens - L * self.B])
             st.tables = [[hits[g].get(i) for i in range(L)]
-                         + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
+                         + [self._new_block(min(self.B, tokens - i * self.B), g)
+                            if self._allocates(st, g, i, n) else None for i in range(L, n)]
                          for g in range(G)]
             self.seqs[seq] = st  # first: a full block's caching reads its retention
             for g in range(G):
                 for i in range(L, n):
+                    if st.tables[g][i] is None:  # a state group's position align mode skips
+                        continue
                     if i < len(lookup):
                         if self._keeps(st, g, i):
                             self._share_cached(st.tables[g], g, i, lookup[i])
                             self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g, seq, i)
+            self._settle_states(seq, tokens)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
             if self.window_release == "end_of_operation":
@@ -591,7 +597,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
             def need(drop):
                 L, hits, _ = self._cache_hits(keys, parent.tokens)
-                return G * (n - L) + self._taken_back(hits, drop)
+                return self._new_blocks(keys, parent.tokens, parent.tokens, L, n) \
+                    + self._taken_back(hits, drop)
 
             victims = self._make_room(("fork", need, []), {seq, src})
         states = [g for g, kind in enumerate(self.kinds) if kind.copied_at_fork and n]

@@ -110,13 +110,15 @@ class SpecSteps:
         L, hits, _ = self._cache_hits(keys, parent.tokens)
         child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
         self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
-        self._evict_before_alloc(G * (n - L), [parent.tokens - L * self.B])
+        self._evict_before_alloc(self._new_blocks(keys, parent.tokens, parent.tokens, L, n),
+                                 [parent.tokens - L * self.B])
         child.tables = [[hits[g].get(i) for i in range(L)]
                         + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
+                           if self._allocates(child, g, i, n) else None
                            for i in range(L, n)] for g in range(G)]
         for g in range(G):
             for i in range(L, min(n, len(keys))):
-                if self.blocks[child.tables[g][i]][1] < self.B:
+                if child.tables[g][i] is None or self.blocks[child.tables[g][i]][1] < self.B:
                     continue
                 if self._keeps(child, g, i):
                     self._share_cached(child.tables[g], g, i, keys[i])
@@ -126,10 +128,11 @@ class SpecSteps:
             # full past the parent's keys (its kept drafts'); below L (a chunk's start past
             # the keys: chunk_start_hit), no block
             for i in range(max(len(keys), L), n):
-                if self.blocks[child.tables[g][i]][1] == self.B:
+                if child.tables[g][i] is not None and self.blocks[child.tables[g][i]][1] == self.B:
                     self._filled(child.tables[g][i], g, seq, i)
         # The child's blocks below a window hold the parent's content: its own fork names them.
         child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
+        self._settle_states(seq, parent.tokens)
         self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
         if self.window_release == "end_of_operation":
             self._release_windows([seq], {seq: child.tokens})
