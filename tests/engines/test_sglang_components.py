@@ -1,4 +1,4 @@
-"""SGLang's UnifiedRadixCache with its SWA component (impls/engines/sglang_components.py): each
+"""SGLang's UnifiedRadixCache with its SWA or MAMBA component (impls/engines/sglang_components.py): each
 component's SPEC §10 figures and lock balance after every step, and the planted SWA lock bugs of
 impls/engines/faults_engines.py caught by them.
 
@@ -59,13 +59,27 @@ def test_the_swa_lock_protects_the_window_and_its_early_release_frees_it(sglang)
     assert t.run(1, A + B + C) and t.hits == 16  # the cached 16 tokens hit
 
 
-def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sglang):
+def test_a_mamba_state_is_cached_with_its_prompt_and_protected_while_its_request_runs(sglang):
+    from impls.engines.sglang_components import MambaTree
+    t = MambaTree(SIZE, 8)
+    states = t.figures()["mamba"][2]  # the state slots SGLang's MambaPool lends (its size)
+    assert t.run(0, A + B)
+    # full: the 16-token path locked; mamba: its one state, locked with it
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 1, states)}
+    t.finish(0)
+    assert t.figures()["mamba"] == (1, 0, states - 1, states)
+    assert t.run(1, A + B + C) and t.hits == 16  # the cached prefix and its state hit
+    assert t.violations() == []
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sglang, kind):
     """300 steps of requests sharing prefixes of a few roots (runs, early window releases,
     finishes, evictions, refusals where the pools are full): SGLang's own ledger agrees with
     its nodes and SPEC §10 after every one, and at the end, idle, nothing is locked."""
-    from impls.engines.sglang_components import SwaTree
+    from impls.engines.sglang_components import MambaTree, SwaTree
     rng = random.Random(0)
-    t = SwaTree(SIZE, WINDOW)
+    t = SwaTree(SIZE, WINDOW) if kind == "swa" else MambaTree(SIZE, 6)
     roots = [list(range(1000 * r, 1000 * r + 12)) for r in range(3)]
     running, released, rid = [], set(), 0
     for step in range(300):
@@ -78,7 +92,7 @@ def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sgla
             rid += 1
         elif roll < 0.6:
             r = rng.choice(running)
-            if r not in released:
+            if r not in released and kind == "swa":
                 t.release_window(r)
                 released.add(r)
         elif roll < 0.9:
