@@ -242,6 +242,8 @@ class VllmKVManager(Backend):
         if self.align and interval is None:
             raise NotImplementedError(MAMBA_DENSE)
         self.capabilities = capabilities_for(self.caching, interval)
+        if self.align:  # the scheduler's split of a chunked prompt is not driven
+            self.capabilities = dataclasses.replace(self.capabilities, chunked_prefill=False)
         self.manager = v.KVCacheManager(kv_config,
                                         max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=B, hash_block_size=B,
@@ -419,6 +421,8 @@ class VllmKVManager(Backend):
                 skipped = manager.get_num_skipped_tokens(req.num_computed_tokens) // self.block_size
                 for blk in reversed(table[:skipped]):
                     if blk.is_null:  # released by an earlier call, and everything below it
+                        if self.align and type(manager).__name__ == "MambaManager":
+                            continue  # align mode leaves null positions between states
                         break
                     drops.setdefault(blk.block_id, [blk, 0])[1] += 1
         return drops

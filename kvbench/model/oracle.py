@@ -220,7 +220,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                         need += 1  # the writer gets its own copy of the shared tail
                         ref_delta[tail] = ref_delta.get(tail, 0) - 1
                 ahead = self.seqs[s].ahead
-                need += max(0, F.append_new_blocks(dt, free_last, self.B) - (len(ahead[g]) if ahead else 0))
+                new = self._appended_blocks(g, F.append_new_blocks(dt, free_last, self.B))
+                need += max(0, new - (len(ahead[g]) if ahead else 0))
         return need
 
     def _fits(self, call, exclude=()) -> bool:
@@ -378,7 +379,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                             self._register(st.tables[g][i], g, lookup[i])
                     elif self.blocks[st.tables[g][i]][1] == self.B:
                         self._filled(st.tables[g][i], g, seq, i)
-            self._settle_states(seq, tokens)
+            self._settle_states(seq, tokens, L)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
             if self.window_release == "end_of_operation":
@@ -486,8 +487,11 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                         self._completed(table[-1], g, s, len(table) - 1)
                 while dt > 0:
                     take = min(dt, self.B)
-                    table.append(self._next_block(s, take, g))
                     dt -= take
+                    if self._skips_block(g, last=dt <= 0):  # align mode: a state's null position
+                        table.append(None)
+                        continue
+                    table.append(self._next_block(s, take, g))
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
 

@@ -69,3 +69,53 @@ def test_under_spec_rules_every_state_block_is_taken_and_cached():
     led = prefill(o, 0, 61, A[:7])
     assert held(o, 0) == list(range(8))
     assert led.blocks_used == 4 * 8
+
+
+def hand(groups, block_size, num_blocks, ops):
+    from kvbench.traces.format import Header, Trace, validate
+    header = Header(family="test", settings={"model": "tiny-hybrid", "block_size": block_size,
+                                             "num_blocks": num_blocks, "prefix_caching": True},
+                    groups=groups)
+    return validate(Trace(header, ops, name="hand"))
+
+
+def used_after_each(trace) -> list:
+    from kvbench.analyses.suite import config_for
+    o = Oracle(config_for(trace, policy=None), capabilities=SERVING)
+    out = []
+    for op in trace.ops:
+        if op.kind == "prefill":
+            o.prefill(op.seq, op.tokens, op.tenant, op.tokens, op.step, hashes=op.block_hashes)
+        else:
+            o.append(op.seqs, op.tokens, op.step)
+        out.append(o.expected_ledger().blocks_used)
+    return out
+
+
+def split_prefill_trace():
+    """state(59) beside chunked(1), B = 1: a 2-token prompt runs as chunks [0, 1) and [1, 2)."""
+    from kvbench.traces.format import Prefill
+    return hand(("state(59)", "chunked(1)"), 1, 4, [Prefill(0, 0, "a", 2)])
+
+
+def long_append_trace():
+    """state(117) beside full, B = 3: a 3-token prompt, then an append of 4 tokens."""
+    from kvbench.traces.format import Prefill
+    from kvbench.traces.ops import Append
+    return hand(("state(117)", "full"), 3, 6, [Prefill(0, 0, "a", 3, ("p0.0",)),
+                                               Append(1, (0,), (4,))])
+
+
+def test_the_later_chunks_of_a_split_prefill_release_every_releasing_groups_blocks():
+    """The second chunk's allocate_slots releases, as of its start (1 token), the chunked(1)
+    group's block 0 too: the prefill ends with the state's 2 blocks (c - 1 = 0 and 1) and the
+    chunked group's 1, 3 blocks; released only at the next allocation it would hold 4."""
+    assert used_after_each(split_prefill_trace()) == [2 + 1]
+
+
+def test_an_append_across_several_blocks_takes_one_state_block():
+    """At 3 tokens the state holds block 0 (one chunk: c = (3 - 1) // 3 = 0), the full group
+    1 block; appending 4 tokens crosses into blocks 1 and 2 (7 tokens): the full group takes
+    both, the state only the last (MambaManager's align mode), 0 released at the next
+    allocation: 3 + 2 blocks, not 3 + 3."""
+    assert used_after_each(long_append_trace()) == [1 + 1, 3 + 2]

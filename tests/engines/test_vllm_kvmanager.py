@@ -637,3 +637,41 @@ def test_a_block_completed_by_kept_drafts_is_cached_at_the_next_allocation(vllm)
     trace = make_trace(P(0, 14), Append(0, (0,), (5,), (4,)), Accept(0, 0, 4), Append(0, (0,), (1,)),
                        Fork(0, 1, 0), X(1), X(0))
     assert check(trace, manager(num_blocks=8, caching=True)).valid is True
+
+
+def test_align_mode_fuzz_findings_check_clean_and_a_chunked_prompt_is_not_applicable(vllm):
+    """Two kvbench fuzz findings (seed 0, --model-shapes), fixed in the oracle's align rule
+    (tests/checking/test_oracle_mamba_align.py has their figures): the later chunks of a split
+    prefill release a chunked group's blocks too, and an append across several blocks takes one
+    state block. A chunked prompt on a Mamba model with prefix caching is n/a: the scheduler's
+    split of one is not driven."""
+    from test_oracle_mamba_align import long_append_trace, split_prefill_trace
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    for trace in (split_prefill_trace(), long_append_trace()):
+        v = check(trace, VllmKVManager(config_for(trace, policy=None)))
+        assert v.valid is True, str(v.divergence)
+    chunked = validate(Trace(Header(family="test", settings={
+        "model": "tiny-hybrid", "block_size": 1, "num_blocks": 40, "prefix_caching": True},
+        groups=("full", "state(192)")), [Prefill(0, 0, "a", 1, token_ids=tuple(range(18)),
+                                                 prompt_tokens=18)], name="hand"))
+    v = check(chunked, VllmKVManager(config_for(chunked, policy=None)))
+    assert v.valid is None and "chunk" in v.not_applicable, v.not_applicable
+
+
+@pytest.mark.xfail(strict=True, reason="the oracle takes a split prefill's blocks before its later "
+                                       "chunks' releases; vLLM after them (docs/engines.md)")
+def test_gap_a_tight_pool_evicts_a_cached_block_vllm_keeps_in_a_split_prefill(vllm):
+    """kvbench fuzz --model-shapes --seed 1, finding 07, shrunk: groups sliding(6), two states,
+    chunked(4), B = 3, 21 blocks. Request 1 (10 tokens) runs as chunks [0, 9) and [9, 10); the
+    second chunk's releases (the window's block 0, the chunk's 0 and 1) go back before it
+    allocates, so vLLM needs no eviction and keeps request 0's cached chunked block: 3 cached
+    blocks. The oracle takes all 12 new blocks first, 12 free counting that cached one, evicts
+    it, then releases: 2."""
+    from impls.engines.vllm_kvmanager import VllmKVManager
+    trace = validate(Trace(Header(family="test", settings={
+        "model": "tiny-hybrid", "block_size": 3, "num_blocks": 21, "prefix_caching": True},
+        groups=("sliding(6)", "state(191)", "state(191)", "chunked(4)")), [
+        Prefill(0, 0, "b", 7, token_ids=tuple(range(7)), salt="s1", adapter="a1"),
+        Prefill(1, 1, "a", 10, ("p2.0", "p2.1", "r2.2"))], name="hand"))
+    v = check(trace, VllmKVManager(config_for(trace, policy=None)))
+    assert v.valid is True, str(v.divergence)

@@ -132,7 +132,7 @@ class SpecSteps:
                     self._filled(child.tables[g][i], g, seq, i)
         # The child's blocks below a window hold the parent's content: its own fork names them.
         child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
-        self._settle_states(seq, parent.tokens)
+        self._settle_states(seq, parent.tokens, L)
         self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
         if self.window_release == "end_of_operation":
             self._release_windows([seq], {seq: child.tokens})

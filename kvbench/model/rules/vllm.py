@@ -174,23 +174,43 @@ class VLLMSteps:
                    else sum(1 for i in range(L, n) if i == n - 1 or i in retained[g])
                    for g, group in enumerate(self.groups))
 
-    def _settle_states(self, seq, tokens: int) -> None:
-        """Align mode, after a prefill of ``tokens`` tokens: each state group gives back its
-        blocks below the checkpoint's (the hit's, the junction's), lowest position first, as
-        the later chunks' ``remove_skipped_blocks`` do, group after group at each position."""
+    def _settle_states(self, seq, tokens: int, L: int) -> None:
+        """Align mode, after a prefill of ``tokens`` tokens with a hit of L blocks: what the
+        allocate_slots of its later chunks released before allocating, each as of its chunk's
+        start (the junction's boundary, then the checkpoint's): every releasing group's blocks
+        it no longer holds there (a state group's below the state before, a window's below its
+        window), chunk after chunk, group after group, each group's highest position first."""
         if not self._align_states():
             return
         st = self.seqs[seq]
         states = [g for g, group in enumerate(self.groups) if group.family == "state"]
-        c = max(0, tokens - 1) // self.B  # the checkpoint's boundary, in blocks
-        for i in F.released_blocks(c * self.B, self.groups[states[0]], self.B):
-            for g in states:
-                b = st.tables[g][i] if i < len(st.tables[g]) else None
-                if b is not None:
-                    if b in self.hash_of:  # a fork through the prefix cache names it
-                        st.released_keys[i] = self.hash_of[b][1]
-                    self._drop_ref(b)
-                    st.tables[g][i] = None
+        starts = sorted({(i + 1) * self.B for i in st.retained[states[0]]}
+                        & set(range((L + 1) * self.B, tokens, self.B)))
+        for start in starts:
+            for g, kind in enumerate(self.kinds):
+                if not kind.releases:
+                    continue
+                table = st.tables[g]
+                gone = kind.released(start)
+                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
+                    b = table[i]
+                    if b is not None:
+                        if b in self.hash_of:  # a fork through the prefix cache names it
+                            st.released_keys[i] = self.hash_of[b][1]
+                        self._drop_ref(b)
+                        table[i] = None
+
+    def _appended_blocks(self, g: int, new: int) -> int:
+        """Blocks an append that crosses ``new`` block boundaries takes in group ``g``: align
+        mode's state group takes the last one only (MambaManager.allocate_new_blocks)."""
+        if new and self._align_states() and self.groups[g].family == "state":
+            return 1
+        return new
+
+    def _skips_block(self, g: int, last: bool) -> bool:
+        """Whether an append leaves this new position of group ``g`` null (align mode: a state
+        group's positions before the append's last)."""
+        return not last and self._align_states() and self.groups[g].family == "state"
 
     @staticmethod
     def _keeps(st, g: int, i: int) -> bool:
