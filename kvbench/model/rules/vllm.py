@@ -155,9 +155,13 @@ class VLLMSteps:
                 if group.family in families else None for group in self.groups]
 
     def _align_states(self) -> bool:
-        """``state_checkpoints="align"`` applies: a prefix cache and a state group."""
-        return (self.caching and self.rules.state_checkpoints == "align"
-                and any(g.family == "state" for g in self.groups))
+        """``state_checkpoints="align"`` applies: a prefix cache and a state group (read once:
+        the append path asks per block)."""
+        on = self.__dict__.get("_align_on")
+        if on is None:
+            on = self._align_on = bool(self.caching and self.rules.state_checkpoints == "align"
+                                       and any(g.family == "state" for g in self.groups))
+        return on
 
     def _allocates(self, st, g: int, i: int, n: int) -> bool:
         """Whether a request's prefill of n blocks takes a block at position ``i`` of group ``g``
