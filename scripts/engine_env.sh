@@ -57,8 +57,11 @@ case "$engine" in
   *) echo "engine_env.sh: unknown engine '$engine' (vllm, sglang or dynamo)" >&2; exit 2 ;;
 esac
 
+# kvbench's CLI and tests: pyproject's pytest options take pytest-xdist (--dist).
+tools=(pandas matplotlib pyarrow fsspec ml_dtypes pytest pytest-xdist hypothesis pytest-benchmark)
+
 # The marker names the whole recipe: a changed pin makes the environment incomplete again.
-recipe="$engine ${engine_pkgs[*]} ${deps[*]}"
+recipe="$engine ${engine_pkgs[*]} ${deps[*]} ${tools[*]}"
 marker="$dir/.kvbench-engine-env"
 if [ -f "$marker" ] && [ "$(cat "$marker")" = "$recipe" ]; then
   echo "$dir: the $engine environment is complete (nothing to do)"
@@ -70,8 +73,8 @@ pip() { "$dir/bin/pip" install --quiet --disable-pip-version-check "$@"; }
 [ "$engine" = dynamo ] || pip torch==2.13.0  # first: the CPU wheel (a bare torch is a CUDA build)
 pip --no-deps "${engine_pkgs[@]}"
 pip --no-deps "${deps[@]}"
-pip --no-deps -e .                      # kvbench itself, and what its CLI and tests need:
-pip pandas matplotlib pyarrow fsspec pytest pytest-xdist hypothesis pytest-benchmark  # xdist: pyproject's addopts
+pip --no-deps -e .                      # kvbench itself, and what its CLI and tests need
+pip "${tools[@]}"
 "$dir/bin/python" -c "$probe"
 echo "$recipe" > "$marker"
 echo "$dir: the $engine environment is ready ($dir/bin/kvbench list shows its backends)"

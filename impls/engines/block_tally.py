@@ -62,6 +62,15 @@ class BlockTally:
                             self.pending.setdefault(b.block_id, b)
         self.dirty.update(seqs)
 
+    def held_within(self, tables) -> None:
+        """Blocks an operation held in these tables part way through, which it may release
+        before it ends (a prefill in chunks releases its earlier state blocks): counted again at
+        the next sync, as the blocks of a table before the operation are."""
+        for table in tables:
+            for b in table:
+                if not b.is_null:
+                    self.pending.setdefault(b.block_id, b)
+
     def uncounted(self, block_ids) -> list:
         """``block_ids`` as blocks whose ``ref_cnt`` is this tally's count of their entries."""
         return [Uncounted(b, self.group_refs[0]) for b in block_ids]

@@ -14,9 +14,31 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
   time, so a block another request still holds goes back to the free queue.
 - ``VllmWindowEarly``: ``SlidingWindowManager.remove_skipped_blocks`` run one block past the
   tokens computed, so a block still inside the window is released.
+- ``VllmMambaEagleCheckpoint``: vLLM issue #54360 (speculative decoding on a Mamba hybrid in
+  align mode: every prefix hit silently 0), by the mechanism issue #53504 traced: the
+  scheduler's chunk split backs the prompt's checkpoint off one block for an EAGLE / MTP
+  drafter (``Scheduler._mamba_block_aligned_split`` with ``use_eagle_block_drop``) while the
+  manager's sparse retention keeps the boundary without the drop, so the state written is
+  never cached and the state cached is never written. vLLM 0.33 keeps the two in step (its
+  ``replay_boundaries`` take ``use_eagle``); planted by running the split with the drop and the
+  manager without it.
+
+SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_components.py's
+``SwaTree``, SGLang's Python tree core), each caught by the per-component figures
+(tests/engines/test_sglang_components.py says at which step):
+
+- ``SwaLockPastBoundary``: SGLang PR #27038 reverted: ``SWAComponent.release_component_lock``
+  walks past the window's boundary node (its uuid unread) to the root, so a release
+  decrements the SWA locks of ancestors its acquire never took.
+- ``SwaReleaseSkipped``: SGLang PR #28161's missing ``dec_swa_lock_only``: ``release_swa`` marks
+  the lock's SWA part released without releasing it, and the ``unlock`` that follows skips it,
+  so the window's nodes stay locked after every request ended (planted: 0.5.23 releases it).
 """
 from __future__ import annotations
 
+import types
+
+from impls.engines.sglang_components import SwaTree
 from impls.engines.sglang_radix import Sglang
 from impls.engines.vllm_kvmanager import VllmKVManager
 
@@ -93,3 +115,40 @@ class VllmWindowEarly(VllmKVManager):
                 manager.remove_skipped_blocks(req.request_id,
                                               req.num_computed_tokens + self.block_size)
         return super().append(seqs, tokens, kv, step=step)
+
+
+class VllmMambaEagleCheckpoint(VllmKVManager):
+    """Over the serving default's align mode (a model with Mamba groups, prefix caching on)."""
+
+    name = "vllm-fault-mamba-eagle-checkpoint"
+    eagle = True  # the split's EAGLE block drop; the manager is built without use_eagle
+
+
+def _release_component_lock_past_boundary(comp, node, params, lock_host: bool = False):
+    """SWAComponent.release_component_lock before PR #27038: no boundary, no guard."""
+    ct, root = comp.component_type, comp.tree_core.root_node
+    cur = node
+    while cur is not root:
+        data = cur.component_data[ct]
+        ref = data.lock_ref
+        if ref == 1 and data.value is not None:
+            size = comp.reclaimable_value_len(cur)
+            comp.tree_core.component_evictable_size_[ct] += size
+            comp.tree_core.component_protected_size_[ct] -= size
+        data.lock_ref = ref - 1
+        if ref == 1:
+            comp.tree_core._update_evictable_leaf_sets(cur)
+        cur = cur.parent
+
+
+class SwaLockPastBoundary(SwaTree):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        comp = self.tree.tree_core.components_by_type[self._v.s.ComponentType.SWA]
+        comp.release_component_lock = types.MethodType(_release_component_lock_past_boundary, comp)
+
+
+class SwaReleaseSkipped(SwaTree):
+    def release_window(self, rid) -> None:
+        self.locks[rid].swa_released = True  # dec_swa_lock_only never called
+

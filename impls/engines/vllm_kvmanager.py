@@ -40,7 +40,14 @@ build it (vLLM's tests/v1/core/test_prefix_caching.py: ``make_kv_cache_config`` 
   the chunk holding token ``max_length`` as computed, null blocks looked up in no cache, so a
   prompt on chunked groups alone computes only that chunk, its blocks named or not:
   single_type_kv_cache_manager.py:1350-1368; declared: ``chunk_start_hit``), ``MLAAttentionSpec`` (full attention over one
-  latent), ``MambaSpec`` without prefix caching (``MAMBA_ALIGN``: why not with it). Not sinks(S, W):
+  latent), ``MambaSpec``: without prefix caching in mode "none" (a block per position, all but
+  the last released at the next allocation: kvbench's state rule); with it in mode "align", the
+  only mode vLLM 0.33's MambaManager takes with prefix caching (single_type_kv_cache_manager.py
+  :1442; ``MambaCacheMode`` is "align" | "none", config/cache.py:176), a prefill computed in the
+  chunks vLLM's scheduler splits it into (``Scheduler._mamba_block_aligned_split``, called on
+  the adapter's scheduler settings, ``_AlignedSplit``): one ``allocate_slots`` per chunk, each a
+  scheduler step (``new_step_starts`` first). Declared: ``state_checkpoints="align"``
+  (kvbench/model/rules/vllm.py). Not with dense retention (``None``: not modelled). Not sinks(S, W):
   vLLM's ``SinkFullAttentionSpec`` is full attention (``CAPABILITIES``).
 - salts, LoRA adapters, token ids (SPEC §9): the trace's ``salt`` is the request's
   ``cache_salt``, its ``adapter`` a ``LoRARequest`` of that name, its ``token_ids`` the prompt.
@@ -62,10 +69,16 @@ function of its hash, so equal hashes give equal vLLM hashes; every other token 
 atomic check of a batched append (vLLM's scheduler allocates request by request and preempts;
 kvbench's append is one atomic operation, so the blocks every request of the batch needs are
 counted with vLLM's own ``get_num_blocks_to_allocate`` first, against the free blocks plus those
-the window releases would give back), and reading the ledger back from vLLM's blocks.
+the window releases would give back), the atomic check of a prefill vLLM's scheduler splits
+for align mode (the blocks of all its chunks counted before the first: every full group's, one
+per state group at each chunk's end, and the cached hits taken off the free queue), and
+reading the ledger back from vLLM's blocks.
 
 vLLM reserves block 0 as its null block: a config of ``num_blocks = N`` builds N + 1 blocks, as the
 block-pool adapter does (results/vllm/README.md, point 1).
+
+Over 500 lines: one adapter of vLLM's whole manager, every group kind and scheduler lifecycle it
+drives, each step cited to the vLLM source it follows.
 """
 from __future__ import annotations
 
@@ -79,15 +92,12 @@ from impls.engines.vllm_blockpool import importable
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
-# vLLM's prefix caching of Mamba states (mamba_cache_mode "align", its serving default with
-# prefix caching on) keeps a state only where a computed chunk ends on a block boundary, which
-# its scheduler arranges (Scheduler._mamba_block_aligned_split); the manager allocates the block
-# of the last token alone, so a prefill in one allocate_slots caches no state and never hits.
-# Without prefix caching ("none") it takes a block per position and releases all but the last at
-# the next allocation: kvbench's state rule, which the checker holds it to.
-MAMBA_ALIGN = ("vllm-kvmanager does not run state groups with prefix caching: vLLM's Mamba "
-               "'align' mode caches a state only where its scheduler ends a prefill chunk on a "
-               "block boundary, and the adapter drives no scheduler (SPEC §12; docs/cache-kinds.md)")
+# Dense retention of Mamba checkpoints: vLLM caches every full state block of a request, decode
+# blocks included, whose states in align mode depend on its scheduler's decode steps (one token
+# each); kvbench appends several tokens at once.
+MAMBA_DENSE = ("vllm-kvmanager-dense does not run state groups with prefix caching: Mamba align "
+               "mode's dense retention (prefix_cache_retention_interval None) is not modelled "
+               "(SPEC §12; docs/engines.md)")
 MAX_MODEL_LEN = 1 << 30  # no trace is clipped by vLLM's max_model_len
 FIRST_NEW_ID = 1 << 48  # token ids the adapter makes up: above any a trace gives (int64 ids in practice)
 
@@ -173,8 +183,8 @@ def kv_cache_config(config: CacheConfig, retention_interval="serving"):
 def group_spec(config: CacheConfig, group: F.KVGroup):
     """vLLM's spec of one kvbench group (SPEC §8, §12): FullAttentionSpec, SlidingWindowSpec(W),
     ChunkedLocalAttentionSpec(C), MLAAttentionSpec (one latent of d: one head of d, no V), or
-    MambaSpec (one state of the group's bytes per layer as a float16 tensor, cache mode "none":
-    vLLM's MambaModelConfig sets it without prefix caching; MAMBA_ALIGN says why not "align")."""
+    MambaSpec (one state of the group's bytes per layer as a float16 tensor; cache mode "align"
+    with prefix caching, "none" without: the two modes vLLM 0.33 has)."""
     v = _vllm()
     m = config.model
     dtype = {1: v.torch.int8, 2: v.torch.float16, 4: v.torch.float32}[m.dtype_bytes]
@@ -190,7 +200,7 @@ def group_spec(config: CacheConfig, group: F.KVGroup):
     if group.state_bytes is not None:
         return v.MambaSpec(block_size=config.block_size, shapes=((group.state_bytes // 2,),),
                            dtypes=(v.torch.float16,),
-                           mamba_cache_mode="none")
+                           mamba_cache_mode="align" if config.prefix_caching else "none")
     return v.FullAttentionSpec(**shape)
 
 
@@ -200,6 +210,7 @@ class VllmKVManager(Backend):
     # No eviction policy: vLLM preempts requests in its scheduler (the last admitted first), not
     # in the manager, so a config with a policy is reported not applicable by the checker.
     retention_interval = "serving"  # KVCacheConfig.prefix_cache_retention_interval
+    eagle = False  # the scheduler's EAGLE block drop (no drafter that writes KV: n-gram, suffix)
 
     @classmethod
     def serving_departures(cls) -> tuple:
@@ -221,14 +232,18 @@ class VllmKVManager(Backend):
         v = self._v = _vllm()
         self.block_size = B = config.block_size
         self.caching = bool(config.prefix_caching)
-        if self.caching and any(g.state_bytes is not None for g in config.model.kv_groups):
-            raise NotImplementedError(MAMBA_ALIGN)
+        # Mamba's align mode: the prefill in the chunks vLLM's scheduler splits it into.
+        self.align = self.caching and any(g.state_bytes is not None for g in config.model.kv_groups)
         kv_config = kv_cache_config(config, self.retention_interval)
         interval = kv_config.prefix_cache_retention_interval
         if interval not in (0, None):
             raise NotImplementedError(f"{self.name}: prefix_cache_retention_interval {interval} "
                                       f"(a tail per segment) is not modelled; 0 and None are")
+        if self.align and interval is None:
+            raise NotImplementedError(MAMBA_DENSE)
         self.capabilities = capabilities_for(self.caching, interval)
+        if self.align:  # the scheduler's split of a chunked prompt is not driven
+            self.capabilities = dataclasses.replace(self.capabilities, chunked_prefill=False)
         self.manager = v.KVCacheManager(kv_config,
                                         max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=B, hash_block_size=B,
@@ -238,6 +253,7 @@ class VllmKVManager(Backend):
         # The managers whose remove_skipped_blocks gives blocks back (sliding, chunked, Mamba).
         self._sliding = [m for m, g in zip(self._groups, config.model.kv_groups) if g.releases]
         self._hasher = v.utils.get_request_block_hasher(B, v.sha256)
+        self._split = _AlignedSplit(B, self.eagle) if self.align else None
         self._sampling = v.SamplingParams(max_tokens=1 << 20)
         self.requests: dict[int, object] = {}
         self.final: dict[int, int] = {}
@@ -319,12 +335,21 @@ class VllmKVManager(Backend):
             self.final[seq] = final_tokens
             return req
         first = len(token_ids) if first is None else first
+        if self.align:
+            self.manager.new_step_starts()
         # The scheduler keeps the junction on the request: sparse retention caches its window.
         computed, n_hit, req.shared_prefix_boundary = self.manager.get_computed_blocks(
             req, max_cache_hit_length=first - 1)
-        got = self.manager.allocate_slots(req, first - n_hit, n_hit, computed)
-        if got is None:
-            return None
+        if self.align:
+            if first < len(token_ids):
+                raise NotImplementedError(f"{self.name}: a chunked prompt on a model with Mamba "
+                                          f"groups and prefix caching is not modelled")
+            if not self._admit_aligned(req, n_hit, computed):
+                return None
+        else:
+            got = self.manager.allocate_slots(req, first - n_hit, n_hit, computed)
+            if got is None:
+                return None
         req.num_computed_tokens = first
         req.status = v.RequestStatus.RUNNING
         if count_hits:
@@ -333,6 +358,37 @@ class VllmKVManager(Backend):
         self.requests[seq] = req
         self.final[seq] = final_tokens
         return req
+
+    def _admit_aligned(self, req, n_hit: int, computed) -> bool:
+        """A prompt in the chunks vLLM's scheduler splits it into for Mamba's align mode, one
+        ``allocate_slots`` per chunk, each a scheduler step; False (nothing allocated) if all
+        its chunks' blocks do not fit (the adapter's atomic check)."""
+        ends, start = [], n_hit
+        while start < req.num_tokens:
+            n = self._split(req, req.num_tokens - start, start)
+            ends.append(start + n)
+            start += n
+        B, n_blocks = self.block_size, F.blocks_needed(req.num_tokens, self.block_size)
+        L = n_hit // B
+        need = 0
+        for manager in self._groups:
+            if type(manager).__name__ == "MambaManager":  # a block at each chunk's last position
+                need += len({(e - 1) // B for e in ends if (e - 1) // B >= L})
+            else:
+                need += n_blocks - L
+        taken = {b.block_id for blocks in computed.blocks for b in blocks
+                 if not b.is_null and b.ref_cnt == 0}  # cached hits off the free queue
+        if need + len(taken) > self.pool.get_num_free_blocks():
+            return False
+        for i, end in enumerate(ends):
+            if i:
+                self.manager.new_step_starts()
+            got = (self.manager.allocate_slots(req, end - n_hit, n_hit, computed) if i == 0
+                   else self.manager.allocate_slots(req, end - req.num_computed_tokens))
+            assert got is not None, "vLLM refused a chunk the adapter's count said fits"
+            req.num_computed_tokens = end
+            self.tally.held_within(m.req_to_blocks.get(req.request_id, ()) for m in self._groups)
+        return True
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -365,6 +421,8 @@ class VllmKVManager(Backend):
                 skipped = manager.get_num_skipped_tokens(req.num_computed_tokens) // self.block_size
                 for blk in reversed(table[:skipped]):
                     if blk.is_null:  # released by an earlier call, and everything below it
+                        if self.align and type(manager).__name__ == "MambaManager":
+                            continue  # align mode leaves null positions between states
                         break
                     drops.setdefault(blk.block_id, [blk, 0])[1] += 1
         return drops
@@ -468,6 +526,34 @@ class VllmKVManager(Backend):
         get = self._v.utils.get_block_hash
         return [self._trace_hash.get(get(b.block_hash))
                 for b in self.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+
+
+class _AlignedSplit:
+    """vLLM's scheduler's chunk split for Mamba's align mode (``Scheduler._mamba_block_aligned_split``,
+    its own code) on the adapter's scheduler settings: one block size for every group and for
+    the hash, no chunk budget (the adapter computes a prompt in as few chunks as the split
+    allows), no internal prefill checkpoints (``num_prefill_checkpoint_blocks = 0``), no partial
+    (sub-block) hits; ``eagle``: an EAGLE / MTP drafter's block drop."""
+
+    def __init__(self, block_size: int, eagle: bool = False):
+        self.cache_config = types.SimpleNamespace(block_size=block_size)
+        self.block_size = self.hash_block_size = block_size
+        self.use_eagle_block_drop = eagle
+        self.num_hash_lookahead_tokens = 0
+        self.mamba_partial_cache_hit = self.mamba_shared_prefix_checkpoint = False
+        self.mamba_has_prefill_checkpoint_blocks = False
+        self.mamba_prefill_checkpoint_alignment = None
+        self.max_num_scheduled_tokens = MAX_MODEL_LEN
+        self.scheduler_config = types.SimpleNamespace(long_prefill_token_threshold=0)
+
+    def __call__(self, req, num_new_tokens: int, num_computed: int) -> int:
+        """The next chunk's tokens of ``req`` from ``num_computed`` (its hit, or its chunks so far)."""
+        from vllm.v1.core.sched.scheduler import Scheduler
+        done, req.num_computed_tokens = req.num_computed_tokens, num_computed
+        try:
+            return Scheduler._mamba_block_aligned_split(self, req, num_new_tokens)
+        finally:
+            req.num_computed_tokens = done
 
 
 class VllmKVManagerDense(VllmKVManager):

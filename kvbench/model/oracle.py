@@ -169,7 +169,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                         need += 1  # the writer gets its own copy of the shared tail
                         ref_delta[tail] = ref_delta.get(tail, 0) - 1
                 ahead = self.seqs[s].ahead
-                need += max(0, F.append_new_blocks(dt, free_last, self.B) - (len(ahead[g]) if ahead else 0))
+                new = self._appended_blocks(g, F.append_new_blocks(dt, free_last, self.B))
+                need += max(0, new - (len(ahead[g]) if ahead else 0))
         return need
 
     def _fits(self, call, exclude=()) -> bool:
@@ -251,7 +252,8 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
 
         def need(drop):  # new blocks, plus cached blocks it takes back from the free pool
             L, hits, _ = self._cache_hits(lookup, tokens)
-            return G * (n - L) + self._taken_back(hits, drop)
+            return self._new_blocks(lookup, prompt_tokens or tokens, tokens, L, n) \
+                + self._taken_back(hits, drop)
 
         self._tree_match(lookup, tokens)
         victims = self._make_room(("prefill", need, sizes), set(protect) | {seq})
@@ -267,12 +269,15 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             st.retained = self._retention(lookup, prompt_tokens or tokens, tokens, L)
             self._take_hits(hits)
             self.hit_blocks += counted
-            self._evict_before_alloc(G * (n - L), [tokens - L * self.B])
+            self._evict_before_alloc(self._new_blocks(lookup, prompt_tokens or tokens, tokens, L, n),
+                                     [tokens - L * self.B])
             st.tables = [[hits[g].get(i) for i in range(L)]
-                         + [self._new_block(min(self.B, tokens - i * self.B), g) for i in range(L, n)]
+                         + [self._new_block(min(self.B, tokens - i * self.B), g)
+                            if self._allocates(st, g, i, n) else None for i in range(L, n)]
                          for g in range(G)]
             self.seqs[seq] = st  # first: a full block's caching reads its retention
             self._cache_prompt(seq, st, lookup, L, n)
+            self._settle_states(seq, tokens, L)
             self._dirty.add(seq)
             self._tree_checkpoint(seq, prompt=tokens // self.B)
             self._release_windows([seq])
@@ -363,8 +368,11 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                         self._completed(table[-1], g, s, len(table) - 1)
                 while dt > 0:
                     take = min(dt, self.B)
-                    table.append(self._next_block(s, take, g))
                     dt -= take
+                    if self._skips_block(g, last=dt <= 0):  # align mode: a state's null position
+                        table.append(None)
+                        continue
+                    table.append(self._next_block(s, take, g))
                     if take == self.B:
                         self._completed(table[-1], g, s, len(table) - 1)
 

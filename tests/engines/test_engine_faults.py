@@ -152,3 +152,24 @@ def test_a_window_block_released_early_fails_hybrid_decode(vllm):
     trace = workload("hybrid-decode")
     d = caught(trace, VllmKVManager, VllmWindowEarly, config_for(trace, policy=None), "append")
     assert d.step == 3 and d.quantity == "blocks_used" and d.actual < d.expected, str(d)
+
+
+def test_a_checkpoint_the_retention_does_not_keep_zeroes_every_mamba_hit_at_variant_mamba_step_2(vllm):
+    """vLLM #54360: the checkpoint backed off a block for EAGLE, the retention keeping the
+    boundary without the drop. variant-mamba's seq 2 (66 tokens) shares seq 1's first 56 + 5
+    tokens: served, it hits (61 - 1) // 8 = 7 blocks in the full group and each of the three
+    state groups' block 6 (the state at 56), 7 + 3 = 10 hit blocks; planted, the state at 56
+    was never cached (seq 1's chunk ended at 48, a block the retention does not keep), and the
+    hit is 0."""
+    from impls.engines.faults_engines import VllmKVManager, VllmMambaEagleCheckpoint
+    trace = workload("variant-mamba")
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    d = caught(trace, VllmKVManager, VllmMambaEagleCheckpoint, cfg, "prefill")
+    assert d.step == 2, str(d)
+    from kvbench.contract.protocol import Prompt
+    for cls, hits in ((VllmKVManager, 7 + 3), (VllmMambaEagleCheckpoint, 0)):
+        be = cls(cfg)
+        for op in trace.ops[:3]:  # three prefills; only the third shares a prefix
+            be.prefill(op.seq, Prompt(op.tokens, token_ids=op.token_ids, salt=op.salt,
+                                      adapter=op.adapter))
+        assert be.ledger().prefix_hit_blocks == hits, cls.name

@@ -7,9 +7,11 @@ from __future__ import annotations
 FORK_VIA = ("share", "prefix", "copy")
 EVICTION_DEMANDS = ("need", "page_per_request")
 WINDOW_RELEASE_RULES = ("end_of_operation", "next_allocation")
+STATE_CHECKPOINTS = ("every_block", "align")
 LEAF_ORDERS = ("lru", "lfu", "fifo", "mru", "priority", "slru")  # SGLang's get_priority's
 CHOICES = {"fork_via": FORK_VIA, "eviction_demand": EVICTION_DEMANDS,
-           "window_release": WINDOW_RELEASE_RULES, "leaf_order": LEAF_ORDERS}
+           "window_release": WINDOW_RELEASE_RULES, "leaf_order": LEAF_ORDERS,
+           "state_checkpoints": STATE_CHECKPOINTS}
 
 
 class RuleSet:
@@ -34,6 +36,9 @@ class RuleSet:
       at the sequence's next append, not at the accept (vLLM's cache_blocks).
     - ``sparse_window_retention``: a sliding group caches only the blocks a later hit can end on
       (vLLM's prefix_cache_retention_interval = 0; rules/vllm.py).
+    - ``state_checkpoints``: where a state group caches its state with prefix caching:
+      "every_block" (SPEC §12: at every hashed boundary) or "align" (vLLM's Mamba align mode:
+      only where the scheduler ends a prefill chunk; rules/vllm.py).
     - ``chunk_start_hit``: on chunked groups alone, a lookup counts the blocks left of the hit's
       last chunk as computed (vLLM's ChunkedLocalAttentionManager; rules/vllm.py).
     - ``evicts_whole_leaves``, ``leaf_order``: cached blocks are the nodes of a radix tree whose
@@ -57,6 +62,7 @@ class RuleSet:
     kept_drafts_cached_at_next_append = False
     sparse_window_retention = False
     chunk_start_hit = False
+    state_checkpoints = "every_block"
     evicts_whole_leaves = False
     leaf_order = "lru"
     eviction_demand = "need"

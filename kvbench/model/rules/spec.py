@@ -159,6 +159,8 @@ class SpecSteps:
         key's cache entry where the group keeps it; a full one past the keys is ``_filled``."""
         for g, table in enumerate(st.tables):
             for i in range(L, n):
+                if table[i] is None:  # a state group's position align mode skips
+                    continue
                 if i < len(keys):
                     if self._keeps(st, g, i):
                         self._share_cached(table, g, i, keys[i])
@@ -196,7 +198,7 @@ class SpecSteps:
 
         def need(drop):
             L, hits, _ = self._cache_hits(keys, parent.tokens)
-            return len(self.groups) * (n - L) + self._taken_back(hits, drop)
+            return self._new_blocks(keys, parent.tokens, parent.tokens, L, n) + self._taken_back(hits, drop)
 
         return self._make_room(("fork", need, []), {seq, src}), keys
 
@@ -208,13 +210,15 @@ class SpecSteps:
         L, hits, _ = self._cache_hits(keys, parent.tokens)
         child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
         self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
-        self._evict_before_alloc(G * (n - L), [parent.tokens - L * self.B])
+        self._evict_before_alloc(self._new_blocks(keys, parent.tokens, parent.tokens, L, n),
+                                 [parent.tokens - L * self.B])
         child.tables = [[hits[g].get(i) for i in range(L)]
                         + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
+                           if self._allocates(child, g, i, n) else None
                            for i in range(L, n)] for g in range(G)]
         for g in range(G):
             for i in range(L, min(n, len(keys))):
-                if self.blocks[child.tables[g][i]][1] < self.B:
+                if child.tables[g][i] is None or self.blocks[child.tables[g][i]][1] < self.B:
                     continue
                 if self._keeps(child, g, i):
                     self._share_cached(child.tables[g], g, i, keys[i])
@@ -224,10 +228,11 @@ class SpecSteps:
             # full past the parent's keys (its kept drafts'); below L (a chunk's start past
             # the keys: chunk_start_hit), no block
             for i in range(max(len(keys), L), n):
-                if self.blocks[child.tables[g][i]][1] == self.B:
+                if child.tables[g][i] is not None and self.blocks[child.tables[g][i]][1] == self.B:
                     self._filled(child.tables[g][i], g, seq, i)
         # The child's blocks below a window hold the parent's content: its own fork names them.
         child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
+        self._settle_states(seq, parent.tokens, L)
         self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
         self._release_windows([seq])
 

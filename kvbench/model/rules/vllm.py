@@ -4,6 +4,8 @@
   the hit's last chunk as computed (``chunk_lookup``, the groups' fixed point);
 - ``sparse_window_retention``: a sliding group caches only the window runs a hit can end on
   (below);
+- ``state_checkpoints="align"``: a state group caches its state only at the block boundaries
+  its scheduler ends a prefill chunk on, and holds no other block of the prefill (below);
 - ``window_release="next_allocation"``, ``lookahead_slots``, ``kept_drafts_cached_at_next_append``:
   the steps below (``VLLMSteps``) that the oracle's append and accept call;
 - ``keeps_duplicate_blocks``: read where the cache registers a block (rules/spec.py).
@@ -22,6 +24,20 @@ hit), and vLLM keeps that run below two ends only:
 
 The request's other blocks of the group (its decode blocks included) go back uncached when a
 window or a free releases them. Chunked-local groups keep every block (vLLM's base mask).
+
+Mamba's "align" mode (``MambaSpec.mamba_cache_mode``; vLLM 0.33 has only "align" and "none", and
+its MambaManager refuses prefix caching in any other: single_type_kv_cache_manager.py:1442). The
+scheduler ends a prefill's chunks at the block boundaries a state can be cached at
+(``Scheduler._mamba_block_aligned_split``): the prompt's last boundary before its last token,
+``c = (P - 1) // B`` blocks (``get_mamba_prefill_checkpoint_position``), and the junction ``J``
+above. Each chunk's ``allocate_slots`` takes one block per state group, at the chunk's last
+position (the positions between stay null: ``MambaManager.allocate_new_blocks``), and releases
+the state blocks below the one before (``remove_skipped_blocks``, ``last_state_block_idx``). So a
+prefill with a hit of L blocks takes, per state group, the blocks at positions ``J - 1``,
+``c - 1`` and ``n - 1`` that lie at or past L, and ends holding ``c - 1`` and ``n - 1`` (the hit's
+block and ``J - 1`` go back, cached, lowest first); with sparse retention only ``c - 1`` and
+``J - 1`` are cached (``MambaManager.reachable_block_mask``: the same two ends as a window's,
+each needing one block), so no decode block's state is.
 """
 from __future__ import annotations
 
@@ -35,7 +51,7 @@ def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, bloc
     """Positions of a request's blocks that ``group`` caches under sparse retention (a frozenset),
     or None where it caches every full block (not a sliding group). ``junction``: the full
     groups' hit in blocks where the request's own hit was shorter, else 0."""
-    if group.family != "sliding":
+    if group.family not in ("sliding", "state"):
         return None
     ends = {max(0, prompt_tokens - 1) // block_size} | ({junction} if junction else set())
     return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
@@ -90,7 +106,7 @@ class VLLMRules(SpecRules):
               "keeps_duplicate_blocks": True, "window_release": "next_allocation",
               "lookahead_slots": True, "hit_drops_last_block": False,
               "kept_drafts_cached_at_next_append": True, "sparse_window_retention": True,
-              "chunk_start_hit": True}
+              "chunk_start_hit": True, "state_checkpoints": "align"}
 
 
 class VLLMSteps:
@@ -193,11 +209,15 @@ class VLLMSteps:
                    for g in range(len(self.groups))]
 
     def _retention(self, keys, prompt_tokens: int, tokens: int, L: int) -> list:
-        """Per group, the positions of a new request's blocks a sparse window retention caches,
-        given its prompt, its hit's keys and its hit of L blocks; [] without that rule. Read
-        before the request takes a block (its new blocks may evict a cached one)."""
-        if not (self.rules.sparse_window_retention and self.caching
-                and any(g.family == "sliding" for g in self.groups)):
+        """Per group, the positions of a new request's blocks a sparse window retention (or
+        Mamba's align mode) caches, given its prompt, its hit's keys and its hit of L blocks; []
+        without those rules. Read before the request takes a block (its new blocks may evict a
+        cached one)."""
+        families = {f for f, on in (
+            ("sliding", self.rules.sparse_window_retention and self.caching
+             and any(g.family == "sliding" for g in self.groups)),
+            ("state", self._align_states())) if on}
+        if not families:
             return []
         cap = max(0, tokens - 1) // self.B if self.rules.hit_leaves_last_token else len(keys)
         top = first_group_hit(
@@ -205,7 +225,69 @@ class VLLMSteps:
             self._most_hit_tokens(tokens) if self.rules.chunk_start_hit else None)
         junction = top if top > L else 0
         return [retained_positions(prompt_tokens, junction, group, self.B)
-                for group in self.groups]
+                if group.family in families else None for group in self.groups]
+
+    def _align_states(self) -> bool:
+        """``state_checkpoints="align"`` applies: a prefix cache and a state group (read once:
+        the append path asks per block)."""
+        on = self.__dict__.get("_align_on")
+        if on is None:
+            on = self._align_on = bool(self.caching and self.rules.state_checkpoints == "align"
+                                       and any(g.family == "state" for g in self.groups))
+        return on
+
+    def _allocates(self, st, g: int, i: int, n: int) -> bool:
+        """Whether a request's prefill of n blocks takes a block at position ``i`` of group ``g``
+        (align mode: a state group only at its chunks' ends, the retained ones and the last)."""
+        return (not self._align_states() or self.groups[g].family != "state" or i == n - 1
+                or i in st.retained[g])
+
+    def _new_blocks(self, keys, prompt_tokens: int, tokens: int, L: int, n: int) -> int:
+        """Blocks a request of ``tokens`` tokens (n blocks, a hit of L) takes new, every group's."""
+        if not self._align_states():
+            return len(self.groups) * (n - L)
+        retained = self._retention(keys, prompt_tokens, tokens, L)
+        return sum(n - L if group.family != "state"
+                   else sum(1 for i in range(L, n) if i == n - 1 or i in retained[g])
+                   for g, group in enumerate(self.groups))
+
+    def _settle_states(self, seq, tokens: int, L: int) -> None:
+        """Align mode, after a prefill of ``tokens`` tokens with a hit of L blocks: what the
+        allocate_slots of its later chunks released before allocating, each as of its chunk's
+        start (the junction's boundary, then the checkpoint's): every releasing group's blocks
+        it no longer holds there (a state group's below the state before, a window's below its
+        window), chunk after chunk, group after group, each group's highest position first."""
+        if not self._align_states():
+            return
+        st = self.seqs[seq]
+        states = [g for g, group in enumerate(self.groups) if group.family == "state"]
+        starts = sorted({(i + 1) * self.B for i in st.retained[states[0]]}
+                        & set(range((L + 1) * self.B, tokens, self.B)))
+        for start in starts:
+            for g, kind in enumerate(self.kinds):
+                if not kind.releases:
+                    continue
+                table = st.tables[g]
+                gone = kind.released(start)
+                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
+                    b = table[i]
+                    if b is not None:
+                        if b in self.hash_of:  # a fork through the prefix cache names it
+                            st.released_keys[i] = self.hash_of[b][1]
+                        self._drop_ref(b)
+                        table[i] = None
+
+    def _appended_blocks(self, g: int, new: int) -> int:
+        """Blocks an append that crosses ``new`` block boundaries takes in group ``g``: align
+        mode's state group takes the last one only (MambaManager.allocate_new_blocks)."""
+        if new and self._align_states() and self.groups[g].family == "state":
+            return 1
+        return new
+
+    def _skips_block(self, g: int, last: bool) -> bool:
+        """Whether an append leaves this new position of group ``g`` null (align mode: a state
+        group's positions before the append's last)."""
+        return not last and self._align_states() and self.groups[g].family == "state"
 
     @staticmethod
     def _keeps(st, g: int, i: int) -> bool:

@@ -1,0 +1,134 @@
+"""SGLang's UnifiedRadixCache with its SWA or MAMBA component (impls/engines/sglang_components.py): each
+component's SPEC §10 figures and lock balance after every step, and the planted SWA lock bugs of
+impls/engines/faults_engines.py caught by them.
+
+Opt-in: needs SGLang's environment (docs/engines.md), skipped elsewhere with the reason::
+
+    PYTHONPATH=$PWD $S/bin/python -m pytest tests/engines/test_sglang_components.py
+
+Pools of 64 slots per component, page size 1, a sliding window of 4 tokens. Token runs of 8:
+A, B, D and C (2 tokens).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+A, B, D, C = list(range(1, 9)), list(range(11, 19)), list(range(21, 29)), [31, 32]
+SIZE, WINDOW = 64, 4
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    from impls.engines.sglang_radix import NOT_INSTALLED, available
+    ok, why = available()
+    if not ok and why == NOT_INSTALLED:
+        pytest.skip("SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe")
+    assert ok, why  # installed but broken: say so, never skip
+
+
+def drive(tree, steps) -> list:
+    """Each step's violations (SwaTree.violations), in order."""
+    out = []
+    for op, *args in steps:
+        {"run": tree.run, "window": tree.release_window, "finish": tree.finish,
+         "evict": tree.evict}[op](*args)
+        out.append(tree.violations())
+    return out
+
+
+def first_violation(tree, steps):
+    for i, v in enumerate(drive(tree, steps)):
+        if v:
+            return i, v
+    return None
+
+
+def test_the_swa_lock_protects_the_window_and_its_early_release_frees_it(sglang):
+    from impls.engines.sglang_components import SwaTree
+    t = SwaTree(SIZE, WINDOW)
+    assert t.run(0, A + B)
+    # full: the whole 16-token path locked; SWA: only the window's 4 tokens of it
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "swa": (16 - 4, 4, SIZE - 16, SIZE)}
+    t.release_window(0)
+    assert t.figures()["swa"] == (16, 0, SIZE - 16, SIZE)
+    t.finish(0)
+    assert t.figures()["full"] == (16, 0, SIZE - 16, SIZE)
+    assert t.violations() == []
+    assert t.run(1, A + B + C) and t.hits == 16  # the cached 16 tokens hit
+
+
+def test_a_mamba_state_is_cached_with_its_prompt_and_protected_while_its_request_runs(sglang):
+    from impls.engines.sglang_components import MambaTree
+    t = MambaTree(SIZE, 8)
+    states = t.figures()["mamba"][2]  # the state slots SGLang's MambaPool lends (its size)
+    assert t.run(0, A + B)
+    # full: the 16-token path locked; mamba: its one state, locked with it
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 1, states)}
+    t.finish(0)
+    assert t.figures()["mamba"] == (1, 0, states - 1, states)
+    assert t.run(1, A + B + C) and t.hits == 16  # the cached prefix and its state hit
+    assert t.violations() == []
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sglang, kind):
+    """300 steps of requests sharing prefixes of a few roots (runs, early window releases,
+    finishes, evictions, refusals where the pools are full): SGLang's own ledger agrees with
+    its nodes and SPEC §10 after every one, and at the end, idle, nothing is locked."""
+    from impls.engines.sglang_components import MambaTree, SwaTree
+    rng = random.Random(0)
+    t = SwaTree(SIZE, WINDOW) if kind == "swa" else MambaTree(SIZE, 6)
+    roots = [list(range(1000 * r, 1000 * r + 12)) for r in range(3)]
+    running, released, rid = [], set(), 0
+    for step in range(300):
+        roll = rng.random()
+        if roll < 0.45 or not running:
+            tokens = rng.choice(roots)[:rng.randint(1, 12)] + [rng.randint(5000, 9000)
+                                                            for _ in range(rng.randint(0, 10))]
+            if t.run(rid, tokens):
+                running.append(rid)
+            rid += 1
+        elif roll < 0.6:
+            r = rng.choice(running)
+            if r not in released and kind == "swa":
+                t.release_window(r)
+                released.add(r)
+        elif roll < 0.9:
+            t.finish(running.pop(rng.randrange(len(running))))
+        else:
+            t.evict(rng.randint(1, 16))
+        assert t.violations() == [], f"step {step}"
+    for r in running:
+        t.finish(r)
+    assert t.violations() == []
+    assert all(protected == 0 for _, protected, _, _ in t.figures().values())
+    assert t.hits > 0
+
+
+# --- planted SGLang bugs ------------------------------------------------------------------------
+
+def test_pr_27038_a_release_past_the_swa_boundary_is_caught_at_its_first_unlock(sglang):
+    """Request 0 (A + B) and request 1 (A + D) split the tree at A. Request 0's SWA lock covers
+    its window, node B (8 >= 4 tokens: the boundary); its release, walking past B, decrements A,
+    which no SWA lock took: lock_ref -1 at step 2."""
+    from impls.engines.faults_engines import SwaLockPastBoundary, SwaTree
+    steps = [("run", 0, A + B), ("run", 1, A + D), ("finish", 0), ("finish", 1),
+             ("run", 2, A + B + C), ("finish", 2)]
+    assert first_violation(SwaTree(SIZE, WINDOW), steps) is None
+    step, found = first_violation(SwaLockPastBoundary(SIZE, WINDOW), steps)
+    assert step == 2 and any("swa" in v and "lock_ref -1" in v for v in found), found
+
+
+def test_pr_28161_a_skipped_window_release_leaves_the_window_locked_when_idle(sglang):
+    """release_swa marked done without dec_swa_lock_only: after the request ends, its window's
+    node still has an SWA lock and SWA's protected size stays 4 (the window) with nothing
+    running, caught at step 2."""
+    from impls.engines.faults_engines import SwaReleaseSkipped, SwaTree
+    steps = [("run", 0, A + B), ("window", 0), ("finish", 0)]
+    assert first_violation(SwaTree(SIZE, WINDOW), steps) is None
+    bad = SwaReleaseSkipped(SIZE, WINDOW)
+    step, found = first_violation(bad, steps)
+    assert step == 2 and any("with no request running" in v for v in found), found
+    assert bad.figures()["swa"] == (16 - 4, 4, SIZE - 16, SIZE)
