@@ -13,6 +13,7 @@ from impls import faults_edges as E
 from impls.numpy_paged import NumpyPaged
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import Backend
 from kvbench.contract import formulas as F
 from kvbench.contract import registry
 from kvbench.traces import boundaries as bd
@@ -295,12 +296,33 @@ CATCHES = {
 }
 
 
+# Faults whose KV events (SPEC §14) show them before the figures above do, and where.
+EVENT_CATCHES = {
+    # boundary-chunks-0, steps 16-17 (P = 3B, cut at B + 1 = 5, append to 2B + 1 = 9): the
+    # append completes block 1 (stored: ('ids', 7)) and leaves block 2 with 9 - 8 = 1 token of 4;
+    # caching at ceil(9 / 4) = 3 announces block 2 too, a key the model never stored.
+    E.ChunkAppendCachesPartial: ("boundary-chunks-0", 17, "residency of group 0, tier 0"),
+}
+
+
+def silent(fault):
+    """The fault without its KV events: what the figures alone catch."""
+    return type(f"Silent{fault.__name__}", (fault,), {"events": Backend.events})
+
+
+@pytest.mark.parametrize("fault", list(EVENT_CATCHES), ids=lambda f: f.__name__)
+def test_a_boundary_fault_its_events_show_fails_there_first(fault):
+    workload, step, quantity = EVENT_CATCHES[fault]
+    d = check(TRACES[workload], fault(suite.config_for(TRACES[workload]))).divergence
+    assert (d.step, d.quantity) == (step, quantity), str(d)
+
+
 @pytest.mark.parametrize("fault", list(CATCHES), ids=lambda f: f.__name__)
 def test_each_boundary_fault_fails_at_its_step(fault):
     workload, step, quantity, expected, actual = CATCHES[fault]
     name, _, policy = workload.partition("@")
     trace = TRACES[name]
-    v = check(trace, fault(suite.config_for(trace, policy=policy or None)))
+    v = check(trace, silent(fault)(suite.config_for(trace, policy=policy or None)))
     d = v.divergence
     assert v.valid is False, workload
     assert (d.step, d.quantity, d.expected, d.actual) == (step, quantity, expected, actual), str(d)
