@@ -14,6 +14,7 @@ from impls.numpy_paged import NumpyPaged
 from impls.torch_paged import TorchPaged
 from kvbench.analyses import suite
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import Backend
 from kvbench.traces.tier_ops import Done, Load, Store
 
 B, N = 8, 24  # tier-races' blocks of 8, 24 of them
@@ -99,6 +100,13 @@ def test_a_load_target_hit_before_completion_fails_at_the_hit(races):
     # Round 4 (steps 26..36): after the flush (steps 29, 30) a load of round 3's prompt begins
     # at step 31, its 3 blocks from host; step 32 prefills that prompt's first 2 blocks before
     # the load completes (step 34): no hit on the targets, which the fault gives it.
-    d = check(races, LoadTargetHitEarly(suite.config_for(races))).divergence
+    silent = type("Silent", (LoadTargetHitEarly,), {"events": Backend.events})  # figures alone
+    d = check(races, silent(suite.config_for(races))).divergence
     assert (d.step, d.op["op"]) == (32, "prefill")
     assert "the target of load 6 alone" in str(d.expected)
+    # Its KV events (SPEC §14) show it at the load's begin: the 3 targets announced as cache
+    # entries (r3.0 .. r3.2) before the load completes, beside the flush's r4.x.
+    d = check(races, LoadTargetHitEarly(suite.config_for(races))).divergence
+    assert (d.step, d.quantity) == (31, "residency of group 0, tier 0")
+    assert d.expected == {"stored": ["r4.x"], "removed": []}
+    assert d.actual == {"stored": ["r3.0", "r3.1", "r3.2", "r4.x"], "removed": []}

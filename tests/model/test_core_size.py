@@ -8,10 +8,12 @@ from pathlib import Path
 
 MODEL = Path(__file__).resolve().parents[2] / "kvbench" / "model"
 CORE = ("oracle.py", "pool.py", "arena.py", "__init__.py")
-NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py", "tiered.py")
+NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py", "tiered.py",
+            "events.py")  # SPEC §14: the events the cache's changes announce, derived beside it
 # Issue 46 asks for 500; 1,014 before the kinds' and engines' steps and the policies moved out.
-# What is left is the operations of both layouts, the pool, the arena, the ledger and the content.
-CORE_LINES = 853
+# What is left is the operations of both layouts, the pool, the arena, the ledger and the content,
+# with vLLM's align-mode hooks (8 lines) and the pool's key log for the events (6).
+CORE_LINES = 867
 
 
 def test_every_module_of_the_model_is_core_or_named_outside_it():
