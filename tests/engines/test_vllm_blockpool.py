@@ -136,10 +136,11 @@ def test_prefix_cache_trace_checks_clean_and_counts_hits(vllm):
 
 
 # Under eviction (300 blocks) vLLM's events name another victim than the model's: at step 12
-# vLLM removes key 48 and keeps key 0, where the model evicts 0 (the ledger figures agree; the
+# vLLM removes key 0 (request 0's first block) and keeps key 48, where the model evicts 48 and
+# keeps 0, the block its tail-first release queued last (the ledger figures agree; the
 # engines' block order is unchecked until issue 48's block-order item). Not yet triaged as a
 # kvbench bug, an engine rule to declare, or an engine bug.
-VICTIM_ORDER = pytest.mark.xfail(strict=True, reason="vLLM evicts key 48 where the model evicts key 0 "
+VICTIM_ORDER = pytest.mark.xfail(strict=True, reason="vLLM evicts key 0 where the model evicts key 48 "
                                  "(step 12, seen by its KV events); untriaged")
 
 
