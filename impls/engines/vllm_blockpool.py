@@ -64,7 +64,8 @@ def _vllm():
     """vLLM's block pool module, imported once (importing vLLM takes seconds)."""
     from vllm.v1.core import block_pool, kv_cache_utils
 
-    return types.SimpleNamespace(BlockPool=block_pool.BlockPool, BlockHash=kv_cache_utils.BlockHash)
+    return types.SimpleNamespace(BlockPool=block_pool.BlockPool, BlockHash=kv_cache_utils.BlockHash,
+                                 event_hash=kv_cache_utils.maybe_convert_block_hash)
 
 
 def _block_hash(h) -> bytes:
@@ -98,6 +99,11 @@ class VllmBlockPool(Backend):
                                    hash_block_size=config.block_size,
                                    enable_kv_cache_events=self.caching)
         self._BlockHash = vllm.BlockHash
+        # vLLM's events carry its hashes as it converts them (maybe_convert_block_hash: an int
+        # of the hash's bytes by default): each read back as the trace's key it stands for, or
+        # the checker's pairing would take the int 48 (b"0") for the trace's key 48.
+        self._event_hash = vllm.event_hash
+        self._trace_key: dict = {}
         self.tables: dict[int, list] = {}  # seq -> [KVCacheBlock]
         self.tokens: dict[int, int] = {}
         self.final: dict[int, int] = {}
@@ -154,6 +160,7 @@ class VllmBlockPool(Backend):
         # KVCacheManager chains the salt and the LoRA name into them): so do the same here.
         keys = prompt_keys(prompt, B) if self.caching else []
         hashes = [_block_hash(h) for h in keys]
+        self._trace_key.update((self._event_hash(h), k) for h, k in zip(hashes, keys))
         hits = self._hits(hashes)
         # A hit on a freed cached block takes it back out of the free queue: it counts too.
         self._check_free(n - len(hits) + sum(1 for b in hits if b.ref_cnt == 0),
@@ -225,17 +232,17 @@ class VllmBlockPool(Backend):
         """SPEC §14, from vLLM's own KV events (``BlockPool.take_events``): a ``BlockStored`` of n
         hashes is n stored (the first's parent its ``parent_block_hash``, each next one's the hash
         before it), a ``BlockRemoved`` one removed per hash, ``AllBlocksCleared`` a cleared."""
-        out = []
+        out, key = [], lambda h: self._trace_key.get(h, h)
         for e in self.pool.take_events():
             kind = type(e).__name__
             group = getattr(e, "group_idx", None) or 0
             if kind == "BlockStored":
-                parent = e.parent_block_hash
+                parent = None if e.parent_block_hash is None else key(e.parent_block_hash)
                 for h in e.block_hashes:
-                    out.append(KVEvent(STORED, h, parent, group))
-                    parent = h
+                    out.append(KVEvent(STORED, key(h), parent, group))
+                    parent = key(h)
             elif kind == "BlockRemoved":
-                out += [KVEvent(REMOVED, h, None, group) for h in e.block_hashes]
+                out += [KVEvent(REMOVED, key(h), None, group) for h in e.block_hashes]
             elif kind == "AllBlocksCleared":
                 out.append(KVEvent(CLEARED))
         return out
