@@ -304,14 +304,16 @@ class TokenKeysUnchained(NumpyPaged):
     """A prompt named by token ids keys each block by its own ids (and extra keys), not chained
     to its parent: a block whose ids repeat after another prefix hits."""
 
+    def _unchained(self, prompt):
+        ids, B = prompt.token_ids, self.B
+        if ids is None:
+            return prompt
+        own = tuple(hashlib.sha256(np.asarray(ids[i * B:(i + 1) * B], "<i8").tobytes()).hexdigest()
+                    for i in range(len(ids) // B))
+        return dataclasses.replace(prompt, token_ids=None, block_hashes=own)
+
     def prefill(self, seq, prompt, kv=None, **kw):
-        ids = prompt.token_ids
-        if ids is not None:
-            B = self.B
-            own = tuple(hashlib.sha256(np.asarray(ids[i * B:(i + 1) * B], "<i8").tobytes()).hexdigest()
-                        for i in range(len(ids) // B))
-            prompt = dataclasses.replace(prompt, token_ids=None, block_hashes=own)
-        return super().prefill(seq, prompt, kv, **kw)
+        return super().prefill(seq, self._unchained(prompt), kv, **kw)
 
 
 class GroupsDecodeSkipsClock(NumpyPaged):

@@ -12,17 +12,16 @@ each (:data:`FUZZ_BUGS`) and scripts/fuzz_catalogue.py --fuzz-bugs measures when
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
+from impls.faults_edges import (ChunkAppendCachesPartial, SinkBlocksFloored, SwapRefusedOnExactFit,
+                                TierEvictsLoading, TokenKeysUnchained)
 from impls.faults_tiers import AbortLeaksLoadBlocks, TierKeyIgnoresSalt
 from impls.numpy_float_paged import (E4M3, E4M3_VALUES, NumpyFp8Tensor, NumpyFp8TokenHead, NumpyNvfp4,
                                      encode)
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
-from impls.pool_tiers import TierSlots
-from impls.prefix_keys import cache_completed_chunk
 
 # --- a pool of several KV formats, as a plug-in that takes CacheConfig.kv_format ----------------
 
@@ -98,15 +97,6 @@ class Nvfp4ScalesNotCopied(MultiFormat):
 
 # --- block edges -------------------------------------------------------------------------------
 
-class SinksFloorBlocks(NumpyPaged):
-    """A sinks(S, W) group keeps floor(S/B) blocks for its sinks, not ceil(S/B): where S is not a
-    multiple of the block size, the block holding the last sinks goes back with the window."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.kept = [g.sinks[0] // self.B if g.sinks is not None else 0 for g in self.groups]
-
-
 class RollbackEdgeFillZero(NumpyPaged):
     """A rollback sets its new tail's fill to ``length % B``: 0 when it ends exactly on a block
     edge, so a full block (one a fork or the prefix cache may share) reads as empty."""
@@ -133,20 +123,6 @@ class RollbackKeepsBlockZero(NumpyPaged):
         return super().accept(seq, n, drafted=drafted, step=step)
 
 
-class ChunkAppendCachesPartial(NumpyPaged):
-    """The next chunk of a chunked prompt caches every block it wrote into, the last one too
-    where the chunk ends mid-block: a request arriving before the following chunk hits a block
-    partly written (SPEC §13)."""
-
-    def _cache_chunks(self, seqs) -> None:
-        for s in seqs:
-            if s in self.chunking:
-                r = self.row_of[s]
-                cache_completed_chunk(self.chunking, s, -(-int(self.tokens[r]) // self.B),
-                                      lambda lo, hi: [t[r, lo:hi].tolist() for t in self.tables],
-                                      self.by_hash, self.hash_of)
-
-
 class EmptyPromptCrashes(NumpyPaged):
     """A prefill reads its row's last block (to note its tail): an empty prompt has none, and the
     pool raises IndexError."""
@@ -159,19 +135,6 @@ class EmptyPromptCrashes(NumpyPaged):
 
 
 # --- tiers and transfers (SPEC §11) -------------------------------------------------------------
-
-class _EvictsWhileRead(TierSlots):
-    def evictable(self, key) -> bool:
-        return self.ready[key] and key not in self.pinned  # the loads reading it not asked
-
-
-class TierEvictsLoadingBlock(NumpyPaged):
-    """A tier that needs room evicts its least recent stored block even while a load still
-    reads it (the readers never asked): the load's copy reads another block's data."""
-
-    def _make_tier(self, spec, storage):
-        return _EvictsWhileRead(spec, self._tier_arrays(spec, storage))
-
 
 class AbortKeepsTierReaders(NumpyPaged):
     """An abort cancels the sequence's loads on the device but not in the tiers: the tier blocks
@@ -197,38 +160,14 @@ class AbortCachesUnloadedBlocks(NumpyPaged):
         super().abort(seq, step=step)
 
 
-class SwapRefusedAtExactFit(NumpyPaged):
-    """A swap needs more free tier slots than the sequence's blocks (``>`` where ``>=`` is
-    meant): a sequence that fits the tier exactly is preempted by recompute instead."""
-
-    def swap_out(self, seq, tier, *, step=0):
-        t = self._tiers[self._tier(tier)]
-        n = -(-self._tokens_of(self._row(seq)) // self.B)
-        if len(t.free) + sum(map(t.evictable, t.recency)) == n:
-            return self.free(seq, step=step)
-        return super().swap_out(seq, tier, step=step)
-
-
 # --- keys and eviction order -------------------------------------------------------------------
 
-class TokenIdKeysUnchained(NumpyPaged):
-    """A prompt given by token ids is keyed block by block on each block's ids alone (and the
-    salt), not chained to the blocks before: two prompts that differ only in an earlier block
-    share the later ones."""
-
-    def _unchained(self, prompt):
-        if prompt.token_ids is None:
-            return prompt
-        ids, B = np.asarray(prompt.token_ids, dtype="<i8"), self.B
-        hashes = [hashlib.sha256(ids[i * B:(i + 1) * B].tobytes()).hexdigest()
-                  for i in range(len(ids) // B)]
-        return dataclasses.replace(prompt, token_ids=None, block_hashes=tuple(hashes))
-
-    def prefill(self, seq, prompt, kv=None, **kw):
-        return super().prefill(seq, self._unchained(prompt), kv, **kw)
+class TokenIdKeysUnchained(TokenKeysUnchained):
+    """TokenKeysUnchained, its loads from a tier keyed the same way: two prompts that differ only
+    in an earlier block share the later ones, on the device and in the tiers."""
 
     def load(self, tid, seq, prompt, kv=None, **kw):
-        return super().load(tid, seq, prompt if prompt.token_ids is None else self._unchained(prompt), kv, **kw)
+        return super().load(tid, seq, self._unchained(prompt), kv, **kw)
 
 
 class MultiGroupDecodeSkipsClock(NumpyPaged):
@@ -247,11 +186,11 @@ class MultiGroupDecodeSkipsClock(NumpyPaged):
 
 # (name, fault): what a default campaign must find within 200 histories (tests/search/test_fuzz_edges.py)
 FUZZ_BUGS = [
-    ("a sink count off a block multiple: the last sinks' block released", SinksFloorBlocks),
+    ("a sink count off a block multiple: the last sinks' block released", SinkBlocksFloored),
     ("a rollback ending on a block edge empties its (shared) tail", RollbackEdgeFillZero),
     ("a rollback to no tokens keeps block 0", RollbackKeepsBlockZero),
     ("a chunk's partly written block cached", ChunkAppendCachesPartial),
-    ("a tier evicts a block a load still reads", TierEvictsLoadingBlock),
+    ("a tier evicts a block a load still reads", TierEvictsLoading),
     ("fp8 codes truncated (a pool of several formats)", Fp8Truncates),
     ("fp8 per token-head scaled per token (a pool of several formats)", Fp8TokenHeadScalePerToken),
     ("NVFP4 block scales not copied (a pool of several formats)", Nvfp4ScalesNotCopied),
@@ -260,7 +199,7 @@ FUZZ_BUGS = [
     ("an aborted load's blocks enter the prefix cache", AbortCachesUnloadedBlocks),
     ("a cross-salt hit through the tiers", TierKeyIgnoresSalt),
     ("an empty prompt crashes the pool", EmptyPromptCrashes),
-    ("a swap refused when the tier fits it exactly", SwapRefusedAtExactFit),
+    ("a swap refused when the tier fits it exactly", SwapRefusedOnExactFit),
     ("token-id keys not chained to their prefix", TokenIdKeysUnchained),
     ("a hybrid decode step leaves the LRU clock", MultiGroupDecodeSkipsClock),
 ]

@@ -102,7 +102,7 @@ def test_operations_of_zero_tokens_are_drawn_and_load_and_check():
 
 # Found past history 50 (10-20 s each on a loaded 2-core machine): marked slow.
 LATE = (faults_fuzz.RollbackKeepsBlockZero, faults_fuzz.ChunkAppendCachesPartial,
-        faults_fuzz.TierEvictsLoadingBlock, faults_fuzz.TokenIdKeysUnchained)
+        faults_fuzz.TierEvictsLoading, faults_fuzz.TokenIdKeysUnchained)
 
 
 @pytest.mark.parametrize("name, fault", [pytest.param(n, f, marks=[pytest.mark.slow] if f in LATE else [])
