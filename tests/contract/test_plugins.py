@@ -428,15 +428,16 @@ def test_cli_a_plugin_that_exits_or_interrupts_fails_and_the_other_backends_run_
 
 
 def test_cli_a_hanging_plugin_is_stopped_by_the_op_timeout_and_the_run_goes_on(adhoc_dir, tmp_path):
+    # 5 s, not 1: the limit holds the numpy run's calls too, and at load 9 this test failed once
     out = tmp_path / "run.json"
     got = kvbench("run", str(WORKLOADS["fork-beam"]), "--backend", "mypkg.faulty:AppendHangs",
-                  "--backend", "numpy", "--op-timeout", "1", "--quiet", "--output", str(out),
+                  "--backend", "numpy", "--op-timeout", "5", "--quiet", "--output", str(out),
                   path=adhoc_dir, cwd=tmp_path)
     assert got.returncode == 1, got.stdout + got.stderr
     status = rows_by(json.loads(out.read_text())["rows"], "status")
     assert status == {("mypkg.faulty:AppendHangs", "fork-beam"): "FAIL", ("numpy", "fork-beam"): "pass"}
     assert "FAIL mypkg.faulty:AppendHangs on fork-beam: fork-beam: step 1 (op #1 " in got.stdout
-    assert "outcome of append expected success, got OpTimeout: no return within 1 s" in got.stdout
+    assert "outcome of append expected success, got OpTimeout: no return within 5 s" in got.stdout
 
 
 def test_cli_the_users_ctrl_c_inside_a_plugin_call_is_still_an_interrupt(adhoc_dir, tmp_path):
