@@ -40,6 +40,7 @@ import types
 
 from impls.engines.sglang_components import SwaTree
 from impls.engines.sglang_radix import Sglang
+from impls.engines.vllm_blockpool import VllmBlockPool
 from impls.engines.vllm_kvmanager import VllmKVManager
 
 
@@ -152,3 +153,22 @@ class SwaReleaseSkipped(SwaTree):
     def release_window(self, rid) -> None:
         self.locks[rid].swa_released = True  # dec_swa_lock_only never called
 
+
+
+# --- vLLM's free block queue: the order its cached blocks are evicted in ------------------------
+
+class VllmCachedReversed(VllmBlockPool):
+    """vLLM's ``FreeKVCacheBlockQueue.append_n`` planted to append in reverse: the blocks a free
+    gives back cached (``BlockPool.free_blocks``' "FIFO reuse of cached blocks") join the queue
+    head of the request first, so a freed prefix's first block is evicted before its tail, where
+    vLLM's docstring has "the tail of a block chain ... at the front". No count changes: only
+    the order, and the hits it costs later (a chained prefix loses its head, so all of it)."""
+
+    name = "vllm-fault-cached-reversed"
+
+    def __init__(self, config):
+        super().__init__(config)
+        queue = self.pool.free_block_queue
+        base = type(queue)
+        queue.__class__ = type(f"Reversed{base.__name__}", (base,), {
+            "append_n": lambda q, blocks: base.append_n(q, list(blocks)[::-1])})
