@@ -123,11 +123,17 @@ def test_the_whole_requirement_eviction_fails_prefix_reuse_at_step_10(sglang):
 
 def test_a_block_freed_twice_fails_prefix_reuse(vllm):
     """prefix-reuse's requests share their prompt's blocks: freeing one request's blocks twice
-    puts a block another request holds back on the free queue."""
+    puts a block another request holds back on the free queue. vLLM's own structures show which
+    (block_state: free in its queue, held by sequence 3's table); the ledger alone, the count
+    (blocks_used 8 where 12 are held), at the same free."""
     from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
     trace = workload("prefix-reuse")
-    d = caught(trace, VllmKVManager, VllmFreedTwice, config_for(trace, policy=None), "free")
-    assert d.quantity == "blocks_used" and d.actual < d.expected, str(d)
+    cfg = config_for(trace, policy=None)
+    d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
+    assert (d.step, d.expected, d.actual) == (12, "in use while a table holds it", "free"), str(d)
+    assert d.detail == "sequence 3 holds it in group 0" and d.quantity.startswith("block ")
+    w = check(trace, _without_block_state(VllmFreedTwice)(cfg)).divergence
+    assert (w.step, w.quantity) == (12, "blocks_used") and w.actual < w.expected, str(w)
 
 
 def test_a_block_freed_twice_under_sparse_retention_fails_hybrid_windows(vllm):
