@@ -49,6 +49,7 @@ class BlockTally:
         self.tail_of: dict = {}  # block id -> the sequences whose reservation read it
         self.dirty: set = set()
         self.pending: dict = {}  # block id -> block: in a table before an operation, not copied
+        self.moved: set = set()  # block ids recounted since the last take_moved (block_state's)
 
     def touch(self, *seqs) -> None:
         """Before an operation on ``seqs``: where a sequence's tables may differ from its copy
@@ -107,6 +108,7 @@ class BlockTally:
             self.copy[s] = (held, n)
         for b, fill in touched.values():
             self._recount(b, fill)
+        self.moved.update(touched)
         # A sequence's reservation follows its tail's ref_cnt, which another's operation moves.
         again = set(dirty)
         for bid in touched:
@@ -123,6 +125,14 @@ class BlockTally:
                 self.reserved[s], self.tails[s] = r, tails
                 for bid in tails:
                     self.tail_of.setdefault(bid, set()).add(s)
+
+    def take_moved(self) -> set:
+        """The ids of the blocks the syncs since the last call recounted: every block whose
+        reference count, hash or place in the engine's free structure an operation changed
+        (``block_state(changed_since=)`` reports these alone)."""
+        self.sync()
+        moved, self.moved = self.moved, set()
+        return moved
 
     def _recount(self, b, fill) -> None:
         used0, shared0, cached0, fill0 = self.counted.get(b.block_id, (False, False, False, 0))

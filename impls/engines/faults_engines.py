@@ -40,6 +40,7 @@ import types
 
 from impls.engines.sglang_components import SwaTree
 from impls.engines.sglang_radix import Sglang
+from impls.engines.vllm_blockpool import VllmBlockPool
 from impls.engines.vllm_kvmanager import VllmKVManager
 
 
@@ -152,3 +153,89 @@ class SwaReleaseSkipped(SwaTree):
     def release_window(self, rid) -> None:
         self.locks[rid].swa_released = True  # dec_swa_lock_only never called
 
+
+
+# --- vLLM's free block queue: the order its cached blocks are evicted in ------------------------
+
+def _appends_reversed(pool) -> None:
+    """``pool``'s ``FreeKVCacheBlockQueue.append_n`` planted to append in reverse."""
+    queue = pool.free_block_queue
+    base = type(queue)
+    queue.__class__ = type(f"Reversed{base.__name__}", (base,), {
+        "append_n": lambda q, blocks: base.append_n(q, list(blocks)[::-1])})
+
+
+class VllmCachedReversed(VllmBlockPool):
+    """vLLM's ``FreeKVCacheBlockQueue.append_n`` planted to append in reverse: the blocks a free
+    gives back cached (``BlockPool.free_blocks``' "FIFO reuse of cached blocks") join the queue
+    head of the request first, so a freed prefix's first block is evicted before its tail, where
+    vLLM's docstring has "the tail of a block chain ... at the front". No count changes: only
+    the order, and the hits it costs later (a chained prefix loses its head, so all of it)."""
+
+    name = "vllm-fault-cached-reversed"
+
+    def __init__(self, config):
+        super().__init__(config)
+        _appends_reversed(self.pool)
+
+
+class VllmKVManagerCachedReversed(VllmKVManager):
+    """The same plant in the whole manager's pool (every group's blocks)."""
+
+    name = "vllm-fault-manager-cached-reversed"
+
+    def __init__(self, config):
+        super().__init__(config)
+        _appends_reversed(self.pool)
+
+
+# --- vLLM PR 52707: a negative external block count ---------------------------------------------
+
+class VllmExternalAfterRejection(VllmKVManager):
+    """Not a fault: after an accept, a KV connector's external hit on the request's last computed
+    token, as the scheduler hands it to ``allocate_external_computed_blocks`` (``num_local`` +
+    ``num_external`` = the tokens computed). The request holds every block those tokens need (and
+    its lookahead slots), so vLLM 0.33 allocates nothing: ``max(0, cdiv(n, B) - len(blocks))``."""
+
+    name = "vllm-external-after-rejection"
+
+    def accept(self, seq, n, *, drafted, step=0):
+        out = super().accept(seq, n, drafted=drafted, step=step)
+        req = self._request(seq)
+        computed = req.num_computed_tokens
+        if computed:
+            for manager in self._groups:
+                manager.allocate_external_computed_blocks(req.request_id, computed - 1, 1)
+        return out
+
+
+def _external_blocks_unclamped(manager, request_id, num_local_computed_tokens,
+                               num_external_computed_tokens, record_for_zeroing=True):
+    """``SingleTypeKVCacheManager.allocate_external_computed_blocks`` before PR 52707: the count
+    passed to ``get_new_blocks`` unclamped. After a rejection of drafts the request holds more
+    blocks than its tokens need, the count is negative, ``get_new_blocks`` lets it pass (it
+    checks only against the free count) and ``popleft_n`` adds it to ``num_free_blocks`` while
+    its loop pops nothing: the queue counts blocks it does not hold."""
+    total = num_local_computed_tokens + num_external_computed_tokens
+    skipped = manager.get_num_skipped_tokens(total)
+    if skipped > 0:
+        num_external_computed_tokens = min(total - skipped, num_external_computed_tokens)
+    if num_external_computed_tokens <= 0:
+        return
+    req_blocks = manager.req_to_blocks[request_id]
+    allocated = manager.block_pool.get_new_blocks(-(-total // manager.block_size) - len(req_blocks))
+    req_blocks.extend(allocated)
+    if manager._record_new_block_ids and record_for_zeroing:
+        manager.new_block_ids.extend(b.block_id for b in allocated)
+
+
+class VllmExternalNegative(VllmExternalAfterRejection):
+    """vLLM PR 52707 reverted (0.33 has the clamp): the same external hit, the count unclamped."""
+
+    name = "vllm-fault-external-negative"
+
+    def __init__(self, config):
+        super().__init__(config)
+        for manager in self._groups:
+            manager.allocate_external_computed_blocks = types.MethodType(
+                _external_blocks_unclamped, manager)

@@ -31,12 +31,16 @@ from __future__ import annotations
 import functools
 import types
 
+import numpy as np
+
 from impls.engines.block_tally import BlockTally
 from impls.prefix_keys import prompt_keys
 from kvbench.contract import formulas as F
 from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent
 from kvbench.contract.protocol import (
     Backend,
+    BlockChanges,
+    BlockState,
     CacheConfig,
     Capabilities,
     Ledger,
@@ -109,6 +113,7 @@ class VllmBlockPool(Backend):
         self.final: dict[int, int] = {}
         self.hit_blocks = 0
         self.tally = BlockTally(config.block_size, 1, self._tables_of, self._reservation_of)
+        self.structures = FreeQueueState(self.pool, self.tally)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -262,3 +267,88 @@ class VllmBlockPool(Backend):
             token_states=tally.token_states, reservation=tally.reservation,
             shared_blocks=tally.shared, cached_blocks=tally.cached,
             prefix_hit_blocks=self.hit_blocks, self_report={})
+
+    # --- block_state: vLLM's own structures ---------------------------------------------------
+
+    def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
+        """vLLM's free block queue and reference counts (:class:`FreeQueueState`), and the tables."""
+        live = self.tables if seqs is None else [s for s in seqs if s in self.tables]
+        return self.structures.state({s: (self.tables[s],) for s in live}, changed_since)
+
+
+# --- block_state over one vLLM BlockPool (both adapters) ----------------------------------------
+
+class FreeQueueState:
+    """SPEC §10's block structures read from a vLLM ``BlockPool``: its ``FreeKVCacheBlockQueue``
+    from the head (the next block ``get_new_blocks`` hands out) and each block's ``ref_cnt``.
+
+    vLLM's queue is one list: ``free_blocks`` prepends the blocks without a hash (LIFO) and
+    appends the hashed ones (an LRU of cached blocks; a request's blocks come in reversed, so its
+    tail is evicted first: ``FreeKVCacheBlockQueue``'s docstring), and ``get_new_blocks`` pops the
+    head. So its uncached blocks lie before its cached ones, and the two lists kvbench reads are
+    the queue cut in two: ``free`` (no hash), ``cached`` (hashed, next evicted first).
+
+    Ids are vLLM's less one (its block 0 is the null block, never free, its ref_cnt unkept), -1
+    for the null block in a table. Between sweeps (``changed_since``) only the blocks the
+    adapter's tally recounted are read: the uncached ones among them are at most the queue's
+    changed head (the uncached part is pushed and popped at the head alone), and the hashed
+    ones freed since are the queue's tail, in order (an append goes to the tail; a hit or an
+    eviction only takes out)."""
+
+    def __init__(self, pool, tally):
+        self.pool, self.tally = pool, tally
+        self.mark = None
+
+    def state(self, tables: dict, changed_since=None) -> BlockState:
+        """``tables``: sequence -> its tables (vLLM's blocks), one per group."""
+        moved = self.tally.take_moved()
+        ids = {s: [[-1 if b.is_null else b.block_id - 1 for b in t] for t in per]
+               for s, per in tables.items()}
+        fresh = changed_since is not None and changed_since is self.mark
+        self.mark = object()
+        if fresh:
+            return BlockState(None, None, _RefCounts(self.pool.blocks), ids, self.mark,
+                              self._changes(moved))
+        free, cached = [], []
+        for b in self._queue():
+            (free if b.block_hash is None else cached).append(b.block_id - 1)
+        refs = np.fromiter((b.ref_cnt for b in self.pool.blocks[1:]), dtype=np.int64,
+                           count=len(self.pool.blocks) - 1)
+        return BlockState(free, cached, refs, ids, self.mark)
+
+    def _queue(self):
+        q = self.pool.free_block_queue
+        b = q.fake_free_list_head.next_free_block
+        while b is not q.fake_free_list_tail:
+            yield b
+            b = b.next_free_block
+
+    def _changes(self, moved: set) -> BlockChanges:
+        q, blocks = self.pool.free_block_queue, self.pool.blocks
+        free_now = [i for i in moved if blocks[i].ref_cnt == 0]
+        k = sum(1 for i in free_now if blocks[i].block_hash is None)
+        head, b = [], q.fake_free_list_head.next_free_block
+        for _ in range(k):
+            head.append(b.block_id - 1)
+            b = b.next_free_block
+        cached_now = {i for i in free_now if blocks[i].block_hash is not None}
+        log = [(i - 1, False) for i in moved if i not in cached_now]
+        tail, b = [], q.fake_free_list_tail.prev_free_block
+        while b is not q.fake_free_list_head and b.block_id in cached_now:
+            tail.append(b.block_id - 1)
+            b = b.prev_free_block
+        for i in reversed(tail):  # out first: the block may have been in the queue before
+            log += [(i, False), (i, True)]
+        return BlockChanges(head, q.num_free_blocks - self.tally.cached, log)
+
+
+class _RefCounts:
+    """vLLM's ``ref_cnt`` of the blocks of an array of kvbench ids (vLLM's less one)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return np.fromiter((self.blocks[i + 1].ref_cnt for i in ids.tolist()), dtype=np.int64,
+                           count=len(ids))

@@ -88,7 +88,7 @@ import itertools
 import types
 
 from impls.engines.block_tally import BlockTally
-from impls.engines.vllm_blockpool import importable
+from impls.engines.vllm_blockpool import FreeQueueState, importable
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
 
@@ -263,6 +263,7 @@ class VllmKVManager(Backend):
         self._loras: dict = {}  # adapter name -> its LoRARequest
         self.hit_blocks = 0
         self.tally = BlockTally(B, len(self._groups), self._tables_of, self._reservation_of)
+        self.structures = FreeQueueState(self.pool, self.tally)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -526,6 +527,17 @@ class VllmKVManager(Backend):
         get = self._v.utils.get_block_hash
         return [self._trace_hash.get(get(b.block_hash))
                 for b in self.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+
+
+    # --- block_state: vLLM's own structures -------------------------------------------------
+
+    def block_state(self, seqs=None, *, changed_since=None):
+        """vLLM's free block queue and reference counts (``FreeQueueState``), and each request's
+        blocks per group (``req_to_blocks``, the null block where none is held)."""
+        live = self.requests if seqs is None else [s for s in seqs if s in self.requests]
+        return self.structures.state(
+            {s: [m.req_to_blocks.get(self.requests[s].request_id, ()) for m in self._groups]
+             for s in live}, changed_since)
 
 
 class _AlignedSplit:

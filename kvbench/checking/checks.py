@@ -130,6 +130,11 @@ ORDERS = (  # a backend declaring block_ids: its ids one by one against the orac
        "the free list's changed entries at the operation that changed them"),
     _c("order: cached, at the step", "identities", "Mirror._differs",
        "cached blocks (next evicted first)", "the cached queue's changes at that operation"),
+    # a backend with ids of its own (an engine's) under cached_queue_order
+    _c("order: cached, paired by table position", "identities", "Pairing.order",
+       "cached blocks (next evicted first)",
+       "the blocks an operation cached, in queue order, each paired with the oracle's block "
+       "held at the same table position"),
 )
 
 CONTENT = (  # K/V read back (the checker's verify, reporting 'kv of sequence {}')

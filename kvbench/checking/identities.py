@@ -28,7 +28,10 @@ class Figures:
     """The checks of one replay: the ledger's identities after every operation; and, while the
     backend exposes its block structures (else ``skipped`` says so), SPEC §10's structure
     identities and, for a backend declaring ``block_ids``, its tables and free and cached order
-    block id for block id against the oracle's.
+    block id for block id against the oracle's; for a backend whose ids are its own (an
+    engine's), the order its cached queue takes blocks in against the oracle's, its blocks paired
+    with the oracle's by table position (:class:`Pairing`), where its rule set declares
+    ``cached_queue_order``.
 
     The structures are checked whole at sweeps, after operations 1, 2, 4, 8, ... and the last.
     In between, a backend that reports what changed (``block_state(changed_since=...)``) is
@@ -47,6 +50,12 @@ class Figures:
         self.structures = backend is not None and paged  # until block_state() says otherwise
         self.exact = self.structures and backend.capabilities.block_ids
         self.changes = self.structures and _takes(type(backend), "block_state", "changed_since")
+        rules = getattr(oracle, "rules", None)
+        # The cached queue's order by pairing: at each operation's changes, so with them only.
+        self.order = (self.changes and not self.exact and getattr(oracle, "caching", False)
+                      and rules is not None and rules.cached_queue_order
+                      and not rules.evicts_whole_leaves)
+        self.pairing = Pairing() if self.order else None
         self.ops, self.edits = 0, -1
         self.mark = self.oracle_mark = None  # of the last states read, to ask what changed since
         self.mirror: Mirror | None = None
@@ -81,7 +90,7 @@ class Figures:
         except BackendRaised as e:
             if not isinstance(e.error, NotImplementedError):
                 raise
-            self.structures = self.exact = False
+            self.structures = self.exact = self.order = False
             self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None
         self.mark = whole.mark
@@ -99,7 +108,14 @@ class Figures:
     def _follow(self, state: BlockState, led: Ledger, seqs):
         """An operation's changes: the identities at the blocks it moved; its block ids."""
         expected = self._expected(seqs)
-        why, differs = self.mirror.apply(state, led, seqs, expected, self._leases())
+        why, differs = self.mirror.apply(state, led, seqs, expected if self.exact else None,
+                                         self._leases())
+        if why is None and self.order and expected is not None and expected.changes is not None:
+            changes = state.changes
+            self.found = self.pairing.order(changes.cached, expected.changes.cached)
+            self.pairing.forget(np.asarray(changes.free_head).reshape(-1).tolist()
+                                + [b for b, e in changes.cached if e])
+            self.pairing.learn(state.tables, expected.tables)
         if why is None and self.exact:
             keys, flat = self.mirror.flat
             self.found = compare_structures(expected, state, whole=False,
@@ -122,6 +138,8 @@ class Figures:
         why, counts = _pool_identities(state, led, N, whole=True, leases=leases)
         self.mirror = Mirror(state, N, *counts, leases) \
             if why is None and self.changes and state.mark is not None else None
+        if why is None and self.order:  # the pairs of every table, from the oracle's mark on
+            self.pairing.learn(state.tables, self._expected_whole().tables)
         if why is None and self.exact and self.found is None:
             self.found = compare_structures(self._expected_whole(), state, whole=True)
         return why
@@ -132,8 +150,9 @@ class Figures:
         return expected
 
     def _expected(self, seqs):
-        """The oracle's changes since its last state, for a backend declaring ``block_ids``."""
-        if not self.exact:
+        """The oracle's changes since its last state, for a backend declaring ``block_ids`` or
+        checked by :class:`Pairing`."""
+        if not (self.exact or self.order):
             return None
         expected = self.oracle.block_state(seqs, changed_since=self.oracle_mark)
         self.oracle_mark = expected.mark
@@ -141,6 +160,48 @@ class Figures:
             self.mirror = None
             return BlockState(None, None, expected.refcount, expected.tables)
         return expected
+
+
+class Pairing:
+    """A backend's block ids paired with the oracle's, for a backend whose ids are its own: the
+    block each holds at the same table position (sequence, group, position) is one block. From
+    the pairs, the order its cached queue took blocks in at an operation against the oracle's
+    (the rule set's ``cached_queue_order``): both queues append at their end, so the blocks each
+    appended since the last check, in order, must pair one by one. Learnt from the tables each
+    check reads (the changed sequences'), so a block freed at an operation was paired before it;
+    forgotten once the block is free, so a block taken and given back within one operation
+    (never in a table read) pairs with nothing and matches any."""
+
+    def __init__(self):
+        self.of: dict = {}  # backend block id -> oracle block id
+
+    def forget(self, blocks) -> None:
+        """Blocks now free: their next table pairs them anew."""
+        for b in blocks:
+            self.of.pop(int(b), None)
+
+    def learn(self, actual: dict, expected: dict) -> None:
+        for s, theirs in expected.items():
+            for a, e in zip(actual.get(s, ()), theirs):
+                a = np.asarray(a, dtype=np.int64).reshape(-1)
+                e = np.asarray(e, dtype=np.int64).reshape(-1)
+                n = min(len(a), len(e))
+                held = (a[:n] != -1) & (e[:n] != -1)
+                self.of.update(zip(a[:n][held].tolist(), e[:n][held].tolist()))
+
+    def order(self, log, theirs_log):
+        """The first difference of the blocks appended to the cached queue, or None (also where
+        a block appended was never held by a table read: it cannot be paired)."""
+        mine = _appended([(int(b), bool(e)) for b, e in log])
+        theirs = _appended([(int(b), bool(e)) for b, e in theirs_log])
+        named = [self.of.get(b) for b in mine]
+        if len(named) == len(theirs) and all(a in (b, None) for a, b in zip(named, theirs)):
+            return None
+        return ("cached blocks (next evicted first)", theirs, named,
+                f"the blocks the operation cached, in the order the cached queue took them "
+                f"(the backend's {mine}, paired with the oracle's by table position); "
+                f"{_first_difference(theirs, named)} (rule cached_queue_order: a freed "
+                f"table's tail first)")
 
 
 class Mirror:

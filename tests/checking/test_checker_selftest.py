@@ -126,6 +126,13 @@ def refcount(block: int, value: int):
     return set_it
 
 
+def own_ids(cls):
+    """``cls`` declaring no ``block_ids``, as an engine with ids of its own: its cached queue's
+    order is checked through the pairing of its blocks with the oracle's."""
+    return type(f"OwnIds{cls.__name__}", (cls,),
+                {"capabilities": dataclasses.replace(cls.capabilities, block_ids=False)})
+
+
 def changes(fn):
     """A corruption of a state of changes: ``fn(changes, state)`` edits them."""
     def apply(s):
@@ -429,6 +436,13 @@ CASES = {
     "order: cached, at the step": Case(
         reports_state(changes(lambda c, s: c.cached.reverse()), whole=False, at_call=5), CACHED, 4,
         "cached blocks (next evicted first)", config={"prefix_caching": True}),
+
+    # The same X(0) without block ids: 0's blocks 0, 1, 2 paired with the oracle's 0, 1, 2 by
+    # table position at ops 0 .. 3; cached tail first, 2, 1, 0; reported 0, 1, 2.
+    "order: cached, paired by table position": Case(
+        own_ids(reports_state(changes(lambda c, s: c.cached.reverse()), whole=False, at_call=5)),
+        CACHED, 4, "cached blocks (next evicted first)", [2, 1, 0], [0, 1, 2],
+        "paired with the oracle's by table position", config={"prefix_caching": True}),
 
     # --- K/V read back: one slot overwritten after a chosen operation ---
     # The append of op 6 writes 0's position 100 (the tail block's, 6 * 16 + 4); overwritten.

@@ -123,11 +123,17 @@ def test_the_whole_requirement_eviction_fails_prefix_reuse_at_step_10(sglang):
 
 def test_a_block_freed_twice_fails_prefix_reuse(vllm):
     """prefix-reuse's requests share their prompt's blocks: freeing one request's blocks twice
-    puts a block another request holds back on the free queue."""
+    puts a block another request holds back on the free queue. vLLM's own structures show which
+    (block_state: free in its queue, held by sequence 3's table); the ledger alone, the count
+    (blocks_used 8 where 12 are held), at the same free."""
     from impls.engines.faults_engines import VllmFreedTwice, VllmKVManager
     trace = workload("prefix-reuse")
-    d = caught(trace, VllmKVManager, VllmFreedTwice, config_for(trace, policy=None), "free")
-    assert d.quantity == "blocks_used" and d.actual < d.expected, str(d)
+    cfg = config_for(trace, policy=None)
+    d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
+    assert (d.step, d.expected, d.actual) == (12, "in use while a table holds it", "free"), str(d)
+    assert d.detail == "sequence 3 holds it in group 0" and d.quantity.startswith("block ")
+    w = check(trace, _without_block_state(VllmFreedTwice)(cfg)).divergence
+    assert (w.step, w.quantity) == (12, "blocks_used") and w.actual < w.expected, str(w)
 
 
 def test_a_block_freed_twice_under_sparse_retention_fails_hybrid_windows(vllm):
@@ -173,3 +179,80 @@ def test_a_checkpoint_the_retention_does_not_keep_zeroes_every_mamba_hit_at_vari
             be.prefill(op.seq, Prompt(op.tokens, token_ids=op.token_ids, salt=op.salt,
                                       adapter=op.adapter))
         assert be.ledger().prefix_hit_blocks == hits, cls.name
+
+
+# --- vLLM's free block queue order (block_state: vLLM's FreeKVCacheBlockQueue) ----------------
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
+
+
+def _without_block_state(cls):
+    """``cls`` exposing no block structures (as both vLLM adapters did before)."""
+    from kvbench.contract.protocol import Backend
+    return type(f"No{cls.__name__}", (cls,), {"block_state": Backend.block_state})
+
+
+def test_cached_blocks_appended_reversed_fail_at_the_first_free(vllm):
+    """48 = 3 * 16 tokens: blocks 0, 1, 2 (vLLM's 1, 2, 3 less its null block), all hashed. The
+    free gives them back tail first, 2, 1, 0 (the oracle's and vLLM's free_blocks(reversed)); the
+    planted queue appends them 0, 1, 2, the head to be evicted first. Nothing is evicted on this
+    trace, so no count shows it: the order alone does, at the free (op 1). It could be false: a
+    checker that compared no order, or whose pairing of vLLM's ids with the oracle's were off."""
+    from impls.engines.faults_engines import VllmBlockPool, VllmCachedReversed
+    trace = hand(Prefill(0, 0, "a", 48, (1, 2, 3)), Free(1, 0), block_size=16)
+    cfg = make_config(block_size=16, num_blocks=8, store_kv=False, prefix_caching=True)
+    d = caught(trace, VllmBlockPool, VllmCachedReversed, cfg, "free")
+    assert (d.index, d.quantity, d.expected, d.actual) == (
+        1, "cached blocks (next evicted first)", [2, 1, 0], [0, 1, 2])
+    assert check(trace, _without_block_state(VllmCachedReversed)(cfg)).valid is True
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason=f"shared trace not found: {MOONCAKE}")
+def test_cached_blocks_appended_reversed_fail_mooncake_at_its_first_free(vllm):
+    """The real Mooncake trace, 512-token blocks, 300 in the pool: request 0 (78 hashed blocks,
+    then a partial one, uncached) ends at op 1, its blocks cached tail first, 77 .. 0; planted,
+    0 .. 77. Without block_state the same fault went on to op 12 (KV events: a victim) and, with
+    its events silent too, to op 6,408 (request 3,205: a hit count)."""
+    from impls.engines.faults_engines import VllmBlockPool, VllmCachedReversed
+    from kvbench.analyses import prefix
+    from kvbench.traces.loaders import load_requests
+    trace = prefix.cache_trace(load_requests(str(MOONCAKE), "mooncake")[:20], 512)
+    hashed = len(trace.ops[0].block_hashes)
+    cfg = make_config(block_size=512, num_blocks=300, store_kv=False, prefix_caching=True)
+    d = caught(trace, VllmBlockPool, VllmCachedReversed, cfg, "free")
+    assert hashed == 78 and (d.index, d.quantity) == (1, "cached blocks (next evicted first)")
+    assert d.expected == list(range(hashed))[::-1] and d.actual == list(range(hashed))
+    w = check(trace, _without_block_state(VllmCachedReversed)(cfg), gather="none")
+    assert w.divergence.index == 12 and w.divergence.quantity.startswith("residency"), str(w.divergence)
+
+
+def test_cached_blocks_appended_reversed_fail_hybrid_windows_at_step_5_not_as_a_salt(vllm):
+    """The same plant in the whole manager's pool, on hybrid-windows (sliding and full groups):
+    the append at step 5 releases window blocks and caches five blocks, in the wrong order.
+    Without block_state the fault showed only at step 75, blamed on a hit across salts."""
+    from impls.engines.faults_engines import VllmKVManager, VllmKVManagerCachedReversed
+    trace = workload("hybrid-windows")
+    cfg = config_for(trace, policy=None)
+    d = caught(trace, VllmKVManager, VllmKVManagerCachedReversed, cfg, "append")
+    assert (d.step, d.quantity) == (5, "cached blocks (next evicted first)"), str(d)
+    assert d.actual != d.expected and sorted(d.actual) == sorted(d.expected)  # same blocks
+    w = check(trace, _without_block_state(VllmKVManagerCachedReversed)(cfg)).divergence
+    assert w.step == 75 and "a hit across salts" in w.detail, str(w)
+
+
+# --- vLLM PR 52707: a negative external block count -------------------------------------------
+
+def test_pr_52707_a_negative_external_block_count_fails_lifecycle_speculative_at_step_18(vllm):
+    """Sequence 2 (a fork of 63 tokens) appends 5 tokens, 4 of them drafts, at steps 3, 7, 11 and
+    15, and keeps 4, 2, 4 and 3 of them: 63 -> 68, 71, 76, then 81 (cdiv(81, 16) = 6 blocks) and
+    80 after the accept at step 18 (cdiv(80, 16) = 5). The external hit then asks
+    get_new_blocks for 5 - 6 = -1: clamped (0.33), nothing; unclamped, the free queue counts one
+    block more than it links: used + free = 256 + 1. Sequences 0 and 1 never reject across a
+    block boundary (67, 69, 71, 76 and 68, 71, 74, 77: 5 blocks each time). Could be false: with
+    the clamp the driver passes (the control), and a ledger read from the blocks would not see it."""
+    from impls.engines.faults_engines import VllmExternalAfterRejection, VllmExternalNegative
+    trace = workload("lifecycle-speculative")
+    cfg = config_for(trace, policy=None)
+    d = caught(trace, VllmExternalAfterRejection, VllmExternalNegative, cfg, "accept")
+    assert (d.step, d.op["seq"], d.quantity, d.expected, d.actual) == (
+        18, 2, "blocks_used + blocks_free", cfg.num_blocks, cfg.num_blocks + 1), str(d)

@@ -46,7 +46,7 @@ def test_an_unknown_rule_set_or_parameter_is_a_clear_error():
     # leaf_order is SGLang's, not vLLM's: the error names the set and every parameter it has
     with pytest.raises(ValueError, match=r"rule set 'vllm' has no parameter leaf_order; its "
                                          r"parameters: fork_via, hit_leaves_last_token, .*"
-                                         r"chunk_start_hit, state_checkpoints$"):
+                                         r"chunk_start_hit, state_checkpoints, cached_queue_order$"):
         oracle(Capabilities(rules="vllm", rule_params={"leaf_order": "lfu"}))
     with pytest.raises(ValueError, match="rule set 'sglang': eviction_demand must be one of"):
         rule_set(Capabilities(rules="sglang", rule_params={"eviction_demand": "all"}))

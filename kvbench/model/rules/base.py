@@ -41,6 +41,12 @@ class RuleSet:
       only where the scheduler ends a prefill chunk; rules/vllm.py).
     - ``chunk_start_hit``: on chunked groups alone, a lookup counts the blocks left of the hit's
       last chunk as computed (vLLM's ChunkedLocalAttentionManager; rules/vllm.py).
+    - ``cached_queue_order``: the free blocks that hold a cached prefix are one queue, evicted
+      from its head; a block joins its tail when its last reference goes, a freed table's tail
+      first (SPEC's "first released, first evicted"). A backend that exposes ``block_state``
+      with its changes but not kvbench's block ids is held to the oracle's order of that queue
+      at every operation, its blocks paired with the oracle's by table position
+      (kvbench.checking.identities.Pairing). False: the order is not checked.
     - ``evicts_whole_leaves``, ``leaf_order``: cached blocks are the nodes of a radix tree whose
       whole unlocked leaves are evicted in that order (SGLang; rules/sglang.py).
     - ``eviction_demand``: what an allocation evicts for: "need" or "page_per_request" (SGLang's
@@ -62,6 +68,7 @@ class RuleSet:
     kept_drafts_cached_at_next_append = False
     sparse_window_retention = False
     chunk_start_hit = False
+    cached_queue_order = True
     state_checkpoints = "every_block"
     evicts_whole_leaves = False
     leaf_order = "lru"

@@ -13,7 +13,8 @@ SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
     "fork_via", "hit_leaves_last_token", "caches_every_full_block", "keeps_duplicate_blocks",
     "window_release", "lookahead_slots", "hit_drops_last_block",
     "kept_drafts_cached_at_next_append", "sparse_window_retention", "chunk_start_hit",
-    "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed")}
+    "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed",
+    "cached_queue_order")}
 
 
 def extra_keys(salt=None, adapter=None) -> tuple:

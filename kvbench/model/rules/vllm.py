@@ -8,7 +8,19 @@
   its scheduler ends a prefill chunk on, and holds no other block of the prefill (below);
 - ``window_release="next_allocation"``, ``lookahead_slots``, ``kept_drafts_cached_at_next_append``:
   the steps below (``VLLMSteps``) that the oracle's append and accept call;
-- ``keeps_duplicate_blocks``: read where the cache registers a block (rules/spec.py).
+- ``keeps_duplicate_blocks``: read where the cache registers a block (rules/spec.py);
+- ``cached_queue_order``: SPEC's order of cached blocks, declared because vLLM states it
+  (below) and kvbench checks it on vLLM's own free queue (rules/base.py).
+
+The cached blocks' order, as vLLM's docstrings state it. ``FreeKVCacheBlockQueue``: "the least
+recent used block is at the front (LRU)", and of blocks freed together "the one with more hash
+tokens (the tail of a block chain) is at the front", kept "by reversing the block order when
+free blocks of a request" (``KVCacheManager.free`` frees each group's blocks reversed);
+``BlockPool.free_blocks``: blocks "ordered by their eviction priority, where the first block
+will be evicted first", the hashed ones appended to the queue's end ("FIFO reuse of cached
+blocks for LRU eviction behavior"), the others prepended ("LIFO reuse of non-cached blocks").
+``get_new_blocks`` pops the head, so an uncached free block is taken before any cached one is
+evicted: SPEC's free stack over its cached queue (kvbench/model/pool.py).
 
 Sparse retention, in detail. SPEC §8 caches every full block of every group. vLLM at its
 serving default (``prefix_cache_retention_interval = 0``) caches a sliding group's block only
@@ -106,7 +118,7 @@ class VLLMRules(SpecRules):
               "keeps_duplicate_blocks": True, "window_release": "next_allocation",
               "lookahead_slots": True, "hit_drops_last_block": False,
               "kept_drafts_cached_at_next_append": True, "sparse_window_retention": True,
-              "chunk_start_hit": True, "state_checkpoints": "align"}
+              "chunk_start_hit": True, "state_checkpoints": "align", "cached_queue_order": True}
 
 
 class VLLMSteps:
