@@ -53,12 +53,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import types
 
+import numpy as np
+
 from impls.engines.block_tally import BlockTally
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, BlockState, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 NOT_INSTALLED = "sglang is not installed: its opt-in recipe is in docs/engines.md"
 VERSION = "0.5.23"
@@ -205,7 +208,8 @@ class SglangRadix(Backend):
         self.page = P = config.block_size
         self.caching = bool(config.prefix_caching)
         self.capabilities = dataclasses.replace(CAPABILITIES, rule_params={
-            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"})
+            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"},
+            cached_order=not self.unified)  # block_state(): RadixCache's nodes are Python's
         size = config.num_blocks * P
         if P == 1:
             self.alloc = s.TokenToKVPoolAllocator(size=size, dtype=s.torch.float16, device="cpu",
@@ -414,6 +418,43 @@ class SglangRadix(Backend):
     def table(self, seq) -> list:
         """The sequence's pages, in order."""
         return [x // self.page for x in self._req(seq).kv[::self.page].tolist()]
+
+    def block_state(self, seqs=None) -> BlockState:
+        """SGLang's own structures, as ``RadixCache`` keeps them (block ``b`` is SGLang's page
+        ``b + 1``: slot 0 is its padding, ``clear``): the allocator's free pages
+        (``get_all_free_pages``); the evictable pages in the order its eviction takes them
+        (``evict``, radix_cache.py:552-577: a heap of ``evictable_leaves`` by the policy's
+        ``get_priority``, a parent pushed once childless and unlocked), here run to the end on
+        a copy of the counts, the tree untouched; each tree page's references its node's
+        ``lock_ref`` (a request's lock counts on every node of its path, ``inc_lock_ref``
+        :582-595), a page a request holds outside the tree (past its ``cache_protected_len``) 1.
+        ``UnifiedRadixCache``'s Rust core exposes neither its nodes nor its locks
+        (``node_by_id`` raises NotImplementedError in 0.5.23): the serving tree has none."""
+        if self.unified:
+            raise NotImplementedError(f"{self.name}: SGLang's Rust tree core exposes no nodes")
+        P, tree = self.page, self.tree
+        page = lambda value: (value[::P] // P - 1).tolist()  # noqa: E731
+        ref = np.zeros(self.config.num_blocks, dtype=np.int64)
+        todo = [tree.root_node]
+        while todo:
+            for child in todo.pop().children.values():
+                ref[page(child.value)] = child.lock_ref
+                todo.append(child)
+        for r in self.reqs.values():
+            ref[page(r.kv[r.protected:])] += 1
+        heap = [(tree.eviction_strategy.get_priority(n), n) for n in tree.evictable_leaves]
+        heapq.heapify(heap)
+        cached, left = [], {}
+        while heap:
+            _, leaf = heapq.heappop(heap)
+            cached += page(leaf.value)
+            parent = leaf.parent
+            left[parent] = left.get(parent, len(parent.children)) - 1
+            if not left[parent] and parent.lock_ref == 0:
+                heapq.heappush(heap, (tree.eviction_strategy.get_priority(parent), parent))
+        live = self.reqs if seqs is None else [s for s in seqs if s in self.reqs]
+        return BlockState(free=(self.alloc.get_all_free_pages() - 1).numpy(), cached=cached,
+                          refcount=ref, tables={s: [page(self.reqs[s].kv)] for s in live})
 
     def _tables_of(self, seq):
         """The tally's view of ``seq``: its one table of pages and its tokens; None once gone."""

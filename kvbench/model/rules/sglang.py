@@ -169,6 +169,22 @@ class RadixTree:
                 heapq.heappush(heap, (self._rank(parent), parent))
         return out
 
+    def eviction_order(self, locked) -> list:
+        """The keys ``evict`` would take were it to take every unlocked leaf, in order (the tree
+        unchanged): the cached blocks, next evicted first, as an engine's block_state lists them."""
+        heap = [(self._rank(n), n) for n in self._leaves(locked)]
+        heapq.heapify(heap)
+        left: dict = {}  # node -> its children not yet taken
+        out = []
+        while heap:
+            _, leaf = heapq.heappop(heap)
+            out += leaf.keys
+            parent = leaf.parent
+            left[parent] = left.get(parent, len(parent.children)) - 1
+            if parent is not self.root and not left[parent] and not locked(parent.keys):
+                heapq.heappush(heap, (self._rank(parent), parent))
+        return out
+
 
 class SGLangRules(SpecRules):
     """SGLang's rules (its RadixCache): the defaults are the serving engine's
@@ -216,6 +232,13 @@ class SGLangSteps:
         self._tree_reqs[seq][1] = max(inserted, len(keys))
         if release:
             del self._tree_reqs[seq]
+
+    def _eviction_order(self) -> list:
+        """The cached blocks, next evicted first: the tree's leaves in its order (``evicts_whole_leaves``),
+        else the pool's queue."""
+        if self.tree is None:
+            return list(self.evictable)
+        return [self.by_hash[(0, k)][0] for k in self.tree.eviction_order(self._locked)]
 
     def _locked(self, keys) -> bool:
         return any(self.by_hash[(0, k)][0] in self.blocks for k in keys)
