@@ -194,3 +194,23 @@ class SglangRadixLockOneShort(SglangRadix):
     def __init__(self, config):
         super().__init__(config)
         self.tree.dec_lock_ref = types.MethodType(_dec_lock_ref_one_short, self.tree)
+
+
+def _split_node_stale_hashes(tree, key, child, split_len):
+    """RadixCache._split_node (radix_cache.py:677-700) whose lower node keeps the page hashes of
+    the whole node it was (``split_node_hash_value`` not applied to it): its BlockRemoved, at
+    its eviction, names the upper node's pages."""
+    hashes, event_hashes = child.hash_value, child.event_hash_value
+    upper = type(tree)._split_node(tree, key, child, split_len)
+    child.hash_value, child.event_hash_value = hashes, event_hashes
+    return upper
+
+
+class SglangRadixSplitStaleHashes(SglangRadix):
+    """A KV-event bug: the index is told the wrong pages are gone (SPEC §14's residency)."""
+
+    name = "sglang-fault-split-stale-hashes"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tree._split_node = types.MethodType(_split_node_stale_hashes, self.tree)

@@ -1,4 +1,5 @@
-"""SGLang's radix trees and token allocator behind the kvbench protocol: ledger only.
+"""SGLang's radix trees and token allocator behind the kvbench protocol: ledger, KV events and
+(``RadixCache``) block structures.
 
 Which tree: SGLang's server builds its tree cache in ``mem_cache/registry.py``
 (``create_tree_cache``: with ``--radix-cache-backend`` unset, ``default_radix_cache_factory``, which
@@ -60,6 +61,7 @@ import types
 import numpy as np
 
 from impls.engines.block_tally import BlockTally
+from impls.engines.sglang_events import kv_events
 from kvbench.contract import formulas as F
 from kvbench.contract.protocol import Backend, BlockState, Capabilities, CacheConfig, Ledger, OutOfMemory
 
@@ -85,11 +87,20 @@ VERSION = "0.5.23"
 #   the checkpoint's insert frees the pages the tree already had (RadixCache._insert_cache,
 #   radix_cache.py:451-510; the unified insert's prev_prefix_len), so a page-aligned prompt, or a
 #   fork, needs a free page for its last page although the tree holds it.
+# - events_from_tree: the tree announces a page when an insert makes its node (_insert_helper's
+#   record_store, radix_cache.py:758: one BlockStored per page, events.py:213-271, the first
+#   page's parent the parent node's last page hash, None under the root, events.py:180-198); an
+#   insert runs at a checkpoint (after a prefill, at a fork's parent, at free), so a page a decode
+#   fills is announced at its request's free. evict announces each leaf whole (record_remove,
+#   radix_cache.py:577, events.py:273-308); _split_node (:677-700) and inc / dec_lock_ref
+#   (:582-616) announce nothing; reset (:343-362) announces AllBlocksCleared when the tree is
+#   built. The Rust core's events are the same (rust_tree_core/adapter.py:103-153).
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
                             cache_salt=True,
                             # hit_leaves_last_token, caches_every_full_block, evicts_whole_leaves,
-                            # eviction_demand="page_per_request", capped_hit_recomputed: the
+                            # eviction_demand="page_per_request", capped_hit_recomputed,
+                            # events_from_tree: the
                             # sglang rule set's defaults (kvbench/model/rules/sglang.py)
                             rules="sglang")
 
@@ -136,6 +147,7 @@ def _sglang():
                                                     TokenToKVPoolAllocator)
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.events import KvEventLoraNames
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -143,7 +155,7 @@ def _sglang():
     return types.SimpleNamespace(
         torch=torch, array=array, allocation=allocation, RadixCache=RadixCache, RadixKey=RadixKey,
         UnifiedRadixCache=UnifiedRadixCache, ComponentType=ComponentType,
-        CacheInitParams=CacheInitParams, InsertParams=InsertParams,
+        CacheInitParams=CacheInitParams, InsertParams=InsertParams, KvEventLoraNames=KvEventLoraNames,
         MatchPrefixParams=MatchPrefixParams, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
         version=importlib.metadata.version("sglang"))
@@ -217,9 +229,13 @@ class SglangRadix(Backend):
         else:
             self.alloc = s.PagedTokenToKVPoolAllocator(size=size, page_size=P, dtype=s.torch.float16,
                                                        device="cpu", kvcache=None, need_sort=False)
+        # KV events on (SGLang's --kv-events-config; they change nothing the tree does), with the
+        # table of LoRA names the scheduler keeps for them (see events()).
+        self.lora_names = s.KvEventLoraNames()
         self.tree = self._make_tree(s.CacheInitParams(
             disable=not self.caching, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
-            page_size=P, eviction_policy=self.radix_policy))
+            page_size=P, eviction_policy=self.radix_policy, enable_kv_cache_events=self.caching,
+            kv_event_lora_names=self.lora_names))
         self.reqs: dict[int, _Req] = {}
         self._ids = itertools.count(1 << 48)  # token ids made up here: above any a trace gives
         self._hash_ids: dict = {}
@@ -329,6 +345,8 @@ class SglangRadix(Backend):
         s = self._s
         ids = s.array("q", ids)
         T = len(ids)
+        if adapter is not None:  # Scheduler._record_kv_event_lora_name (scheduler.py:2889-2896)
+            self.lora_names.register(types.SimpleNamespace(extra_key=adapter, lora_id=adapter), adapter)
         probe = _Req(ids=ids, kv=None, prompt=prompt, final=final, adapter=adapter, salt=salt)
         # Req._compute_max_prefix_len: at most T - 1 tokens, for the last token's logits.
         match = self.tree.match_prefix(s.MatchPrefixParams(key=probe.key(T, limit=max(0, T - 1))))
@@ -409,6 +427,12 @@ class SglangRadix(Backend):
             self.alloc.free_segment(r.kv[r.protected:], start_pos=r.protected)
         self.tree.unlock(r.lock)
         del self.reqs[seq]
+
+    def events(self) -> list:
+        """SPEC §14: SGLang's own KV events (``take_events``, base_prefix_cache.py:673; the Rust
+        core's through its adapter), read by impls/engines/sglang_events.py. How they differ from
+        SPEC's is the sglang rule set's ``events_from_tree``."""
+        return kv_events(self.tree)
 
     def figures(self) -> dict:
         """SGLang's own account, in tokens: free, evictable and protected, and the pool's size."""
