@@ -39,7 +39,7 @@ from __future__ import annotations
 import types
 
 from impls.engines.sglang_components import SwaTree
-from impls.engines.sglang_radix import Sglang
+from impls.engines.sglang_radix import Sglang, SglangRadix
 from impls.engines.vllm_blockpool import VllmBlockPool
 from impls.engines.vllm_kvmanager import VllmKVManager
 
@@ -239,3 +239,65 @@ class VllmExternalNegative(VllmExternalAfterRejection):
         for manager in self._groups:
             manager.allocate_external_computed_blocks = types.MethodType(
                 _external_blocks_unclamped, manager)
+
+
+# --- SGLang's RadixCache, caught by its block structures (SglangRadix.block_state) -------------
+# Each planted in the real tree (no upstream report): what its block_state exposes, its
+# evictable leaves in eviction order and its nodes' lock counts, shows it at the operation it
+# goes wrong (tests/engines/test_sglang_block_state.py says where, and where the ledger alone would).
+
+class SglangRadixLeavesReversed(SglangRadix):
+    """The lru tree's eviction heap keyed the wrong way round: its leaves given back most
+    recently used first (RadixCache built under lru, its strategy MRUStrategy's
+    ``-last_access_time``), while the backend declares lru."""
+
+    name = "sglang-fault-leaves-reversed"
+
+    def __init__(self, config):
+        super().__init__(config)
+        from sglang.srt.mem_cache.evict_policy import MRUStrategy
+        self.tree.eviction_strategy = MRUStrategy()
+
+
+def _dec_lock_ref_one_short(tree, node, params=None):
+    """RadixCache.dec_lock_ref (radix_cache.py:597-616) with its walk's bound off by one: it
+    stops below the root's child, which keeps the lock it was given."""
+    from sglang.srt.mem_cache.base_prefix_cache import DecLockRefResult
+    delta = 0
+    while node is not tree.root_node and node.parent is not tree.root_node:
+        if node.lock_ref == 1:
+            tree.evictable_size_ += len(node.key)
+            tree.protected_size_ -= len(node.key)
+            delta += len(node.key)
+        node.lock_ref -= 1
+        tree._update_leaf_status(node)
+        node = node.parent
+    return DecLockRefResult(delta=delta)
+
+
+class SglangRadixLockOneShort(SglangRadix):
+    name = "sglang-fault-lock-one-short"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tree.dec_lock_ref = types.MethodType(_dec_lock_ref_one_short, self.tree)
+
+
+def _split_node_stale_hashes(tree, key, child, split_len):
+    """RadixCache._split_node (radix_cache.py:677-700) whose lower node keeps the page hashes of
+    the whole node it was (``split_node_hash_value`` not applied to it): its BlockRemoved, at
+    its eviction, names the upper node's pages."""
+    hashes, event_hashes = child.hash_value, child.event_hash_value
+    upper = type(tree)._split_node(tree, key, child, split_len)
+    child.hash_value, child.event_hash_value = hashes, event_hashes
+    return upper
+
+
+class SglangRadixSplitStaleHashes(SglangRadix):
+    """A KV-event bug: the index is told the wrong pages are gone (SPEC §14's residency)."""
+
+    name = "sglang-fault-split-stale-hashes"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tree._split_node = types.MethodType(_split_node_stale_hashes, self.tree)

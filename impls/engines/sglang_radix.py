@@ -1,4 +1,5 @@
-"""SGLang's radix trees and token allocator behind the kvbench protocol: ledger only.
+"""SGLang's radix trees and token allocator behind the kvbench protocol: ledger, KV events and
+(``RadixCache``) block structures.
 
 Which tree: SGLang's server builds its tree cache in ``mem_cache/registry.py``
 (``create_tree_cache``: with ``--radix-cache-backend`` unset, ``default_radix_cache_factory``, which
@@ -53,12 +54,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import types
 
+import numpy as np
+
 from impls.engines.block_tally import BlockTally
+from impls.engines.sglang_events import kv_events
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import Backend, Capabilities, CacheConfig, Ledger, OutOfMemory
+from kvbench.contract.protocol import Backend, BlockState, Capabilities, CacheConfig, Ledger, OutOfMemory
 
 NOT_INSTALLED = "sglang is not installed: its opt-in recipe is in docs/engines.md"
 VERSION = "0.5.23"
@@ -82,11 +87,20 @@ VERSION = "0.5.23"
 #   the checkpoint's insert frees the pages the tree already had (RadixCache._insert_cache,
 #   radix_cache.py:451-510; the unified insert's prev_prefix_len), so a page-aligned prompt, or a
 #   fork, needs a free page for its last page although the tree holds it.
+# - events_from_tree: the tree announces a page when an insert makes its node (_insert_helper's
+#   record_store, radix_cache.py:758: one BlockStored per page, events.py:213-271, the first
+#   page's parent the parent node's last page hash, None under the root, events.py:180-198); an
+#   insert runs at a checkpoint (after a prefill, at a fork's parent, at free), so a page a decode
+#   fills is announced at its request's free. evict announces each leaf whole (record_remove,
+#   radix_cache.py:577, events.py:273-308); _split_node (:677-700) and inc / dec_lock_ref
+#   (:582-616) announce nothing; reset (:343-362) announces AllBlocksCleared when the tree is
+#   built. The Rust core's events are the same (rust_tree_core/adapter.py:103-153).
 CAPABILITIES = Capabilities(layout="paged", holds_kv=False, fork=True, copy_on_write=True,
                             prefix_caching=True, eviction=(),
                             cache_salt=True,
                             # hit_leaves_last_token, caches_every_full_block, evicts_whole_leaves,
-                            # eviction_demand="page_per_request", capped_hit_recomputed: the
+                            # eviction_demand="page_per_request", capped_hit_recomputed,
+                            # events_from_tree: the
                             # sglang rule set's defaults (kvbench/model/rules/sglang.py)
                             rules="sglang")
 
@@ -133,6 +147,7 @@ def _sglang():
                                                     TokenToKVPoolAllocator)
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.events import KvEventLoraNames
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -140,7 +155,7 @@ def _sglang():
     return types.SimpleNamespace(
         torch=torch, array=array, allocation=allocation, RadixCache=RadixCache, RadixKey=RadixKey,
         UnifiedRadixCache=UnifiedRadixCache, ComponentType=ComponentType,
-        CacheInitParams=CacheInitParams, InsertParams=InsertParams,
+        CacheInitParams=CacheInitParams, InsertParams=InsertParams, KvEventLoraNames=KvEventLoraNames,
         MatchPrefixParams=MatchPrefixParams, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
         version=importlib.metadata.version("sglang"))
@@ -205,7 +220,8 @@ class SglangRadix(Backend):
         self.page = P = config.block_size
         self.caching = bool(config.prefix_caching)
         self.capabilities = dataclasses.replace(CAPABILITIES, rule_params={
-            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"})
+            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"},
+            cached_order=not self.unified)  # block_state(): RadixCache's nodes are Python's
         size = config.num_blocks * P
         if P == 1:
             self.alloc = s.TokenToKVPoolAllocator(size=size, dtype=s.torch.float16, device="cpu",
@@ -213,9 +229,13 @@ class SglangRadix(Backend):
         else:
             self.alloc = s.PagedTokenToKVPoolAllocator(size=size, page_size=P, dtype=s.torch.float16,
                                                        device="cpu", kvcache=None, need_sort=False)
+        # KV events on (SGLang's --kv-events-config; they change nothing the tree does), with the
+        # table of LoRA names the scheduler keeps for them (see events()).
+        self.lora_names = s.KvEventLoraNames()
         self.tree = self._make_tree(s.CacheInitParams(
             disable=not self.caching, req_to_token_pool=None, token_to_kv_pool_allocator=self.alloc,
-            page_size=P, eviction_policy=self.radix_policy))
+            page_size=P, eviction_policy=self.radix_policy, enable_kv_cache_events=self.caching,
+            kv_event_lora_names=self.lora_names))
         self.reqs: dict[int, _Req] = {}
         self._ids = itertools.count(1 << 48)  # token ids made up here: above any a trace gives
         self._hash_ids: dict = {}
@@ -325,6 +345,8 @@ class SglangRadix(Backend):
         s = self._s
         ids = s.array("q", ids)
         T = len(ids)
+        if adapter is not None:  # Scheduler._record_kv_event_lora_name (scheduler.py:2889-2896)
+            self.lora_names.register(types.SimpleNamespace(extra_key=adapter, lora_id=adapter), adapter)
         probe = _Req(ids=ids, kv=None, prompt=prompt, final=final, adapter=adapter, salt=salt)
         # Req._compute_max_prefix_len: at most T - 1 tokens, for the last token's logits.
         match = self.tree.match_prefix(s.MatchPrefixParams(key=probe.key(T, limit=max(0, T - 1))))
@@ -406,6 +428,12 @@ class SglangRadix(Backend):
         self.tree.unlock(r.lock)
         del self.reqs[seq]
 
+    def events(self) -> list:
+        """SPEC §14: SGLang's own KV events (``take_events``, base_prefix_cache.py:673; the Rust
+        core's through its adapter), read by impls/engines/sglang_events.py. How they differ from
+        SPEC's is the sglang rule set's ``events_from_tree``."""
+        return kv_events(self.tree)
+
     def figures(self) -> dict:
         """SGLang's own account, in tokens: free, evictable and protected, and the pool's size."""
         return {"available": self.alloc.available_size(), "evictable": self.tree.evictable_size(),
@@ -414,6 +442,43 @@ class SglangRadix(Backend):
     def table(self, seq) -> list:
         """The sequence's pages, in order."""
         return [x // self.page for x in self._req(seq).kv[::self.page].tolist()]
+
+    def block_state(self, seqs=None) -> BlockState:
+        """SGLang's own structures, as ``RadixCache`` keeps them (block ``b`` is SGLang's page
+        ``b + 1``: slot 0 is its padding, ``clear``): the allocator's free pages
+        (``get_all_free_pages``); the evictable pages in the order its eviction takes them
+        (``evict``, radix_cache.py:552-577: a heap of ``evictable_leaves`` by the policy's
+        ``get_priority``, a parent pushed once childless and unlocked), here run to the end on
+        a copy of the counts, the tree untouched; each tree page's references its node's
+        ``lock_ref`` (a request's lock counts on every node of its path, ``inc_lock_ref``
+        :582-595), a page a request holds outside the tree (past its ``cache_protected_len``) 1.
+        ``UnifiedRadixCache``'s Rust core exposes neither its nodes nor its locks
+        (``node_by_id`` raises NotImplementedError in 0.5.23): the serving tree has none."""
+        if self.unified:
+            raise NotImplementedError(f"{self.name}: SGLang's Rust tree core exposes no nodes")
+        P, tree = self.page, self.tree
+        page = lambda value: (value[::P] // P - 1).tolist()  # noqa: E731
+        ref = np.zeros(self.config.num_blocks, dtype=np.int64)
+        todo = [tree.root_node]
+        while todo:
+            for child in todo.pop().children.values():
+                ref[page(child.value)] = child.lock_ref
+                todo.append(child)
+        for r in self.reqs.values():
+            ref[page(r.kv[r.protected:])] += 1
+        heap = [(tree.eviction_strategy.get_priority(n), n) for n in tree.evictable_leaves]
+        heapq.heapify(heap)
+        cached, left = [], {}
+        while heap:
+            _, leaf = heapq.heappop(heap)
+            cached += page(leaf.value)
+            parent = leaf.parent
+            left[parent] = left.get(parent, len(parent.children)) - 1
+            if not left[parent] and parent.lock_ref == 0:
+                heapq.heappush(heap, (tree.eviction_strategy.get_priority(parent), parent))
+        live = self.reqs if seqs is None else [s for s in seqs if s in self.reqs]
+        return BlockState(free=(self.alloc.get_all_free_pages() - 1).numpy(), cached=cached,
+                          refcount=ref, tables={s: [page(self.reqs[s].kv)] for s in live})
 
     def _tables_of(self, seq):
         """The tally's view of ``seq``: its one table of pages and its tokens; None once gone."""

@@ -126,6 +126,10 @@ ORDERS = (  # a backend declaring block_ids: its ids one by one against the orac
        "the free list, next taken first, at the sweeps"),
     _c("order: cached, whole", "identities", "compare_structures", "{name}",
        "the cached queue, next evicted first, at the sweeps"),
+    _c("order: cached, by the rule set", "identities", "compare_cached_order",
+       "cached blocks (next evicted first)", "a backend declaring cached_order: its cached blocks "
+       "in its rule set's eviction order, its ids paired with the oracle's through the tables, "
+       "after every operation"),
     _c("order: free, at the step", "identities", "Mirror._differs", "free blocks (next taken first)",
        "the free list's changed entries at the operation that changed them"),
     _c("order: cached, at the step", "identities", "Mirror._differs",

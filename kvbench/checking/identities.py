@@ -51,11 +51,14 @@ class Figures:
         self.exact = self.structures and backend.capabilities.block_ids
         self.changes = self.structures and _takes(type(backend), "block_state", "changed_since")
         rules = getattr(oracle, "rules", None)
+        caching = rules is not None and getattr(oracle, "caching", False)
         # The cached queue's order by pairing: at each operation's changes, so with them only.
-        self.order = (self.changes and not self.exact and getattr(oracle, "caching", False)
-                      and rules is not None and rules.cached_queue_order
+        self.order = (self.changes and not self.exact and caching and rules.cached_queue_order
                       and not rules.evicts_whole_leaves)
-        self.pairing = Pairing() if self.order else None
+        # A radix tree's engine, its own ids (evicts_whole_leaves): its cached blocks in its
+        # leaves' eviction order, read whole after every operation, paired through the tables.
+        self.ordered = self.structures and not self.exact and caching and rules.evicts_whole_leaves
+        self.pairing = Pairing() if self.order or self.ordered else None
         self.ops, self.edits = 0, -1
         self.mark = self.oracle_mark = None  # of the last states read, to ask what changed since
         self.mirror: Mirror | None = None
@@ -72,7 +75,8 @@ class Figures:
         if why is not None or not self.structures:
             return why
         self.ops += 1
-        sweep = last or self.ops & (self.ops - 1) == 0 or (self.changes and self.mirror is None)
+        sweep = last or self.ops & (self.ops - 1) == 0 or (self.changes and self.mirror is None) \
+            or self.ordered
         if not sweep and (not self.changes or (seqs is not None and self.oracle.edits == self.edits)):
             return None  # nothing read between sweeps, or no reference moved since the last read
         self.edits = self.oracle.edits
@@ -94,7 +98,10 @@ class Figures:
             self.skipped["block structures"] = f"{self.backend.name} does not expose block_state()"
             return None
         self.mark = whole.mark
-        return self._sweep(whole, led, last)
+        why = self._sweep(whole, led, last)
+        if why is None and self.ordered:
+            self.found = self._cached_order(whole)
+        return why
 
     def block_ids(self, seqs=None):
         """After the ledger agreed with the oracle: the block-id divergence of the last ``check``."""
@@ -143,6 +150,13 @@ class Figures:
         if why is None and self.exact and self.found is None:
             self.found = compare_structures(self._expected_whole(), state, whole=True)
         return why
+
+    def _cached_order(self, state: BlockState):
+        """The backend's cached order against the oracle's (its rule set's), its ids paired with
+        the oracle's at each table position first."""
+        expected = self.oracle.block_state()
+        self.pairing.learn(state.tables, expected.tables)  # freed blocks keep their pairs
+        return compare_cached_order(expected.cached, state.cached, self.pairing.of)
 
     def _expected_whole(self) -> BlockState:
         expected = self.oracle.block_state()
@@ -638,6 +652,20 @@ def compare_structures(expected: BlockState, actual: BlockState, whole: bool = T
             if not np.array_equal(e, a):
                 return name, e.tolist(), a.tolist(), _first_difference(e, a)
     return None
+
+
+def compare_cached_order(expected, actual, pairs: dict):
+    """A backend declaring ``cached_order``: its cached blocks, next evicted first, each read as
+    the oracle's block it is paired with (``pairs``), against the oracle's order."""
+    e = [int(b) for b in np.asarray(expected, dtype=np.int64).reshape(-1)]
+    a = [pairs.get(int(b)) for b in np.asarray(actual, dtype=np.int64).reshape(-1)]
+    if e == a:
+        return None
+    unpaired = [int(b) for b, p in zip(np.asarray(actual).reshape(-1), a) if p is None]
+    never = f"; backend block(s) {unpaired[:6]} never in a table (None)" if unpaired else ""
+    return ("cached blocks (next evicted first)", e, a,
+            f"in the order the rule set evicts them, the backend's ids read as the oracle's "
+            f"through the tables: {_first_difference(e, a)}{never}")
 
 
 def _first_difference(e, a) -> str:

@@ -121,6 +121,11 @@ class Capabilities:
     cache_salt: bool = False
     # block_state() hands out and releases blocks in kvbench's order (docs/writing-a-backend.md), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
+    # block_state().cached lists the cached blocks in the order its rule set evicts them (an
+    # engine's own order, its own block ids): the checker reads its structures after every
+    # operation and compares that order with the oracle's, pairing the backend's ids with the
+    # oracle's through the tables (kvbench.checking.identities.compare_cached_order).
+    cached_order: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them). It moves a transfer's bytes when

@@ -563,7 +563,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self._mark, self._free_low, self._cached_log = object(), size, []
         if changes is not None:
             return BlockState(None, None, self.refs, tables, self._mark, changes)
-        return BlockState(free=self.free_list(), cached=list(self.evictable), refcount=self.refs,
+        return BlockState(free=self.free_list(), cached=self._eviction_order(), refcount=self.refs,
                           tables=tables, mark=self._mark)
 
 

@@ -114,6 +114,29 @@ def _copy(state: BlockState) -> BlockState:
                                                     c.free_size, list(c.cached)))
 
 
+class OwnIds(NumpyPaged):
+    """NumPy's pool naming each block b as N - 1 - b and declaring ``cached_order`` instead of
+    ``block_ids``, as an engine with ids of its own does: compared through the tables."""
+
+    name = "own-ids"
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, block_ids=False, cached_order=True)
+
+    def block_state(self, seqs=None):  # whole states only: read after every operation
+        s = super().block_state(seqs)
+        own = lambda ids: [-1 if b == -1 else self.config.num_blocks - 1 - int(b) for b in ids]
+        return BlockState(own(s.free), own(s.cached), np.array(s.refcount)[::-1],
+                          {q: [own(t) for t in per] for q, per in s.tables.items()})
+
+
+def own_ids_reporting(corrupt, at_call: int):
+    """OwnIds whose block_state() is ``corrupt(state)`` after its ``at_call``-th mutating call."""
+    class Reports(counting_calls(OwnIds)):
+        def block_state(self, seqs=None):
+            state = super().block_state(seqs)
+            return corrupt(_copy(state)) if self.calls == at_call else state
+    return Reports
+
+
 def edit(**fields):
     """A corruption replacing the given fields of a whole state (each a function of it)."""
     return lambda s: dataclasses.replace(s, **{k: f(s) for k, f in fields.items()})
@@ -436,6 +459,13 @@ CASES = {
     "order: cached, at the step": Case(
         reports_state(changes(lambda c, s: c.cached.reverse()), whole=False, at_call=5), CACHED, 4,
         "cached blocks (next evicted first)", config={"prefix_caching": True}),
+    # The same X(0), through ids of the pool's own (7 - b): its blocks [0, 1, 2] are [7, 6, 5]
+    # in its table at op 0; it caches [2, 1, 0] (tail first), reported as [7, 6, 5] (reversed),
+    # which the tables pair with the oracle's [0, 1, 2].
+    "order: cached, by the rule set": Case(
+        own_ids_reporting(edit(cached=lambda s: s.cached[::-1]), at_call=5), CACHED, 4,
+        "cached blocks (next evicted first)", [2, 1, 0], [0, 1, 2],
+        config={"prefix_caching": True}, control=OwnIds),
 
     # The same X(0) without block ids: 0's blocks 0, 1, 2 paired with the oracle's 0, 1, 2 by
     # table position at ops 0 .. 3; cached tail first, 2, 1, 0; reported 0, 1, 2.

@@ -53,6 +53,9 @@ class RuleSet:
       paged allocator).
     - ``capped_hit_recomputed``: a hit that hit_leaves_last_token capped computes the capped
       block again, and the insert after the call shares the cached one (SGLang's checkpoint).
+    - ``events_from_tree``: KV events (SPEC §14) announce the radix tree's pages: stored when a
+      checkpoint's insert makes their node, not when a decode fills them, removed when an
+      eviction takes their leaf (SGLang; rules/sglang.py).
     """
 
     name = "base"
@@ -74,6 +77,7 @@ class RuleSet:
     leaf_order = "lru"
     eviction_demand = "need"
     capped_hit_recomputed = False
+    events_from_tree = False
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.PARAMS))

@@ -5,7 +5,12 @@
 - ``eviction_demand``: eviction before the allocation, for its shortfall, or (``page_per_request``)
   for the new tokens plus one page per request;
 - ``capped_hit_recomputed``: the block a capped hit computes again goes back when the cache still
-  holds its key, and the cached one is shared instead.
+  holds its key, and the cached one is shared instead;
+- ``events_from_tree``: KV events announce the tree's keys (``RadixTree.keys``, logged as inserts
+  make leaves and evictions take them), not the cache's (kvbench/model/events.py).
+
+The cached blocks, next evicted first, are ``RadixTree.eviction_order``: the order an eviction
+of everything would take them (an engine's ``block_state`` under ``cached_order`` is held to it).
 
 An engine whose rule set has ``evicts_whole_leaves`` (SGLang's ``RadixCache`` and
 ``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole
@@ -64,6 +69,8 @@ class RadixTree:
         self.clock = 0
         self._ids = itertools.count()
         self.root = self._node([], None)
+        self.keys: set = set()  # the keys of every node
+        self.log: dict | None = None  # keys inserted or evicted since the last look, when a dict
 
     def _tick(self) -> int:
         self.clock += 1
@@ -127,6 +134,12 @@ class RadixTree:
             leaf = self._node(keys[at:], node, priority)
             leaf.hit_count += len(keys) > inserted
             node.children[keys[at]] = leaf
+            self._note(leaf.keys, True)
+
+    def _note(self, keys, present: bool) -> None:
+        (self.keys.update if present else self.keys.difference_update)(keys)
+        if self.log is not None:
+            self.log.update(dict.fromkeys(keys))
 
     def _rank(self, n: Node):
         o = self.order
@@ -163,9 +176,26 @@ class RadixTree:
         while len(out) < blocks and heap:
             _, leaf = heapq.heappop(heap)
             out += leaf.keys
+            self._note(leaf.keys, False)
             parent = leaf.parent
             del parent.children[leaf.keys[0]]
             if parent is not self.root and not parent.children and not locked(parent.keys):
+                heapq.heappush(heap, (self._rank(parent), parent))
+        return out
+
+    def eviction_order(self, locked) -> list:
+        """The keys ``evict`` would take were it to take every unlocked leaf, in order (the tree
+        unchanged): the cached blocks, next evicted first, as an engine's block_state lists them."""
+        heap = [(self._rank(n), n) for n in self._leaves(locked)]
+        heapq.heapify(heap)
+        left: dict = {}  # node -> its children not yet taken
+        out = []
+        while heap:
+            _, leaf = heapq.heappop(heap)
+            out += leaf.keys
+            parent = leaf.parent
+            left[parent] = left.get(parent, len(parent.children)) - 1
+            if parent is not self.root and not left[parent] and not locked(parent.keys):
                 heapq.heappush(heap, (self._rank(parent), parent))
         return out
 
@@ -177,7 +207,8 @@ class SGLangRules(SpecRules):
     name = "sglang"
     PARAMS = {"fork_via": "prefix", "hit_leaves_last_token": True, "caches_every_full_block": True,
               "evicts_whole_leaves": True, "leaf_order": "lru",
-              "eviction_demand": "page_per_request", "capped_hit_recomputed": True}
+              "eviction_demand": "page_per_request", "capped_hit_recomputed": True,
+              "events_from_tree": True}
 
 
 class SGLangSteps:
@@ -216,6 +247,13 @@ class SGLangSteps:
         self._tree_reqs[seq][1] = max(inserted, len(keys))
         if release:
             del self._tree_reqs[seq]
+
+    def _eviction_order(self) -> list:
+        """The cached blocks, next evicted first: the tree's leaves in its order (``evicts_whole_leaves``),
+        else the pool's queue."""
+        if self.tree is None:
+            return list(self.evictable)
+        return [self.by_hash[(0, k)][0] for k in self.tree.eviction_order(self._locked)]
 
     def _locked(self, keys) -> bool:
         return any(self.by_hash[(0, k)][0] in self.blocks for k in keys)
