@@ -150,5 +150,5 @@ class SwaLockPastBoundary(SwaTree):
 
 class SwaReleaseSkipped(SwaTree):
     def release_window(self, rid) -> None:
-        self.locks[rid].swa_released = True  # dec_swa_lock_only never called
+        self.reqs[rid].lock.swa_released = True  # dec_swa_lock_only never called
 

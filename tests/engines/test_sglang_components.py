@@ -64,9 +64,12 @@ def test_a_mamba_state_is_cached_with_its_prompt_and_protected_while_its_request
     t = MambaTree(SIZE, 8)
     states = t.figures()["mamba"][2]  # the state slots SGLang's MambaPool lends (its size)
     assert t.run(0, A + B)
-    # full: the 16-token path locked; mamba: its one state, locked with it
-    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 1, states)}
+    # full: the 16-token path locked; mamba: the prompt's checkpoint, locked with it, and the
+    # request's active state (held outside the tree): states - 2 free
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 2, states)}
+    assert t.held() == {"full": 0, "mamba": 1}
     t.finish(0)
+    # the finished state is the checkpoint's node's: the tree keeps its own, the active goes back
     assert t.figures()["mamba"] == (1, 0, states - 1, states)
     assert t.run(1, A + B + C) and t.hits == 16  # the cached prefix and its state hit
     assert t.violations() == []
