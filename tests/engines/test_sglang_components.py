@@ -230,3 +230,19 @@ def test_pr_33773_caught_at_fork_wide_step_14(sglang):
     r = replay("mamba", "workloads/fork-wide.jsonl", tree_cls=MambaNoCheckpointHeadroom)
     assert r["violations"] == [(14, ["SGLang raised AssertionError: Can not alloc mamba cache"])]
     assert r["tree"].held()["mamba"] == 14 and r["tree"].figures()["mamba"] == (0, 1, 0, 16)
+
+
+def test_the_swa_lock_plants_are_caught_on_committed_workloads_too(sglang):
+    """PR #27038's release past the boundary: at hybrid-windows step 6 (seq 5, a fork of seq 1)
+    a node's SWA lock_ref reads -1. PR #28161's skipped release: at lifecycle-preempt
+    step 29 (seq 4's free, the first moment no request runs) the windows released early are
+    still locked."""
+    from impls.engines.faults_engines import SwaLockPastBoundary, SwaReleaseSkipped
+    from impls.engines.sglang_components import replay
+    r = replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=SwaLockPastBoundary)
+    step, found = r["violations"][0]
+    assert step == 6 and all(v.startswith("swa: ") and v.endswith("lock_ref -1") for v in found)
+    r = replay("swa", "workloads/lifecycle-preempt.jsonl", tree_cls=SwaReleaseSkipped)
+    step, found = r["violations"][0]
+    assert step == 29 and not r["tree"].reqs
+    assert all(v.startswith("swa: ") and "with no request running" in v for v in found), found
