@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import types
 
-from impls.engines.sglang_components import SwaTree
+from impls.engines.sglang_components import MambaTree, SwaTree
 from impls.engines.sglang_radix import Sglang, SglangRadix
 from impls.engines.vllm_blockpool import VllmBlockPool
 from impls.engines.vllm_kvmanager import VllmKVManager
@@ -151,7 +151,7 @@ class SwaLockPastBoundary(SwaTree):
 
 class SwaReleaseSkipped(SwaTree):
     def release_window(self, rid) -> None:
-        self.locks[rid].swa_released = True  # dec_swa_lock_only never called
+        self.reqs[rid].lock.swa_released = True  # dec_swa_lock_only never called
 
 
 
@@ -301,3 +301,70 @@ class SglangRadixSplitStaleHashes(SglangRadix):
     def __init__(self, config):
         super().__init__(config)
         self.tree._split_node = types.MethodType(_split_node_stale_hashes, self.tree)
+# --- SGLang's UnifiedRadixCache components: SWA mappings, the decode-side window, Mamba headroom
+# (each caught by sglang_components.replay on a committed workload; docs/engines.md's bug table
+# names the step, tests/engines/test_sglang_components.py asserts it)
+
+def _recover_through_free_swa(comp, *, node, incoming_full, start, end, result, cache_actions):
+    """SWAComponent._recover_from_incoming before PR #27586: the tombstone's old base freed
+    through free_swa (FreeDeviceKV: free_swa, then free_full), its stale mapping not cleared."""
+    from sglang.srt.mem_cache.unified_cache.cache_action import (FreeDeviceKV,
+                                                                 RecoverSWAWithLockedFull)
+    from sglang.srt.mem_cache.unified_cache.component_type import BASE_COMPONENT_TYPE
+    full_cd = node.component_data[BASE_COMPONENT_TYPE]
+    old_full = full_cd.value
+    if full_cd.lock_ref > 0:
+        cache_actions.append(RecoverSWAWithLockedFull(node.id, old_full, incoming_full))
+        return
+    result.record_adopted_range(BASE_COMPONENT_TYPE, start, end)
+    full_cd.value = incoming_full.clone()
+    cache_actions.append(FreeDeviceKV([old_full]))
+    comp._publish_window(node=node, cache_actions=cache_actions)
+
+
+class SwaStaleMappingFreed(SwaTree):
+    """SGLang PR #27586 reverted. Its two halves: a tombstone's full-to-SWA mapping left stale
+    (planted: 0.5.23's SWA eviction clears it; here ``FreeComponentDeviceSlot`` frees the SWA
+    slots and puts the mapping back), and the insert-overlap recovery freeing the tombstone's
+    old base through ``free_swa``, which reads that mapping and frees a SWA slot the tombstone
+    no longer owns (free already, or lent since to a live request)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        from sglang.srt.mem_cache.unified_cache.cache_action import FreeComponentDeviceSlot
+        comp, alloc = self.component, self.alloc
+        apply = comp.apply_component_action
+
+        def apply_component_action(action):
+            if not isinstance(action, FreeComponentDeviceSlot):
+                return apply(action)
+            kept = [(full, alloc.full_to_swa_index_mapping[full].clone()) for full in action.indices]
+            apply(action)
+            for full, swa in kept:  # the mapping left pointing at the freed slots
+                alloc.full_to_swa_index_mapping[full] = swa
+
+        comp.apply_component_action = apply_component_action
+        comp._recover_from_incoming = types.MethodType(_recover_through_free_swa, comp)
+
+
+class SwaWindowFloorDropped(SwaTree):
+    """SGLang PR #27770's decode-side radix for SWA hybrids, planted without the window's floor:
+    the request's out-of-window SWA slots are freed as it decodes (``free_swa_out_of_window_
+    slots``), but ``cache_finished_req`` inserts without ``swa_evicted_seqlen``, so the tree
+    takes those freed slots as live SWA: at idle, SWA's available + evictable exceeds its pool
+    (planted: 0.5.23 carries the floor into ``InsertParams``)."""
+
+    def _insert_params(self, r):
+        params = super()._insert_params(r)
+        params.set_evicted_seqlen(self._v.s.ComponentType.SWA, 0)
+        return params
+
+
+class MambaNoCheckpointHeadroom(MambaTree):
+    """SGLang PR #33773 reverted: admission makes room for the request's active Mamba state
+    only (what ``ensure_mamba_capacity`` counts), none for the checkpoint
+    ``cache_unfinished_req`` donates to the tree, so ``MambaComponent._alloc_mamba_slot``
+    finds no free slot and, with every cached state locked by running requests, nothing to
+    evict ("Can not alloc mamba cache")."""
+
+    state_headroom = 1

@@ -63,9 +63,25 @@ def _swa():
         Mamba2StateShape=Mamba2StateShape)
 
 
+class _Request:
+    """What the scheduler's ``Req`` holds for the tree: its tokens, its KV row (full indices),
+    its lock, ``cache_protected_len`` (the tokens the tree holds for it), the SWA eviction
+    cursor (``swa_evicted_seqlen``) and, on a Mamba model, its active state slot."""
+
+    def __init__(self, tokens, kv, lock, protected, active, extra):
+        self.tokens, self.kv, self.lock, self.protected = tokens, kv, lock, protected
+        self.evicted = 0
+        self.active = active
+        self.extra = extra
+
+
 class ComponentTree:
     """``UnifiedRadixCache(FULL, SWA)`` (``window`` tokens) or ``(FULL, MAMBA)`` (``mamba``
     state slots) over a token pool of ``size`` slots (page size 1); requests by id."""
+
+    # Mamba state slots admission makes room for: the request's active state and the
+    # checkpoint cache_unfinished_req donates to the tree (SGLang PR #33773's headroom).
+    state_headroom = 2
 
     def __init__(self, size: int, *, window: int | None = None, mamba: int | None = None,
                  layers=(0, 1, 2), full_layers=(3,), tree_core: str = TREE_CORE):
@@ -108,8 +124,15 @@ class ComponentTree:
             disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=self.alloc,
             page_size=1, sliding_window_size=window, tree_core_backend=tree_core,
             tree_components=(ct.FULL, self.second), enable_mamba_extra_buffer=False))
-        self.locks: dict = {}  # request -> its TreeLock
+        self.component = self.tree.tree_core.components_by_type[self.second]
+        self.reqs: dict = {}  # request id -> _Request
+        self.touched: list = []  # the nodes locked or unlocked since the last check
         self.hits = 0
+        self._fresh = 1 << 40  # token ids for decoded tokens, unique per request
+
+    @property
+    def locks(self) -> dict:
+        return {rid: r.lock for rid, r in self.reqs.items()}
 
     def _free_tokens(self) -> int:
         a = self.alloc
@@ -117,49 +140,115 @@ class ComponentTree:
             return min(a.full_available_size(), a.swa_available_size())
         return a.available_size()
 
-    def run(self, rid, tokens) -> bool:
-        """A request of these token ids: matched, the rest allocated, inserted, its node
-        locked; False (nothing changed but an eviction) where the pools cannot hold the rest."""
-        s, tree, v = self._v.s, self.tree, self._v
-        key = s.RadixKey(s.array("q", tokens))
+    def _key(self, tokens, extra=None):
+        s = self._v.s
+        return s.RadixKey(s.array("q", tokens), extra_key=extra)
+
+    def _make_room(self, need: int, states: int = 0) -> None:
+        """Evict the shortfall of ``need`` token slots (and ``states`` Mamba slots) from the tree,
+        as the allocator's ``evict_to_free_tokens`` and ``ensure_mamba_capacity`` do."""
+        v = self._v
+        short = need - self._free_tokens()
+        if self.states is None:
+            if short > 0:
+                self.tree.evict(v.EvictParams(num_tokens=short, swa_num_tokens=short))
+            return
+        states_short = states - self.states.available_size()
+        if short > 0 or states_short > 0:
+            self.tree.evict(v.EvictParams(num_tokens=max(short, 0),
+                                          mamba_num=max(states_short, 0)))
+
+    def _alloc(self, n: int):
+        s = self._v.s
+        return self.alloc.alloc(n) if n else s.torch.empty(0, dtype=s.torch.int64)
+
+    def _checkpoint(self):
+        """The state slot ``cache_unfinished_req`` donates to the tree (no extra buffer: a
+        copy of the request's active state): SGLang's ``MambaComponent._alloc_mamba_slot``,
+        which evicts one cached state where the pool is short and asserts where it cannot."""
+        return self.component._alloc_mamba_slot()
+
+    def run(self, rid, tokens, extra=None) -> bool:
+        """A request of these token ids admitted and prefilled: matched, the rest allocated,
+        the prompt inserted (``cache_unfinished_req``) and its node locked; False (nothing
+        changed but an eviction) where the pools cannot hold the rest."""
+        s, tree = self._v.s, self.tree
+        key = self._key(tokens, extra)
         match = tree.match_prefix(s.MatchPrefixParams(key=key))
         hit = match.device_prefix_len
         need = len(tokens) - hit
         lock = tree.lock(match.last_device_node)  # the scheduler locks the hit first
-        short = need - self._free_tokens()
-        if self.states is None:
-            if short > 0:
-                tree.evict(v.EvictParams(num_tokens=short, swa_num_tokens=short))
-        elif short > 0 or not self.states.available_size():
-            tree.evict(v.EvictParams(num_tokens=max(short, 0),
-                                     mamba_num=0 if self.states.available_size() else 1))
-        new = self.alloc.alloc(need) if need else s.torch.empty(0, dtype=s.torch.int64)
-        state = self.states.alloc(1) if self.states is not None else None
-        if new is None or (self.states is not None and state is None):
+        self._make_room(need, self.state_headroom)
+        new = self._alloc(need)
+        admitted = self.states is None or self.states.available_size() >= self.state_headroom
+        active = self.states.alloc(1) if self.states is not None and admitted else None
+        if new is None or (self.states is not None and active is None):
             if new is not None and len(new):
                 self.alloc.free(new)
-            if state is not None:
-                self.states.free(state)
+            if active is not None:
+                self.states.free(active)
             tree.unlock(lock)
             return False
         prefix = tree.path_device_indices(match.last_device_node)[:hit]
         value = s.torch.cat([prefix.to(new.dtype), new])
+        state = self._checkpoint() if self.states is not None else None
         result = tree.insert(s.InsertParams(key=key, value=value, prev_prefix_len=hit,
                                             mamba_value=state))
         if state is not None and result.mamba_exist:  # the tree holds this state already
             self.states.free(state)
-        # the scheduler's cache_unfinished_req: the new node locked, the hit's lock dropped
-        self.locks[rid] = tree.lock(result.last_device_node)
+        self.reqs[rid] = _Request(list(tokens), value, tree.lock(result.last_device_node),
+                                  len(tokens), active, extra)
         tree.unlock(lock)
+        self.touched += (lock.node, result.last_device_node)
         self.hits += hit
         return True
 
+    def extend(self, rid, n: int) -> bool:
+        """``n`` decoded tokens: their slots allocated (after an eviction of the shortfall);
+        on an SWA model the slots the window has left freed (``free_swa_out_of_window_slots``:
+        the request's own, above ``cache_protected_len``) and, once the window has passed the
+        prompt, its SWA lock released (``release_swa_prefix_lock``). False where the pools
+        cannot hold them (nothing allocated)."""
+        s, r = self._v.s, self.reqs[rid]
+        self._make_room(n)
+        new = self._alloc(n)
+        if new is None:
+            return False
+        r.tokens += range(self._fresh, self._fresh + n)
+        self._fresh += n
+        r.kv = s.torch.cat([r.kv, new.to(r.kv.dtype)])
+        if self.window is not None:
+            pre_len = len(r.tokens) - 1  # the last committed position
+            lo, hi = max(r.evicted, r.protected), pre_len - self.window
+            if hi > lo:
+                self.alloc.free_swa_segment(r.kv[lo:hi], start_pos=lo)
+                r.evicted = hi
+            if pre_len - self.window >= r.protected:
+                self.release_window(rid)
+        return True
+
+    def _insert_params(self, r):
+        s = self._v.s
+        params = s.InsertParams(key=self._key(r.tokens, r.extra), value=r.kv,
+                                prev_prefix_len=r.protected, mamba_value=r.active)
+        if self.window is not None:
+            params.set_evicted_seqlen(s.ComponentType.SWA, r.evicted)
+        return params
+
     def release_window(self, rid) -> None:
         """The request's decode has moved its window past its prompt (``release_swa_prefix_lock``)."""
-        self.tree.release_swa(self.locks[rid])
+        self.tree.release_swa(self.reqs[rid].lock)
+        self.touched.append(self.reqs[rid].lock.node)
 
     def finish(self, rid) -> None:
-        self.tree.unlock(self.locks.pop(rid))
+        """``cache_finished_req``: the whole sequence inserted (the Mamba active state donated,
+        given back where the tree holds that state already), the request's lock dropped."""
+        r = self.reqs.pop(rid)
+        result = self.tree.insert(self._insert_params(r))
+        if r.active is not None and result.mamba_exist:
+            self.states.free(r.active)
+        self.tree.unlock(r.lock)
+        self.touched += (r.lock.node, result.last_device_node)
 
     def evict(self, tokens: int) -> None:
         if self.states is None:
@@ -168,6 +257,16 @@ class ComponentTree:
             self.tree.evict(self._v.EvictParams(num_tokens=tokens, mamba_num=1))
 
     # --- the figures ----------------------------------------------------------------------
+
+    def held(self) -> dict:
+        """Per component, the slots running requests hold outside the tree (SGLang's
+        "uncached"): the KV of tokens past ``cache_protected_len`` (for SWA, less those the
+        window has left, already freed), and each request's active Mamba state."""
+        full = sum(len(r.kv) - r.protected for r in self.reqs.values())
+        if self.states is None:
+            gone = sum(max(r.evicted - r.protected, 0) for r in self.reqs.values())
+            return {"full": full, "swa": full - gone}
+        return {"full": full, "mamba": sum(r.active is not None for r in self.reqs.values())}
 
     def figures(self) -> dict:
         """Per component: (evictable, protected, free, pool)."""
@@ -190,21 +289,39 @@ class ComponentTree:
             stack.extend(node.children.values())
             yield node
 
-    def violations(self) -> list:
-        """What disagrees with SPEC §10 and the lock balance now (empty: nothing)."""
+    def _paths(self):
+        """The nodes on the paths from the root to the nodes touched since the last check."""
+        seen, root = set(), self.tree.tree_core.root_node
+        nodes = self.tree.tree_core._node_arena  # id -> node: one evicted since is not there
+        for handle in self.touched:
+            node = nodes.get(handle) if isinstance(handle, int) else handle
+            while node is not None and node is not root and node.id not in seen:
+                seen.add(node.id)
+                yield node
+                node = node.parent
+
+    def violations(self, full: bool = True) -> list:
+        """What disagrees with SPEC §10 and the lock balance now (empty: nothing). ``full=False``
+        walks only the paths the step locked or unlocked (no lock below 0, none above 0 when
+        idle) and leaves out the sums of locked and unlocked values, which need every node: a
+        check whose cost follows the step's paths, not the tree or the pool."""
         out = []
-        for name, (evictable, protected, free, pool) in self.figures().items():
-            if evictable + protected + free != pool:
+        held = self.held()
+        figures = self.figures()
+        for name, (evictable, protected, free, pool) in figures.items():
+            if evictable + protected + free + held[name] != pool:
                 out.append(f"{name}: evictable {evictable} + protected {protected} + free {free} "
-                           f"!= pool {pool}")
+                           f"+ held by requests {held[name]} != pool {pool}")
         ct = self._v.s.ComponentType
+        nodes = list(self._nodes() if full else self._paths())
+        self.touched = []
         for name, c in (("full", ct.FULL), (str(self.second), self.second)):
             locked = unlocked = 0
-            for node in self._nodes():
+            for node in nodes:
                 data = node.component_data[c]
                 if data.lock_ref < 0:
                     out.append(f"{name}: node {node.id} lock_ref {data.lock_ref}")
-                if not self.locks and data.lock_ref:
+                if not self.reqs and data.lock_ref:
                     out.append(f"{name}: node {node.id} lock_ref {data.lock_ref} with no request "
                                f"running")
                 if data.value is not None:
@@ -212,8 +329,8 @@ class ComponentTree:
                         locked += len(data.value)
                     else:
                         unlocked += len(data.value)
-            evictable, protected = self.figures()[name][:2]
-            if (locked, unlocked) != (protected, evictable):
+            evictable, protected = figures[name][:2]
+            if full and (locked, unlocked) != (protected, evictable):
                 out.append(f"{name}: nodes locked {locked} / unlocked {unlocked} tokens, the tree "
                            f"counts protected {protected} / evictable {evictable}")
         return out
@@ -231,3 +348,111 @@ class MambaTree(ComponentTree):
 
     def __init__(self, size: int, states: int, **kw):
         super().__init__(size, mamba=states, **kw)
+
+
+# --- committed workloads through a component tree -------------------------------------------
+
+SKIPPED_OPS = ("store", "done", "accept")  # no host tier driven; drafts kept (no rollback)
+
+
+def _tree_for(kind: str, header, size: int | None = None, window: int | None = None,
+              states: int | None = None, tree_cls=None) -> "ComponentTree":
+    """The tree a trace's settings give: the pool of ``num_blocks * block_size`` tokens (page
+    size 1; 4096 where the trace names no pool), the window of its ``sliding(W)`` group (32, the
+    tiny-hybrid model's, where it has none), 16 Mamba state slots."""
+    from kvbench.contract.formulas import parse_kind
+    B = header.settings.get("block_size") or 16
+    blocks = header.settings.get("num_blocks")
+    size = size or (blocks * B if blocks else 4096)
+    if kind == "swa":
+        if window is None:
+            windows = [parse_kind(g).get("window") for g in header.groups]
+            window = next((w for w in windows if w), 32)
+        return (tree_cls or SwaTree)(size, window)
+    return (tree_cls or MambaTree)(size, states or 16)
+
+
+def _prompt_ids(op, B: int, names: dict, fresh) -> list:
+    """A prefill's token ids: its ``token_ids``; else one id run per named block (a block hash
+    names the same ``B`` ids wherever it recurs) and fresh ids for the rest; else fresh ids."""
+    if op.token_ids is not None:
+        return list(op.token_ids)
+    out = []
+    for h in op.block_hashes or ():
+        base = names.setdefault(h, len(names) * B + 1)
+        out += range(base, base + B)
+    return out + [next(fresh) for _ in range(op.tokens - len(out))]
+
+
+def _raised_in_sglang(e: BaseException) -> bool:
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and "/sglang/" in frames[-1].filename.replace("\\", "/")
+
+
+def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, **tree_kw) -> dict:
+    """A committed trace through a ``kind`` ("swa" or "mamba") component tree, its figures
+    checked after every operation: ``{"steps", "violations": [(step, [...]), ...], "hits",
+    "refused", "skipped"}``. An engine exception is a violation at its step, and ends the run.
+    ``check=False``: the engine alone (what the checking costs is the difference)."""
+    import itertools
+
+    from kvbench.traces.format import load
+    trace = load(str(path))
+    tree = _tree_for(kind, trace.header, **tree_kw)
+    B = trace.header.settings.get("block_size") or 16
+    names: dict = {}
+    fresh = itertools.count(1 << 30)
+    live, refused, skipped, found, steps = {}, 0, 0, [], 0
+    for op in trace.ops:
+        name = type(op).__name__.lower()
+        steps += 1
+        try:
+            if name in ("prefill", "load", "resume", "fork"):
+                if name == "resume":
+                    tokens, extra = live.pop(("preempted", op.seq), (None, None))
+                    if tokens is None:
+                        continue
+                elif name == "fork":
+                    if op.src not in live:
+                        continue
+                    tokens, extra = list(tree.reqs[op.src].tokens), tree.reqs[op.src].extra
+                else:
+                    tokens = _prompt_ids(op, B, names, fresh)
+                    extra = f"{op.salt}|{op.adapter}" if (op.salt or op.adapter) else None
+                if tree.run(op.seq, tokens, extra):
+                    live[op.seq] = True
+                else:
+                    refused += 1
+            elif name == "append":
+                for seq, n in zip(op.seqs, op.tokens):
+                    if seq in live and not tree.extend(seq, n):
+                        refused += 1  # retracted: cached and released
+                        tree.finish(seq)
+                        del live[seq]
+            elif name in ("free", "abort"):
+                if live.pop(op.seq, None):
+                    tree.finish(op.seq)
+            elif name == "preempt":
+                if live.pop(op.seq, None):
+                    r = tree.reqs[op.seq]
+                    live[("preempted", op.seq)] = (list(r.tokens), r.extra)
+                    tree.finish(op.seq)
+            else:
+                skipped += 1
+                continue
+            v = tree.violations(full=False) if check else []
+        except Exception as e:  # the engine's own assertion: the scheduler would stop here
+            if not _raised_in_sglang(e):
+                raise  # the adapter's, never reported as the engine's
+            found.append((op.step, [f"SGLang raised {type(e).__name__}: {e}"]))
+            break
+        if v:
+            found.append((op.step, v))
+            if stop_at_first:
+                break
+    else:
+        if check and (v := tree.violations()):  # every node, once, at the end
+            found.append(("end", v))
+    return {"steps": steps, "violations": found, "hits": tree.hits, "refused": refused,
+            "skipped": skipped, "tree": tree}

@@ -33,7 +33,7 @@ def drive(tree, steps) -> list:
     out = []
     for op, *args in steps:
         {"run": tree.run, "window": tree.release_window, "finish": tree.finish,
-         "evict": tree.evict}[op](*args)
+         "evict": tree.evict, "extend": tree.extend}[op](*args)
         out.append(tree.violations())
     return out
 
@@ -64,9 +64,12 @@ def test_a_mamba_state_is_cached_with_its_prompt_and_protected_while_its_request
     t = MambaTree(SIZE, 8)
     states = t.figures()["mamba"][2]  # the state slots SGLang's MambaPool lends (its size)
     assert t.run(0, A + B)
-    # full: the 16-token path locked; mamba: its one state, locked with it
-    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 1, states)}
+    # full: the 16-token path locked; mamba: the prompt's checkpoint, locked with it, and the
+    # request's active state (held outside the tree): states - 2 free
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "mamba": (0, 1, states - 2, states)}
+    assert t.held() == {"full": 0, "mamba": 1}
     t.finish(0)
+    # the finished state is the checkpoint's node's: the tree keeps its own, the active goes back
     assert t.figures()["mamba"] == (1, 0, states - 1, states)
     assert t.run(1, A + B + C) and t.hits == 16  # the cached prefix and its state hit
     assert t.violations() == []
@@ -132,3 +135,114 @@ def test_pr_28161_a_skipped_window_release_leaves_the_window_locked_when_idle(sg
     step, found = first_violation(bad, steps)
     assert step == 2 and any("with no request running" in v for v in found), found
     assert bad.figures()["swa"] == (16 - 4, 4, SIZE - 16, SIZE)
+
+
+# --- the committed workloads through each component, and the plants they catch -------------
+
+WORKLOADS = ("hybrid-windows", "hybrid-decode", "hybrid-cut-hits", "tier-agentic", "tier-races",
+             "tier-turns", "lifecycle-chunked", "lifecycle-preempt", "lifecycle-speculative",
+             "lifecycle-swap")
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_each_component_passes_the_committed_hybrid_tier_and_lifecycle_workloads(sglang, kind):
+    """Every operation of each workload (the tier ops' device side: a load runs as a prefill;
+    store, done and a draft's accept are not driven), SGLang's figures checked after each."""
+    from impls.engines.sglang_components import replay
+    for name in WORKLOADS:
+        r = replay(kind, f"workloads/{name}.jsonl")
+        assert r["violations"] == [], (name, r["violations"])
+        assert r["hits"] > 0 or name.startswith("tier") and kind == "mamba", name
+
+
+def test_pr_27586_a_stale_swa_mapping_freed_by_the_recovery_is_caught_at_hybrid_windows_179(sglang):
+    """The recovery of an SWA tombstone (a prompt re-inserted over a node whose SWA was evicted)
+    frees the tombstone's old base through free_swa, which reads the stale mapping and gives
+    back SWA slots the tombstone no longer owns: the SWA allocator's free count exceeds what the
+    tree and the requests leave, first at hybrid-windows step 179 (seq 50's prefill, the first
+    overlap with a tombstone whose slots went back to the free list)."""
+    from impls.engines.faults_engines import SwaStaleMappingFreed
+    from impls.engines.sglang_components import replay
+    assert replay("swa", "workloads/hybrid-windows.jsonl")["violations"] == []
+    r = replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=SwaStaleMappingFreed)
+    step, found = r["violations"][0]
+    assert step == 179 and found[0].startswith("swa: "), found
+    evictable, protected, free, pool = r["tree"].figures()["swa"]
+    assert evictable + protected + free + r["tree"].held()["swa"] > pool  # slots freed twice
+    assert r["tree"].figures()["full"][3] == 86 * 8  # the pool: num_blocks 86 x block_size 8
+
+
+def test_pr_27770_the_window_floor_dropped_at_insert_is_caught_when_a_request_ends(sglang):
+    """Request 0 (A, 8 tokens) decodes 8 more: at pre_len 15 the window of 4 has left
+    positions 8..10 (11 = 15 - 4; the prompt's 8 are the tree's), whose SWA slots go back.
+    Its finish inserts the 16 tokens; without the floor the tree takes those 3 freed slots
+    as live SWA: idle, SWA's evictable + free = 64 + 3."""
+    from impls.engines.faults_engines import SwaWindowFloorDropped
+    from impls.engines.sglang_components import SwaTree
+    steps = [("run", 0, A), ("extend", 0, 8), ("finish", 0)]
+    good = SwaTree(SIZE, WINDOW)
+    assert first_violation(good, steps) is None
+    # 13 = 8 (A) + 5 (positions 11..15): what SWA keeps of the 16 tokens
+    assert good.figures()["swa"] == (13, 0, SIZE - 13, SIZE)
+    bad = SwaWindowFloorDropped(SIZE, WINDOW)
+    step, found = first_violation(bad, steps)
+    assert step == 2 and any(v.startswith("swa: ") for v in found), found
+    evictable, protected, free, pool = bad.figures()["swa"]
+    assert (evictable + free, protected) == (SIZE + 3, 0)  # 3 = 15 - 4 - 8
+
+
+def test_pr_27770_caught_at_hybrid_decode_step_20(sglang):
+    """On the committed hybrid-decode (sliding(32) beside full): the first finish of a request
+    that decoded past its window (step 20, seq 3's free) over-counts SWA."""
+    from impls.engines.faults_engines import SwaWindowFloorDropped
+    from impls.engines.sglang_components import replay
+    r = replay("swa", "workloads/hybrid-decode.jsonl", tree_cls=SwaWindowFloorDropped)
+    step, found = r["violations"][0]
+    assert step == 20 and found[0].startswith("swa: "), found
+    evictable, protected, free, pool = r["tree"].figures()["swa"]
+    assert evictable + protected + free + r["tree"].held()["swa"] > pool
+
+
+def test_pr_33773_no_checkpoint_headroom_fails_the_checkpoint_of_an_admitted_request(sglang):
+    """3 state slots: request 0 (A) holds its active state and A's checkpoint (locked while
+    it runs): 1 free. Request 1 needs 2 (its active state and its checkpoint): with the
+    headroom it is refused; without, admitted on the 1 free slot, its checkpoint finds none
+    free and none evictable, and SGLang's _alloc_mamba_slot asserts."""
+    from impls.engines.faults_engines import MambaNoCheckpointHeadroom
+    from impls.engines.sglang_components import MambaTree
+    good = MambaTree(SIZE, 3)
+    assert good.run(0, A)
+    assert good.figures()["mamba"] == (0, 1, 3 - 2, 3)
+    assert not good.run(1, A + B) and good.violations() == []
+    bad = MambaNoCheckpointHeadroom(SIZE, 3)
+    assert bad.run(0, A)
+    with pytest.raises(AssertionError, match="Can not alloc mamba cache"):
+        bad.run(1, A + B)
+
+
+def test_pr_33773_caught_at_fork_wide_step_14(sglang):
+    """fork-wide at 16 state slots: 14 requests running on one prompt hold 14 active states
+    and its 1 checkpoint (locked): 16 - 14 - 1 = 1 free; the 15th (step 14, a fork) is
+    admitted on it without the headroom, and its checkpoint finds nothing."""
+    from impls.engines.faults_engines import MambaNoCheckpointHeadroom
+    from impls.engines.sglang_components import replay
+    assert replay("mamba", "workloads/fork-wide.jsonl")["violations"] == []
+    r = replay("mamba", "workloads/fork-wide.jsonl", tree_cls=MambaNoCheckpointHeadroom)
+    assert r["violations"] == [(14, ["SGLang raised AssertionError: Can not alloc mamba cache"])]
+    assert r["tree"].held()["mamba"] == 14 and r["tree"].figures()["mamba"] == (0, 1, 0, 16)
+
+
+def test_the_swa_lock_plants_are_caught_on_committed_workloads_too(sglang):
+    """PR #27038's release past the boundary: at hybrid-windows step 6 (seq 5, a fork of seq 1)
+    a node's SWA lock_ref reads -1. PR #28161's skipped release: at lifecycle-preempt
+    step 29 (seq 4's free, the first moment no request runs) the windows released early are
+    still locked."""
+    from impls.engines.faults_engines import SwaLockPastBoundary, SwaReleaseSkipped
+    from impls.engines.sglang_components import replay
+    r = replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=SwaLockPastBoundary)
+    step, found = r["violations"][0]
+    assert step == 6 and all(v.startswith("swa: ") and v.endswith("lock_ref -1") for v in found)
+    r = replay("swa", "workloads/lifecycle-preempt.jsonl", tree_cls=SwaReleaseSkipped)
+    step, found = r["violations"][0]
+    assert step == 29 and not r["tree"].reqs
+    assert all(v.startswith("swa: ") and "with no request running" in v for v in found), found
