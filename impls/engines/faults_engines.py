@@ -31,6 +31,15 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
   carve-out); planted by reverting the carve-out (the module's ``MambaSpec`` swapped during the
   lookup) with the Mamba groups alone taking the margin (no drafter on the full groups: the
   serving default's rules hold for everything else).
+- ``VllmCompressedKeys``: vLLM-Ascend issue #10296 (DeepSeek-V4's compressed groups: blocks
+  written keyed by one granularity, looked up by another). vLLM 0.33 has no compressed
+  manager (a compressed spec, ``tokens_per_state > 1``, is managed as full attention, one block
+  size for writes and lookups), and kvbench's model no compressed kind; planted in the nearest
+  real class: ``FullAttentionManager.find_longest_cache_hit`` given the group's spec with the
+  logical block size (``block_size * compress_ratio``, ratio 4) while ``cache_full_blocks``
+  keys each block by its own ``block_size``. A logical block's hash (vLLM's
+  ``BlockHashListWithBlockSize``: the last physical hash within it) then names the physical
+  block of the logical block's last position, which the lookup serves as the first.
 
 SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_components.py's
 ``SwaTree``, SGLang's Python tree core), each caught by the per-component figures
@@ -45,6 +54,7 @@ SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_comp
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 from impls.engines.sglang_components import SwaTree
@@ -160,6 +170,25 @@ class VllmMambaEagleCheckpoint(VllmKVManager):
 
     name = "vllm-fault-mamba-eagle-checkpoint"
     eagle = True  # the split's EAGLE block drop; the manager is built without use_eagle
+
+
+class VllmCompressedKeys(VllmKVManager):
+    """Over the serving default, on a model of one full-attention group."""
+
+    name = "vllm-fault-compressed-keys"
+    compress_ratio = 4  # DeepSeek-V4's C4 layers
+
+    def __init__(self, config):
+        super().__init__(config)
+        manager = self.manager.coordinator.single_type_managers[0]
+        find, r = type(manager).find_longest_cache_hit, self.compress_ratio
+
+        def find_longest_cache_hit(*, kv_cache_spec, **kw):
+            # The lookup's blocks of the logical size, block_size * compress_ratio tokens.
+            logical = dataclasses.replace(kv_cache_spec, block_size=kv_cache_spec.block_size * r)
+            return find(kv_cache_spec=logical, **kw)
+
+        manager.find_longest_cache_hit = find_longest_cache_hit
 
 
 def _release_component_lock_past_boundary(comp, node, params, lock_host: bool = False):

@@ -208,3 +208,26 @@ def test_a_mamba_lookup_one_block_past_the_candidate_fails_boundary_returns_at_s
         blocks, n_hit = got[-1][0], got[-1][1]
         assert n_hit == hit, cls.name
         assert len(blocks.blocks[3]) * 8 == 16  # the full group (kvbench's last): 2 blocks
+
+
+def test_compressed_keys_written_at_one_granularity_read_at_another_fail_prefix_reuse_at_step_3(vllm):
+    """vLLM-Ascend #10296 (planted: vLLM 0.33 has no compressed manager; its compressed specs,
+    ``tokens_per_state > 1``, keep one block size for writes and lookups): blocks written keyed
+    by their own B = 8 tokens, looked up keyed by B * 4 = 32 (a compressed group's logical
+    block). prefix-reuse, step 3: sequence 3 forks sequence 2 (40 tokens, 5 blocks), a request
+    of its 40 tokens capped at 39. Served: 39 // 8 = 4 blocks hit, block 4 computed
+    again: 15 + 1 = 16 blocks in use (15 = 1 + ceil(70 / 8) + 5 before). Planted: 39 // 32 = 1
+    logical block, keyed by the hash of the first 32 tokens, which names sequence 2's physical
+    block 3: served as block 0 (another position's KV), a hit of 32 tokens, and 5 - 1 = 4 blocks
+    new: 19."""
+    from impls.engines.faults_engines import VllmCompressedKeys, VllmKVManager
+    trace = workload("prefix-reuse")
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    d = caught(trace, VllmKVManager, VllmCompressedKeys, cfg, "fork")
+    assert (d.step, d.quantity, d.expected, d.actual) == (3, "blocks_used", 15 + 1, 15 + 4), str(d)
+    from kvbench.checking.driver import replay_steps
+    be = VllmCompressedKeys(cfg)
+    steps = replay_steps(be, trace)
+    for _ in range(4 + 1):  # the counts, then steps 0-3
+        next(steps)
+    assert be.table(3)[0] is be.table(2)[3]  # block 3's KV served at position 0
