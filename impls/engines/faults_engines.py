@@ -22,6 +22,24 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
   never cached and the state cached is never written. vLLM 0.33 keeps the two in step (its
   ``replay_boundaries`` take ``use_eagle``); planted by running the split with the drop and the
   manager without it.
+- ``VllmMambaMargin``: vLLM issue #50630 / PR #48375 (A->B->A on a Mamba hybrid with prefix
+  caching): ``MambaManager.find_longest_cache_hit`` takes ``drop_eagle_block`` and never reads
+  it, so when the coordinator grants the Mamba group EAGLE's margin of one block past the
+  candidate the Mamba hit grows past the full groups' and claims tokens whose KV the full group
+  never held. vLLM 0.33 withholds the margin from Mamba groups in
+  ``HybridKVCacheCoordinator.find_longest_cache_hit`` (the ``not isinstance(spec, MambaSpec)``
+  carve-out); planted by reverting the carve-out (the module's ``MambaSpec`` swapped during the
+  lookup) with the Mamba groups alone taking the margin (no drafter on the full groups: the
+  serving default's rules hold for everything else).
+- ``VllmCompressedKeys``: vLLM-Ascend issue #10296 (DeepSeek-V4's compressed groups: blocks
+  written keyed by one granularity, looked up by another). vLLM 0.33 has no compressed
+  manager (a compressed spec, ``tokens_per_state > 1``, is managed as full attention, one block
+  size for writes and lookups), and kvbench's model no compressed kind; planted in the nearest
+  real class: ``FullAttentionManager.find_longest_cache_hit`` given the group's spec with the
+  logical block size (``block_size * compress_ratio``, ratio 4) while ``cache_full_blocks``
+  keys each block by its own ``block_size``. A logical block's hash (vLLM's
+  ``BlockHashListWithBlockSize``: the last physical hash within it) then names the physical
+  block of the logical block's last position, which the lookup serves as the first.
 
 SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_components.py's
 ``SwaTree``, SGLang's Python tree core), each caught by the per-component figures
@@ -36,6 +54,7 @@ SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_comp
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 from impls.engines.sglang_components import MambaTree, SwaTree
@@ -118,11 +137,59 @@ class VllmWindowEarly(VllmKVManager):
         return super().append(seqs, tokens, kv, step=step)
 
 
+class VllmMambaMargin(VllmKVManager):
+    """Over the serving default's align mode (a model with Mamba groups, prefix caching on)."""
+
+    name = "vllm-fault-mamba-margin"
+
+    def __init__(self, config):
+        super().__init__(config)
+        from vllm.v1.core import kv_cache_coordinator
+        coordinator, base = self.manager.coordinator, type(self.manager.coordinator)
+
+        class NoSpec:  # the carve-out's isinstance(spec, MambaSpec) never holds
+            pass
+
+        def find_longest_cache_hit(self_, block_hashes, max_cache_hit_length):
+            groups = self_.attention_groups
+            # The margin is the EAGLE one; only the Mamba groups take it (no drafter's drop
+            # on the full groups), and MambaManager's finder never gives it back.
+            self_.attention_groups = [g._replace(use_eagle=True)
+                                      if type(g.spec).__name__ == "MambaSpec" else g for g in groups]
+            saved, kv_cache_coordinator.MambaSpec = kv_cache_coordinator.MambaSpec, NoSpec
+            try:
+                return base.find_longest_cache_hit(self_, block_hashes, max_cache_hit_length)
+            finally:
+                kv_cache_coordinator.MambaSpec = saved
+                self_.attention_groups = groups
+
+        coordinator.find_longest_cache_hit = types.MethodType(find_longest_cache_hit, coordinator)
+
+
 class VllmMambaEagleCheckpoint(VllmKVManager):
     """Over the serving default's align mode (a model with Mamba groups, prefix caching on)."""
 
     name = "vllm-fault-mamba-eagle-checkpoint"
     eagle = True  # the split's EAGLE block drop; the manager is built without use_eagle
+
+
+class VllmCompressedKeys(VllmKVManager):
+    """Over the serving default, on a model of one full-attention group."""
+
+    name = "vllm-fault-compressed-keys"
+    compress_ratio = 4  # DeepSeek-V4's C4 layers
+
+    def __init__(self, config):
+        super().__init__(config)
+        manager = self.manager.coordinator.single_type_managers[0]
+        find, r = type(manager).find_longest_cache_hit, self.compress_ratio
+
+        def find_longest_cache_hit(*, kv_cache_spec, **kw):
+            # The lookup's blocks of the logical size, block_size * compress_ratio tokens.
+            logical = dataclasses.replace(kv_cache_spec, block_size=kv_cache_spec.block_size * r)
+            return find(kv_cache_spec=logical, **kw)
+
+        manager.find_longest_cache_hit = find_longest_cache_hit
 
 
 def _release_component_lock_past_boundary(comp, node, params, lock_host: bool = False):

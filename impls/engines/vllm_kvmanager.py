@@ -576,3 +576,17 @@ class VllmKVManagerDense(VllmKVManager):
     retention_interval = None
     capabilities = dataclasses.replace(CAPABILITIES,
                                        rule_params={"sparse_window_retention": False})
+
+
+class VllmKVManagerMamba(VllmKVManager):
+    """The same manager declaring only a Mamba hybrid's kinds (full attention and state), so
+    that a fuzz campaign draws Mamba hybrids alone:
+    ``kvbench fuzz --backend impls.engines.vllm_kvmanager:VllmKVManagerMamba``. Not registered:
+    ``vllm-kvmanager`` runs every kind."""
+
+    name = "vllm-kvmanager-mamba"
+    capabilities = dataclasses.replace(CAPABILITIES, kinds=("full", "state"))
+
+    def __init__(self, config: CacheConfig):
+        super().__init__(config)
+        self.capabilities = dataclasses.replace(self.capabilities, kinds=("full", "state"))

@@ -1,6 +1,7 @@
 """`kvbench fuzz --backend B`: random histories over random settings against one backend, every
 failure shrunk to NAME.min.jsonl and a pytest case in --out, with a summary (summary.json,
-summary.md) of what was found and what was reached.
+summary.md) of what was found and what was reached; with --store, the campaign's record also
+goes to the results store (sweep "fuzz", one cell per campaign: `kvbench results fuzz`).
 
 Exit status: 0 when nothing was found, 1 when something was (or the harness could not check a
 history), 2 for bad input or a backend that cannot run, 130 when interrupted (143 terminated)
@@ -9,6 +10,9 @@ Ctrl-C keeps every finding and the summary so far.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
 import sys
 
 from kvbench.bench import records
@@ -52,11 +56,40 @@ def cmd_fuzz(args) -> int:
           f"edge conditions (counted where they acted)"
           + (f"; not reached, so not tested: {', '.join(missed)}" if missed else ""))
     print(f"wrote {out / 'summary.md'}")
+    if args.store is not None:
+        print(f"stored {store_campaign(args.store, s, args, minutes)}")
     if s["findings"] or s["errors"]:
         return options.EXIT_FAIL
     if c.stop is not None:
         raise c.stop  # the one message and exit code of a stop (kvbench.cli.options)
     return options.EXIT_OK
+
+
+FUZZ_SWEEP = "fuzz"
+
+
+def store_campaign(url: str, s: dict, args, minutes) -> str:
+    """The campaign's record as one cell of sweep "fuzz" in the results store: what it ran (backend,
+    seed, bound), what it did (histories, operations, time) and what it found (each finding's
+    name, kind and first divergence, as JSON). The cell's id is a hash of what it ran and the
+    code, so the same campaign of the same code is one cell, stored again."""
+    from kvbench.bench.grid import code_version
+    from kvbench.bench.store import Store
+    commit = code_version()
+    ran = {"backend": s["backend"], "seed": s["seed"], "max_histories": args.max_histories,
+           "minutes": minutes, "model_shapes": s["model_shapes"], "code": commit["code"]}
+    cell_id = hashlib.sha256(json.dumps(ran, sort_keys=True).encode()).hexdigest()[:16]
+    findings = [{"name": f["name"], "kind": f["kind"], "site": f["site"], "count": f["count"],
+                 "ops": f["ops_after"], "step": f["divergence"]["step"],
+                 "quantity": f["divergence"]["quantity"]} for f in s["findings"]]
+    row = {**ran, "status": "FAIL" if findings or s["errors"] else "pass", "stopped": s["stopped"],
+           "histories": s["histories"], "operations": s["operations"], "seconds": s["seconds"],
+           "histories_per_minute": s["histories_per_minute"], "findings": len(findings),
+           "errors": len(s["errors"]), "finding_names": ";".join(f["name"] for f in findings),
+           "findings_json": json.dumps(findings), "commit": commit["commit"],
+           "dirty": commit["dirty"], "cell_id": cell_id,
+           "started": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)}
+    return Store(url).write_cell(FUZZ_SWEEP, s["backend"], cell_id, row)
 
 
 def register(sub) -> None:
@@ -88,4 +121,7 @@ def register(sub) -> None:
     p.add_argument("--model-shapes", action="store_true",
                    help="deprecated, does nothing: model shapes are drawn by default")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--store", nargs="?", const=str(records.RESULTS_DIR / "sweeps" / "store"),
+                   help="also record the campaign in this results store (sweep 'fuzz'; no value: "
+                        "results/sweeps/store, out of git), read by `kvbench results fuzz`")
     p.set_defaults(func=cmd_fuzz)

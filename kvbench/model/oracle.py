@@ -327,7 +327,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
                                      decode=all(dt == 1 for dt in grow))
             self._paged_write(seqs, tokens)
             self._cache_chunks()
-            self._cache_later(seqs)
+            self._cache_later([s for s, dt in zip(seqs, tokens) if dt > 0])  # no empty step
         self._dirty.update(seqs)
         for i, (s, dt) in enumerate(zip(seqs, tokens)):
             st = self.seqs[s]

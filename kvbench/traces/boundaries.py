@@ -28,6 +28,11 @@ The rules, and the edges each covers:
   blocks, or until its abort; a store of no full block into a tier of no room; a swap into a tier
   with exactly, and one less than, the room it needs.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
+- ``returns`` (§12): a prompt A on a Mamba hybrid (tiny-mamba: three state groups and a full
+  one), then a prompt that extends A by e in {1, B, B + 1} tokens (all of A, or A less its last
+  token), then A again: A of P in {3B - 1, 3B, 3B + 1} tokens, so A's return ends on, before and
+  past the extension's junction (vLLM issue 50630: the state cached at the junction is one
+  block above A's own, and a lookup that looks one block too far takes it).
 - ``zero`` (§13): an operation of zero tokens: an empty prompt, an append of 0 tokens (alone or
   as one member of a batch), a fork of the empty sequence, and the first append filling a block
   of it, with and without prefix caching.
@@ -404,6 +409,31 @@ ENCODINGS = Rule("encodings", "§12", {"model": ("tiny-fp8", "tiny-fp8-token-hea
                  _encodings)
 
 
+RETURNS_B = 8
+
+
+def _returns(cases) -> list[Trace]:
+    """One trace: per case, prompt A (freed: cached), a prompt of A's first s tokens and e new
+    ones (freed), then A again (the A->B->A order)."""
+    B = RETURNS_B
+    b = _Ops()
+    for i, c in enumerate(cases):
+        p, e = c["p"](B), c["extra"](B)
+        a = _ids(i, p)
+        s = p if c["shares"] == "all" else p - 1
+        b.free(b.prefill(p, token_ids=a))
+        b.free(b.prefill(s + e, token_ids=a[:s] + _ids(i, e, start=500)))
+        b.free(b.prefill(p, token_ids=a))
+    return [_trace("returns", 0, b, cases, {"model": "tiny-mamba", "block_size": B,
+                                            "num_blocks": 96, "prefix_caching": True})]
+
+
+RETURNS = Rule("returns", "§12", {"p": (Edge(3, -1), Edge(3), Edge(3, 1)),
+                                  "extra": (Edge(0, 1), Edge(1), Edge(1, 1)),
+                                  "shares": ("all", "all but the last token")}, _returns,
+               interactions=(("p", "extra"),))
+
+
 ZERO_B = 4
 
 
@@ -441,7 +471,7 @@ ZERO = Rule("zero", "§13", {"op": ("prefill", "append", "fork"), "beside": ("al
             interactions=(("op", "beside", "cache"),))
 
 
-RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS, ZERO]
+RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS, RETURNS, ZERO]
 
 
 def boundary_traces(rules=None) -> list[Trace]:

@@ -315,3 +315,21 @@ def test_a_terminated_fuzz_says_terminated_and_exits_143(tmp_path, monkeypatch, 
                  "--out", str(tmp_path / "out")])
     assert code == 143 and capsys.readouterr().err.endswith("kvbench: terminated\n")
     assert (tmp_path / "out" / "summary.md").exists()  # what it had, written
+
+
+def test_a_fuzz_campaign_with_store_is_one_cell_of_sweep_fuzz(tmp_path, capsys):
+    """--store records the campaign (3 histories, seed 5) as one cell; the same campaign of the
+    same code run again is the same cell, not a second one."""
+    from kvbench.bench.store import Store
+    store = tmp_path / "store"
+    for _ in range(2):
+        code = main(["fuzz", "--backend", "numpy", "--max-histories", "3", "--seed", "5", "--quiet",
+                     "--out", str(tmp_path / "out"), "--store", str(store)])
+        assert code == 0, capsys.readouterr()
+    df = Store(str(store)).read("fuzz")
+    assert len(df) == 1
+    row = df.iloc[0]
+    assert (row["backend"], row["seed"], row["histories"], row["findings"], row["status"]) == \
+        ("numpy", 5, 3, 0, "pass")
+    assert main(["results", "fuzz", "--store", str(store)]) == 0
+    assert "numpy" in capsys.readouterr().out

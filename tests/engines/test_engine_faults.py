@@ -256,3 +256,59 @@ def test_pr_52707_a_negative_external_block_count_fails_lifecycle_speculative_at
     d = caught(trace, VllmExternalAfterRejection, VllmExternalNegative, cfg, "accept")
     assert (d.step, d.op["seq"], d.quantity, d.expected, d.actual) == (
         18, 2, "blocks_used + blocks_free", cfg.num_blocks, cfg.num_blocks + 1), str(d)
+def test_a_mamba_lookup_one_block_past_the_candidate_fails_boundary_returns_at_step_34(vllm):
+    """vLLM #50630 / PR #48375: the coordinator's EAGLE margin given to the Mamba group, whose
+    finder never drops it (planted: 0.33 withholds the margin from Mamba groups). The returns
+    rule's sixth case (steps 30-35, B = 8): A is 24 tokens (3 blocks), its state cached at its
+    checkpoint (24 - 1) // 8 = 2 blocks; the extension, A plus 1 token, hits A's 3 full blocks
+    and the state at 2, so its junction, 3 blocks, caches a state at 24 tokens; A's return (step
+    34) is capped at 23 tokens, so the full group hits 23 // 8 = 2 blocks and, served, the state
+    at 2: 16 tokens. Planted, the Mamba group looks 2 + 1 = 3 blocks far and takes the state at
+    24: a hit of 23 tokens where the full group holds 16 (the KV of tokens 16-22 never computed),
+    which vLLM's own allocation asserts on (``_apply_cow``: the state's block past the table)."""
+    from impls.engines.faults_engines import VllmKVManager, VllmMambaMargin
+    from kvbench.traces import boundaries as bd
+    trace = next(t for t in bd.boundary_traces([bd.RETURNS]))
+    assert [str(v) for v in bd.RETURNS.cases()[5].values()] == ["3B", "1", "all"]
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    d = caught(trace, VllmKVManager, VllmMambaMargin, cfg, "prefill")
+    assert (d.step, d.quantity, d.actual) == (5 * 6 + 4, "outcome of prefill", "AssertionError")
+    from kvbench.contract.protocol import Prompt
+    for cls, hit in ((VllmKVManager, 16), (VllmMambaMargin, 23)):
+        be, got = cls(cfg), []
+        lookup = be.manager.get_computed_blocks
+        be.manager.get_computed_blocks = lambda req, **kw: got.append(lookup(req, **kw)) or got[-1]
+        for op in trace.ops[30:34]:
+            if isinstance(op, Prefill):
+                be.prefill(op.seq, Prompt(op.tokens, token_ids=op.token_ids))
+            else:
+                be.free(op.seq)
+        be.manager.get_computed_blocks(be._v.Request(
+            request_id="return", prompt_token_ids=list(trace.ops[34].token_ids),
+            sampling_params=be._sampling, pooling_params=None, block_hasher=be._hasher))
+        blocks, n_hit = got[-1][0], got[-1][1]
+        assert n_hit == hit, cls.name
+        assert len(blocks.blocks[3]) * 8 == 16  # the full group (kvbench's last): 2 blocks
+
+
+def test_compressed_keys_written_at_one_granularity_read_at_another_fail_prefix_reuse_at_step_3(vllm):
+    """vLLM-Ascend #10296 (planted: vLLM 0.33 has no compressed manager; its compressed specs,
+    ``tokens_per_state > 1``, keep one block size for writes and lookups): blocks written keyed
+    by their own B = 8 tokens, looked up keyed by B * 4 = 32 (a compressed group's logical
+    block). prefix-reuse, step 3: sequence 3 forks sequence 2 (40 tokens, 5 blocks), a request
+    of its 40 tokens capped at 39. Served: 39 // 8 = 4 blocks hit, block 4 computed
+    again: 15 + 1 = 16 blocks in use (15 = 1 + ceil(70 / 8) + 5 before). Planted: 39 // 32 = 1
+    logical block, keyed by the hash of the first 32 tokens, which names sequence 2's physical
+    block 3: served as block 0 (another position's KV), a hit of 32 tokens, and 5 - 1 = 4 blocks
+    new: 19."""
+    from impls.engines.faults_engines import VllmCompressedKeys, VllmKVManager
+    trace = workload("prefix-reuse")
+    cfg = config_for(trace, policy=None, prefix_caching=True)
+    d = caught(trace, VllmKVManager, VllmCompressedKeys, cfg, "fork")
+    assert (d.step, d.quantity, d.expected, d.actual) == (3, "blocks_used", 15 + 1, 15 + 4), str(d)
+    from kvbench.checking.driver import replay_steps
+    be = VllmCompressedKeys(cfg)
+    steps = replay_steps(be, trace)
+    for _ in range(4 + 1):  # the counts, then steps 0-3
+        next(steps)
+    assert be.table(3)[0] is be.table(2)[3]  # block 3's KV served at position 0

@@ -388,3 +388,15 @@ def test_vllm_a_fork_of_a_chunked_prompt_is_a_request_of_its_computed_tokens():
     trace = validate(Trace(Header("fuzz-finding", groups=("full",)), ops, name="fork_of_a_chunked_prompt"))
     v = check(trace, registry.create("vllm-kvmanager", config))
     assert v.valid is True and v.ops == 5, str(v.divergence)  # tokens {..., 2: 4} checked at the fork
+
+
+def test_vllm_kept_drafts_stay_uncached_through_an_append_of_no_token():
+    """The Mamba campaign (seed 48, tests/engines/findings/campaigns/vllm-kvmanager-mamba; a
+    kvbench oracle bug, fixed): B = 1, a 1-token prompt, 5 drafts all kept (blocks 1-5 full of
+    kept drafts, cached at the request's next allocate_slots), an append of 0 tokens, the free.
+    vLLM's scheduler schedules no step of 0 tokens, so nothing caches them: 1 block cached (the
+    prompt's) at the free. The oracle took the empty append for the next allocation: 1 + 5 = 6."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (opt-in): see docs/engines.md for its recipe")
+    trace = load(str(CAMPAIGNS / "vllm-kvmanager-mamba" / "01-cached-blocks-free.min.jsonl"))
+    v = _engine_check("vllm-kvmanager", trace)
+    assert v.valid is True and v.final_ledger["cached_blocks"] == 1, str(v.divergence)

@@ -33,7 +33,7 @@ class RuleSet:
       drafts (vLLM's lookahead slots, SPEC §13).
     - ``hit_drops_last_block``: EAGLE / MTP drafting: a hit drops the last block it matched.
     - ``kept_drafts_cached_at_next_append``: a block an accept's kept drafts completed is cached
-      at the sequence's next append, not at the accept (vLLM's cache_blocks).
+      at the sequence's next append of at least one token, not at the accept (vLLM's cache_blocks).
     - ``sparse_window_retention``: a sliding group caches only the blocks a later hit can end on
       (vLLM's prefix_cache_retention_interval = 0; rules/vllm.py).
     - ``state_checkpoints``: where a state group caches its state with prefix caching:
