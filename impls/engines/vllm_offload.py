@@ -178,7 +178,7 @@ class VllmOffload(EngineTiers):
     # stores and loads prefix blocks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
                                        tier_rules=("whole_store_refused", "request_recency"),
-                                       swap=False)
+                                       failed_loads=("keep",), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 
