@@ -1,7 +1,8 @@
 """Planted faults of tiers and transfers (SPEC §11): each a small subclass of the NumPy pool with
 its host and disk tiers, reproducing an upstream offloading bug in kvbench's terms. The
 catalogue (impls/faults.py) lists them; the default run catches each on tier-agentic,
-tier-races or tier-turns (the preemption faults on lifecycle-swap or lifecycle-preempt)."""
+tier-races, tier-turns or boundary-tiers (the preemption faults on lifecycle-swap or
+lifecycle-preempt)."""
 from __future__ import annotations
 
 import dataclasses
@@ -161,6 +162,20 @@ class PinIsAFlag(NumpyPaged):
         return _FlagPins(spec, self._tier_arrays(spec, storage))
 
 
+class _FailedLoadServed(TierSlots):
+    def load_failed(self, keys, seq) -> None:
+        pass  # the tier deleted what it could not read; its lookups still find it
+
+
+class FailedLoadReserved(NumpyPaged):
+    """vLLM issue 49176's behaviour in kvbench's pool: a tier that drops what a failed load could
+    not read (``failed_load`` "drop") still finds those blocks at the next lookup, and serves the
+    same failed hit again."""
+
+    def _make_tier(self, spec, storage):
+        return _FailedLoadServed(spec, self._tier_arrays(spec, storage))
+
+
 class SwapInReadsAnother(NumpyPaged):
     """A swap-in copies up the slots of the sequence swapped out last (a stale "last swapped"
     index), not its own: while another is still swapped, the resumed sequence reads its K/V."""
@@ -202,7 +217,8 @@ class LeasesOutOfRefcounts(NumpyPaged):
         return dataclasses.replace(state, refcount=refcount)
 
 
-# (name, upstream, fault): each caught by the default run (tier-agentic, tier-races or tier-turns)
+# (name, upstream, fault): each caught by the default run (tier-agentic, tier-races or tier-turns;
+# FailedLoadReserved on boundary-tiers-1, the committed workloads' tiers keeping failed loads)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -218,6 +234,8 @@ TIER_BUGS = [
      "kvbench #47", StoreReadsRowAtCompletion),
     ("a store copies at its begin and ends its lease there", "kvbench #47", LeaseEndsAtBegin),
     ("a load's targets hit before it completes", "kvbench #47", LoadTargetHitEarly),
+    ("a failed load's blocks served again from a tier that dropped them", "vLLM #49176",
+     FailedLoadReserved),
 ]
 
 # (name, upstream, fault): caught by the default run on lifecycle-swap or lifecycle-preempt

@@ -62,6 +62,7 @@ class TierSlots:
     def __init__(self, spec, arrays):
         self.name, self.capacity = spec.name, spec.capacity
         self.arrays = arrays
+        self.unreadable: set = set()  # keys a failed load read (failed_load "drop"): never loaded again
         self.free = list(range(spec.capacity - 1, -1, -1))  # pop() gives slot 0 first
         self.slot: dict = {}  # key -> slot
         self.ready: dict = {}  # key -> True once stored, False while storing
@@ -92,6 +93,7 @@ class TierSlots:
         del self.recency[key]
         self.readers.pop(key, None)
         self.pinned.discard(key)
+        self.unreadable.discard(key)
 
     def touch(self, keys) -> None:
         for k in reversed(keys):
@@ -100,7 +102,7 @@ class TierSlots:
     # --- what PoolTiers asks of a tier (an engine's tier implements the same) --------------
 
     def loadable(self, key, seq) -> bool:
-        return bool(self.ready.get(key))
+        return bool(self.ready.get(key)) and key not in self.unreadable
 
     def begin_store(self, items, seq) -> list:
         """Slots for ``items`` = [(position, device block, key)]: [(position, block, key, slot)]
@@ -131,6 +133,13 @@ class TierSlots:
     def end_load(self, keys, seq) -> None:
         for key in keys:
             self.readers[key] -= 1
+            if key in self.unreadable and not self.readers[key]:
+                self.drop(key)
+
+    def load_failed(self, keys, seq) -> None:
+        """A load of ``keys`` failed, in a tier whose ``failed_load`` is "drop" (called before its
+        end_load): none of them is loaded again, each goes once no load reads it."""
+        self.unreadable.update(keys)
 
     def finish(self, seq) -> None:
         """``seq`` is freed (its stores may still be in flight)."""
@@ -157,6 +166,7 @@ class PoolTiers:
         self._tier_folder = tempfile.mkdtemp(prefix="kvbench-tiers-")
         storage = self._storage() if self.pool is not None else []
         self._tiers = [self._make_tier(s, storage) for s in specs]
+        self._tier_specs = tuple(specs)
         self._transfers: dict = {}
         self._stored_last: tuple = (None, [])
         self._swapped: dict = {}  # seq -> (its tier, the slots of its blocks by position)
@@ -271,6 +281,11 @@ class PoolTiers:
             return
         if ok and self.TRANSFER_AT == "completion":
             self._load_data(seq, moved)
+        if not ok:
+            for t, spec in zip(self._tiers, self._tier_specs):
+                keys = [tkey for *_, tkey, u in moved if u is t]
+                if keys and spec.failed_load == "drop":
+                    t.load_failed(keys, seq)
         self._end_loads(seq, moved)
         for i, (p, b, key, tkey, u) in enumerate(moved):
             if ok:

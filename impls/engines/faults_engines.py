@@ -41,6 +41,11 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
   ``BlockHashListWithBlockSize``: the last physical hash within it) then names the physical
   block of the logical block's last position, which the lookup serves as the first.
 
+- ``VllmFailedLoadHitKept``: vLLM issue #49176 with PR #49328's fix reverted in vLLM's file tier
+  (``FileSystemTierManager``, run by ``vllm-offload`` for a tier declaring ``failed_load``
+  "drop"): a failed load no longer marks its blocks' lookup verdicts a miss, so the request's
+  retry still finds the blocks whose files the short read removed, and is served the hit again.
+
 SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_components.py's
 ``SwaTree``, SGLang's Python tree core), each caught by the per-component figures
 (tests/engines/test_sglang_components.py says at which step):
@@ -61,6 +66,7 @@ from impls.engines.sglang_components import MambaTree, SwaTree
 from impls.engines.sglang_radix import Sglang, SglangRadix
 from impls.engines.vllm_blockpool import VllmBlockPool
 from impls.engines.vllm_kvmanager import VllmKVManager
+from impls.engines.vllm_offload import VllmOffload
 
 
 def _evict_params():
@@ -435,3 +441,16 @@ class MambaNoCheckpointHeadroom(MambaTree):
     evict ("Can not alloc mamba cache")."""
 
     state_headroom = 1
+class VllmFailedLoadHitKept(VllmOffload):
+    """vLLM issue #49176 with PR #49328's fix reverted, in vLLM's own file tier
+    (``FileSystemTierManager``): after a failed load its ``get_finished_jobs`` no longer marks
+    the failed blocks' cached lookup verdicts a miss (``AsyncLookupManager.mark_miss`` does
+    nothing), so the request's next lookup still finds the blocks whose files the short read
+    removed, and the hit is served again."""
+
+    def _make_tier(self, spec, storage):
+        tier = super()._make_tier(spec, storage)
+        lookups = getattr(tier.manager, "_lookup_manager", None)
+        if lookups is not None:  # a file tier
+            lookups.mark_miss = lambda keys: None
+        return tier

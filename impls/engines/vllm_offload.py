@@ -42,6 +42,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
+import os
+import tempfile
+import time
 import types
 
 import numpy as np
@@ -64,8 +68,11 @@ def _vllm():
         raise ImportError("No module named 'vllm'", name="vllm")
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
     return types.SimpleNamespace(CPUOffloadingManager=CPUOffloadingManager, ReqContext=ReqContext,
-                                 LookupResult=LookupResult, make_offload_key=make_offload_key)
+                                 LookupResult=LookupResult, make_offload_key=make_offload_key,
+                                 FileSystemTierManager=FileSystemTierManager, TransferJob=TransferJob)
 
 
 def available() -> tuple[bool, str]:
@@ -170,6 +177,203 @@ class _VllmTier:
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
 
+STAGING = 256  # chunks of a file tier's CPU buffer: its transfers in flight (a store, a load)
+
+
+def _file_spec(block_size: int):
+    """The parts of vLLM's ``OffloadingSpec`` a ``FileSystemTierManager`` reads (its
+    ``FileMapper``'s naming, a chunk per block, events on): one full-attention group, one rank."""
+    config = types.SimpleNamespace(
+        groups=[types.SimpleNamespace(tokens_per_block=block_size, layer_names=["kvbench"])],
+        parallel=types.SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0,
+                                       is_parallelism_agnostic=True),
+        model=types.SimpleNamespace(name="kvbench", dtype="float16"),
+        cache=types.SimpleNamespace(tokens_per_hash=block_size),
+        canonical_layout=False, kv_cache_layout=None, replicated_layout=False)
+    return types.SimpleNamespace(config=config, blocks_per_chunk=1,
+                                 kv_events_config=types.SimpleNamespace(enable_kv_cache_events=True))
+
+
+class _VllmFileTier:
+    """A tier whose ``failed_load`` is "drop", run by vLLM's ``FileSystemTierManager``
+    (``vllm/v1/kv_offload/tiering/fs/manager.py``, its pure-Python I/O: one file per block
+    under a temporary folder, written by its own threads) as the tiering manager drives a
+    secondary tier: ``submit_store`` / ``submit_load`` with a ``TransferJob`` over chunks of the
+    CPU buffer it reads and writes (``primary_kv_view``; here the adapter's, a chunk a block,
+    page-aligned for its O_DIRECT), ``get_finished_jobs``, ``lookup`` (asynchronous: RETRY until
+    its lookup thread answers, ``on_schedule_end`` posting each step's batch), and
+    ``on_request_finished``. vLLM decides what a lookup finds and what a failed load leaves (a
+    short read removes the file and marks the lookup a miss, PR 49328); the tier's counts are
+    its files. The adapter's part: the store is submitted at its completion (a failed one is
+    never submitted: no file, as vLLM's temp-file rename leaves none), a load is read at its
+    completion one block a job (vLLM keeps a batch's blocks before its first bad one), a
+    failed load's files cut short first (the torn file of vLLM issue 49176), and the copies
+    between the pool and the buffer. The file tier evicts nothing (it has no capacity): a
+    store past the trace tier's capacity is refused as the adapter's error."""
+
+    def __init__(self, spec, storage, folder, block_size: int):
+        v = self.v = _vllm()
+        self.name, self.capacity, self.B = spec.name, spec.capacity, block_size
+        n = min(spec.capacity, STAGING)
+        self.arrays = tier_arrays(dataclasses.replace(spec, name="staging", capacity=n), storage, folder)
+        self.row_bytes = [a[0].nbytes if len(a) else 0 for a in self.arrays]
+        chunk = -(-max(sum(self.row_bytes), 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.buffer = mmap.mmap(-1, max(n, 1) * chunk)
+        self.chunks = np.frombuffer(self.buffer, dtype=np.uint8).reshape(max(n, 1), chunk)
+        self.manager = v.FileSystemTierManager(
+            _file_spec(block_size), memoryview(self.buffer).cast("B", (max(n, 1), chunk)), spec.name,
+            tempfile.mkdtemp(prefix=f"vllm-{spec.name}-", dir=folder),
+            enable_kv_events=True)  # its own thread counts (16 and 16)
+        self.free_chunks = list(range(n - 1, -1, -1))
+        self.slot: dict = {}  # kvbench key -> its chunk while a transfer moves it
+        self.readers: dict = {}  # kvbench key -> loads in flight reading it
+        self.storing: set = set()
+        self.known: dict = {}  # kvbench key -> its OffloadKey (every key a store began)
+        self.contexts: dict = {}
+        self.jobs = 0
+        self.bytes_down = self.bytes_up = self.hits = 0
+
+    def _key(self, key):
+        k = self.known.get(key)
+        if k is None:
+            k = self.known[key] = self.v.make_offload_key(len(self.known).to_bytes(8, "big"), 0)
+        return k
+
+    def _context(self, seq):
+        ctx = self.contexts.get(seq)
+        if ctx is None:
+            ctx = self.contexts[seq] = self.v.ReqContext(req_id=f"seq-{seq}")
+            self.manager.on_new_request(ctx)
+        return ctx
+
+    def _path(self, key) -> str:
+        return self.manager.file_mapper.get_file_name(self._key(key))
+
+    def _chunk(self, key) -> int:
+        if key not in self.slot:
+            if not self.free_chunks:
+                raise RuntimeError(f"vllm-offload: tier {self.name}: more than {STAGING} blocks "
+                                   "in flight (the adapter's CPU buffer)")
+            self.slot[key] = self.free_chunks.pop()
+        return self.slot[key]
+
+    def _unslot(self, key) -> None:
+        self.free_chunks.append(self.slot.pop(key))
+
+    def _run(self, keys, seq, promotion: bool) -> bool:
+        """One job of vLLM's over ``keys`` at their chunks, waited for; whether it succeeded."""
+        self.jobs += 1
+        job = self.v.TransferJob(self.jobs, [self._key(k) for k in keys],
+                                 np.array([self.slot[k] for k in keys], dtype=np.int64),
+                                 promotion, self._context(seq))
+        (self.manager.submit_load if promotion else self.manager.submit_store)(job)
+        self.manager.drain_jobs()
+        results = {r.job_id: r for r in self.manager.get_finished_jobs()}
+        return results[self.jobs].success
+
+    # --- what PoolTiers asks of a tier -------------------------------------------------------
+
+    def loadable(self, key, seq) -> bool:
+        if key not in self.known:
+            return False
+        ctx, deadline = self._context(seq), time.monotonic() + 10
+        while True:
+            found = self.manager.lookup(self._key(key), ctx)
+            if found != self.v.LookupResult.RETRY:
+                return found == self.v.LookupResult.HIT
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-offload: tier {self.name}: vLLM's lookup thread gave "
+                                   "no answer in 10 s")
+            self.manager.on_schedule_end(None)  # posts the batch; the next lookup drains it
+            time.sleep(0.0005)
+
+    def begin_store(self, items, seq) -> list:
+        new = [(p, b, key) for p, b, key in items
+               if key not in self.storing and not (key in self.known and os.path.exists(self._path(key)))]
+        if self.stored() + len(self.storing) + len(new) > self.capacity:
+            raise RuntimeError(f"vllm-offload: tier {self.name} (vLLM's file tier) evicts nothing: "
+                               f"a store of {len(new)} blocks past its {self.capacity}")
+        moved = []
+        for p, b, key in new:
+            self._key(key)
+            self.storing.add(key)
+            moved.append((p, b, key, self._chunk(key)))
+        return moved
+
+    def _pack(self, key) -> None:
+        """The pool's copy of ``key`` (in the staging arrays) into its chunk of vLLM's buffer."""
+        row, at = self.chunks[self.slot[key]], 0
+        for a, n in zip(self.arrays, self.row_bytes):
+            row[at:at + n] = a[self.slot[key]].reshape(-1).view(np.uint8)
+            at += n
+
+    def _unpack(self, key) -> None:
+        row, at = self.chunks[self.slot[key]], 0
+        for a, n in zip(self.arrays, self.row_bytes):
+            a[self.slot[key]].reshape(-1).view(np.uint8)[:] = row[at:at + n]
+            at += n
+
+    def end_store(self, keys, ok, seq) -> None:
+        keys = list(keys)
+        if ok and keys:
+            for key in keys:
+                self._pack(key)
+            if not self._run(keys, seq, promotion=False):
+                raise RuntimeError(f"vllm-offload: tier {self.name}: vLLM's file tier failed a store")
+        for key in keys:
+            self.storing.discard(key)
+            self._unslot(key)
+
+    def begin_load(self, keys, seq, positions) -> None:
+        for key in keys:
+            self._chunk(key)
+            self.readers[key] = self.readers.get(key, 0) + 1
+        self.hits += len(keys)
+
+    def read(self, keys, seq, ok) -> None:
+        """A load's completion: vLLM reads each block into its chunk (a failed load's files cut
+        short first, so that vLLM's read is the one that fails). After a failure vLLM's
+        scheduler puts the request back to wait and looks its blocks up again at its next step
+        (``get_num_new_matched_tokens``), recomputing only what that lookup misses: a block it
+        still finds is a hit served again (counted here; vLLM would load it again, forever:
+        issue 49176)."""
+        for key in keys:
+            if not ok and os.path.exists(self._path(key)):
+                os.truncate(self._path(key), 0)
+            if self._run([key], seq, promotion=True):
+                self._unpack(key)
+        if not ok:
+            self.hits += sum(1 for key in keys if self.loadable(key, seq))
+
+    def end_load(self, keys, seq) -> None:
+        for key in keys:
+            self.readers[key] -= 1
+            if not self.readers[key]:
+                del self.readers[key]
+                self._unslot(key)
+
+    def load_failed(self, keys, seq) -> None:
+        """What a failed load leaves is vLLM's (the short read removed the file)."""
+
+    def finish(self, seq) -> None:
+        ctx = self.contexts.pop(seq, None)
+        if ctx is not None:
+            self.manager.on_request_finished(ctx)
+
+    def stored(self) -> int:
+        return sum(1 for key in self.known if key not in self.storing and os.path.exists(self._path(key)))
+
+    def figures(self) -> dict:
+        stored = self.stored()
+        return {"name": self.name, "capacity": self.capacity, "stored": stored,
+                "storing": len(self.storing), "loading": len(self.readers),
+                "free": self.capacity - stored - len(self.storing), "bytes_down": self.bytes_down,
+                "bytes_up": self.bytes_up, "hits": self.hits}
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
 class VllmOffload(EngineTiers):
     """The NumPy pool whose lower tiers are vLLM's ``CPUOffloadingManager``s."""
 
@@ -178,9 +382,26 @@ class VllmOffload(EngineTiers):
     # stores and loads prefix blocks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
                                        tier_rules=("whole_store_refused", "request_recency"),
-                                       swap=False)
+                                       failed_loads=("keep", "drop"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 
     def _make_tier(self, spec, storage):
+        if spec.failed_load == "drop":
+            return _VllmFileTier(spec, storage, self._tier_folder, self.B)
         return _VllmTier(spec, storage, self._tier_folder, self.B)
+
+    def complete(self, tid, ok, kv=None, *, step=0):
+        kind, seq, _, moved = self._transfers[tid]
+        if kind == "load":  # vLLM's file tiers read at the completion, before the copy up
+            for t in self._tiers:
+                keys = [tkey for *_, tkey, u in moved if u is t]
+                if keys and isinstance(t, _VllmFileTier):
+                    t.read(keys, seq, ok)
+        super().complete(tid, ok, kv, step=step)
+
+    def close_tiers(self) -> None:
+        for t in getattr(self, "_tiers", ()):
+            if isinstance(t, _VllmFileTier):
+                t.close()
+        super().close_tiers()

@@ -120,6 +120,12 @@ def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
     if missing:
         return Refusal(name, f"run tier policy {missing[0]!r}, only {', '.join(caps.tiers)}",
                        "SPEC §11", f"the trace's tiers {names} use it")
+    drops = [t.name for t in tiers if t.failed_load not in caps.failed_loads]
+    if drops:
+        failed = next(t.failed_load for t in tiers if t.name == drops[0])
+        return Refusal(name, f"{failed} a failed load's tier entries, only "
+                       f"{', '.join(caps.failed_loads)}", "SPEC §11",
+                       f"the trace's tier {drops[0]} declares failed_load {failed!r}")
     if cfg.model.hybrid:
         return Refusal(TIER_REPLAY, "run models of more than one full-attention group", "SPEC §11",
                        f"model {cfg.model.name} has {', '.join(g.kind for g in cfg.model.kv_groups)}")

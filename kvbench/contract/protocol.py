@@ -137,6 +137,9 @@ class Capabilities:
     # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
     # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored).
     tier_rules: tuple = ()
+    # SPEC §11: what its tiers can do with the entries a failed load read, of a trace tier's
+    # "failed_load" (kvbench.traces.tier_ops.FAILED_LOAD): "keep" them stored, "drop" them.
+    failed_loads: tuple = ("keep",)
     # SPEC §13: preempts by swap through those tiers (swap_out and swap_in, or its own preempt
     # and resume where it has them: tier_replay names them).
     swap: bool = False

@@ -8,7 +8,10 @@ the load completes). It imports no backend code.
 
 A block in a tier is ``storing`` (a store began: not loadable, not evictable) or ``stored``
 (loadable, evictable by the tier's policy unless a load reads it: then it is also ``loading``).
-A store that fails leaves no trace. Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
+A store that fails leaves no trace. A load that fails leaves the entries it read as its tier
+declares (``TierSpec.failed_load``): kept stored (loadable again), or dropped: not loadable from
+the failure on, removed once no load reads them, so the hit is never served again from a block the
+tier could not read (vLLM issue 49176). Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
 the most recent end, a load touches its blocks so that the first is the most recent, the least
 recent evictable block goes first) and ``arc`` (vLLM's ARCCachePolicy, T1/T2 with ghost lists
 B1/B2 and an adaptive T1 target; as vLLM 0.33 ships it, victims come from T1 while T1 holds at
@@ -83,6 +86,7 @@ class Access:
 class Entry:
     state: str
     loads: int = 0  # loads in flight reading it
+    unreadable: bool = False  # a failed load read it, in a tier that drops such entries
 
 
 @dataclass
@@ -183,7 +187,7 @@ class Tiers:
         """The nearest tier holding ``key`` stored (loadable), or None."""
         for i, t in enumerate(self.tiers):
             e = t.entries.get(key)
-            if e is not None and e.state == STORED:
+            if e is not None and e.state == STORED and not e.unreadable:
                 return i
         return None
 
@@ -304,9 +308,9 @@ class Tiers:
         positions = positions or [None] * len(blocks)
         for key, tier, target in blocks:
             entry = self.tiers[tier].entries[key]
-            if entry.state != STORED:
+            if entry.state != STORED or entry.unreadable:
                 raise TransferError(f"load of block {key!r} from tier {self.tiers[tier].spec.name}, "
-                                    f"where it is {entry.state}")
+                                    f"where it is {'unreadable' if entry.unreadable else entry.state}")
             entry.loads += 1
             self.tiers[tier].loading += entry.loads == 1
             if target is not None:
@@ -332,7 +336,8 @@ class Tiers:
 
     def complete(self, tid, ok: bool) -> Transfer:
         """Complete transfer ``tid``: a store's blocks become stored (ok) or vanish; a load's
-        tier entries are read no more (the caller makes its targets readable, or frees them)."""
+        tier entries are read no more (the caller makes its targets readable, or frees them), and
+        a failed one's are dropped where their tier declares ``failed_load`` "drop"."""
         tr = self.transfers.pop(tid, None)
         if tr is None:
             raise TransferError(f"completion of transfer {tid}, "
@@ -353,7 +358,7 @@ class Tiers:
             if ok:
                 t.bytes_down += len(tr.blocks) * self.block_bytes
         else:
-            self._end_load(tr, moved=ok)
+            self._end_load(tr, moved=ok, failed=not ok)
         return tr
 
     def _unlease(self, block) -> None:
@@ -361,14 +366,19 @@ class Tiers:
         if not self.leases[block]:
             del self.leases[block]
 
-    def _end_load(self, tr: Transfer, moved: bool) -> None:
+    def _end_load(self, tr: Transfer, moved: bool, failed: bool = False) -> None:
         for key, tier, target in tr.blocks:
             t = self.tiers[tier]
-            t.entries[key].loads -= 1
-            t.loading -= not t.entries[key].loads
+            e = t.entries[key]
+            e.loads -= 1
+            t.loading -= not e.loads
             self.load_targets.pop(target, None)
             if moved:
                 t.bytes_up += self.block_bytes
+            e.unreadable |= failed and t.spec.failed_load == "drop"
+            if e.unreadable and not e.loads:  # the last reader gone: the entry goes
+                del t.entries[key]
+                t.policy.remove(key)
 
     def abort(self, seq: int) -> list:
         """Cancel the loads of ``seq`` (returned as [(id, transfer)]: their device targets are to

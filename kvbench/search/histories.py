@@ -887,7 +887,8 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
     ``lifecycles``: those of SPEC §13 the backend takes; ``model_shapes``: see
     :func:`draw_settings`; ``formats``: the KV formats the backend declares
     (:func:`declared_formats`), one drawn per history from a generator of its own, so that the
-    history is the same whichever formats the backend declares. The header's settings leave
+    history is the same whichever formats the backend declares; so is what each tier does with a
+    failed load (``failed_load``, of those the backend declares). The header's settings leave
     ``num_blocks`` to the caller (it is set against the peak); it names tenant weights only
     under a policy (a header with weights and no policy is replayed under every policy by
     `kvbench check`)."""
@@ -902,6 +903,10 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
     if formats:
         fmt = np.random.default_rng([seed, index, 1])
         settings = replace(settings, kv_format=str(fmt.choice(list(formats))))
+    if settings.tiers and len(caps.failed_loads) > 1:  # apart too: the same history either way
+        kept = np.random.default_rng([seed, index, 2])
+        settings = replace(settings, tiers=tuple(
+            replace(t, failed_load=str(kept.choice(list(caps.failed_loads)))) for t in settings.tiers))
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},

@@ -25,8 +25,9 @@ The rules, and the edges each covers:
   must evict, so the victim depends on what that step recorded.
 - ``tiers`` (§11, §13): a load in flight while another prompt is stored into the full tier it
   reads (the tier's eviction must skip the blocks being read), while a second load reads the same
-  blocks, or until its abort; a store of no full block into a tier of no room; a swap into a tier
-  with exactly, and one less than, the room it needs.
+  blocks, until its abort, or until it fails, in a tier that keeps or drops what a failed load
+  read (then the same prompt loaded again, and a store that fails); a store of no full block into
+  a tier of no room; a swap into a tier with exactly, and one less than, the room it needs.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
 - ``returns`` (§12): a prompt A on a Mamba hybrid (tiny-mamba: three state groups and a full
   one), then a prompt that extends A by e in {1, B, B + 1} tokens (all of A, or A less its last
@@ -333,8 +334,11 @@ def _tiers(cases) -> list[Trace]:
     unhashed prefill takes the device; a load of the prompt begins (it reads both host blocks);
     then, before its completion, ``during``: a store of another 2-block prompt to host (LRU would
     evict what the load reads: it must skip them, refusing the store), a second load of the same
-    blocks, the abort of the load, or nothing; then the completions, and a swap of a sequence into
-    a tier of ``room`` (none: a store of no full block there first; exact; one short)."""
+    blocks, the abort of the load, or nothing; then the completions (``fail``: the load's fails,
+    host declaring ``failed_load``; the device is flushed again and the prompt loaded again, a hit
+    of host's 2 blocks if it keeps them, none if it dropped them; then a store of another prompt
+    fails), and a swap of a sequence into a tier of ``room`` (none: a store of no full block there
+    first; exact; one short)."""
     B = TIERS_B
     out = []
     for i, c in enumerate(cases):
@@ -360,8 +364,16 @@ def _tiers(cases) -> list[Trace]:
         if c["during"] == "abort":
             b.abort(seq)
         else:
-            b.done(lid)
+            b.done(lid, ok=c["during"] != "fail")
             b.free(seq)
+        if c["during"] == "fail":
+            b.free(b.prefill(8 * B))  # the device forgets the recomputed prompt again
+            again, aid = b.load(2 * B + 1, ids)
+            b.done(aid)
+            b.free(again)
+            o = b.prefill(2 * B, token_ids=other)
+            b.done(b.store(o, "host"), ok=False)
+            b.free(o)
         need = 3  # the swapped sequence's blocks: ceil((2B + 2) / B)
         room = {"none": 0, "exact": need, "short": need - 1}[c["room"]]
         s = b.prefill(2 * B + 2)
@@ -375,12 +387,17 @@ def _tiers(cases) -> list[Trace]:
         b.free_all()
         out.append(_trace("tiers", i, b, [c], {"block_size": B, "num_blocks": 8,
                                                 "prefix_caching": True},
-                          tiers=(TierSpec("host", 2), TierSpec("swap", room))))
+                          tiers=(TierSpec("host", 2, failed_load=c["failed_load"]),
+                                 TierSpec("swap", room))))
     return out
 
 
-TIERS = Rule("tiers", "§11, §13", {"during": ("store", "load", "abort", "nothing"),
-                                    "room": ("none", "exact", "short")}, _tiers)
+TIERS = Rule("tiers", "§11, §13", {"during": ("store", "load", "abort", "nothing", "fail"),
+                                    "room": ("none", "exact", "short"),
+                                    "failed_load": ("keep", "drop")}, _tiers,
+             interactions=(("during", "failed_load"),),
+             # what host does with a failed load's blocks matters where a load fails
+             valid=lambda c: c["failed_load"] == "keep" or c["during"] == "fail")
 
 
 ENCODINGS_B = 8

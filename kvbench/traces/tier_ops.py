@@ -1,7 +1,8 @@
 """The trace operations of tiers and transfers (SPEC §11), their JSON and their history rules.
 
 Header: ``"tiers": [{"name": "host", "capacity": 64, "policy": "lru"}, ...]`` (tier 1 first;
-policy ``lru`` when absent). Operations::
+policy ``lru`` when absent; ``"failed_load": "drop"`` for a tier that removes the entries a failed
+load could not read, ``"keep"`` when absent: SPEC §11's failure paths). Operations::
 
     {"step": 5, "op": "store", "id": 1, "seq": 0, "tier": "host"}             every full block
     {"step": 6, "op": "store", "id": 2, "seq": 0, "tier": "disk", "blocks": [0, 1]}  by position
@@ -23,15 +24,20 @@ from dataclasses import dataclass
 from kvbench.traces.ops import TIER_OPS, Abort, Done, Load, Store  # noqa: F401 (TIER_OPS: re-exported)
 
 TIER_POLICIES = ("lru", "arc")
+# What a tier does with the entries a failed load read (SPEC §11): keeps them stored (a transient
+# failure: loadable again) or removes them (a file it could not read: vLLM's file tier deletes it).
+FAILED_LOAD = ("keep", "drop")
 
 
 @dataclass(frozen=True)
 class TierSpec:
-    """One lower tier: its name (``host``, ``disk``, ...), capacity in blocks and policy."""
+    """One lower tier: its name (``host``, ``disk``, ...), capacity in blocks, policy, and what a
+    failed load leaves of the entries it read."""
 
     name: str
     capacity: int
     policy: str = "lru"
+    failed_load: str = "keep"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name == "device":
@@ -41,13 +47,19 @@ class TierSpec:
         if self.policy not in TIER_POLICIES:
             raise ValueError(f"tier {self.name!r}: unknown policy {self.policy!r} "
                              f"(known: {', '.join(TIER_POLICIES)})")
+        if self.failed_load not in FAILED_LOAD:
+            raise ValueError(f"tier {self.name!r}: 'failed_load' must be one of "
+                             f"{', '.join(FAILED_LOAD)}, got {self.failed_load!r}")
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "capacity": self.capacity, "policy": self.policy}
+        d = {"name": self.name, "capacity": self.capacity, "policy": self.policy}
+        if self.failed_load != "keep":  # old traces stay as they were
+            d["failed_load"] = self.failed_load
+        return d
 
 
 def parse_tiers(value, fail) -> tuple:
-    """The header's ``tiers``: a list of {name, capacity, policy}."""
+    """The header's ``tiers``: a list of {name, capacity, policy, failed_load}."""
     if value is None:
         return ()
     if not isinstance(value, list) or not value:
@@ -56,11 +68,13 @@ def parse_tiers(value, fail) -> tuple:
     for i, t in enumerate(value):
         if not isinstance(t, dict):
             fail(f"'tiers'[{i}] must be an object, got {t!r}")
-        unknown = sorted(set(t) - {"name", "capacity", "policy"})
+        unknown = sorted(set(t) - {"name", "capacity", "policy", "failed_load"})
         if unknown:
-            fail(f"'tiers'[{i}]: unknown field {unknown[0]!r} (its fields: capacity, name, policy)")
+            fail(f"'tiers'[{i}]: unknown field {unknown[0]!r} "
+                 f"(its fields: capacity, failed_load, name, policy)")
         try:
-            specs.append(TierSpec(t.get("name"), t.get("capacity"), t.get("policy", "lru")))
+            specs.append(TierSpec(t.get("name"), t.get("capacity"), t.get("policy", "lru"),
+                                  t.get("failed_load", "keep")))
         except ValueError as e:
             fail(f"'tiers'[{i}]: {e}")
     names = [s.name for s in specs]

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_config
 
 from impls.contiguous import Contiguous
-from impls.faults_tiers import LeaseEndsAtFree
+from impls.faults_tiers import FailedLoadReserved, LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
 from impls.torch_paged import TorchPaged
@@ -126,6 +126,56 @@ def test_a_wrong_copy_down_fails_at_the_completion(pool):
     assert v.valid is False
     d = v.divergence
     assert (d.step, d.quantity) == (4, "tier content of transfer 1")
+
+
+FAILED_RELOAD = steps(
+    P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
+    ST(1, 0, "host"),
+    D(1),                        # host holds 1 and 2
+    F(0),
+    P(1, 16 * 16),               # every block: the device forgets 1 and 2
+    F(1),
+    LD(2, 2, 40, [1, 2]),        # 2 blocks from host
+    D(2, ok=False),              # the load fails: its 2 blocks computed again
+    F(2),
+    P(3, 16 * 16),               # the device forgets them again
+    F(3),
+    LD(3, 4, 40, [1, 2]),        # host's 2 blocks again where it keeps them, none if it dropped them
+    D(3),
+    F(4),
+)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize("failed_load, stored, hits", [
+    ("keep", 2, 2 + 2),  # both loads took host's 2 blocks
+    ("drop", 0, 2),      # the failed load's 2, then none: host holds nothing to serve
+])
+def test_a_failed_load_leaves_the_tier_as_it_declares(pool, failed_load, stored, hits):
+    tiers = (TierSpec("host", 4, failed_load=failed_load), TierSpec("disk", 8))
+    b = pool(make_config(num_blocks=16, prefix_caching=True))
+    try:
+        v = check(validate(Trace(Header("tiers", tiers=tiers), FAILED_RELOAD, name="t")), b)
+        assert v.valid, v.divergence  # the pool's ledgers are the oracle's at every operation
+        host = b.tier_ledgers()[0]
+    finally:
+        b.close()
+    assert (host["stored"], host["hits"]) == (stored, hits)
+
+
+def test_a_tier_that_serves_a_failed_load_again_fails_at_the_failure():
+    v = run(FAILED_RELOAD, FailedLoadReserved, tiers=(TierSpec("host", 4, failed_load="drop"),))
+    d = v.divergence
+    # step 7: the load of host's 2 blocks fails; host drops them (0 stored), the fault keeps 2
+    assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 7, "tier host stored", 0, 2)
+
+
+def test_a_backend_keeping_failed_loads_only_is_not_applicable_to_a_drop_tier():
+    class KeepsOnly(NumpyPaged):
+        capabilities = dataclasses.replace(NumpyPaged.capabilities, failed_loads=("keep",))
+
+    v = run(FAILED_RELOAD, KeepsOnly, tiers=(TierSpec("host", 4, failed_load="drop"),))
+    assert v.valid is None and "failed_load 'drop'" in v.not_applicable
 
 
 def test_backend_without_tiers_is_not_applicable():

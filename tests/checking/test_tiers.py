@@ -98,6 +98,59 @@ def test_load_touch_protects_and_orders():
     assert t.ledgers()[0].hits == 2
 
 
+def stored_ab(failed_load, policy="lru"):
+    """A host of 4 holding a and b stored (``failed_load`` as declared)."""
+    t = Tiers([TierSpec("host", 4, policy, failed_load)], block_bytes=BB)
+    t.store_begin(1, 0, 0, [("a", 10), ("b", 11)])
+    t.complete(1, True)
+    return t
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_failed_load_keeps_its_blocks_stored_where_the_tier_keeps_them(policy):
+    t = stored_ab("keep", policy)
+    t.load_begin(2, seq=5, blocks=[("a", 0, 30), ("b", 0, 31)])
+    assert counts(t) == (2, 0, 2, 2)  # 2 = 4 - 2 free
+    t.complete(2, ok=False)
+    # nothing moved up, the targets no longer written, both loadable again
+    assert counts(t) == (2, 0, 0, 2) and t.ledgers()[0].bytes_up == 0 and t.load_targets == {}
+    assert t.load_run(["a", "b"]) == [0, 0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_failed_load_drops_its_blocks_where_the_tier_drops_them(policy):
+    t = stored_ab("drop", policy)
+    t.load_begin(2, seq=5, blocks=[("a", 0, 30)])
+    t.complete(2, ok=False)
+    # a gone (3 = 4 - 1 free), b untouched; the failed hit is served no more
+    assert counts(t) == (1, 0, 0, 3) and t.load_run(["a", "b"]) == []
+    assert t.load_run(["b"]) == [0] and t.ledgers()[0].hits == 1  # the failed load's one
+    # stored again from scratch: loadable again
+    t.store_begin(3, 0, 0, [("a", 12)])
+    t.complete(3, True)
+    assert t.load_run(["a", "b"]) == [0, 0] and counts(t) == (2, 0, 0, 2)
+
+
+def test_a_dropped_block_another_load_reads_goes_when_that_load_ends():
+    t = stored_ab("drop")
+    t.load_begin(2, seq=5, blocks=[("a", 0, 30), ("b", 0, 31)])
+    t.load_begin(3, seq=6, blocks=[("a", 0, 40)])
+    t.complete(2, ok=False)
+    # a: unreadable, still read by load 3 (held, not evictable, not loadable); b: gone (no reader)
+    assert counts(t) == (1, 0, 1, 3) and t.load_run(["a"]) == []
+    with pytest.raises(TransferError, match="unreadable"):
+        t.load_begin(4, seq=7, blocks=[("a", 0, 50)])
+    t.complete(3, ok=True)
+    assert counts(t) == (0, 0, 0, 4)  # its last reader gone, a goes too
+
+
+def test_an_aborted_load_drops_nothing():
+    t = stored_ab("drop")
+    t.load_begin(2, seq=5, blocks=[("a", 0, 30)])
+    t.abort(5)  # a cancel is no failure: the tier read nothing wrong
+    assert counts(t) == (2, 0, 0, 2) and t.load_run(["a", "b"]) == [0, 0]
+
+
 def test_abort_cancels_loads_not_stores():
     t = host(4)
     t.store_begin(1, 0, 0, [("a", 1)])

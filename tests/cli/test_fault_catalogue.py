@@ -310,7 +310,11 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
              T.StoreReadsRowAtCompletion: ("tier-races", 5, "tier content of transfer 0", None, None),
              # step 8: agent 0's load of the 6 prefix blocks begins; their targets announced as
              # cache entries at the begin (SPEC §14), before the load completes
-             T.LoadTargetHitEarly: ("tier-agentic", 8, "residency of group 0, tier 0", None, None)}
+             T.LoadTargetHitEarly: ("tier-agentic", 8, "residency of group 0, tier 0", None, None),
+             # boundary-tiers-1 (host declares failed_load "drop"), step 7: the load of host's 2
+             # blocks fails; host drops both (0 stored), the fault keeps them (2). The committed
+             # workloads' tiers keep a failed load's blocks, where the fault is right.
+             T.FailedLoadReserved: ("boundary-tiers-1", 7, "tier host stored", 0, 2)}
     for name, upstream, fault in T.TIER_BUGS:
         row = table[name]
         d = row["divergence"]

@@ -150,3 +150,58 @@ def test_recency_is_the_requests_first_block_most_recent_at_its_finish(vllm):
     d = spec.divergence
     assert spec.valid is False and d.step == 10 and d.quantity == "tier host loading"
     assert (d.expected, d.actual) == (0, 1)  # SPEC: block 1 evicted, nothing loads; vLLM: 1 block
+
+
+# --- failure paths (SPEC §11): a tier that drops a failed load's blocks is vLLM's file tier --------
+
+def failed_reload(failed_load: str) -> Trace:
+    """A prompt of 2 hashed blocks stored to disk and forgotten by the device; a load of it from
+    disk fails (its 2 blocks computed again); the device forgets them again and the prompt is
+    loaded again: disk's 2 blocks where it keeps them, none where it dropped them."""
+    ops = [Prefill(0, 0, "a", 10 * B, (1, 2)), Store(1, 1, 0, "disk"), Done(2, 1),
+           Free(3, 0), Prefill(4, 1, "a", 16 * B), Free(5, 1),       # 16 blocks: the device's all
+           Load(6, 2, "a", 10 * B, (1, 2), id=2), Done(7, 2, False), Free(8, 2),
+           Prefill(9, 3, "a", 16 * B), Free(10, 3),
+           Load(11, 4, "a", 10 * B, (1, 2), id=3), Done(12, 3), Free(13, 4)]
+    tiers = (TierSpec("host", 4), TierSpec("disk", 64, failed_load=failed_load))
+    return validate(Trace(Header("failed-reload", tiers=tiers), ops, name="failed-reload"))
+
+
+@pytest.mark.parametrize("failed_load, disk_stored, disk_hits", [
+    ("keep", 2, 2 + 2),  # vLLM's CPU manager: both loads take disk's 2 blocks
+    ("drop", 0, 2),      # vLLM's file tier: the short read removed both files; the reload misses
+])
+def test_a_failed_load_leaves_vllms_tier_as_declared(vllm, failed_load, disk_stored, disk_hits):
+    backend = offload(16)
+    try:
+        v = check(failed_reload(failed_load), backend, gather="all")
+        assert v.valid is True, str(v.divergence)
+        disk = backend.tier_ledgers()[1]
+        assert (disk["stored"], disk["hits"]) == (disk_stored, disk_hits)
+    finally:
+        backend.close()
+
+
+def test_vllm_issue_49176_a_failed_loads_hit_served_again_fails_at_the_failure(vllm):
+    """PR #49328 reverted in vLLM's file tier: the failed load's lookup verdicts stay "found",
+    so the request's retry (vLLM reschedules it and looks its blocks up again) is served the
+    2 blocks whose files are gone. It could pass: the fixed tier marks them a miss."""
+    from impls.engines.faults_engines import VllmFailedLoadHitKept
+    backend = VllmFailedLoadHitKept(make_config(block_size=B, num_blocks=16, prefix_caching=True))
+    v = checked(failed_reload("drop"), backend)
+    d = v.divergence
+    # step 7: the load of disk's 2 blocks fails; the retry finds none (2 hits in all), the
+    # reverted tier finds both again: 2 + 2
+    assert (v.valid, d.step, d.quantity, d.expected, d.actual) == (False, 7, "tier disk hits", 2, 2 + 2)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.integers(4, 6).flatmap(lambda n: st.tuples(st.just(n), histories(n))),
+       host=st.integers(0, 3))
+def test_passes_random_histories_over_its_file_tier(vllm, case, host):
+    blocks, ops = case
+    # a disk tier larger than any history's blocks: vLLM's file tier evicts nothing
+    tiers = (TierSpec("host", host), TierSpec("disk", 64, failed_load="drop"))
+    trace = validate(Trace(Header("random", tiers=tiers), ops, name="random"))
+    v = checked(trace, offload(blocks), gather="all")
+    assert v.valid is True, (v.divergence, v.error)

@@ -73,7 +73,8 @@ def test_a_campaign_reads_the_lifecycles_the_backend_takes(tmp_path):
                                           (faults.SinkReleasedEarly, 10),
                                           (faults.StateNotZeroed, 10),
                                           (faults_tiers.SwapInReadsAnother, 30),
-                                          (faults_tiers.PinIsAFlag, 30)],
+                                          (faults_tiers.PinIsAFlag, 30),
+                                          (faults_tiers.FailedLoadReserved, 60)],
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_planted_tier_lifecycle_or_kind_fault_is_found_and_shrunk(fault, within, tmp_path):
     c = Campaign(registry.resolve(f"{fault.__module__}:{fault.__name__}"), tmp_path, seed=0,

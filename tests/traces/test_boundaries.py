@@ -203,16 +203,34 @@ def test_tier_transfers_interleave_with_a_load_of_the_same_blocks():
                 order.append("store")
             elif isinstance(op, Done):
                 loading.discard(op.id)
-            elif op.kind == "abort":
+            elif op.kind == "abort":  # cancels the load: no longer in flight
                 order.append("abort")
+                loading.clear()
             elif isinstance(op, Preempt):
                 rooms.add({0: "none", 3: "exact", 2: "short"}[[s.capacity for s in t.header.tiers
                                                                if s.name == "swap"][0]])
         kinds.add(tuple(order))
-    assert kinds == {("load", "store"), ("load", "second load"), ("load", "abort"), ("load",)}
+    # ("load", "load"): the failed load, then the same prompt loaded again once it completed
+    assert kinds == {("load", "store"), ("load", "second load"), ("load", "abort"), ("load",),
+                     ("load", "load")}
     assert rooms == {"none", "exact", "short"}
     # the swapped sequence: 2B + 2 = 10 tokens, ceil(10 / 4) = 3 blocks; "exact" is a tier of 3
     assert F.blocks_needed(2 * 4 + 2, 4) == 3
+
+
+def test_a_failed_load_is_loaded_again_from_a_tier_that_keeps_and_one_that_drops():
+    seen = set()
+    for t in by_rule("tiers"):
+        failed = [op.id for op in t.ops if isinstance(op, Done) and not op.ok]
+        if not failed:
+            assert t.header.tiers[0].failed_load == "keep"  # drop matters only where a load fails
+            continue
+        loads = [op for op in t.ops if isinstance(op, Load)]
+        # the first load fails, the second asks for the same 2B + 1 = 9 token ids; then a store fails
+        assert failed[0] == loads[0].id and loads[1].token_ids == loads[0].token_ids
+        assert len(loads[0].token_ids) == 2 * 4 + 1 and len(failed) == 2
+        seen.add(t.header.tiers[0].failed_load)
+    assert seen == {"keep", "drop"}
 
 
 def test_encodings_are_every_float_format():
@@ -286,9 +304,10 @@ CATCHES = {
     # both read by the load begun at step 6; the store at step 8 of another 2-block prompt
     # finds no block to evict (refused): host still holds 2 stored; evicting the loads' leaves 0.
     E.TierEvictsLoading: ("boundary-tiers-0", 8, "tier host stored", 2, 0),
-    # boundary-tiers-1 (room exact): the swap tier of 3 blocks takes the sequence of 2B + 2 =
-    # 10 tokens, ceil(10 / 4) = 3 blocks, exactly.
-    E.SwapRefusedOnExactFit: ("boundary-tiers-1", 13, "tier swap stored", 3, 0),
+    # boundary-tiers-1 (a load failing, room exact): steps 7-17 fail the load begun at 6, flush
+    # the device, load the prompt again and fail a store; 18 prefills 2B + 2 = 10 tokens and 19
+    # swaps them to the swap tier of 3 blocks: ceil(10 / 4) = 3, exactly.
+    E.SwapRefusedOnExactFit: ("boundary-tiers-1", 19, "tier swap stored", 3, 0),
     # boundary-zero-0, steps 25-29 (fork, batched): 8 prefills B + 1 = 5 tokens, ceil(5 / 4) =
     # 2 blocks; 9 is empty (none); 10 forks 9, 11 forks 8 (sharing its 2); an append of 0
     # tokens to 10 and 11 writes nothing: still 2 blocks; copying 11's shared tail makes 3.

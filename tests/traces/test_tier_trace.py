@@ -39,6 +39,18 @@ def test_round_trip_and_ops():
     assert F.validate(F.Trace(t.header, ops)) is not None  # the same rules on a list of ops
 
 
+def test_a_tier_declares_what_a_failed_load_leaves():
+    header = {**HEADER, "tiers": [{"name": "host", "capacity": 8, "failed_load": "drop"},
+                                  {"name": "disk", "capacity": 32}]}
+    t = F.loads(text(P0, header=header), "f.jsonl")
+    assert [s.failed_load for s in t.header.tiers] == ["drop", "keep"]  # keep when absent
+    # written back only where it is not the default: a trace without it reads as before
+    assert t.header.to_dict()["tiers"] == [{"name": "host", "capacity": 8, "policy": "lru",
+                                            "failed_load": "drop"},
+                                           {"name": "disk", "capacity": 32, "policy": "lru"}]
+    assert F.loads(t.to_jsonl(), "again.jsonl").header.tiers == t.header.tiers
+
+
 def test_old_trace_has_no_tiers():
     t = F.loads(text(P0, {"step": 1, "op": "free", "seq": 0},
                      header={"kvbench_trace": 1, "family": "x"}))
@@ -95,6 +107,8 @@ def test_transfers_need_declared_tiers():
     ([{"name": "host", "capacity": 4}, {"name": "host", "capacity": 8}], "a name given twice"),
     ([{"name": "device", "capacity": 4}], "a name other than 'device'"),
     ([{"name": "host", "size": 4}], "unknown field 'size'"),
+    ([{"name": "host", "capacity": 4, "failed_load": "retry"}],
+     "'failed_load' must be one of keep, drop, got 'retry'"),
 ])
 def test_bad_tiers_header(tiers, reason):
     with pytest.raises(F.TraceError, match=reason) as e:
