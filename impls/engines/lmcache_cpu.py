@@ -137,8 +137,8 @@ class _LMCacheTier:
     def begin_store(self, items, seq) -> list:
         moved = []
         for p, b, key in items:
-            if key in self.storing or self.loadable(key, seq):
-                continue  # stored or storing here already
+            if key in self.storing or self.backend.contains(self._key(key)):
+                continue  # stored or storing here already (a check, not a lookup)
             obj = self.backend.allocate(self.shape, self.dtype, eviction=True, busy_loop=False)
             if obj is None:  # nothing evictable: refused
                 continue

@@ -20,6 +20,7 @@ from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
 from kvbench.contract.registry import entries
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.ops import Abort, Load
 from kvbench.traces.tier_ops import Done, Store, TierSpec
 
 SKIP_REASON = "LMCache is not installed (opt-in, not in CI): see docs/tiers-and-lifecycles.md"
@@ -100,3 +101,86 @@ def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
         assert v.ops == len(ops)
     finally:
         backend.close()
+
+
+# --- planted upstream bugs (impls/engines/faults_engines.py's LMCache section) -------------------
+
+def _tier_trace(*ops):
+    return validate(Trace(Header("lookups", tiers=(TierSpec("host", 4),)), list(ops), name="lookups"))
+
+
+def _stored_then_evicted(salt):
+    """Device of 2 blocks, host tier of 4 pages: sequence 0's 2 blocks (keys 1, 2) stored to the
+    host, then pushed out of the device by sequence 1's 2 blocks (keys 3, 4), both freed: the
+    host holds 1 and 2, the device neither."""
+    return [Prefill(0, 0, "a", 2 * B, (1, 2), salt=salt), Store(1, 1, 0, "host"), Done(2, 1, True),
+            Free(3, 0), Prefill(4, 1, "a", 2 * B, (3, 4)), Free(5, 1)]
+
+
+def _caught(ops, fault, step: int):
+    """The adapter passes; ``fault`` FAILs at ``step``, in the host tier's ledger."""
+    from impls.engines import faults_engines
+    trace = _tier_trace(*ops)
+    good = adapter(2)
+    try:
+        v = check(trace, good, gather="all")
+        assert v.valid is True and v.ops == len(ops), str(v.divergence)
+        assert good.tier_ledgers()[0]["loading"] == 0  # every pin released by the end
+    finally:
+        good.close()
+    bad = getattr(faults_engines, fault)(make_config(block_size=B, num_blocks=2, prefix_caching=True))
+    try:
+        w = check(trace, bad)
+        assert w.valid is False and w.divergence is not None, w.status
+        assert w.divergence.index == step, str(w.divergence)
+        return w.divergence
+    finally:
+        bad.close()
+
+
+def test_issue_3770_a_salted_lookups_pins_released_without_the_salt_stay(lmcache):
+    # Sequence 2 loads tenant a's salted blocks 1, 2 from the host (device hit 0: evicted), so
+    # its lookup pins 2 entries; at the load's completion (step 7) the release by salt-less keys
+    # finds neither entry: 2 stay pinned where SPEC §11 has 0 loading.
+    ops = _stored_then_evicted("s") + [Load(6, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Done(7, 2, True), Free(8, 2)]
+    d = _caught(ops, "LmcacheSaltlessUnpin", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host loading", 0, 2), str(d)
+
+
+def test_issue_3770_unsalted_lookups_are_released_either_way(lmcache):
+    # Without a salt the key with and without it is one key: the planted release finds it, and
+    # the same trace passes (the bug needs a salt to show, as upstream's multi-tenant report).
+    from impls.engines.faults_engines import LmcacheSaltlessUnpin
+    ops = _stored_then_evicted(None) + [Load(6, 2, "a", 2 * B, (1, 2), id=2),
+                                        Done(7, 2, True), Free(8, 2)]
+    bad = LmcacheSaltlessUnpin(make_config(block_size=B, num_blocks=2, prefix_caching=True))
+    try:
+        v = check(_tier_trace(*ops), bad)
+        assert v.valid is True, str(v.divergence)
+    finally:
+        bad.close()
+
+
+def test_sglang_40360_an_abort_between_lookup_and_load_leaks_the_pins(lmcache):
+    # Sequence 2's load looks up and pins blocks 1, 2 (step 6) and is aborted before it
+    # completes (step 7): the abort's cleanup must release both (loading 0); without it they
+    # stay pinned, 2 where SPEC §11 has 0.
+    ops = _stored_then_evicted("s") + [Load(6, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Abort(7, 2)]
+    d = _caught(ops, "LmcacheAbortLeaks", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host loading", 0, 2), str(d)
+
+
+def test_pr_4520_a_load_refused_for_room_then_retried_counts_its_hit_once(lmcache):
+    # Sequence 3 holds both device blocks, so sequence 2's load of blocks 1, 2 (in the host) is
+    # refused for room at step 7; its retry, once 3 is freed, loads both: host hits 2 in all.
+    # Accounted at the lookup, the refused load already counts 2 (hits expected 0, got 2) and
+    # the retry 2 more.
+    ops = _stored_then_evicted("s") + [Prefill(6, 3, "b", 2 * B, (5, 6)),
+                                       Load(7, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Free(8, 3),
+                                       Load(9, 4, "a", 2 * B, (1, 2), salt="s", id=3),
+                                       Done(10, 3, True), Free(11, 4)]
+    d = _caught(ops, "LmcacheHitAtLookup", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host hits", 0, 2), str(d)
