@@ -184,3 +184,54 @@ def test_pr_4520_a_load_refused_for_room_then_retried_counts_its_hit_once(lmcach
                                        Done(10, 3, True), Free(11, 4)]
     d = _caught(ops, "LmcacheHitAtLookup", 7)
     assert (d.quantity, d.expected, d.actual) == ("tier host hits", 0, 2), str(d)
+
+
+# --- LMCache's multi-process L1 controller (the MP server's StorageManager) on a CPU -------------
+
+def _mp_server_with_two_chunks(salt: str):
+    """The MP server's context (StorageManager over one CPU L1Manager, token hasher, sessions)
+    and its LookupModule, as lmcache/v1/multiprocess/server.py builds them, with chunk size 4
+    and one 8-token prompt of ``salt`` stored: 8 // 4 = 2 chunks."""
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ipc_key_to_object_keys
+    from lmcache.v1.distributed.config import (EvictionConfig, L1ManagerConfig,
+                                               L1MemoryManagerConfig, StorageManagerConfig)
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
+    from lmcache.v1.multiprocess.modules.lookup import LookupModule
+    memory = L1MemoryManagerConfig(size_in_bytes=1 << 20, use_lazy=False, shm_name="")
+    ctx = MPCacheServerContext(StorageManagerConfig(L1ManagerConfig(memory), EvictionConfig("LRU")),
+                               chunk_size=4)
+    layout = MemoryLayoutDesc([torch.Size([2, 4, 8])], [torch.float32])
+    ctx.layout_desc_registry.register("m", 1, layout)
+
+    def key(request, salt=salt, worker=None):
+        return IPCCacheServerKey("m", 1, worker, tuple(range(8)), 0, 8, request, cache_salt=salt,
+                                 num_kv_readers=1)
+
+    writer = key("writer", worker=0)
+    chunks = ctx.token_hasher.compute_chunk_hashes(list(writer.token_ids), end=8)
+    objects = ipc_key_to_object_keys(writer, chunks, [0])[0]
+    assert len(ctx.storage_manager.reserve_write(objects, layout)) == 2
+    ctx.storage_manager.finish_write(objects)
+    return ctx, LookupModule(ctx), key, objects
+
+
+@pytest.mark.parametrize("released_with", ["its salt", "no salt (issue 3770)"])
+def test_the_mp_l1_controller_releases_a_salted_lookups_locks_by_its_salt_only(lmcache, released_with):
+    # The MP server runs on a CPU. Tenant "alice"'s lookup read-locks both stored chunks (none
+    # evictable); free_lookup_locks with her salt releases both. Issue 3770's connector called it
+    # without cache_salt: the server builds ObjectKeys of salt "" that name no entry, and both
+    # chunks stay locked (not evictable) until the read lock's TTL (300 s by default).
+    ctx, lookup, key, objects = _mp_server_with_two_chunks("alice")
+    try:
+        lookup.lookup(key("r1"), 1)
+        assert lookup.wait_prefetch_status("r1", 30.0) == 2  # 8 // 4 chunks hit
+        l1 = ctx.storage_manager._l1_manager
+        assert [l1.is_key_evictable(o) for o in objects] == [False, False]
+        lookup.free_lookup_locks(key("r1", salt="alice" if released_with == "its salt" else ""), 1)
+        stays = released_with != "its salt"
+        assert [l1.is_key_evictable(o) for o in objects] == [not stays, not stays]
+        lookup.end_session("r1")
+    finally:
+        ctx.close()
