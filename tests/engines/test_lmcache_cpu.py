@@ -1,11 +1,11 @@
 """LMCache's CPU storage backend (``LocalCPUBackend``) as the lower tiers of the NumPy pool, under
 the checker (impls/engines/lmcache_cpu.py).
 
-LMCache is opt-in (docs/tiers-and-lifecycles.md's recipe builds /work/lmcache-env); CI does not
+LMCache is opt-in (scripts/engine_env.sh lmcache DIR builds it); CI does not
 install it, so every test that needs it is skipped there with the reason. Run them from the
 repository root with::
 
-    PYTHONPATH=$PWD /work/lmcache-env/bin/python -m pytest tests/engines/test_lmcache_cpu.py
+    LMCACHE_LOG_LEVEL=ERROR PYTHONPATH=$PWD /work/envs/lmcache/bin/python -m pytest -n 0 tests/engines/test_lmcache_cpu.py
 """
 from __future__ import annotations
 
