@@ -5,17 +5,21 @@
 #   scripts/engine_env.sh sglang DIR    # SGLang 0.5.23's mem_cache on CPU torch
 #   scripts/engine_env.sh dynamo DIR    # NVIDIA Dynamo 1.6.1's KV router RadixTree (no torch):
 #                                       # `kvbench route --dynamo` checks it against the reference
+#   scripts/engine_env.sh lmcache DIR   # LMCache 0.5.6's LocalCPUBackend on CPU torch (lmcache-cpu)
 #
 # Run from the repository root. Idempotent: a DIR whose environment is complete (its marker file
 # names the same recipe) is left as it is; a partial one is completed. Engines go in with --no-deps
 # (their declared dependencies pull CUDA torch and GPU kernels, gigabytes, unused here), then the
 # modules their KV-cache classes import, pinned: the versions these recipes were last run with.
 # Costs, measured on the 2-core development machine: vllm 3.5 minutes and 2.3 GB; sglang 14 minutes
-# under load (mostly downloads: triton is several hundred MB) and 2.6 GB.
+# under load (mostly downloads: triton is several hundred MB) and 2.6 GB; lmcache 1.5 minutes from
+# pip's cache (9 minutes with the downloads, under load) and 2.2 GB. LMCache alone goes in with its
+# declared dependencies: they pin no torch (the CPU wheel installed first stays), and its
+# import pulls many of them (cupy, nvtx, prometheus, opentelemetry, ...) even on a CPU.
 set -euo pipefail
 
-engine=${1:?usage: scripts/engine_env.sh vllm|sglang|dynamo DIR}
-dir=${2:?usage: scripts/engine_env.sh vllm|sglang|dynamo DIR}
+engine=${1:?usage: scripts/engine_env.sh vllm|sglang|dynamo|lmcache DIR}
+dir=${2:?usage: scripts/engine_env.sh vllm|sglang|dynamo|lmcache DIR}
 [ -f pyproject.toml ] && grep -q '^name = "kvbench"' pyproject.toml \
   || { echo "engine_env.sh: run it from the kvbench repository root" >&2; exit 2; }
 
@@ -54,7 +58,12 @@ case "$engine" in
     deps=(numpy==2.4.6 pydantic==2.13.5 pydantic-core==2.46.5 typing-inspection==0.4.5
           annotated-types==0.8.0 typing-extensions==4.16.0 uvloop==0.23.0 tqdm==4.70.1)
     probe="from kvbench.routing import dynamo; why = dynamo.available(); assert not why, why" ;;
-  *) echo "engine_env.sh: unknown engine '$engine' (vllm, sglang or dynamo)" >&2; exit 2 ;;
+  lmcache)
+    engine_pkgs=(lmcache==0.5.6)
+    deps=()
+    with_deps=1  # its declared dependencies: LMCache imports them on a CPU too
+    probe="import impls.engines.lmcache_cpu as m; ok, why = m.available(); assert ok, why" ;;
+  *) echo "engine_env.sh: unknown engine '$engine' (vllm, sglang, dynamo or lmcache)" >&2; exit 2 ;;
 esac
 
 # kvbench's CLI and tests: pyproject's pytest options take pytest-xdist (--dist).
@@ -71,8 +80,12 @@ fi
 [ -x "$dir/bin/python" ] || python3 -m venv "$dir"
 pip() { "$dir/bin/pip" install --quiet --disable-pip-version-check "$@"; }
 [ "$engine" = dynamo ] || pip torch==2.13.0  # first: the CPU wheel (a bare torch is a CUDA build)
-pip --no-deps "${engine_pkgs[@]}"
-pip --no-deps "${deps[@]}"
+if [ "${with_deps:-0}" = 1 ]; then
+  pip "${engine_pkgs[@]}"
+else
+  pip --no-deps "${engine_pkgs[@]}"
+fi
+[ ${#deps[@]} -eq 0 ] || pip --no-deps "${deps[@]}"
 pip --no-deps -e .                      # kvbench itself, and what its CLI and tests need
 pip "${tools[@]}"
 "$dir/bin/python" -c "$probe"

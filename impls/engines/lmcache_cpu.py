@@ -16,9 +16,21 @@ allocator's buffer, page by page, so the content checks read back what LMCache h
 
 The adapter's own part, as LMCache's storage manager does it: a store is ``allocate`` at its
 begin and ``submit_put_task`` at its completion (a failed store gives its pages back, never put:
-LMCache issue 4991's rule), so a block is ``storing`` between the two; the keys (a kvbench block
-key, salt and adapter included, becomes a ``CacheEngineKey`` of its own); the nearest tier first
-for a load.
+LMCache issue 4991's rule), so a block is ``storing`` between the two; the keys; the nearest tier
+first for a load.
+
+Keys: a block's ``CacheEngineKey`` names its prefix without the salt (``chunk_hash``) and carries
+the salt as a tag (``request_configs={"lmcache.tag.cache_salt": salt}``; a key's tags take part in
+its hash and equality), so two tenants' copies of one prefix are two entries, as the MP server's
+``ObjectKey.cache_salt`` keeps them (LocalCPUBackend's key has no salt field in 0.5.6).
+
+Lookups (SPEC §11's pins): a load's lookup pins each block it finds (``contains(key, pin=True)``)
+and records the key under the request, as ``LMCacheEngine.lookup`` records ``lookup_pins`` by
+lookup id; the pins are released by key (``LMCacheEngine.lookup_unpin``: ``unpin(key)`` per key,
+``StorageManager.batched_unpin``'s loop) when the load completes, or, for a load an abort
+cancelled, by the abort's cleanup when the sequence is freed (SGLang's
+``release_aborted_request``). The tier's ``loading`` figure counts LMCache's pinned entries, so a
+pin never released shows there; its ``hits`` are counted once the device allocation succeeded.
 """
 from __future__ import annotations
 
@@ -30,6 +42,7 @@ import numpy as np
 
 from impls.engines.engine_tiers import EngineTiers
 from impls.numpy_paged import NumpyPaged
+from impls.prefix_keys import prompt_keys
 
 NOT_INSTALLED = ("lmcache is not installed: it is opt-in, "
                  "see the LMCache recipe in docs/tiers-and-lifecycles.md")
@@ -72,7 +85,7 @@ def available() -> tuple[bool, str]:
 class _LMCacheTier:
     """One tier run by a LocalCPUBackend; its array is the allocator's buffer, by page."""
 
-    def __init__(self, spec, storage):
+    def __init__(self, spec, storage, salts):
         lm = self.lm = _lmcache()
         torch = lm.torch
         (pool,) = storage  # the NumPy pool's one K/V array: [blocks, *block]
@@ -91,28 +104,41 @@ class _LMCacheTier:
         self.backend = lm.LocalCPUBackend(config, memory_allocator=allocator)
         self.allocator = allocator
         self.arrays = [self.buffer.numpy().view(pool.dtype).reshape((spec.capacity,) + pool.shape[1:])]
-        self.keys: dict = {}  # kvbench key -> its CacheEngineKey
+        self.salts = salts  # kvbench key -> (its key without the salt, the salt): the adapter's
+        self.hashes: dict = {}  # kvbench key without the salt -> its chunk_hash
         self.storing: dict = {}  # kvbench key -> the object allocated for it, not yet put
         self.reading: dict = {}  # kvbench key -> [objects loads in flight got for it]
         self.slot: dict = {}  # kvbench key -> the page it was last given
+        self.lookup_pins: dict = {}  # seq -> kvbench keys its lookups pinned (LMCacheEngine's)
+        self.cancelled: set = set()  # sequences whose load an abort cancelled (no retrieve ran)
         self.bytes_down = self.bytes_up = self.hits = 0
 
-    def _key(self, key):
-        k = self.keys.get(key)
-        if k is None:
-            k = self.keys[key] = self.lm.CacheEngineKey("kvbench", 1, 0, len(self.keys), self.dtype)
-        return k
+    def _key(self, key, salted: bool = True):
+        """The CacheEngineKey of a kvbench key: its prefix without the salt, the salt a tag."""
+        plain, salt = self.salts.get(key, (key, None))
+        h = self.hashes.setdefault(plain, len(self.hashes))
+        tags = {"lmcache.tag.cache_salt": salt} if salted and salt is not None else None
+        return self.lm.CacheEngineKey("kvbench", 1, 0, h, self.dtype, tags)
+
+    def _release_key(self, key):
+        """The key a lookup's pin is released by: the one it was taken by."""
+        return self._key(key)
+
+    def lookup_unpin(self, seq) -> None:
+        """LMCacheEngine.lookup_unpin: the pins of ``seq``'s lookups released, key by key."""
+        for key in self.lookup_pins.pop(seq, ()):
+            self.backend.unpin(self._release_key(key))
 
     # --- what PoolTiers asks of a tier -------------------------------------------------------
 
     def loadable(self, key, seq) -> bool:
-        return key in self.keys and self.backend.contains(self.keys[key])
+        return self.backend.contains(self._key(key))
 
     def begin_store(self, items, seq) -> list:
         moved = []
         for p, b, key in items:
-            if key in self.storing or self.loadable(key, seq):
-                continue  # stored or storing here already
+            if key in self.storing or self.backend.contains(self._key(key)):
+                continue  # stored or storing here already (a check, not a lookup)
             obj = self.backend.allocate(self.shape, self.dtype, eviction=True, busy_loop=False)
             if obj is None:  # nothing evictable: refused
                 continue
@@ -132,27 +158,32 @@ class _LMCacheTier:
         for key in keys:
             k = self._key(key)
             self.backend.contains(k, pin=True)  # the lookup of LMCache's connector pins
+            self.lookup_pins.setdefault(seq, []).append(key)
             obj = self.backend.get_blocking(k)
             self.reading.setdefault(key, []).append(obj)
             self.slot[key] = obj.metadata.address
         self.backend.touch_cache()
-        self.hits += len(keys)
+        self.hits += len(keys)  # once: the device allocation succeeded (LMCache PR 4520)
 
     def end_load(self, keys, seq) -> None:
         for key in keys:
             obj = self.reading[key].pop()
             if not self.reading[key]:
                 del self.reading[key]
-            obj.unpin()
             obj.ref_count_down()
+        if seq not in self.cancelled:  # retrieved: the lookup's pins go with it
+            self.lookup_unpin(seq)
 
     def finish(self, seq) -> None:
-        """``seq`` is freed: LMCache keeps no per-request state here."""
+        """``seq`` is freed: an aborted load's lookup is released here, the abort's cleanup."""
+        self.cancelled.discard(seq)
+        self.lookup_unpin(seq)
 
     def figures(self) -> dict:
         stored = len(self.backend.hot_cache)
+        pinned = sum(1 for obj in self.backend.hot_cache.values() if obj.is_pinned)
         return {"name": self.name, "capacity": self.capacity, "stored": stored,
-                "storing": len(self.storing), "loading": len(self.reading),
+                "storing": len(self.storing), "loading": pinned,
                 "free": len(self.allocator.free_blocks), "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
@@ -172,8 +203,36 @@ class LMCacheCPU(EngineTiers):
     tier_skips = {"tier copies": CONNECTOR_SKIP}
     probe = staticmethod(available)
 
+    tier_class = _LMCacheTier
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._salts: dict = {}  # a salted block's tier key -> (its key without the salt, salt)
+
     def _make_tier(self, spec, storage):
-        return _LMCacheTier(spec, storage)
+        return self.tier_class(spec, storage, self._salts)
+
+    def _note_salts(self, prompt) -> None:
+        """Each salted prompt block's key without its salt, for LMCache's keys."""
+        if prompt.salt is None or not self.config.prefix_caching:
+            return
+        salted = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
+        plain = prompt_keys(prompt, self.B, self._extra_keys(None, prompt.adapter))
+        for s, p in zip(salted, plain):
+            self._salts[self._tier_key((0, s))] = (self._tier_key((0, p)), prompt.salt)
+
+    def prefill(self, seq, prompt, kv=None, *, step=0, protect=()):
+        self._note_salts(prompt)
+        return super().prefill(seq, prompt, kv, step=step, protect=protect)
+
+    def load(self, tid, seq, prompt, kv=None, *, step=0, protect=()):
+        self._note_salts(prompt)  # before the tiers' lookups
+        return super().load(tid, seq, prompt, kv, step=step, protect=protect)
+
+    def abort(self, seq, *, step=0):
+        for t in getattr(self, "_tiers", ()):
+            t.cancelled.add(seq)  # its loads' retrieves never run
+        super().abort(seq, step=step)
 
     def close_tiers(self) -> None:
         for t in getattr(self, "_tiers", ()):

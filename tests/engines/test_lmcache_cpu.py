@@ -1,11 +1,11 @@
 """LMCache's CPU storage backend (``LocalCPUBackend``) as the lower tiers of the NumPy pool, under
 the checker (impls/engines/lmcache_cpu.py).
 
-LMCache is opt-in (docs/tiers-and-lifecycles.md's recipe builds /work/lmcache-env); CI does not
+LMCache is opt-in (scripts/engine_env.sh lmcache DIR builds it); CI does not
 install it, so every test that needs it is skipped there with the reason. Run them from the
 repository root with::
 
-    PYTHONPATH=$PWD /work/lmcache-env/bin/python -m pytest tests/engines/test_lmcache_cpu.py
+    LMCACHE_LOG_LEVEL=ERROR PYTHONPATH=$PWD /work/envs/lmcache/bin/python -m pytest -n 0 tests/engines/test_lmcache_cpu.py
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
 from kvbench.contract.registry import entries
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
+from kvbench.traces.ops import Abort, Load
 from kvbench.traces.tier_ops import Done, Store, TierSpec
 
 SKIP_REASON = "LMCache is not installed (opt-in, not in CI): see docs/tiers-and-lifecycles.md"
@@ -77,7 +78,7 @@ def test_a_failed_store_leaves_no_trace_in_lmcache(lmcache):
         assert check(trace, backend).valid is True
         tier = backend._tiers[0]
         assert len(tier.backend.hot_cache) == 0 and len(tier.allocator.free_blocks) == 4
-        assert not any(tier.backend.contains(k) for k in tier.keys.values())
+        assert not any(tier.loadable(k, 1) for k in ((0, 1), (0, 2)))
     finally:
         backend.close()
 
@@ -100,3 +101,137 @@ def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
         assert v.ops == len(ops)
     finally:
         backend.close()
+
+
+# --- planted upstream bugs (impls/engines/faults_engines.py's LMCache section) -------------------
+
+def _tier_trace(*ops):
+    return validate(Trace(Header("lookups", tiers=(TierSpec("host", 4),)), list(ops), name="lookups"))
+
+
+def _stored_then_evicted(salt):
+    """Device of 2 blocks, host tier of 4 pages: sequence 0's 2 blocks (keys 1, 2) stored to the
+    host, then pushed out of the device by sequence 1's 2 blocks (keys 3, 4), both freed: the
+    host holds 1 and 2, the device neither."""
+    return [Prefill(0, 0, "a", 2 * B, (1, 2), salt=salt), Store(1, 1, 0, "host"), Done(2, 1, True),
+            Free(3, 0), Prefill(4, 1, "a", 2 * B, (3, 4)), Free(5, 1)]
+
+
+def _caught(ops, fault, step: int):
+    """The adapter passes; ``fault`` FAILs at ``step``, in the host tier's ledger."""
+    from impls.engines import faults_engines
+    trace = _tier_trace(*ops)
+    good = adapter(2)
+    try:
+        v = check(trace, good, gather="all")
+        assert v.valid is True and v.ops == len(ops), str(v.divergence)
+        assert good.tier_ledgers()[0]["loading"] == 0  # every pin released by the end
+    finally:
+        good.close()
+    bad = getattr(faults_engines, fault)(make_config(block_size=B, num_blocks=2, prefix_caching=True))
+    try:
+        w = check(trace, bad)
+        assert w.valid is False and w.divergence is not None, w.status
+        assert w.divergence.index == step, str(w.divergence)
+        return w.divergence
+    finally:
+        bad.close()
+
+
+def test_issue_3770_a_salted_lookups_pins_released_without_the_salt_stay(lmcache):
+    # Sequence 2 loads tenant a's salted blocks 1, 2 from the host (device hit 0: evicted), so
+    # its lookup pins 2 entries; at the load's completion (step 7) the release by salt-less keys
+    # finds neither entry: 2 stay pinned where SPEC §11 has 0 loading.
+    ops = _stored_then_evicted("s") + [Load(6, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Done(7, 2, True), Free(8, 2)]
+    d = _caught(ops, "LmcacheSaltlessUnpin", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host loading", 0, 2), str(d)
+
+
+def test_issue_3770_unsalted_lookups_are_released_either_way(lmcache):
+    # Without a salt the key with and without it is one key: the planted release finds it, and
+    # the same trace passes (the bug needs a salt to show, as upstream's multi-tenant report).
+    from impls.engines.faults_engines import LmcacheSaltlessUnpin
+    ops = _stored_then_evicted(None) + [Load(6, 2, "a", 2 * B, (1, 2), id=2),
+                                        Done(7, 2, True), Free(8, 2)]
+    bad = LmcacheSaltlessUnpin(make_config(block_size=B, num_blocks=2, prefix_caching=True))
+    try:
+        v = check(_tier_trace(*ops), bad)
+        assert v.valid is True, str(v.divergence)
+    finally:
+        bad.close()
+
+
+def test_sglang_40360_an_abort_between_lookup_and_load_leaks_the_pins(lmcache):
+    # Sequence 2's load looks up and pins blocks 1, 2 (step 6) and is aborted before it
+    # completes (step 7): the abort's cleanup must release both (loading 0); without it they
+    # stay pinned, 2 where SPEC §11 has 0.
+    ops = _stored_then_evicted("s") + [Load(6, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Abort(7, 2)]
+    d = _caught(ops, "LmcacheAbortLeaks", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host loading", 0, 2), str(d)
+
+
+def test_pr_4520_a_load_refused_for_room_then_retried_counts_its_hit_once(lmcache):
+    # Sequence 3 holds both device blocks, so sequence 2's load of blocks 1, 2 (in the host) is
+    # refused for room at step 7; its retry, once 3 is freed, loads both: host hits 2 in all.
+    # Accounted at the lookup, the refused load already counts 2 (hits expected 0, got 2) and
+    # the retry 2 more.
+    ops = _stored_then_evicted("s") + [Prefill(6, 3, "b", 2 * B, (5, 6)),
+                                       Load(7, 2, "a", 2 * B, (1, 2), salt="s", id=2),
+                                       Free(8, 3),
+                                       Load(9, 4, "a", 2 * B, (1, 2), salt="s", id=3),
+                                       Done(10, 3, True), Free(11, 4)]
+    d = _caught(ops, "LmcacheHitAtLookup", 7)
+    assert (d.quantity, d.expected, d.actual) == ("tier host hits", 0, 2), str(d)
+
+
+# --- LMCache's multi-process L1 controller (the MP server's StorageManager) on a CPU -------------
+
+def _mp_server_with_two_chunks(salt: str):
+    """The MP server's context (StorageManager over one CPU L1Manager, token hasher, sessions)
+    and its LookupModule, as lmcache/v1/multiprocess/server.py builds them, with chunk size 4
+    and one 8-token prompt of ``salt`` stored: 8 // 4 = 2 chunks."""
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ipc_key_to_object_keys
+    from lmcache.v1.distributed.config import (EvictionConfig, L1ManagerConfig,
+                                               L1MemoryManagerConfig, StorageManagerConfig)
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
+    from lmcache.v1.multiprocess.modules.lookup import LookupModule
+    memory = L1MemoryManagerConfig(size_in_bytes=1 << 20, use_lazy=False, shm_name="")
+    ctx = MPCacheServerContext(StorageManagerConfig(L1ManagerConfig(memory), EvictionConfig("LRU")),
+                               chunk_size=4)
+    layout = MemoryLayoutDesc([torch.Size([2, 4, 8])], [torch.float32])
+    ctx.layout_desc_registry.register("m", 1, layout)
+
+    def key(request, salt=salt, worker=None):
+        return IPCCacheServerKey("m", 1, worker, tuple(range(8)), 0, 8, request, cache_salt=salt,
+                                 num_kv_readers=1)
+
+    writer = key("writer", worker=0)
+    chunks = ctx.token_hasher.compute_chunk_hashes(list(writer.token_ids), end=8)
+    objects = ipc_key_to_object_keys(writer, chunks, [0])[0]
+    assert len(ctx.storage_manager.reserve_write(objects, layout)) == 2
+    ctx.storage_manager.finish_write(objects)
+    return ctx, LookupModule(ctx), key, objects
+
+
+@pytest.mark.parametrize("released_with", ["its salt", "no salt (issue 3770)"])
+def test_the_mp_l1_controller_releases_a_salted_lookups_locks_by_its_salt_only(lmcache, released_with):
+    # The MP server runs on a CPU. Tenant "alice"'s lookup read-locks both stored chunks (none
+    # evictable); free_lookup_locks with her salt releases both. Issue 3770's connector called it
+    # without cache_salt: the server builds ObjectKeys of salt "" that name no entry, and both
+    # chunks stay locked (not evictable) until the read lock's TTL (300 s by default).
+    ctx, lookup, key, objects = _mp_server_with_two_chunks("alice")
+    try:
+        lookup.lookup(key("r1"), 1)
+        assert lookup.wait_prefetch_status("r1", 30.0) == 2  # 8 // 4 chunks hit
+        l1 = ctx.storage_manager._l1_manager
+        assert [l1.is_key_evictable(o) for o in objects] == [False, False]
+        lookup.free_lookup_locks(key("r1", salt="alice" if released_with == "its salt" else ""), 1)
+        stays = released_with != "its salt"
+        assert [l1.is_key_evictable(o) for o in objects] == [not stays, not stays]
+        lookup.end_session("r1")
+    finally:
+        ctx.close()
