@@ -9,7 +9,8 @@ alone (kvbench.bench.fixtures.replay: its operations per second), the same repla
 for its events after every operation (what publishing them costs it), then the checker's event
 verification of the recorded events (EventReplay.verify, per operation: the order rules, the
 pairing of keys, the residency against the oracle's: events per second). The last row's
-``extra_info`` carries ``events_per_s``, ``backend_ops_per_s`` and
+``extra_info`` carries ``events_per_s``, ``backend_ops_per_s``, ``events_per_backend_op`` (their
+ratio: events verified in the time the pool takes one operation) and
 ``event_check_per_op_vs_backend``, the event check's time per operation over the pool's; the
 second's ``publishing_vs_backend``, the replay with events over the replay without.
 """
@@ -107,3 +108,5 @@ def test_events_verified_against_the_backends_rate(benchmark, workload, part):
         backend = MEDIANS[workload, "backend"]
         benchmark.extra_info["backend_ops_per_s"] = ops / backend
         benchmark.extra_info["event_check_per_op_vs_backend"] = median / backend
+        # events verified in the time the pool takes one operation
+        benchmark.extra_info["events_per_backend_op"] = (sum(map(len, got)) / median) / (ops / backend)

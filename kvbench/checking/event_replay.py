@@ -10,8 +10,11 @@ equals the oracle's prefix cache after every operation.
 
 A backend names blocks by its own keys (its hash of the salt, adapter or token ids), the oracle
 by its own: the first time a key is stored it is paired with the oracle's key stored in that
-group and tier at that operation (the same key where they are equal, else in the order they were
-announced), and from then on each side's key stands for the other's. A backend key paired with
+group and tier at that operation, and from then on each side's key stands for the other's. A key
+is paired by its identity, its value in its namespace: a backend whose keys are the trace's
+(``Capabilities.event_keys`` "trace") has a key equal to the oracle's paired with it first; the
+rest, and every key of a backend in its own hash space, are paired in the order announced (vLLM's
+int 48, its hash of the trace's key 0, is not the trace's key 48). A backend key paired with
 one oracle key and announced for another diverges there, as an isolation bug would.
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ class EventReplay:
         self.residency = Residency()
         self.to_model: dict = {}  # backend key -> oracle key
         self.to_backend: dict = {}  # oracle key -> backend key
+        caps = getattr(getattr(replay, "backend", None), "capabilities", None)
+        self.trace_keys = getattr(caps, "event_keys", "trace") == "trace"  # the backend's namespace
         self.checked = 0  # events applied
         self.again: dict = {}  # (group, tier) -> keys removed and stored again in this operation
 
@@ -121,14 +126,15 @@ class EventReplay:
 
     def pair(self, stored, want_stored) -> dict:
         """The oracle key of each backend key ``stored`` names: known ones from before, new ones
-        paired with the oracle's new keys (equal keys first, then in order)."""
+        paired with the oracle's new keys (equal keys first where both are the trace's, then in
+        order)."""
         out = {a: self.to_model[a] for a in stored if a in self.to_model}
         fresh = [a for a in stored if a not in self.to_model]
         if not fresh:
             return out
         open_ = [o for o in want_stored if o not in self.to_backend]
         left = set(open_)
-        for a in fresh:
+        for a in fresh if self.trace_keys else ():
             if a in left:
                 out[a] = a
                 left.discard(a)

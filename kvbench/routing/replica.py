@@ -7,12 +7,18 @@ Events come from the replica's own ``events()`` where it has one; the oracle has
 became an entry, ``removed`` for one that stopped being one, ``cleared`` on a reset. A stored key's
 parent is the key before it in the prompt that stored it when that key is present, else none (a
 sliding group's sparse entries).
+
+A replica is ledger-only: nothing reads its blocks' content, so it keeps no map of who wrote
+each block (the oracle's ``writers``, for a leak check of the content, grows with every prompt
+it ever served: a gigabyte over the Mooncake trace's 8 replicas), and the parents it knows are
+those of the prompt it serves now, the only one whose keys an operation stores.
 """
 from __future__ import annotations
 
 from kvbench.contract.events import CLEARED, REMOVED, STORED, KVEvent
 from kvbench.contract.protocol import Capabilities, CacheConfig
 from kvbench.model.oracle import ModelOOM, Oracle
+from kvbench.model.rules.spec import extra_keys
 from kvbench.routing.policies import Load
 
 
@@ -22,7 +28,10 @@ class EventingOracle(Oracle):
     def __init__(self, config: CacheConfig, capabilities: Capabilities | None = None):
         super().__init__(config, "paged", capabilities)
         self.changes: list = []  # (entered, group, key), in order
-        self.parent_of: dict = {}  # key -> the key before it in the prompt that named it
+        self.parent_of: dict = {}  # key -> the key before it in the prompt being served
+
+    def _note_writers(self, seq, tokens, hashes, token_ids, salt, adapter) -> dict:
+        return {"extra": extra_keys(salt, adapter), "untagged": ()}  # no cross_key_writers
 
     def _cache(self, b, g, key, duplicates=False):
         new = (g, key) not in self.by_hash
@@ -95,8 +104,7 @@ class Replica:
         the live request finishing first finishes early (the request waits for it). Returns
         (prompt tokens the engine took from its prefix cache, requests it waited for)."""
         o, waited = self.oracle, 0
-        for i, k in enumerate(keys):
-            o.parent_of.setdefault(k, keys[i - 1] if i else None)
+        o.parent_of = dict(zip(keys, (None,) + tuple(keys[:-1])))
         while True:
             try:
                 L, _, _ = o._cache_hits(keys, job.tokens) if o.caching else (0, None, 0)

@@ -181,6 +181,37 @@ def test_a_salted_pool_keys_its_events_by_its_own_hash_and_still_passes():
     assert check(salted, NumpyPaged(make_config(num_blocks=8, prefix_caching=True))).valid is True
 
 
+def own_int(key) -> int:
+    """vLLM's event hash of a trace key (maybe_convert_block_hash: the int of the hash's bytes)."""
+    return int.from_bytes(str(key).encode(), "big")
+
+
+class OwnIntKeys(NumpyPaged):
+    """Announces each key in its own hash space, as vLLM does: trace key 0 as 48 (b"0")."""
+
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, event_keys="own-int")
+
+    def events(self):
+        return [dataclasses.replace(e, key=own_int(e.key) if e.key is not None else None,
+                                    parent=None if e.parent is None else own_int(e.parent))
+                for e in super().events()]
+
+
+def test_a_backend_key_equal_to_another_trace_key_is_not_paired_with_it():
+    # Trace keys 0 and 48 (ints); the backend announces them as 48 and 13368 (b"48"). Paired by
+    # value its 48 would stand for the trace's 48, and at op 3, where the trace's 48 is evicted
+    # (its 13368 removed), the events would say the trace's 0 went. Its keys are its own space
+    # (event_keys): paired in order, 48 -> 0 and 13368 -> 48, and the run passes.
+    # 4 blocks: op 0 stores 0 and 48; op 1 frees them (cached); op 2 hits 0 and stores 7 in the
+    # free block (1 free left); op 3 needs 2 blocks: the free one and the cached 48, evicted.
+    trace = make_trace(Prefill(0, 0, "a", 32, (0, 48)), X(0), Prefill(0, 1, "a", 32, (0, 7)),
+                       Prefill(0, 2, "a", 32, (9, 10)), X(1), X(2), name="own-keys")
+    assert own_int(0) == 48 and own_int(48) == 13368
+    v = check(trace, OwnIntKeys(CONFIG))
+    assert v.valid is True, v.divergence
+    assert v.events == 2 + 1 + 3  # op 0: stored 0, 48; op 2: stored 7; op 3: removed 48, stored 9, 10
+
+
 def test_a_sliding_groups_sparse_entries_pass():
     # tiny-hybrid with windows of 6 positions over blocks of 4: group 0 sliding(6), group 1 full;
     # 14 blocks. Op 0: 24 tokens, hashes h0 .. h5, stored in both groups; the sliding group keeps

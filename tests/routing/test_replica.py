@@ -52,3 +52,22 @@ def test_a_replica_whose_pool_announces_its_own_events_passes_them_on_and_a_rese
     first = replica.events()
     assert [e.kind for e in first] == ["cleared"]
     assert replica.events() == ["its own"]  # the reset's cleared is not announced twice
+
+
+def test_a_replica_keeps_no_record_per_prompt_beyond_its_cache():
+    # Ledger-only: no map of the writers of every block it ever served (the oracle's, for a
+    # content leak check), and the parents it knows are those of the prompt it served last:
+    # what it holds is bounded by its cache, not by the trace (1.2 GB over the Mooncake trace).
+    trace = load(str(WORKLOADS / "prefix-salts.jsonl"))
+    config = config_for(trace, store_kv=False)
+    jobs, _ = jobs_of_trace(trace, config.block_size)
+    replica, replay = Replica(config), Residency()
+    for job in jobs:
+        for seq in list(replica.live):
+            replica.finish(seq)
+        keys = engine_keys(job.hashes, job.tokens, config.block_size, job.salt, job.adapter)
+        replica.serve(job.index, job, keys, job.index)
+        residency_matches(replica, replay)
+    assert len(jobs) > 1 and any(j.salt for j in jobs)
+    assert replica.oracle.writers == {}
+    assert set(replica.oracle.parent_of) == set(keys)
