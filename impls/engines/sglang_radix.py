@@ -220,8 +220,7 @@ class SglangRadix(Backend):
         self.page = P = config.block_size
         self.caching = bool(config.prefix_caching)
         self.capabilities = dataclasses.replace(CAPABILITIES, rule_params={
-            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"},
-            cached_order=not self.unified)  # block_state(): RadixCache's nodes are Python's
+            "leaf_order": self.radix_policy, "fork_via": "prefix" if self.caching else "copy"})
         size = config.num_blocks * P
         if P == 1:
             self.alloc = s.TokenToKVPoolAllocator(size=size, dtype=s.torch.float16, device="cpu",

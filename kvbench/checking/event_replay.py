@@ -12,7 +12,7 @@ A backend names blocks by its own keys (its hash of the salt, adapter or token i
 by its own: the first time a key is stored it is paired with the oracle's key stored in that
 group and tier at that operation, and from then on each side's key stands for the other's. A key
 is paired by its identity, its value in its namespace: a backend whose keys are the trace's
-(``Capabilities.event_keys`` "trace") has a key equal to the oracle's paired with it first; the
+(its rule set's ``event_keys`` "trace") has a key equal to the oracle's paired with it first; the
 rest, and every key of a backend in its own hash space, are paired in the order announced (vLLM's
 int 48, its hash of the trace's key 0, is not the trace's key 48). A backend key paired with
 one oracle key and announced for another diverges there, as an isolation bug would.
@@ -35,8 +35,8 @@ class EventReplay:
         self.residency = Residency()
         self.to_model: dict = {}  # backend key -> oracle key
         self.to_backend: dict = {}  # oracle key -> backend key
-        caps = getattr(getattr(replay, "backend", None), "capabilities", None)
-        self.trace_keys = getattr(caps, "event_keys", "trace") == "trace"  # the backend's namespace
+        rules = getattr(getattr(replay, "oracle", None), "rules", None)
+        self.trace_keys = getattr(rules, "event_keys", "trace") == "trace"  # the backend's namespace
         self.checked = 0  # events applied
         self.again: dict = {}  # (group, tier) -> keys removed and stored again in this operation
 

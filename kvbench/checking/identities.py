@@ -55,9 +55,10 @@ class Figures:
         # The cached queue's order by pairing: at each operation's changes, so with them only.
         self.order = (self.changes and not self.exact and caching and rules.cached_queue_order
                       and not rules.evicts_whole_leaves)
-        # A radix tree's engine, its own ids (evicts_whole_leaves): its cached blocks in its
-        # leaves' eviction order, read whole after every operation, paired through the tables.
-        self.ordered = self.structures and not self.exact and caching and rules.evicts_whole_leaves
+        # Otherwise, its own ids and a radix tree's order (evicts_whole_leaves) or no changes to
+        # follow: its cached blocks, next evicted first, read whole after every operation.
+        self.ordered = (self.structures and not self.exact and caching and not self.order
+                        and (rules.evicts_whole_leaves or rules.cached_queue_order))
         self.pairing = Pairing() if self.order or self.ordered else None
         self.ops, self.edits = 0, -1
         self.mark = self.oracle_mark = None  # of the last states read, to ask what changed since
@@ -655,7 +656,7 @@ def compare_structures(expected: BlockState, actual: BlockState, whole: bool = T
 
 
 def compare_cached_order(expected, actual, pairs: dict):
-    """A backend declaring ``cached_order``: its cached blocks, next evicted first, each read as
+    """A backend with ids of its own read whole (:attr:`Figures.ordered`): its cached blocks, next evicted first, each read as
     the oracle's block it is paired with (``pairs``), against the oracle's order."""
     e = [int(b) for b in np.asarray(expected, dtype=np.int64).reshape(-1)]
     a = [pairs.get(int(b)) for b in np.asarray(actual, dtype=np.int64).reshape(-1)]

@@ -119,18 +119,8 @@ class Capabilities:
     # SPEC §9: takes a prefill's ``salt``, ``adapter`` and ``token_ids`` into its block hashes.
     # A backend with prefix caching that does not declare it replays salted traces without.
     cache_salt: bool = False
-    # SPEC §14: whose keys its events name. "trace": the block keys its prefill received (SPEC
-    # §9's; its own hash of a salt or adapter is a value no trace key has), so a key equal to the
-    # oracle's is that key. Another name (an engine's hash space): its own hashes, each paired
-    # with the oracle's key in the order announced whatever its value (vLLM's int 48 is b"0").
-    event_keys: str = "trace"
     # block_state() hands out and releases blocks in kvbench's order (docs/writing-a-backend.md), so the checker compares its block ids with the oracle's, one by one.
     block_ids: bool = False
-    # block_state().cached lists the cached blocks in the order its rule set evicts them (an
-    # engine's own order, its own block ids): the checker reads its structures after every
-    # operation and compares that order with the oracle's, pairing the backend's ids with the
-    # oracle's through the tables (kvbench.checking.identities.compare_cached_order).
-    cached_order: bool = False
     # SPEC §11: the policies of the lower tiers it runs ("lru", "arc"); empty: no tiers. Such a
     # backend also implements attach_tiers, store, load, complete, abort, tier_ledgers and
     # read_stored (kvbench.checking.tier_replay names them). It moves a transfer's bytes when

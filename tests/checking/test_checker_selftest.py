@@ -115,11 +115,11 @@ def _copy(state: BlockState) -> BlockState:
 
 
 class OwnIds(NumpyPaged):
-    """NumPy's pool naming each block b as N - 1 - b and declaring ``cached_order`` instead of
-    ``block_ids``, as an engine with ids of its own does: compared through the tables."""
+    """NumPy's pool naming each block b as N - 1 - b, without ``block_ids`` and reporting whole
+    states only, as an engine with ids of its own may: its order compared through the tables."""
 
     name = "own-ids"
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, block_ids=False, cached_order=True)
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, block_ids=False)
 
     def block_state(self, seqs=None):  # whole states only: read after every operation
         s = super().block_state(seqs)

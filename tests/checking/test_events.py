@@ -189,7 +189,7 @@ def own_int(key) -> int:
 class OwnIntKeys(NumpyPaged):
     """Announces each key in its own hash space, as vLLM does: trace key 0 as 48 (b"0")."""
 
-    capabilities = dataclasses.replace(NumpyPaged.capabilities, event_keys="own-int")
+    capabilities = dataclasses.replace(NumpyPaged.capabilities, rule_params={"event_keys": "own"})
 
     def events(self):
         return [dataclasses.replace(e, key=own_int(e.key) if e.key is not None else None,

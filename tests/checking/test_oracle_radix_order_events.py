@@ -1,5 +1,5 @@
 """The oracle's radix tree as an engine's block structures and KV events show it, without SGLang:
-its cached blocks in eviction order (what a backend declaring ``cached_order`` is held to) and
+its cached blocks in eviction order (what an engine under ``evicts_whole_leaves`` is held to) and
 the events it expects under ``events_from_tree``. tests/engines/test_sglang_block_state.py and
 test_sglang_events.py hold SGLang itself to them."""
 from __future__ import annotations

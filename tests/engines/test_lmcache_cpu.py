@@ -103,7 +103,7 @@ def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
         backend.close()
 
 
-# --- planted upstream bugs (impls/engines/faults_engines.py's LMCache section) -------------------
+# --- planted upstream bugs (impls/engines/faults_lmcache.py) -------------------
 
 def _tier_trace(*ops):
     return validate(Trace(Header("lookups", tiers=(TierSpec("host", 4),)), list(ops), name="lookups"))
@@ -119,7 +119,7 @@ def _stored_then_evicted(salt):
 
 def _caught(ops, fault, step: int):
     """The adapter passes; ``fault`` FAILs at ``step``, in the host tier's ledger."""
-    from impls.engines import faults_engines
+    from impls.engines import faults_lmcache
     trace = _tier_trace(*ops)
     good = adapter(2)
     try:
@@ -128,7 +128,7 @@ def _caught(ops, fault, step: int):
         assert good.tier_ledgers()[0]["loading"] == 0  # every pin released by the end
     finally:
         good.close()
-    bad = getattr(faults_engines, fault)(make_config(block_size=B, num_blocks=2, prefix_caching=True))
+    bad = getattr(faults_lmcache, fault)(make_config(block_size=B, num_blocks=2, prefix_caching=True))
     try:
         w = check(trace, bad)
         assert w.valid is False and w.divergence is not None, w.status
@@ -151,7 +151,7 @@ def test_issue_3770_a_salted_lookups_pins_released_without_the_salt_stay(lmcache
 def test_issue_3770_unsalted_lookups_are_released_either_way(lmcache):
     # Without a salt the key with and without it is one key: the planted release finds it, and
     # the same trace passes (the bug needs a salt to show, as upstream's multi-tenant report).
-    from impls.engines.faults_engines import LmcacheSaltlessUnpin
+    from impls.engines.faults_lmcache import LmcacheSaltlessUnpin
     ops = _stored_then_evicted(None) + [Load(6, 2, "a", 2 * B, (1, 2), id=2),
                                         Done(7, 2, True), Free(8, 2)]
     bad = LmcacheSaltlessUnpin(make_config(block_size=B, num_blocks=2, prefix_caching=True))

@@ -2,7 +2,7 @@
 pages, its evictable leaves in the order its eviction takes them, each tree page's lock count.
 
 Opt-in like every SGLang test (skipped with the reason where SGLang is not installed). The
-adapter declares ``cached_order``: the checker reads the structures after every operation and
+adapter's rule set evicts whole leaves (``evicts_whole_leaves``): the checker reads the structures after every operation and
 compares the leaves' order with the oracle's radix tree (kvbench/model/rules/sglang.py), the
 engine's pages paired with the oracle's blocks through the tables; the lock counts must be one
 per table holding the page (SPEC §10's reference identity). The two planted regressions of

@@ -11,7 +11,7 @@ STATE_CHECKPOINTS = ("every_block", "align")
 LEAF_ORDERS = ("lru", "lfu", "fifo", "mru", "priority", "slru")  # SGLang's get_priority's
 CHOICES = {"fork_via": FORK_VIA, "eviction_demand": EVICTION_DEMANDS,
            "window_release": WINDOW_RELEASE_RULES, "leaf_order": LEAF_ORDERS,
-           "state_checkpoints": STATE_CHECKPOINTS}
+           "state_checkpoints": STATE_CHECKPOINTS, "event_keys": ("trace", "own")}
 
 
 class RuleSet:
@@ -53,6 +53,10 @@ class RuleSet:
       paged allocator).
     - ``capped_hit_recomputed``: a hit that hit_leaves_last_token capped computes the capped
       block again, and the insert after the call shares the cached one (SGLang's checkpoint).
+    - ``event_keys``: whose keys its KV events name (SPEC §14). "trace": the block keys its
+      prefill received, so a key equal to the oracle's is that key; "own": an engine's hash
+      space, each key paired with the oracle's in the order announced whatever its value
+      (vLLM's int 48 is its hash of the trace's key 0; kvbench.checking.event_replay).
     - ``events_from_tree``: KV events (SPEC §14) announce the radix tree's pages: stored when a
       checkpoint's insert makes their node, not when a decode fills them, removed when an
       eviction takes their leaf (SGLang; rules/sglang.py).
@@ -78,6 +82,7 @@ class RuleSet:
     eviction_demand = "need"
     capped_hit_recomputed = False
     events_from_tree = False
+    event_keys = "trace"
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.PARAMS))

@@ -10,7 +10,7 @@
   make leaves and evictions take them), not the cache's (kvbench/model/events.py).
 
 The cached blocks, next evicted first, are ``RadixTree.eviction_order``: the order an eviction
-of everything would take them (an engine's ``block_state`` under ``cached_order`` is held to it).
+of everything would take them (an engine's ``block_state`` is held to it).
 
 An engine whose rule set has ``evicts_whole_leaves`` (SGLang's ``RadixCache`` and
 ``UnifiedRadixCache``) keeps its cached blocks as the nodes of a radix tree and evicts whole

@@ -14,7 +14,7 @@ SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
     "window_release", "lookahead_slots", "hit_drops_last_block",
     "kept_drafts_cached_at_next_append", "sparse_window_retention", "chunk_start_hit",
     "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed",
-    "cached_queue_order")}
+    "cached_queue_order", "event_keys")}
 
 
 def extra_keys(salt=None, adapter=None) -> tuple:
