@@ -171,6 +171,13 @@ def test_pr_27586_a_stale_swa_mapping_freed_by_the_recovery_is_caught_at_hybrid_
     assert evictable + protected + free + r["tree"].held()["swa"] > pool  # slots freed twice
     assert r["tree"].figures()["full"][3] == 86 * 8  # the pool: num_blocks 86 x block_size 8
 
+    class StaleOnly(SwaStaleMappingFreed):  # the stale half alone: SGLang's own recovery
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            del self.component._recover_from_incoming
+
+    assert replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=StaleOnly)["violations"] == []
+
 
 def test_pr_27770_the_window_floor_dropped_at_insert_is_caught_when_a_request_ends(sglang):
     """Request 0 (A, 8 tokens) decodes 8 more: at pre_len 15 the window of 4 has left
