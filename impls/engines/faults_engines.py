@@ -56,6 +56,12 @@ SGLang's ``UnifiedRadixCache`` with its SWA component (impls/engines/sglang_comp
 - ``SwaReleaseSkipped``: SGLang PR #28161's missing ``dec_swa_lock_only``: ``release_swa`` marks
   the lock's SWA part released without releasing it, and the ``unlock`` that follows skips it,
   so the window's nodes stay locked after every request ended (planted: 0.5.23 releases it).
+- ``SwaStaleMappingFreed``: SGLang PR #27586 reverted: the insert-overlap recovery of an SWA
+  tombstone frees its old base through ``free_swa``, reading a stale full-to-SWA mapping.
+- ``SwaWindowFloorDropped``: SGLang PR #27770's decode-side window floor dropped at insert:
+  the SWA slots the window freed are taken by the tree as live (planted).
+- ``MambaNoCheckpointHeadroom``: SGLang PR #33773 reverted: admission leaves no room for the
+  Mamba checkpoint, which ``MambaComponent._alloc_mamba_slot`` then cannot allocate.
 """
 from __future__ import annotations
 

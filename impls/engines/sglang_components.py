@@ -10,21 +10,28 @@ the token pool), where SPEC §8's hybrid model shares
 one pool among its groups, so the checker's oracle does not model it. What is checked instead is
 the engine against its own ledger, after every step (``violations``):
 
-- per component, SPEC §10: evictable + protected + free = the component's pool (the tree's
-  ``full_/swa_evictable_size``, ``_protected_size`` and the allocator's ``full_/swa_available_size``);
-- per component, the lock balance: the protected size is the value length of the nodes whose
-  ``lock_ref`` is positive, the evictable size that of the unlocked ones, no ``lock_ref`` below 0,
-  and with no request running none above 0.
+- per component, SPEC §10: evictable + protected + free + what running requests hold outside the
+  tree = the component's pool (the tree's ``full_/swa_/mamba_evictable_size`` and
+  ``_protected_size``, the allocator's free slots, and SGLang's "uncached": a request's KV past
+  ``cache_protected_len``, less the SWA slots its window has left, and its active Mamba state);
+- per component, the lock balance: no ``lock_ref`` below 0, and with no request running none
+  above 0, on the paths each step locked or unlocked; over every node (after each step of a
+  hand trace, at the end of a replay) the protected size is the value length of the nodes whose
+  ``lock_ref`` is positive, the evictable size that of the unlocked ones.
 
 Everything is SGLang's: the pools and the allocator are built as SGLang's own CPU tests build them
 (``test_unified_radix_cache.py``'s ``build_fixture``, page size 1: ``SWAKVPool`` and
 ``SWATokenToKVPoolAllocator`` with a ``ReqToTokenPool``; or ``HybridReqToTokenPool`` with its
 ``MambaPool``, ``HybridLinearKVPool`` and a ``TokenToKVPoolAllocator``), the tree with the
 component set ``create_unified_radix_cache`` gives such a model. A request runs as the scheduler
-runs one: ``match_prefix``, the rest allocated (after ``evict`` for the shortfall where a pool is
-short), ``insert`` of the whole prompt (with a Mamba state slot, given back where the tree already
-holds that state), ``lock`` of its node; ``release_swa`` once its window has moved past the
-prompt; ``unlock`` at the end. The Mamba component reads its caching granularity from the model
+runs one: admitted (``match_prefix``, the rest allocated after ``evict`` for the shortfall; on a
+Mamba model room for its active state and the checkpoint, else refused), its prompt inserted
+(``cache_unfinished_req``: a Mamba checkpoint from ``MambaComponent._alloc_mamba_slot``) and its
+node locked; decoded (``extend``: the window's old SWA slots freed as
+``free_swa_out_of_window_slots`` frees them, ``release_swa`` once the window has passed the
+prompt); finished (``cache_finished_req``: the whole sequence inserted with its window's floor,
+the Mamba active state donated; ``unlock``). ``replay`` runs a committed trace through a tree.
+The Mamba component reads its caching granularity from the model
 config (``mamba_cache_chunk_size``); with no model here it is set to FLA's chunk of 64, the value a
 model config without ``mamba_chunk_size`` gives. The tree core is SGLang's Python ``UnifiedTreeCore`` (``"python"``, one of
 the two it registers; the server picks the Rust one where it can): its component code is Python,

@@ -78,8 +78,9 @@ def test_a_mamba_state_is_cached_with_its_prompt_and_protected_while_its_request
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
 def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sglang, kind):
     """300 steps of requests sharing prefixes of a few roots (runs, early window releases,
-    finishes, evictions, refusals where the pools are full): SGLang's own ledger agrees with
-    its nodes and SPEC §10 after every one, and at the end, idle, nothing is locked."""
+    decode steps, finishes, evictions, refusals where the pools are full): SGLang's own ledger
+    agrees with its nodes and SPEC §10 after every one, and at the end, idle, nothing is
+    locked."""
     from impls.engines.sglang_components import MambaTree, SwaTree
     rng = random.Random(0)
     t = SwaTree(SIZE, WINDOW) if kind == "swa" else MambaTree(SIZE, 6)
@@ -93,11 +94,16 @@ def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sgla
             if t.run(rid, tokens):
                 running.append(rid)
             rid += 1
-        elif roll < 0.6:
+        elif roll < 0.52:
             r = rng.choice(running)
             if r not in released and kind == "swa":
                 t.release_window(r)
                 released.add(r)
+        elif roll < 0.6:
+            r = rng.choice(running)
+            if not t.extend(r, rng.randint(1, 8)):  # decode; a retraction where pools are full
+                t.finish(r)
+                running.remove(r)
         elif roll < 0.9:
             t.finish(running.pop(rng.randrange(len(running))))
         else:
@@ -170,6 +176,13 @@ def test_pr_27586_a_stale_swa_mapping_freed_by_the_recovery_is_caught_at_hybrid_
     evictable, protected, free, pool = r["tree"].figures()["swa"]
     assert evictable + protected + free + r["tree"].held()["swa"] > pool  # slots freed twice
     assert r["tree"].figures()["full"][3] == 86 * 8  # the pool: num_blocks 86 x block_size 8
+
+    class StaleOnly(SwaStaleMappingFreed):  # the stale half alone: SGLang's own recovery
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            del self.component._recover_from_incoming
+
+    assert replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=StaleOnly)["violations"] == []
 
 
 def test_pr_27770_the_window_floor_dropped_at_insert_is_caught_when_a_request_ends(sglang):
