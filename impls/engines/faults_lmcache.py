@@ -6,7 +6,7 @@ planted in the adapter's lookup over LocalCPUBackend, the nearest real class:
 - ``LmcacheSaltlessUnpin``: LMCache issue #3770 (fixed by PR #3771): the lookup's pins released
   by keys built without the request's salt (``free_lookup_locks`` without ``cache_salt``), so a
   salted lookup's pins are never released: ``unpin`` finds no such entry.
-- ``LmcacheHitAtLookup``: LMCache PR #4520 reverted (0.5.6 assigns the lookup result once,
+- ``LmcacheHitAtLookup``: LMCache PR #4520 / issue #4508 (0.5.6 assigns the lookup result once,
   ``lmcache_mp_connector.py``'s ``tracker.num_stored_tokens = ret``): the hit accounted at each
   lookup, before the device allocation, so a load refused for room counts its hit and its
   retry counts it again.

@@ -41,7 +41,9 @@ import types
 import numpy as np
 
 from impls.engines.engine_tiers import EngineTiers
+from kvbench.contract.events import REMOVED, STORED, KVEvent
 from impls.numpy_paged import NumpyPaged
+from impls.pool_events import PoolEvents
 from impls.prefix_keys import prompt_keys
 
 NOT_INSTALLED = ("lmcache is not installed: it is opt-in, "
@@ -62,12 +64,15 @@ def _lmcache():
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_allocators.paged_tensor_memory_allocator import PagedTensorMemoryAllocator
+    from lmcache.v1.cache_controller.message import OpType
     from lmcache.v1.pin_monitor import PinMonitor
+    from lmcache.v1.storage_backend.batched_message_sender import BatchedMessageSender
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
     return types.SimpleNamespace(torch=torch, CacheEngineKey=CacheEngineKey, PinMonitor=PinMonitor,
                                  LMCacheEngineConfig=LMCacheEngineConfig,
                                  PagedTensorMemoryAllocator=PagedTensorMemoryAllocator,
-                                 LocalCPUBackend=LocalCPUBackend)
+                                 LocalCPUBackend=LocalCPUBackend, OpType=OpType,
+                                 BatchedMessageSender=BatchedMessageSender)
 
 
 def available() -> tuple[bool, str]:
@@ -106,6 +111,8 @@ class _LMCacheTier:
         self.arrays = [self.buffer.numpy().view(pool.dtype).reshape((spec.capacity,) + pool.shape[1:])]
         self.salts = salts  # kvbench key -> (its key without the salt, the salt): the adapter's
         self.hashes: dict = {}  # kvbench key without the salt -> its chunk_hash
+        self.unhashed: list = []  # chunk_hash -> the kvbench key without the salt
+        self.messages: list | None = None  # LMCache's controller messages, once events are asked
         self.storing: dict = {}  # kvbench key -> the object allocated for it, not yet put
         self.reading: dict = {}  # kvbench key -> [objects loads in flight got for it]
         self.slot: dict = {}  # kvbench key -> the page it was last given
@@ -116,7 +123,10 @@ class _LMCacheTier:
     def _key(self, key, salted: bool = True):
         """The CacheEngineKey of a kvbench key: its prefix without the salt, the salt a tag."""
         plain, salt = self.salts.get(key, (key, None))
-        h = self.hashes.setdefault(plain, len(self.hashes))
+        h = self.hashes.get(plain)
+        if h is None:
+            h = self.hashes[plain] = len(self.unhashed)
+            self.unhashed.append(plain)
         tags = {"lmcache.tag.cache_salt": salt} if salted and salt is not None else None
         return self.lm.CacheEngineKey("kvbench", 1, 0, h, self.dtype, tags)
 
@@ -187,6 +197,30 @@ class _LMCacheTier:
                 "free": len(self.allocator.free_blocks), "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
+    def events(self, tier: int) -> list:
+        """SPEC §14's events of this tier, as LMCache announces its entries to its controller:
+        ``ADMIT`` and ``EVICT`` operations on a ``BatchedMessageSender`` (flushed here), each
+        naming the entry by ``chunk_hash`` alone, so an event's key is the block's key without its
+        salt. The first call announces the entries held so far, then listens."""
+        lm = self.lm
+        if self.messages is None:
+            self.messages = []
+            worker = types.SimpleNamespace(put_msg=self.messages.append)  # the controller's end
+            metadata = types.SimpleNamespace(worker_id=0, model_name="kvbench", role="worker",
+                                             served_model_name="kvbench")
+            with self.backend.cpu_lock:
+                held = [k.chunk_hash for k in self.backend.hot_cache]
+                self.backend.batched_msg_sender = lm.BatchedMessageSender(
+                    metadata, self.backend.config, str(self.backend), worker)
+            ops = [(lm.OpType.ADMIT, h) for h in held]
+        else:
+            self.backend.batched_msg_sender.flush()
+            ops = []
+        messages, self.messages[:] = list(self.messages), []
+        ops += [(op.op_type, op.key) for m in messages for op in m.operations]
+        return [KVEvent(STORED if kind == lm.OpType.ADMIT else REMOVED, self.unhashed[h][1],
+                        None, self.unhashed[h][0], tier) for kind, h in ops]
+
     def close(self) -> None:
         self.backend.close()
 
@@ -238,3 +272,23 @@ class LMCacheCPU(EngineTiers):
         for t in getattr(self, "_tiers", ()):
             t.close()
         super().close_tiers()
+
+
+class LMCacheCPUEvents(LMCacheCPU):
+    """``lmcache-cpu`` with SPEC §14's events: the NumPy pool's for the device, LMCache's
+    controller messages for its tiers. Not registered: the checker finds the victims of LMCache's
+    LRU differ from the tier model's, and the messages drop the salt (docs/tiers-and-lifecycles.md;
+    tests/engines/test_lmcache_cpu.py says where)."""
+
+    name = "lmcache-cpu-events"
+
+    def events(self) -> list:
+        """The device's events (the NumPy pool's), then each tier's as LMCache announces them."""
+        tiers, self._tiers = getattr(self, "_tiers", []), []  # the pool's own reads its tiers
+        try:
+            out = PoolEvents.events(self)  # EngineTiers turns it off
+        finally:
+            self._tiers = tiers
+        for t, tier in enumerate(tiers):
+            out += tier.events(t + 1)
+        return out
