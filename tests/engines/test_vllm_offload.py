@@ -252,3 +252,22 @@ def test_its_tier_events_are_vllms_offloading_events(vllm):
         assert b.events() == []  # its metadata-only release, which vLLM's connector publishes as nothing
     finally:
         b.close()
+
+
+def test_a_load_out_of_memory_then_retried_counts_vllms_hits_once(vllm):
+    """The load's lookups run before the device allocation; refused for memory, it begins no
+    load in vLLM (no prepare_load), and the retry's hits are counted once."""
+    ops = [Prefill(0, 0, "a", 10 * B, (1, 2)), Store(1, 1, 0, "host"), Done(2, 1), Free(3, 0),
+           Prefill(4, 1, "a", 16 * B), Free(5, 1),  # the device forgets 1 and 2
+           Prefill(6, 2, "a", 14 * B),              # 14 of 16 blocks
+           Load(7, 3, "a", 10 * B, (1, 2), id=2),   # ceil(40 / 4) = 10 blocks > 16 - 14: refused
+           Free(8, 2),
+           Load(9, 4, "a", 10 * B, (1, 2), id=3), Done(10, 3), Free(11, 4)]
+    trace = validate(Trace(Header("retry", tiers=(TierSpec("host", 4),)), ops, name="retry"))
+    backend = offload(16)
+    try:
+        v = check(trace, backend)
+        assert v.valid is True, str(v.divergence)
+        assert backend.tier_ledgers()[0]["hits"] == 2  # the retry's 2 blocks, not 2 + 2
+    finally:
+        backend.close()
