@@ -12,7 +12,7 @@ import numpy as np
 from impls.numpy_paged import NumpyPaged
 from impls.pool_tiers import TierSlots
 from impls.prefix_keys import NO_EXTRA, prompt_keys
-from kvbench.contract.protocol import Prompt
+from kvbench.contract.protocol import OutOfMemory, Prompt
 
 
 class LeaseEndsAtFree(NumpyPaged):
@@ -174,6 +174,26 @@ class FailedLoadReserved(NumpyPaged):
 
     def _make_tier(self, spec, storage):
         return _FailedLoadServed(spec, self._tier_arrays(spec, storage))
+
+
+class HitCountedBeforeAllocation(NumpyPaged):
+    """LMCache PR 4520's behaviour in kvbench's pool: a load counts its tier hits at the lookup,
+    before the device allocation, so a load that runs out of memory and is retried counts the
+    same hit twice. Not in the catalogue: no default workload retries a load refused for memory
+    (tests/checking/test_tier_check.py catches it on its own trace)."""
+
+    def load(self, tid, seq, prompt, kv=None, **kw):
+        try:
+            return super().load(tid, seq, prompt, kv, **kw)
+        except OutOfMemory:
+            keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
+            L = self._hit_plan(keys)[0] if keys else 0
+            for k in keys[L:]:  # the run the lookup found, counted although nothing loads
+                t = next((t for t in self._tiers if t.loadable(self._tier_key((0, k)), seq)), None)
+                if t is None:
+                    break
+                t.hits += 1
+            raise
 
 
 class SwapInReadsAnother(NumpyPaged):

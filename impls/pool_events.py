@@ -55,6 +55,10 @@ class PoolEvents:
         self._parent_of.update(zip(keys[1:], keys[:-1]))
 
     def events(self) -> list:
+        return self._device_events() + self._tier_events()
+
+    def _device_events(self) -> list:
+        """The device pool's (tier 0), from its prefix cache."""
         out: list = []
         touched = self.by_hash.touched
         if touched is None:  # the first call: every key cached so far
@@ -63,6 +67,11 @@ class PoolEvents:
             self._announce(out, 0, [gk for gk in touched if gk in self.by_hash],
                            [gk for gk in touched if gk not in self.by_hash])
             touched.clear()
+        return out
+
+    def _tier_events(self) -> list:
+        """The lower tiers' (1..), each compared whole with what was announced."""
+        out: list = []
         for t, tier in enumerate(getattr(self, "_tiers", ())):
             now = {_group_key(k) for k, ready in tier.ready.items() if ready and k not in tier.pinned}
             was = {(g, k) for (g, i), keys in self._announced.items() if i == t + 1 for k in keys}

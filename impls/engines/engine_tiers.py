@@ -10,8 +10,8 @@ from kvbench.contract.protocol import Backend, CacheConfig
 
 
 class EngineTiers(NumpyPaged):
-    # No KV events (SPEC §14) yet: the pool's would cover the device alone, and the engine's tier
-    # managers announce theirs in their own terms (vLLM's offloading events, LMCache's), not read here.
+    # No KV events (SPEC §14) unless the adapter reads its engine's tier managers' own (vllm-offload
+    # does: vLLM's OffloadingEvents): the pool's would cover the device alone.
     events = Backend.events
 
     @staticmethod

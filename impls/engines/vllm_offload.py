@@ -54,6 +54,8 @@ from impls.engines.engine_tiers import EngineTiers
 from impls.engines.vllm_blockpool import importable
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_tiers import tier_arrays
+from impls.pool_events import PoolEvents, _group_key
+from kvbench.contract.events import REMOVED, STORED, KVEvent
 
 WORKER_SKIP = ("vLLM's worker-side copies (vllm/v1/kv_offload/cpu/gpu_worker.py) need CUDA: the "
                "adapter copies at the chunk ids vLLM's CPULoadStoreSpec gives, so the content "
@@ -87,16 +89,29 @@ def _chunk_count(policy) -> int:
     return len(policy.t1) + len(policy.t2)  # ARCCachePolicy
 
 
+def _kv_events(tier, index: int) -> list:
+    out = []
+    for event in tier.manager.take_events():
+        if event.metadata_only:
+            continue
+        for k in event.keys:
+            g, key = _group_key(tier.key_of[k])
+            out.append(KVEvent(REMOVED if event.removed else STORED, key, None, g, index))
+    return out
+
+
 class _VllmTier:
     """One tier run by a ``CPUOffloadingManager``; its arrays are the chunks, by chunk id."""
 
     def __init__(self, spec, storage, folder, block_size: int):
         v = self.v = _vllm()
         self.name, self.capacity, self.B = spec.name, spec.capacity, block_size
-        self.manager = v.CPUOffloadingManager(spec.capacity, cache_policy=spec.policy)
+        # events on, as vLLM's connector turns them on when KV events are enabled
+        self.manager = v.CPUOffloadingManager(spec.capacity, cache_policy=spec.policy, enable_events=True)
         self.arrays = tier_arrays(spec, storage, folder)
         self.slot: dict = {}  # kvbench key -> the chunk vLLM last gave it
         self.offload_key: dict = {}  # kvbench key -> its OffloadKey
+        self.key_of: dict = {}  # OffloadKey -> kvbench key
         self.contexts: dict = {}  # seq -> its ReqContext for this tier
         self.finished: dict = {}  # seq -> its ReqContext once finished (its stores may be in flight)
         self.bytes_down = self.bytes_up = self.hits = 0
@@ -106,6 +121,7 @@ class _VllmTier:
         if k is None:
             k = self.offload_key[key] = self.v.make_offload_key(
                 len(self.offload_key).to_bytes(8, "big"), 0)
+            self.key_of[k] = key
         return k
 
     def _context(self, seq):
@@ -165,6 +181,13 @@ class _VllmTier:
         if ctx is not None:
             self.manager.on_request_finished(ctx)
             self.finished[seq] = ctx
+
+    def events(self, tier: int) -> list:
+        """vLLM's ``OffloadingEvent``s since the last call (``take_events``: stored at a store's
+        completion, removed at an eviction), as KV events of tier ``tier``; those vLLM marks
+        ``metadata_only`` (a failed store's release) its connector publishes as nothing
+        (offloading/events.py), and neither does this. They name no parent."""
+        return _kv_events(self, tier)
 
     def figures(self) -> dict:
         """From the manager's own counters (cpu/manager.py:82-85, :100-101), no walk of its
@@ -229,6 +252,7 @@ class _VllmFileTier:
         self.readers: dict = {}  # kvbench key -> loads in flight reading it
         self.storing: set = set()
         self.known: dict = {}  # kvbench key -> its OffloadKey (every key a store began)
+        self.key_of: dict = {}  # OffloadKey -> kvbench key
         self.contexts: dict = {}
         self.jobs = 0
         self.bytes_down = self.bytes_up = self.hits = 0
@@ -237,6 +261,7 @@ class _VllmFileTier:
         k = self.known.get(key)
         if k is None:
             k = self.known[key] = self.v.make_offload_key(len(self.known).to_bytes(8, "big"), 0)
+            self.key_of[k] = key
         return k
 
     def _context(self, seq):
@@ -360,6 +385,10 @@ class _VllmFileTier:
         if ctx is not None:
             self.manager.on_request_finished(ctx)
 
+    def events(self, tier: int) -> list:
+        """vLLM's file tier's events: stored when a store job succeeds; it announces no removal."""
+        return _kv_events(self, tier)
+
     def stored(self) -> int:
         return sum(1 for key in self.known if key not in self.storing and os.path.exists(self._path(key)))
 
@@ -399,6 +428,14 @@ class VllmOffload(EngineTiers):
                 if keys and isinstance(t, _VllmFileTier):
                     t.read(keys, seq, ok)
         super().complete(tid, ok, kv, step=step)
+
+    def events(self) -> list:
+        """KV events (SPEC §14): the device pool's (kvbench's NumPy pool, tier 0), then each
+        tier's as its vLLM manager announced them."""
+        out = PoolEvents._device_events(self)
+        for i, t in enumerate(getattr(self, "_tiers", ())):
+            out += t.events(i + 1)
+        return out
 
     def close_tiers(self) -> None:
         for t in getattr(self, "_tiers", ()):

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_config
 
 from impls.contiguous import Contiguous
-from impls.faults_tiers import FailedLoadReserved, LeaseEndsAtFree
+from impls.faults_tiers import FailedLoadReserved, HitCountedBeforeAllocation, LeaseEndsAtFree
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
 from impls.torch_paged import TorchPaged
@@ -176,6 +176,39 @@ def test_a_backend_keeping_failed_loads_only_is_not_applicable_to_a_drop_tier():
 
     v = run(FAILED_RELOAD, KeepsOnly, tiers=(TierSpec("host", 4, failed_load="drop"),))
     assert v.valid is None and "failed_load 'drop'" in v.not_applicable
+
+
+RETRIED_LOAD = steps(
+    P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
+    ST(1, 0, "host"),
+    D(1),                        # host holds 1 and 2
+    F(0),
+    P(1, 16 * 16),               # every block: the device forgets 1 and 2
+    F(1),
+    P(2, 14 * 16),               # 14 of the 16 blocks
+    LD(2, 3, 40, [1, 2]),        # ceil(40 / 16) = 3 blocks > 16 - 14 = 2: out of memory
+    F(2),
+    LD(3, 4, 40, [1, 2]),        # the retry: host's 2 blocks
+    D(3),
+    F(4),
+)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_load_out_of_memory_then_retried_counts_its_hits_once(pool):
+    b = pool(make_config(num_blocks=16, prefix_caching=True))
+    try:
+        v = check(validate(Trace(Header("tiers", tiers=TIERS), RETRIED_LOAD, name="t")), b)
+        assert v.valid, v.divergence
+        assert b.tier_ledgers()[0]["hits"] == 2  # the retry's 2; the refused load took none
+    finally:
+        b.close()
+
+
+def test_a_retry_counting_its_failed_allocations_hits_fails_at_the_refusal():
+    d = run(RETRIED_LOAD, HitCountedBeforeAllocation).divergence
+    # step 7: the load is refused (out of memory); the fault counts host's 2 blocks anyway
+    assert (d.step, d.quantity, d.expected, d.actual) == (7, "tier host hits", 0, 2)
 
 
 def test_backend_without_tiers_is_not_applicable():

@@ -28,6 +28,7 @@ from test_vllm_kvmanager import NO_ENGINES
 
 from kvbench.analyses.suite import committed_workloads, config_for, load_traces
 from kvbench.checking.checker import check
+from kvbench.contract.protocol import Backend
 from kvbench.contract.registry import entries
 from kvbench.traces.format import Free, Header, Prefill, Trace, validate
 from kvbench.traces.tier_ops import Done, Load, Store, TierSpec
@@ -43,10 +44,12 @@ def vllm():
     return pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
-def offload(num_blocks=8, rules=None, block_size=B):
-    """The adapter; ``rules``: the tier rules it is held to instead of those it declares."""
+def offload(num_blocks=8, rules=None, block_size=B, events=True):
+    """The adapter; ``rules``: the tier rules it is held to instead of those it declares;
+    ``events`` False: its KV events unread (the checker holds its ledgers alone)."""
     from impls.engines.vllm_offload import VllmOffload
-    backend = VllmOffload(make_config(block_size=block_size, num_blocks=num_blocks,
+    cls = VllmOffload if events else type("VllmOffloadQuiet", (VllmOffload,), {"events": Backend.events})
+    backend = cls(make_config(block_size=block_size, num_blocks=num_blocks,
                                       prefix_caching=True))
     if rules is not None:
         backend.capabilities = dataclasses.replace(backend.capabilities, tier_rules=rules)
@@ -91,6 +94,7 @@ def test_passes_the_tier_workloads(vllm, path, policy):
         return
     assert v.valid is True, str(v.divergence)
     assert v.ops == len(trace.ops)
+    assert v.events > 0  # its KV events checked at every operation: the device's and vLLM's tiers'
     # the content checks read vLLM's chunk ids; its copies need CUDA, and the verdict says so
     assert "CUDA" in v.skipped["tier copies"]
 
@@ -148,7 +152,12 @@ def test_recency_is_the_requests_first_block_most_recent_at_its_finish(vllm):
     assert v.final_ledger["prefix_hit_blocks"] == 0  # the flush left the device no hit
     spec = checked(recency_by_request(), offload(rules=("whole_store_refused",)), gather="all")
     d = spec.divergence
-    assert spec.valid is False and d.step == 10 and d.quantity == "tier host loading"
+    # vLLM's events show the victim at once: block 3's store at step 5 evicts block 2 (SPEC: 1)
+    assert spec.valid is False and d.step == 5 and d.quantity == "residency of group 0, tier 1"
+    assert (d.expected["removed"], d.actual["removed"]) == ([1], [2])
+    quiet = offload(rules=("whole_store_refused",), events=False)  # its ledgers alone
+    d = checked(recency_by_request(), quiet, gather="all").divergence
+    assert d.step == 10 and d.quantity == "tier host loading"
     assert (d.expected, d.actual) == (0, 1)  # SPEC: block 1 evicted, nothing loads; vLLM: 1 block
 
 
@@ -172,7 +181,7 @@ def failed_reload(failed_load: str) -> Trace:
     ("drop", 0, 2),      # vLLM's file tier: the short read removed both files; the reload misses
 ])
 def test_a_failed_load_leaves_vllms_tier_as_declared(vllm, failed_load, disk_stored, disk_hits):
-    backend = offload(16)
+    backend = offload(16, events=False)  # its events: the next test
     try:
         v = check(failed_reload(failed_load), backend, gather="all")
         assert v.valid is True, str(v.divergence)
@@ -180,6 +189,18 @@ def test_a_failed_load_leaves_vllms_tier_as_declared(vllm, failed_load, disk_sto
         assert (disk["stored"], disk["hits"]) == (disk_stored, disk_hits)
     finally:
         backend.close()
+
+
+def test_vllms_file_tier_announces_no_removal_of_the_files_a_failed_load_removed(vllm):
+    """A finding, not declared: vLLM 0.33's FileSystemTierManager emits an OffloadingEvent for a
+    store job that succeeds and none when its short read removes a file (fs/io.py's _load_block,
+    fs/manager.py's get_finished_jobs), so an index fed its events still holds the 2 blocks.
+    SPEC §14 wants a removed event for each; the CPU tier, keeping them, passes."""
+    assert checked(failed_reload("keep"), offload(16)).valid is True
+    v = checked(failed_reload("drop"), offload(16))
+    d = v.divergence
+    assert (v.valid, d.step, d.quantity) == (False, 7, "residency of group 0, tier 2")
+    assert (d.expected["removed"], d.actual["removed"]) == ([1, 2], [])
 
 
 def test_vllm_issue_49176_a_failed_loads_hit_served_again_fails_at_the_failure(vllm):
@@ -203,5 +224,50 @@ def test_passes_random_histories_over_its_file_tier(vllm, case, host):
     # a disk tier larger than any history's blocks: vLLM's file tier evicts nothing
     tiers = (TierSpec("host", host), TierSpec("disk", 64, failed_load="drop"))
     trace = validate(Trace(Header("random", tiers=tiers), ops, name="random"))
-    v = checked(trace, offload(blocks), gather="all")
+    # its events unread: the file tier announces no removal (the test above)
+    v = checked(trace, offload(blocks, events=False), gather="all")
     assert v.valid is True, (v.divergence, v.error)
+
+
+def test_its_tier_events_are_vllms_offloading_events(vllm):
+    import numpy as np
+
+    from kvbench.contract.events import STORED, KVEvent
+    from kvbench.contract.protocol import Prompt, kv_tokens
+    b = offload(8)
+    kv = kv_tokens(np.zeros(2 * B, int), np.arange(2 * B), b.config.model)
+    try:
+        b.attach_tiers((TierSpec("host", 4),))
+        b.prefill(0, Prompt(2 * B, "a", block_hashes=(1, 2)), kv)
+        assert b.events() == [KVEvent(STORED, 1, None, 0, 0), KVEvent(STORED, 2, 1, 0, 0)]
+        b.store(1, 0, "host")
+        assert b.events() == []  # storing: vLLM announces a block when its store completes
+        b.complete(1, True)
+        # CPUOffloadingManager.complete_store's one OffloadingEvent (medium CPU), no parent
+        assert b.events() == [KVEvent(STORED, 1, None, 0, 1), KVEvent(STORED, 2, None, 0, 1)]
+        b.prefill(1, Prompt(2 * B, "a", block_hashes=(3, 4)), kv)
+        b.events()
+        b.store(2, 1, "host")
+        b.complete(2, False)
+        assert b.events() == []  # its metadata-only release, which vLLM's connector publishes as nothing
+    finally:
+        b.close()
+
+
+def test_a_load_out_of_memory_then_retried_counts_vllms_hits_once(vllm):
+    """The load's lookups run before the device allocation; refused for memory, it begins no
+    load in vLLM (no prepare_load), and the retry's hits are counted once."""
+    ops = [Prefill(0, 0, "a", 10 * B, (1, 2)), Store(1, 1, 0, "host"), Done(2, 1), Free(3, 0),
+           Prefill(4, 1, "a", 16 * B), Free(5, 1),  # the device forgets 1 and 2
+           Prefill(6, 2, "a", 14 * B),              # 14 of 16 blocks
+           Load(7, 3, "a", 10 * B, (1, 2), id=2),   # ceil(40 / 4) = 10 blocks > 16 - 14: refused
+           Free(8, 2),
+           Load(9, 4, "a", 10 * B, (1, 2), id=3), Done(10, 3), Free(11, 4)]
+    trace = validate(Trace(Header("retry", tiers=(TierSpec("host", 4),)), ops, name="retry"))
+    backend = offload(16)
+    try:
+        v = check(trace, backend)
+        assert v.valid is True, str(v.divergence)
+        assert backend.tier_ledgers()[0]["hits"] == 2  # the retry's 2 blocks, not 2 + 2
+    finally:
+        backend.close()

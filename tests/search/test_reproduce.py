@@ -30,7 +30,7 @@ def test_the_case_keeps_the_traces_tiers(tmp_path):
     trace = validate(Trace(Header("fuzz", tiers=tiers), ops, name="abort"))
     case = write_case(tmp_path, trace, make_config(1, 1, prefix_caching=True, max_context=2), "numpy")
     case["test_abort"]()  # passes: numpy has no bug here
-    assert "tiers=(TierSpec(name='host', capacity=16, policy='lru'),)" in (tmp_path / "test_case_min.py").read_text()
+    assert "tiers=(TierSpec(name='host', capacity=16, policy='lru', failed_load='keep'),)" in (tmp_path / "test_case_min.py").read_text()
 
 
 def test_a_case_of_an_engine_skips_where_it_cannot_be_made(tmp_path, monkeypatch):
