@@ -38,7 +38,10 @@ class Figures:
     checked at the blocks each operation took, released, cached, evicted or shared, against a
     copy of its structures kept from those changes (:class:`Mirror`): the cost follows the work,
     not the pool, and a corruption no operation touches shows at the next sweep. A backend that
-    gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them).
+    gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them), but
+    for one declaring ``cached_order`` (an engine's own ids in its rule set's eviction order):
+    read whole after every operation, its cached order compared with the oracle's, each id paired
+    with the oracle's through the tables (:func:`compare_cached_order`).
 
     A tier replay (SPEC §11) sets ``leases``: a callable giving the transfers in flight by device
     block, ``({block: stores copying it}, {block: the load writing it})``. A store's lease is one
