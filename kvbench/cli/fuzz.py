@@ -31,6 +31,10 @@ def cmd_fuzz(args) -> int:
     if args.model_shapes:
         print("kvbench fuzz: --model-shapes is the default now (the flag does nothing and will go); "
               "--base-model-only draws tiny and tiny-hybrid alone", file=sys.stderr)
+    commit = None
+    if args.store is not None:  # the code the campaign runs, read before it runs
+        from kvbench.bench.grid import code_version
+        commit = code_version()
     bar = None if args.quiet else Progress(args.max_histories, "fuzz", "histories")
     try:
         c = Campaign(entry, out, seed=args.seed, max_histories=args.max_histories,
@@ -57,7 +61,7 @@ def cmd_fuzz(args) -> int:
           + (f"; not reached, so not tested: {', '.join(missed)}" if missed else ""))
     print(f"wrote {out / 'summary.md'}")
     if args.store is not None:
-        print(f"stored {store_campaign(args.store, s, args, minutes)}")
+        print(f"stored {store_campaign(args.store, s, args, minutes, commit)}")
     if s["findings"] or s["errors"]:
         return options.EXIT_FAIL
     if c.stop is not None:
@@ -68,14 +72,13 @@ def cmd_fuzz(args) -> int:
 FUZZ_SWEEP = "fuzz"
 
 
-def store_campaign(url: str, s: dict, args, minutes) -> str:
+def store_campaign(url: str, s: dict, args, minutes, commit: dict) -> str:
     """The campaign's record as one cell of sweep "fuzz" in the results store: what it ran (backend,
     seed, bound), what it did (histories, operations, time) and what it found (each finding's
     name, kind and first divergence, as JSON). The cell's id is a hash of what it ran and the
-    code, so the same campaign of the same code is one cell, stored again."""
-    from kvbench.bench.grid import code_version
+    code (``commit``: kvbench.bench.grid.code_version() before the campaign), so the same
+    campaign of the same code is one cell, stored again."""
     from kvbench.bench.store import Store
-    commit = code_version()
     ran = {"backend": s["backend"], "seed": s["seed"], "max_histories": args.max_histories,
            "minutes": minutes, "model_shapes": s["model_shapes"], "code": commit["code"]}
     cell_id = hashlib.sha256(json.dumps(ran, sort_keys=True).encode()).hexdigest()[:16]
