@@ -61,7 +61,7 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
     capabilities = Capabilities(layout="paged", holds_kv=True, fork=True, copy_on_write=True,
                                 prefix_caching=True, eviction=POLICIES, chunked_prefill=True,
                                 groups=True, cache_salt=True, block_ids=True, tiers=("lru",), swap=True,
-                                failed_loads=("keep", "drop"),
+                                tier_rules=("drops_failed_loads",),
                                 kinds=("full", "sliding", "chunked", "sinks", "mla", "state"))
 
     compiled_decode = True  # the one-token decode step by impls.paged_kernels where numba is installed

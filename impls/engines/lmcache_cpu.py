@@ -233,7 +233,7 @@ class LMCacheCPU(EngineTiers):
     # stores and retrieves prefix chunks, not a preempted request's whole state.
     # LMCache's allocate evicts by its policy alone: a store's own blocks already stored go too.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False,
-                                       tier_rules=("store_evicts_skipped",), failed_loads=("keep",))
+                                       tier_rules=("store_evicts_skipped",))
     tier_skips = {"tier copies": CONNECTOR_SKIP}
     probe = staticmethod(available)
 

@@ -410,8 +410,8 @@ class VllmOffload(EngineTiers):
     # No swap (SPEC §13): vLLM's V1 scheduler preempts by recompute; its offloading connector
     # stores and loads prefix blocks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
-                                       tier_rules=("whole_store_refused", "request_recency"),
-                                       failed_loads=("keep", "drop"), swap=False)
+                                       tier_rules=("whole_store_refused", "request_recency",
+                                                   "drops_failed_loads"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvbench.contract.protocol import MODEL, TIER_REPLAY, Backend, Refusal, refuse_model, takes_lifecycle
 from kvbench.model.kinds import kind_of
 from kvbench.model.rules import rule_set
+from kvbench.model.tiers import failed_load_modes
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Trace
 
@@ -120,11 +121,12 @@ def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
     if missing:
         return Refusal(name, f"run tier policy {missing[0]!r}, only {', '.join(caps.tiers)}",
                        "SPEC §11", f"the trace's tiers {names} use it")
-    drops = [t.name for t in tiers if t.failed_load not in caps.failed_loads]
+    modes = failed_load_modes(caps.tier_rules)
+    drops = [t.name for t in tiers if t.failed_load not in modes]
     if drops:
         failed = next(t.failed_load for t in tiers if t.name == drops[0])
         return Refusal(name, f"{failed} a failed load's tier entries, only "
-                       f"{', '.join(caps.failed_loads)}", "SPEC §11",
+                       f"{', '.join(modes)}", "SPEC §11",
                        f"the trace's tier {drops[0]} declares failed_load {failed!r}")
     if cfg.model.hybrid:
         return Refusal(TIER_REPLAY, "run models of more than one full-attention group", "SPEC §11",

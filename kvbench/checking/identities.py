@@ -39,7 +39,7 @@ class Figures:
     copy of its structures kept from those changes (:class:`Mirror`): the cost follows the work,
     not the pool, and a corruption no operation touches shows at the next sweep. A backend that
     gives whole states only is read at the sweeps only (O(pool) each, O(log ops) of them), but
-    for one declaring ``cached_order`` (an engine's own ids in its rule set's eviction order):
+    one with ids of its own (:attr:`ordered`: a radix tree's engine, or no changes to follow) is
     read whole after every operation, its cached order compared with the oracle's, each id paired
     with the oracle's through the tables (:func:`compare_cached_order`).
 

@@ -130,11 +130,9 @@ class Capabilities:
     # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.model.tiers.TIER_RULES):
     # "whole_store_refused" (a store without room for all its blocks is refused whole),
     # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
-    # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored).
+    # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored),
+    # "drops_failed_loads" (runs a trace tier's failed_load "drop" too, not SPEC's "keep" only).
     tier_rules: tuple = ()
-    # SPEC §11: what its tiers can do with the entries a failed load read, of a trace tier's
-    # "failed_load" (kvbench.traces.tier_ops.FAILED_LOAD): "keep" them stored, "drop" them.
-    failed_loads: tuple = ("keep",)
     # SPEC §13: preempts by swap through those tiers (swap_out and swap_in, or its own preempt
     # and resume where it has them: tier_replay names them).
     swap: bool = False

@@ -25,7 +25,9 @@ recency per request, LRU ranks ``(request, -position)`` and ARC promotions appli
 request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py) and
 ``store_evicts_skipped`` (LMCache's ``allocate``: the policy may evict, for a store's new blocks,
 the blocks of the same store it skipped as already stored; without it they are kept, as vLLM's
-``prepare_store`` keeps a request's own blocks).
+``prepare_store`` keeps a request's own blocks). ``drops_failed_loads``: it runs tiers whose
+header declares ``failed_load`` "drop" (what a failed load read is removed) besides SPEC's default
+"keep" (:func:`failed_load_modes`).
 """
 from __future__ import annotations
 
@@ -37,7 +39,12 @@ from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
-TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped")
+TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads")
+
+
+def failed_load_modes(tier_rules) -> tuple:
+    """The trace tiers' ``failed_load`` values a backend declaring ``tier_rules`` runs."""
+    return ("keep", "drop") if "drops_failed_loads" in tier_rules else ("keep",)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import numpy as np
 
 from kvbench.contract.formulas import PRESETS, get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
+from kvbench.model.tiers import failed_load_modes
 from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks
 from kvbench.traces.format import Free, Header, Prefill, Preempt, Trace, validate
 from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
@@ -903,10 +904,11 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
     if formats:
         fmt = np.random.default_rng([seed, index, 1])
         settings = replace(settings, kv_format=str(fmt.choice(list(formats))))
-    if settings.tiers and len(caps.failed_loads) > 1:  # apart too: the same history either way
+    modes = failed_load_modes(caps.tier_rules)
+    if settings.tiers and len(modes) > 1:  # apart too: the same history either way
         kept = np.random.default_rng([seed, index, 2])
         settings = replace(settings, tiers=tuple(
-            replace(t, failed_load=str(kept.choice(list(caps.failed_loads)))) for t in settings.tiers))
+            replace(t, failed_load=str(kept.choice(list(modes)))) for t in settings.tiers))
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},

@@ -172,7 +172,7 @@ def test_a_tier_that_serves_a_failed_load_again_fails_at_the_failure():
 
 def test_a_backend_keeping_failed_loads_only_is_not_applicable_to_a_drop_tier():
     class KeepsOnly(NumpyPaged):
-        capabilities = dataclasses.replace(NumpyPaged.capabilities, failed_loads=("keep",))
+        capabilities = dataclasses.replace(NumpyPaged.capabilities, tier_rules=())
 
     v = run(FAILED_RELOAD, KeepsOnly, tiers=(TierSpec("host", 4, failed_load="drop"),))
     assert v.valid is None and "failed_load 'drop'" in v.not_applicable

@@ -10,7 +10,7 @@ import pytest
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
 from kvbench.contract.formulas import get_model, with_group_kinds
-from kvbench.contract.protocol import CacheConfig
+from kvbench.contract.protocol import Backend, CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, validate
 from kvbench.traces.ops import Preempt, Resume
 
@@ -106,16 +106,17 @@ CAMPAIGNS = FINDINGS / "campaigns"
 SERVING_FUZZ = FINDINGS / "serving"
 
 
-def _engine_check(name: str, trace, cached_order: bool = True, **rules):
-    """``rules``: declared rules put back to SPEC's; ``cached_order=False``: the cached order not
-    compared (as before SGLang's block_state declared it)."""
+def _engine_check(name: str, trace, structures: bool = True, **rules):
+    """``rules``: declared rules put back to SPEC's; ``structures=False``: its block structures
+    not read (as before SGLang's block_state)."""
     from kvbench.analyses import suite
     from kvbench.contract import registry
     config = suite.config_for(trace, policy=suite.policies_for(trace, None)[0])
     backend = registry.create(name, dataclasses.replace(config, store_kv=False))
     backend.capabilities = dataclasses.replace(
-        backend.capabilities, rule_params={**backend.capabilities.rule_params, **rules},
-        cached_order=backend.capabilities.cached_order and cached_order)
+        backend.capabilities, rule_params={**backend.capabilities.rule_params, **rules})
+    if not structures:
+        backend.block_state = lambda *a, **k: Backend.block_state(backend, *a, **k)
     try:
         return check(trace, backend)
     finally:
@@ -334,7 +335,7 @@ def test_sglang_findings_are_its_declared_rules(finding):
     assert _engine_check("sglang-radix", shrunk).valid is True
     # As it was found: the campaign predates RadixCache's block order, which shows each at its
     # first cached order instead (an earlier step: test_sglang_block_state.py).
-    d = _engine_check("sglang-radix", shrunk, cached_order=False, **SGLANG_SPEC_RULES).divergence
+    d = _engine_check("sglang-radix", shrunk, structures=False, **SGLANG_SPEC_RULES).divergence
     found = shrunk.header.params["divergence"]
     assert (d.index, d.quantity, d.expected, d.actual) == (
         found["index"], found["quantity"], found["expected"], found["actual"])

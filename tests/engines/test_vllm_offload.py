@@ -52,7 +52,8 @@ def offload(num_blocks=8, rules=None, block_size=B, events=True):
     backend = cls(make_config(block_size=block_size, num_blocks=num_blocks,
                                       prefix_caching=True))
     if rules is not None:
-        backend.capabilities = dataclasses.replace(backend.capabilities, tier_rules=rules)
+        backend.capabilities = dataclasses.replace(  # its file tier drops failed loads still
+            backend.capabilities, tier_rules=(*rules, "drops_failed_loads"))
     return backend
 
 
