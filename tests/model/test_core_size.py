@@ -13,7 +13,7 @@ NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py",
 # Issue 46 asks for 500; 1,014 before the kinds' and engines' steps and the policies moved out.
 # What is left is the operations of both layouts, the pool, the arena, the ledger and the content,
 # with vLLM's align-mode hooks (8 lines) and the pool's key log for the events (6).
-CORE_LINES = 785
+CORE_LINES = 774
 
 
 def test_every_module_of_the_model_is_core_or_named_outside_it():
