@@ -7,8 +7,9 @@ nothing; ``expected_ledger()`` is the ledger every correct backend of the layout
 pool.py's blocks, reference counts, copy-on-write) and ``contiguous`` (SPEC §3: arena.py's slabs).
 Each group's kind is kinds.py's (SPEC §8), the block keys, the hit and the cache entries are
 rules/spec.py's (SPEC §8-9), an engine's declared differences its rule set's (``self.rules``:
-rules/vllm.py, rules/sglang.py), the victims eviction.py's (SPEC §5). What is left here is the
-order in which an operation asks them, which fixes the block order (docs/writing-a-backend.md):
+rules/vllm.py, rules/sglang.py), the victims eviction.py's (SPEC §5). Over 500 lines: what is
+left is the order in which each operation asks them, which it needs whole, and which fixes the
+block order (docs/writing-a-backend.md):
 
 - a free or an eviction releases group by group, each table from the tail; a window group by
   group, writers in batch order, each writer's highest position first;
@@ -219,26 +220,33 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         if P > tokens:  # the chunks still to come
             st.prompt.update(prompt_tokens=P, chunk_keys=whole)
         if self.layout == "paged":
-            L, hits, counted = self._cache_hits(lookup, tokens)
-            st.retained = self._retention(lookup, P, tokens, L)
-            self._take_hits(hits)
-            self.hit_blocks += counted
-            self._evict_before_alloc(self._new_blocks(lookup, P, tokens, L, n), [tokens - L * self.B])
-            st.tables = [[hits[g].get(i) for i in range(L)]
-                         + [self._new_block(min(self.B, tokens - i * self.B), g)
-                            if self._allocates(st, g, i, n) else None for i in range(L, n)]
-                         for g in range(len(self.groups))]
-            self.seqs[seq] = st  # first: a full block's caching reads its retention
-            self._cache_prompt(seq, st, lookup, L, n)
-            self._settle_states(seq, tokens, L)
-            self._tree_checkpoint(seq, prompt=tokens // self.B)
-            self._release_windows([seq])
+            self._admit(seq, st, lookup, P, n)
         else:
             st.slabs = self._place(sizes)
             self.seqs[seq] = st
         self._dirty.add(seq)
         self.tenant_stats.setdefault(tenant, TenantStats())
         return victims
+
+    def _admit(self, seq, st: SeqState, keys, prompt_tokens: int, n: int, hit: bool = True) -> None:
+        """A new request's ``n`` blocks (paged): its hits (every group) first, then new blocks
+        group by group in position order, each cached under ``keys`` where its group keeps it;
+        ``hit``: its prefix hit counts (a fork served as a request is no prompt)."""
+        T = st.tokens
+        L, hits, counted = self._cache_hits(keys, T)
+        st.retained = self._retention(keys, prompt_tokens, T, L)
+        self._take_hits(hits)
+        self.hit_blocks += counted if hit else 0
+        self._evict_before_alloc(self._new_blocks(keys, prompt_tokens, T, L, n), [T - L * self.B])
+        st.tables = [[hits[g].get(i) for i in range(L)]
+                     + [self._new_block(min(self.B, T - i * self.B), g)
+                        if self._allocates(st, g, i, n) else None for i in range(L, n)]
+                     for g in range(len(self.groups))]
+        self.seqs[seq] = st  # first: a full block's caching reads its retention
+        self._cache_prompt(seq, st, keys, L, n)
+        self._settle_states(seq, T, L)
+        self._tree_checkpoint(seq, prompt=T // self.B)
+        self._release_windows([seq])
 
     def recompute(self, seq, step, protect=()) -> list:
         """Re-prefill an evicted sequence to its current length, with the content it had."""
@@ -399,7 +407,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
             self.edits += 1
             self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
         else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
-            self._fork_as_request(seq, child, parent, keys)
+            self._admit(seq, child, keys, parent.tokens, n, hit=False)
         return victims
 
     def free(self, seq) -> None:
