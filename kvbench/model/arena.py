@@ -13,42 +13,39 @@ from kvbench.contract.protocol import Ledger
 class Arena:
     """The arena's placement and ledger, over the oracle's ``seqs`` (each with its ``slabs``)."""
 
-    def _slab_size(self, final: int) -> int:
-        policy = self.config.reservation
-        if policy == "max":
-            if final > self.config.max_context:
-                raise ValueError(f"sequence reaches {final} tokens, beyond max_context "
-                                 f"{self.config.max_context} of the `max` reservation")
-            return self.config.max_context
-        if policy == "pow2":
-            return F.next_pow2(final)
-        if policy == "oracle":
-            return final
-        raise ValueError(f"unknown reservation policy {policy!r} (max, pow2, oracle)")
-
     def _slab_sizes(self, final: int) -> list:
-        """One slab per group, as its kind caps it."""
-        size = self._slab_size(final)
-        return [kind.slab(size) for kind in self.kinds]
+        """One slab per group, the reservation policy's size as its kind caps it."""
+        policy, cfg = self.config.reservation, self.config
+        if policy == "max" and final > cfg.max_context:
+            raise ValueError(f"sequence reaches {final} tokens, beyond max_context "
+                             f"{cfg.max_context} of the `max` reservation")
+        sizes = {"max": cfg.max_context, "pow2": F.next_pow2(final), "oracle": final}
+        if policy not in sizes:
+            raise ValueError(f"unknown reservation policy {policy!r} (max, pow2, oracle)")
+        return [kind.slab(sizes[policy]) for kind in self.kinds]
 
-    def _first_fit(self, size: int, exclude=(), placed=()) -> int | None:
-        """Lowest arena offset with ``size`` free slots, ignoring ``exclude``, counting ``placed``."""
-        slabs = sorted([slab for s, st in self.seqs.items() if s not in exclude for slab in st.slabs]
-                       + list(placed))
-        pos = 0
-        for start, sz in slabs:
-            if start - pos >= size:
-                return pos
-            pos = max(pos, start + sz)
-        return pos if self.config.arena_slots - pos >= size else None
+    def _check_growth(self, seqs, tokens) -> None:
+        """An append may not grow a sequence past its slabs (a ring's aside)."""
+        for s, dt in zip(seqs, tokens):
+            st = self.seqs[s]
+            if any(st.tokens + dt > size for (_, size), kind in zip(st.slabs, self.kinds) if not kind.ring):
+                raise ValueError(f"sequence {s} grows to {st.tokens + dt} tokens, beyond its "
+                                 f"{st.slabs[0][1]}-slot reservation")
 
     def _place(self, sizes, exclude=()) -> list | None:
-        """First-fit offsets for a sequence's slabs, in group order; None if one does not fit."""
+        """First-fit offsets for a sequence's slabs, in group order, ignoring the sequences in
+        ``exclude``; None if one does not fit."""
+        taken = [slab for s, st in self.seqs.items() if s not in exclude for slab in st.slabs]
         placed = []
         for size in sizes:
-            pos = self._first_fit(size, exclude, placed)
-            if pos is None:
-                return None
+            pos = 0
+            for start, sz in sorted(taken + placed):
+                if start - pos >= size:
+                    break
+                pos = max(pos, start + sz)
+            else:
+                if self.config.arena_slots - pos < size:
+                    return None
             placed.append((pos, size))
         return placed
 
@@ -65,5 +62,4 @@ class Arena:
             tokens={s: self.seqs[s].tokens for s in live},
             seq_blocks={s: sum(size for _, size in self.seqs[s].slabs) for s in live},
             capacity_slots=sum(size for _, size in slabs), token_states=token_states,
-            reservation=reservation,
-            high_water=max((start + size for start, size in slabs), default=0))
+            reservation=reservation, high_water=max((start + size for start, size in slabs), default=0))

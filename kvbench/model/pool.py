@@ -23,13 +23,11 @@ class BlockPool:
     """The free stack, the cached queue, the prefix cache's keys and every block's references."""
 
     def _init_pool(self, num_blocks: int, block_size: int, groups: int) -> None:
-        self.num_blocks = num_blocks
-        self.B = block_size
-        # block id -> [refcount, fill]; the group each block in use serves
-        self.blocks: dict[int, list] = {}
-        self.group_of: dict[int, int] = {}
-        # The uncached free blocks as a stack, top = end, on top of the blocks never handed out
-        # (fresh .. num_blocks - 1, fresh taken first): no list as long as the pool.
+        self.num_blocks, self.B = num_blocks, block_size
+        self.blocks: dict[int, list] = {}  # block in use -> [refcount, fill]
+        self.group_of: dict[int, int] = {}  # block in use -> the group it serves
+        # The uncached free blocks: a stack (top = end) over those never handed out (fresh ..
+        # num_blocks - 1, fresh taken first): no list as long as the pool.
         self.free_stack: list = []
         self.fresh = 0
         # Prefix caching: full blocks registered by (group, key); a freed one stays cached
@@ -43,14 +41,10 @@ class BlockPool:
         self.group_used = [0] * groups
         self.refs = np.zeros(num_blocks, dtype=np.int64)
         self.edits = 0  # changes of any reference count: what block structures a check must reread
-        # What changed since the last block_state() (its mark): the fewest uncached free
-        # blocks since, and the cached queue's entries and exits, in order.
-        self._mark = None
-        self._free_low = 0
-        self._cached_log: list | None = None
-        self._ids = None  # free_list()'s buffer
-        # (group, key) of each key the prefix cache gained or lost, when a dict (model/events.py)
-        self.key_log: dict | None = None
+        # Since the last block_state() (its mark): the fewest uncached free blocks, and the
+        # cached queue's entries and exits in order; free_list()'s buffer.
+        self._mark, self._free_low, self._cached_log, self._ids = None, 0, None, None
+        self.key_log: dict | None = None  # (group, key) the cache gained or lost (model/events.py)
 
     @property
     def blocks_used(self) -> int:
@@ -68,27 +62,33 @@ class BlockPool:
     def _new_block(self, fill: int, group: int) -> int:
         """Take a block: the top of the free stack, else the next never used, else the oldest
         cached one (its key forgotten)."""
-        self.edits += 1
         if self.free_stack:
             b = self.free_stack.pop()
         elif self.fresh < self.num_blocks:
-            b = self.fresh
-            self.fresh += 1
+            b, self.fresh = self.fresh, self.fresh + 1
         else:  # reuse the least recently freed cached block
             b = next(iter(self.evictable))
             self._uncache(b)
-        self.blocks[b] = [1, fill]
-        self.group_of[b] = group
-        self.filled += fill
-        self.group_used[group] += 1
-        self.refs[b] = 1
+        self._use(b, fill, group)
         self._free_low = min(self._free_low, self.uncached_free)
         return b
 
+    def _use(self, b: int, fill: int, group: int) -> None:
+        """A free block in use, with one reference."""
+        self.blocks[b], self.group_of[b], self.refs[b] = [1, fill], group, 1
+        self.filled += fill
+        self.group_used[group] += 1
+        self.edits += 1
+
+    def _unqueue(self, b: int) -> None:
+        """A cached free block out of the queue."""
+        del self.evictable[b]
+        if self._cached_log is not None:
+            self._cached_log.append((b, False))
+
     def _uncache(self, b: int) -> None:
         """A cached free block forgets its key (it leaves the cache's free side)."""
-        del self.evictable[b]
-        self._log_cached(b, False)
+        self._unqueue(b)
         key = self.hash_of.pop(b)
         self.by_hash[key].remove(b)
         if not self.by_hash[key]:
@@ -104,13 +104,12 @@ class BlockPool:
         self.refs[b] -= 1
         self.shared -= self.blocks[b][0] == 1
         if self.blocks[b][0] == 0:
-            self.filled -= self.blocks[b][1]
-            self.group_used[self.group_of[b]] -= 1
-            del self.blocks[b]
-            del self.group_of[b]
+            self.filled -= self.blocks.pop(b)[1]
+            self.group_used[self.group_of.pop(b)] -= 1
             if b in self.hash_of:
                 self.evictable[b] = None
-                self._log_cached(b, True)
+                if self._cached_log is not None:
+                    self._cached_log.append((b, True))
             else:
                 self.free_stack.append(b)
 
@@ -128,19 +127,13 @@ class BlockPool:
     def _take_hits(self, hits) -> None:
         """One more reference to each hit, taking a freed one back out of the cached queue
         (wherever it stands in it)."""
-        for per in hits:
-            for b in per.values():
-                if b in self.blocks:
-                    self._add_ref(b)
-                else:
-                    del self.evictable[b]
-                    self._log_cached(b, False)
-                    self.blocks[b] = [1, self.B]
-                    self.group_of[b] = self.hash_of[b][0]
-                    self.filled += self.B
-                    self.group_used[self.group_of[b]] += 1
-                    self.refs[b] = 1
+        for b in (b for per in hits for b in per.values()):
+            if b in self.blocks:
+                self._add_ref(b)
                 self.edits += 1
+            else:
+                self._unqueue(b)
+                self._use(b, self.B, self.hash_of[b][0])
 
     def _cache(self, b: int, g: int, key, duplicates: bool = False) -> None:
         """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
@@ -151,10 +144,6 @@ class BlockPool:
             self.key_log[(g, key)] = None
         self.by_hash.setdefault((g, key), []).append(b)
         self.hash_of[b] = (g, key)
-
-    def _log_cached(self, block: int, entered: bool) -> None:
-        if self._cached_log is not None:
-            self._cached_log.append((block, entered))
 
     def _pool_state(self) -> tuple:
         """What an operation that fails half way restores (see ``_set_pool_state``)."""

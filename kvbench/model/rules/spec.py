@@ -156,8 +156,10 @@ class SpecSteps:
         return ("filled", seq, i) + ((life,) if life else ())
 
     def _cache_prompt(self, seq, st, keys, L: int, n: int) -> None:
-        """A prefill's new blocks ``L .. n - 1``: a keyed one (``keys`` by position) becomes its
-        key's cache entry where the group keeps it; a full one past the keys is ``_filled``."""
+        """A new request's blocks ``L .. n - 1``: a keyed one (``keys`` by position) becomes its
+        key's cache entry where the group keeps it; a full one past the keys is ``_filled``. The
+        keys of its blocks a group does not keep, or may release (below L), name them for its
+        own fork."""
         for g, table in enumerate(st.tables):
             for i in range(L, n):
                 if table[i] is None:  # a state group's position align mode skips
@@ -166,8 +168,11 @@ class SpecSteps:
                     if self._keeps(st, g, i):
                         self._share_cached(table, g, i, keys[i])
                         self._register(table[i], g, keys[i])
+                    else:
+                        st.released_keys[i] = keys[i]
                 elif self.blocks[table[i]][1] == self.B:
                     self._filled(table[i], g, seq, i)
+        st.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
 
     def _completed(self, b: int, g: int, seq, i: int) -> None:
         """An append wrote the last slot of block ``b`` (position ``i`` of ``seq``, group ``g``):
@@ -202,40 +207,6 @@ class SpecSteps:
             return self._new_blocks(keys, parent.tokens, parent.tokens, L, n) + self._taken_back(hits, drop)
 
         return self._make_room(("fork", need, []), {seq, src}), keys
-
-    def _fork_as_request(self, seq, child, parent, keys) -> None:
-        """``fork_via`` "prefix" or "copy" (vLLM, SGLang): the child is a new request with the
-        parent's tokens, served by the prefix cache (``keys``: ``_fork_keys``): the cached blocks
-        taken, the rest computed again into new blocks and cached as the parent's content."""
-        G, n = len(self.groups), len(parent.tables[0]) if parent.tables else 0
-        L, hits, _ = self._cache_hits(keys, parent.tokens)
-        child.retained = self._retention(keys, parent.tokens, parent.tokens, L)
-        self._take_hits(hits)  # a fork is no prompt: no prefix hit counted
-        self._evict_before_alloc(self._new_blocks(keys, parent.tokens, parent.tokens, L, n),
-                                 [parent.tokens - L * self.B])
-        child.tables = [[hits[g].get(i) for i in range(L)]
-                        + [self._new_block(min(self.B, parent.tokens - i * self.B), g)
-                           if self._allocates(child, g, i, n) else None
-                           for i in range(L, n)] for g in range(G)]
-        for g in range(G):
-            for i in range(L, min(n, len(keys))):
-                if child.tables[g][i] is None or self.blocks[child.tables[g][i]][1] < self.B:
-                    continue
-                if self._keeps(child, g, i):
-                    self._share_cached(child.tables[g], g, i, keys[i])
-                    self._register(child.tables[g][i], g, keys[i])  # the parent's content
-                else:  # left uncached: its own fork still names the parent's content
-                    child.released_keys[i] = keys[i]
-            # full past the parent's keys (its kept drafts'); below L (a chunk's start past
-            # the keys: chunk_start_hit), no block
-            for i in range(max(len(keys), L), n):
-                if child.tables[g][i] is not None and self.blocks[child.tables[g][i]][1] == self.B:
-                    self._filled(child.tables[g][i], g, seq, i)
-        # The child's blocks below a window hold the parent's content: its own fork names them.
-        child.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
-        self._settle_states(seq, parent.tokens, L)
-        self._tree_checkpoint(seq, prompt=parent.tokens // self.B)
-        self._release_windows([seq])
 
     def _fork_keys(self, src, via: str) -> list:
         """Cache keys a fork of ``src`` served as a new request looks up: the parent's full

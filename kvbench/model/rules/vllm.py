@@ -277,17 +277,8 @@ class VLLMSteps:
                         & set(range((L + 1) * self.B, tokens, self.B)))
         for start in starts:
             for g, kind in enumerate(self.kinds):
-                if not kind.releases:
-                    continue
-                table = st.tables[g]
-                gone = kind.released(start)
-                for i in range(min(gone.stop, len(table)) - 1, gone.start - 1, -1):
-                    b = table[i]
-                    if b is not None:
-                        if b in self.hash_of:  # a fork through the prefix cache names it
-                            st.released_keys[i] = self.hash_of[b][1]
-                        self._drop_ref(b)
-                        table[i] = None
+                if kind.releases:
+                    self._drop_positions(st, g, kind.releasing(st.tables[g], start))
 
     def _appended_blocks(self, g: int, new: int) -> int:
         """Blocks an append that crosses ``new`` block boundaries takes in group ``g``: align
