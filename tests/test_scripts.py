@@ -45,4 +45,4 @@ def test_the_private_import_check_can_fail():
 def test_engine_env_names_its_usage_when_called_without_arguments():
     got = subprocess.run(["bash", "scripts/engine_env.sh"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
-    assert got.returncode != 0 and "usage: scripts/engine_env.sh vllm|sglang|dynamo DIR" in got.stderr
+    assert got.returncode != 0 and "usage: scripts/engine_env.sh vllm|sglang|dynamo|lmcache DIR" in got.stderr
