@@ -3,7 +3,8 @@
 Every backend and the oracle are checked against these; none of them holds state.
 
 A model's layers form one or more KV cache groups (SPEC §8): every layer of a group has the same
-kind (§12: full, sliding(W), chunked(C), sinks(S, W), mla(d), state(bytes)), and every group holds
+kind (§12: full, sliding(W), chunked(C), sinks(S, W), mla(d), state(bytes), compressed(r)), and
+every group holds
 the same number of layers, so one pool of equal-size blocks serves them all. A group's block
 holds ``B`` tokens of its layers; where groups' blocks differ in size, the pool pads every page to
 the largest, or keeps one pool per page size, as the model declares (``ModelSpec.pages``).
@@ -28,7 +29,7 @@ import numpy as np
 MAX_BLOCK_SIZE = (1 << 31) - 1
 
 
-KIND_FAMILIES = ("full", "sliding", "chunked", "sinks", "mla", "state")  # KVGroup.family
+KIND_FAMILIES = ("full", "sliding", "chunked", "sinks", "mla", "state", "compressed")  # KVGroup.family
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class KVGroup:
     ``sinks = (S, W)``: the first S tokens for good plus a window of W. ``latent = d``: mla(d),
     one latent of width d per token per layer (``latent_bytes``: the layout's bytes per token per
     layer where it is not d * s, as DeepSeek-V3's fp8 656). ``state_bytes``: state(bytes), one
-    fixed state per live sequence per layer, whatever its length.
+    fixed state per live sequence per layer, whatever its length. ``compress = r``:
+    compressed(r), one entry per r tokens (DeepSeek-V4's ``compress_ratio``): a block holds B
+    entries covering B * r tokens.
     """
 
     layers: tuple
@@ -50,12 +53,14 @@ class KVGroup:
     latent: int | None = None
     latent_bytes: int | None = None
     state_bytes: int | None = None
+    compress: int | None = None
 
     def __post_init__(self):
-        set_ = [f for f in ("window", "chunk", "sinks", "latent", "state_bytes") if getattr(self, f) is not None]
+        set_ = [f for f in ("window", "chunk", "sinks", "latent", "state_bytes", "compress")
+                if getattr(self, f) is not None]
         if len(set_) > 1:
             raise ValueError(f"KVGroup {self.layers}: one kind per group, got {', '.join(set_)}")
-        for f in ("window", "chunk", "latent", "latent_bytes", "state_bytes"):
+        for f in ("window", "chunk", "latent", "latent_bytes", "state_bytes", "compress"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"KVGroup {self.layers}: {f} must be a positive int, got {v!r}")
@@ -74,9 +79,10 @@ class KVGroup:
 
     @property
     def family(self) -> str:
-        """The kind without its parameters: full, sliding, chunked, sinks, mla or state."""
+        """The kind without its parameters: full, sliding, chunked, sinks, mla, state or
+        compressed."""
         for f, name in (("window", "sliding"), ("chunk", "chunked"), ("sinks", "sinks"),
-                        ("latent", "mla"), ("state_bytes", "state")):
+                        ("latent", "mla"), ("state_bytes", "state"), ("compress", "compressed")):
             if getattr(self, f) is not None:
                 return name
         return "full"
@@ -85,7 +91,7 @@ class KVGroup:
     def kind(self) -> str:
         """The kind as a trace header names it: full, sliding(W), chunked(C), sinks(S,W), ..."""
         arg = {"full": None, "sliding": self.window, "chunked": self.chunk, "mla": self.latent,
-               "state": self.state_bytes,
+               "state": self.state_bytes, "compressed": self.compress,
                "sinks": None if self.sinks is None else f"{self.sinks[0]},{self.sinks[1]}"}[self.family]
         return self.family if arg is None else f"{self.family}({arg})"
 
@@ -99,6 +105,11 @@ class KVGroup:
     def per_token(self) -> bool:
         """False for a state group: its size does not grow with the sequence."""
         return self.state_bytes is None
+
+    @property
+    def ratio(self) -> int:
+        """r: tokens per entry (1 but for compressed(r))."""
+        return self.compress or 1
 
 
 # KV formats (SPEC §12): the element encoding of K/V, metadata counted. "native": dtype_bytes per
@@ -195,10 +206,16 @@ class ModelSpec:
             return n * (group.latent_bytes or group.latent * self.dtype_bytes)
         return 2 * n * self.kv_heads * head_token_bytes(self.head_dim, self.dtype_bytes, self.kv_encoding)
 
+    def group_token_bytes(self, group: KVGroup) -> int:
+        """Bytes of one token of one group: its slot's (one entry's) bytes / r, rounded up where
+        r does not divide them (``kv_bytes`` counts whole entries exactly)."""
+        return -(-self.group_slot_bytes(group) // group.ratio)
+
     @functools.cached_property
     def bytes_per_token(self) -> int:
-        """Cache bytes of one token over every layer (the real bytes; state groups hold none)."""
-        return sum(self.group_slot_bytes(g) for g in self.kv_groups)
+        """Cache bytes of one token over every layer (the real bytes; state groups hold none; a
+        compressed(r) group's are its entry's / r)."""
+        return sum(self.group_token_bytes(g) for g in self.kv_groups)
 
     @functools.cached_property
     def slot_bytes(self) -> int:
@@ -266,18 +283,20 @@ def hybrid_groups(layers: int, pattern, per_group: int | None = None) -> tuple:
 
 
 _KIND_ARGS = {"full": (), "sliding": ("window",), "chunked": ("chunk",), "sinks": ("S", "W"),
-              "mla": ("latent",), "state": ("state_bytes",)}
+              "mla": ("latent",), "state": ("state_bytes",), "compressed": ("compress",)}
 _KIND_UNITS = {"window": "a sliding window is at least 1 token", "chunk": "a chunk is at least 1 token",
                "S": "the sinks are at least 1 token", "W": "a sink model's window is at least 1 token",
-               "latent": "a latent is at least 1 element wide", "state_bytes": "a state is at least 1 byte"}
+               "latent": "a latent is at least 1 element wide", "state_bytes": "a state is at least 1 byte",
+               "compress": "a compressed entry covers at least 1 token"}
 _KIND = re.compile(r"\s*([a-z]+)\s*(?:\(([^()]*)\))?\s*")
 
 
 def parse_kind(text: str) -> dict:
     """A group kind as a trace header names it -> its KVGroup fields: 'full' -> {};
     'sliding(4096)' -> {'window': 4096}; 'chunked(8192)'; 'sinks(4,1024)' -> {'sinks': (4, 1024)};
-    'mla(576)'; 'state(1097728)' (bytes per layer). Every argument a positive int64."""
-    known = "full, sliding(W), chunked(C), sinks(S,W), mla(d), state(bytes)"
+    'mla(576)'; 'state(1097728)' (bytes per layer); 'compressed(4)' -> {'compress': 4}. Every
+    argument a positive int64."""
+    known = "full, sliding(W), chunked(C), sinks(S,W), mla(d), state(bytes), compressed(r)"
     m = _KIND.fullmatch(str(text))
     if not m or m.group(1) not in _KIND_ARGS:
         raise ValueError(f"not a KV cache group kind: {text!r} ({known})")
@@ -399,6 +418,10 @@ PRESETS: dict[str, ModelSpec] = {
                   groups=hybrid_groups(4, ("chunked(32)",) * 3 + (None,))),
         ModelSpec("tiny-sinks", layers=4, kv_heads=2, head_dim=8,
                   groups=hybrid_groups(4, ("sinks(8,24)", None))),
+        # DeepSeek-V4's pattern in 2 layers (full beside compressed KV, compress_ratio 4): one
+        # full layer and one compressed(4), one entry of 2 * 2 * 8 * 2 = 64 bytes per 4 tokens.
+        ModelSpec("tiny-compressed", layers=2, kv_heads=2, head_dim=8,
+                  groups=hybrid_groups(2, (None, "compressed(4)"))),
         # MLA in 2 layers, one group: a latent of 12 per token per layer, 2 * 12 * 2 = 48 bytes.
         ModelSpec("tiny-mla", layers=2, kv_heads=1, head_dim=12,
                   groups=(KVGroup((0, 1), latent=12),)),
@@ -431,8 +454,22 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int)
 
 
 def kv_bytes(tokens: int, model: ModelSpec) -> int:
-    """M_KV(T) = T * bytes_per_token."""
-    return tokens * model.bytes_per_token
+    """M_KV(T) = T * bytes_per_token; a compressed(r) group holds ceil(T/r) entries of its slot
+    bytes."""
+    if all(g.ratio == 1 for g in model.kv_groups):
+        return tokens * model.bytes_per_token
+    return sum(entries(tokens, g) * model.group_slot_bytes(g) for g in model.kv_groups)
+
+
+def entries(tokens: int, group: KVGroup) -> int:
+    """ceil(T/r): the slots a group writes for T tokens (T but for compressed(r))."""
+    return blocks_needed(tokens, group.ratio)
+
+
+def key_tokens(group: KVGroup, block_size: int) -> int:
+    """B * r: the tokens one block of the group covers, so the granularity of its prefix-cache
+    keys (SPEC §12: lookup and store key a compressed group's blocks by the same B * r)."""
+    return block_size * group.ratio
 
 
 def block_bytes(block_size: int, model: ModelSpec) -> int:
@@ -601,9 +638,10 @@ def released_blocks(tokens: int, group: KVGroup, block_size: int) -> range:
 
 def held_blocks(tokens: int, group: KVGroup, block_size: int) -> list:
     """Block indices a group holds (or, for a prefix hit of ``tokens``, needs cached) at
-    ``tokens`` tokens: every block of ``ceil(T/B)`` but the released ones."""
+    ``tokens`` tokens: every block of ``ceil(ceil(T/r)/B)`` (r = 1 but for compressed(r)) but
+    the released ones."""
     gone = released_blocks(tokens, group, block_size)
-    return [i for i in range(blocks_needed(tokens, block_size)) if i not in gone]
+    return [i for i in range(blocks_needed(entries(tokens, group), block_size)) if i not in gone]
 
 
 def state_blocks(group: KVGroup, block_bytes: int) -> int:
@@ -634,8 +672,9 @@ def kind_blocks(tokens: int, group: KVGroup, block_size: int, block_bytes: int) 
     """blocks_g(X) of any kind: the most blocks a request of X tokens holds in the group.
     full, mla: ceil(X/B); sliding: min(ceil(X/B), ceil((W-1)/B) + 1); chunked: min(ceil(X/B),
     ceil((C-1)/B) + 1), or ceil((C-1)/B) when B divides C (a chunk then starts on a block edge);
-    sinks: min(ceil(X/B), ceil(S/B) + ceil((W-1)/B) + 1); state: its state's blocks, at any X."""
-    full = blocks_needed(tokens, block_size)
+    sinks: min(ceil(X/B), ceil(S/B) + ceil((W-1)/B) + 1); state: its state's blocks, at any X;
+    compressed(r): ceil(ceil(X/r)/B)."""
+    full = blocks_needed(entries(tokens, group), block_size)
     if group.state_bytes is not None:
         return state_blocks(group, block_bytes) if tokens > 0 else 0
     if group.chunk is not None:
@@ -644,6 +683,8 @@ def kind_blocks(tokens: int, group: KVGroup, block_size: int, block_bytes: int) 
     if group.sinks is not None:
         S, W = group.sinks
         return min(full, blocks_needed(S, block_size) + group_blocks(tokens, W, block_size))
+    if group.compress is not None:
+        return full
     return group_blocks(tokens, group.window, block_size)
 
 
@@ -755,7 +796,7 @@ def next_pow2(n: int) -> int:
 
 
 __all__ = [
-    "KVGroup", "hybrid_groups", "parse_kind", "with_group_kinds", "window_start",
+    "KVGroup", "hybrid_groups", "parse_kind", "with_group_kinds", "window_start", "entries", "key_tokens",
     "first_held_block", "group_blocks", "request_blocks", "released_blocks", "held_blocks",
     "state_blocks", "one_block_states", "kind_blocks", "trailing_first_block", "sink_blocks", "request_bytes", "budget_concurrency", "padding_bytes",
     "head_token_bytes", "kinds_summary", "model_capacity", "KV_ENCODINGS", "PAGES", "MODELS_2026", "max_concurrency", "capacity",

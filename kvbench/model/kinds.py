@@ -20,10 +20,21 @@ class Kind:
     # What an accept's rollback of drafts (SPEC §13) would need that the model does not keep
     # (None: the group rolls back; the checker says n/a to a trace that accepts otherwise).
     rollback_needs: str | None = None
+    oracle_runs = True  # the oracle's block tables (a position per B tokens) model the group
 
     def __init__(self, group: F.KVGroup, block_size: int):
         self.group = group
         self.B = block_size
+
+    @property
+    def key_tokens(self) -> int:
+        """Tokens a block covers, so the granularity of its prefix-cache keys: B."""
+        return self.B
+
+    def cached_tokens(self, tokens: int) -> int:
+        """The prefix of ``tokens`` written tokens whose blocks are full (cached, and can be
+        hit): floor(T / key_tokens) * key_tokens."""
+        return tokens // self.key_tokens * self.key_tokens
 
     def released(self, tokens: int) -> range:
         """Positions of the blocks the group no longer holds at ``tokens`` tokens."""
@@ -110,10 +121,41 @@ class StateKind(Kind):
         return (0, tokens)
 
 
+class CompressedKind(Kind):
+    """compressed(r): one entry per r tokens (DeepSeek-V4's compressed KV, compress_ratio = r),
+    kept as long as the sequence lives. A block holds B entries covering B * r tokens, so a
+    sequence of T tokens holds ceil(ceil(T / r) / B) blocks of the group (formulas.kind_blocks).
+
+    Its prefix-cache keys are taken at every B * r tokens (``key_tokens``; SPEC §12): a block
+    is cached, and can be hit, only once its B * r tokens are written, and lookup keys it as
+    store does, or another session's block is served (vLLM-Ascend issue 10296). A hit on the
+    model is the longest prefix every group hits (``hit_tokens``).
+
+    The oracle's block tables are by B tokens a position, so it refuses these groups
+    (``oracle_runs``): the group has its formulas and the kind's arithmetic, and a backend
+    declaring it has no model to be checked against yet."""
+
+    oracle_runs = False
+
+    @property
+    def key_tokens(self) -> int:
+        return F.key_tokens(self.group, self.B)
+
+    def blocks(self, tokens: int) -> int:
+        """ceil(ceil(T / r) / B): the blocks a sequence of T tokens holds in the group."""
+        return F.blocks_needed(F.entries(tokens, self.group), self.B)
+
+
 KINDS: dict[str, type[Kind]] = {
     "full": FullKind, "mla": MLAKind, "sliding": SlidingKind, "chunked": ChunkedKind,
-    "sinks": SinksKind, "state": StateKind,
+    "sinks": SinksKind, "state": StateKind, "compressed": CompressedKind,
 }
+
+
+def hit_tokens(kinds: list, hit_blocks: list) -> int:
+    """A model's prefix hit in tokens (SPEC §8, §12): the longest prefix every group hits, group
+    ``g`` having hit its first ``hit_blocks[g]`` blocks of ``kinds[g].key_tokens`` tokens each."""
+    return min((n * kind.key_tokens for kind, n in zip(kinds, hit_blocks)), default=0)
 
 
 def kind_of(group: F.KVGroup, block_size: int) -> Kind:
@@ -124,3 +166,14 @@ def kind_of(group: F.KVGroup, block_size: int) -> Kind:
         raise ValueError(f"no model of {group.family!r} groups (kvbench.model.kinds.KINDS has "
                          f"{', '.join(KINDS)})") from None
     return cls(group, block_size)
+
+
+def oracle_kinds(model: F.ModelSpec, block_size: int) -> list:
+    """The kinds of a model's groups for the oracle, refusing those its block tables (a
+    position per B tokens) do not model, by name."""
+    out = [kind_of(g, block_size) for g in model.kv_groups]
+    unmodelled = [k.group.kind for k in out if not k.oracle_runs]
+    if unmodelled:
+        raise ValueError(f"model {model.name}: the oracle has no block tables of "
+                         f"{', '.join(unmodelled)} groups (SPEC §12; formulas only)")
+    return out

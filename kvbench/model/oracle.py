@@ -27,7 +27,7 @@ from kvbench.contract.protocol import (BlockChanges, BlockState, CacheConfig, Ca
                                        hash_writer)
 from kvbench.model import eviction
 from kvbench.model.arena import Arena
-from kvbench.model.kinds import kind_of
+from kvbench.model.kinds import oracle_kinds
 from kvbench.model.pool import BlockPool
 from kvbench.model.rules import rule_set
 from kvbench.model.rules.sglang import SGLangSteps
@@ -85,7 +85,7 @@ class Oracle(BlockPool, Arena, SpecSteps, VLLMSteps, SGLangSteps):
         self.rules = rule_set(self.caps)  # the engine's rules, SPEC's by default
         self.window_release = self.rules.window_release
         self.groups = config.model.kv_groups
-        self.kinds = [kind_of(g, config.block_size) for g in self.groups]
+        self.kinds = oracle_kinds(config.model, config.block_size)
         self.windows = [g.window for g in self.groups]
         self.releasing = [kind.releases for kind in self.kinds]  # sliding, chunked, sinks, state
         self._init_pool(config.num_blocks, config.block_size, len(self.groups))

@@ -170,7 +170,7 @@ def test_kind_blocks_bounds():
 @pytest.mark.parametrize("text,fields", [
     ("full", {}), ("sliding(4096)", {"window": 4096}), ("chunked(8192)", {"chunk": 8192}),
     ("sinks(4, 1024)", {"sinks": (4, 1024)}), ("mla(576)", {"latent": 576}),
-    ("state(1097728)", {"state_bytes": 1097728}),
+    ("state(1097728)", {"state_bytes": 1097728}), ("compressed(4)", {"compress": 4}),
 ])
 def test_parse_kind(text, fields):
     assert F.parse_kind(text) == fields
