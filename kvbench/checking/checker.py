@@ -157,6 +157,8 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
             replay.verify_kv(changed, last=index == last)
             if replay.events is not None:
                 replay.events.compare()
+            if index == last and replay.tiered is not None:
+                replay.tiered.end()
             if series:
                 replay.record(expected)
             verdict.ops = index + 1

@@ -75,6 +75,7 @@ class TierReplay:
         self.r = replay
         self.dropped: set = set()  # transfer ids whose begin was refused or dropped on both sides
         self.loads: dict = {}  # load id -> (seq, first position, positions loaded)
+        self.pinned: dict = {}  # (tier, key) a lookup pinned -> the block, its hash and salt, named
         if replay.backend is not None:
             if replay.backend.capabilities.block_ids:  # the oracle's block ids are the backend's
                 tiers = replay.oracle.tiers
@@ -144,7 +145,11 @@ class TierReplay:
     def lookup(self, op) -> None:
         r = self.r
         keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
-        r.oracle.lookup(op.seq, op.tokens, op.block_hashes, **keys)
+        prompt = r.oracle.prompt_keys(op.tokens, op.block_hashes, op.token_ids, op.salt, op.adapter)
+        for key, tier in r.oracle.lookup(op.seq, op.tokens, op.block_hashes, **keys):
+            p = prompt.index(key[1])
+            h = op.block_hashes[p] if op.block_hashes else f"of token ids {p * r.oracle.B}.."
+            self.pinned[(tier, key)] = f"block {p} (hash {h}, salt {op.salt!r}) looked up at step {op.step}"
         told = r.told_prompt(op.tokens, op.tenant, r.final.get(op.seq, op.tokens), op.block_hashes,
                              None, keys)
         self._backend("lookup", getattr(r.backend, "lookup", None), op.seq, told, step=op.step)
@@ -266,7 +271,7 @@ class TierReplay:
         actual = r.ask("tier_ledgers", r.backend.tier_ledgers)
         if len(actual) != len(expected):
             r.diverge("tiers", len(expected), len(actual), "tier_ledgers() gives one per tier")
-        for e, a in zip(expected, actual):
+        for i, (e, a) in enumerate(zip(expected, actual)):
             name = e["name"]
             negative = [f for f in TIER_FIELDS if a.get(f, 0) < 0]
             if negative:
@@ -279,4 +284,24 @@ class TierReplay:
                           "a load reads stored blocks")
             for f in TIER_FIELDS:
                 if e[f] != a.get(f):
-                    r.diverge(f"tier {name} {f}", e[f], a.get(f), soft=True)
+                    r.diverge(f"tier {name} {f}", e[f], a.get(f),
+                              self.released(i) if f == "loading" else "", soft=True)
+
+    def released(self, tier: int) -> str:
+        """The lookups' pins of ``tier`` released by now, named by key and salt."""
+        entries = self.r.oracle.tiers.tiers[tier].entries
+        gone = [name for (t, key), name in self.pinned.items()
+                if t == tier and (key not in entries or not entries[key].loads)]
+        return ("pins released by now: " + "; ".join(gone[:4])
+                + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")) if gone else ""
+
+    def end(self) -> None:
+        """At the end of the trace no pin is left held but the oracle's (SPEC §11)."""
+        r = self.r
+        if r.backend is None or not self.pinned:
+            return
+        actual = r.ask("tier_ledgers", r.backend.tier_ledgers)
+        for i, (e, a) in enumerate(zip(r.oracle.tiers.ledgers(), actual)):
+            if a.get("loading") != e.loading:
+                r.diverge(f"tier {e.name} pins at the end of the trace", e.loading, a.get("loading"),
+                          self.released(i))

@@ -338,3 +338,12 @@ def test_a_backend_without_lookup_is_not_applicable_to_a_trace_with_lookups():
 
     v = run(PINNED, NoLookup, tiers=(TierSpec("host", 2),))
     assert v.valid is None and "lookup" in v.not_applicable
+
+
+def test_pins_left_at_the_end_of_a_kept_going_trace_fail_naming_the_key_and_salt():
+    v = run(PINNED, PinsReleasedWithoutSalt, tiers=(TierSpec("host", 2),), keep_going=True)
+    assert v.divergence.step == 12  # the first: the load's done, kept going past it
+    d = v.divergences[-1]["first"]  # the last: the trace's end (step 15), host's 2 still pinned
+    assert v.divergences[-1]["stopped"] and (v.valid, d.step, d.quantity, d.expected, d.actual) == (
+        False, 15, "tier host pins at the end of the trace", 0, 2)
+    assert "block 0 (hash 1, salt 's') looked up at step 6" in d.detail
