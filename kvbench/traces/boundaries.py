@@ -27,7 +27,9 @@ The rules, and the edges each covers:
   reads (the tier's eviction must skip the blocks being read), while a second load reads the same
   blocks, until its abort, or until it fails, in a tier that keeps or drops what a failed load
   read (then the same prompt loaded again, and a store that fails); a store of no full block into
-  a tier of no room; a swap into a tier with exactly, and one less than, the room it needs.
+  a tier of no room; a swap into a tier with exactly, and one less than, the room it needs; the
+  load looked up first (its pins, SPEC §11's failure paths), salted or not, or a lookup aborted
+  before any load.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
 - ``returns`` (§12): a prompt A on a Mamba hybrid (tiny-mamba: three state groups and a full
   one), then a prompt that extends A by e in {1, B, B + 1} tokens (all of A, or A less its last
@@ -40,6 +42,8 @@ The rules, and the edges each covers:
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
 default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
+Over 500 lines: one builder per rule beside the covering design they share; each is read against
+the rule's paragraph above.
 """
 from __future__ import annotations
 
