@@ -403,8 +403,9 @@ class _Validator:
             fail(f"resume of sequence {op.seq}, which is not preempted")
         self.preempted.discard(op.seq)
 
-    def lookup(self, op, fail) -> None:  # the transfer rules saw to it
-        pass
+    def lookup(self, op, fail) -> None:  # the transfer rules saw to the rest
+        if op.seq in self.seen:
+            fail(f"lookup of freed sequence {op.seq} (a lookup names the request its load makes)")
 
     load = prefill  # a prefill served from the lower tiers: a new sequence as any prefill
     abort = free  # a free that cancels its loads (the transfer rules saw to those)

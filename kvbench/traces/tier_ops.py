@@ -116,7 +116,7 @@ class TransferHistory:
                 fail(f"lookup of live sequence {seq} (a lookup comes before its load, which "
                      f"makes the sequence)")
             self.looked_up[seq] = op.step
-            return True
+            return False  # the validator's: a sequence id not used before
         if seq in self.looked_up and not isinstance(op, (Load, Abort)) and op.kind != "free":
             fail(f"{op.kind} of sequence {seq}, looked up at step {self.looked_up[seq]} (its "
                  f"next operation is its load, or an abort)")

@@ -108,6 +108,8 @@ def test_old_trace_has_no_tiers():
      "unknown field 'block' of op 'store'"),
     ([LU1, {**LU1, "step": 2}], 4, "lookup of sequence 1, whose lookup at step 1 has no load yet"),
     ([{**LU1, "seq": 0}], 3, "lookup of live sequence 0"),
+    ([{"step": 1, "op": "free", "seq": 0}, {**LU1, "step": 2, "seq": 0}], 4,
+     "lookup of freed sequence 0"),
     ([LU1, {"step": 2, "op": "prefill", "seq": 1, "tenant": "a", "tokens": 16}], 4,
      "prefill of sequence 1, looked up at step 1"),
     ([LU1, {"step": 2, "op": "abort", "seq": 1}, {"step": 3, "op": "abort", "seq": 1}], 5,
