@@ -162,6 +162,23 @@ class PinIsAFlag(NumpyPaged):
         return _FlagPins(spec, self._tier_arrays(spec, storage))
 
 
+class PinsReleasedWithoutSalt(NumpyPaged):
+    """A lookup's pins released by the block key without its salt (LMCache issue 3770): a salted
+    request's entries stay pinned after its load, never evictable again, and an unsalted entry
+    of the same tokens, if pinned, loses a pin it never took."""
+
+    def lookup(self, seq, prompt, *, step=0):
+        salted = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter))
+        raw = prompt_keys(prompt, self.B, NO_EXTRA)
+        self._raw = getattr(self, "_raw", {})
+        self._raw.update({(0, s): (0, k) for s, k in zip(salted, raw)})
+        super().lookup(seq, prompt, step=step)
+
+    def _unpin(self, pins, seq):
+        raw = getattr(self, "_raw", {})
+        super()._unpin([(t, raw.get(k, k)) for t, k in pins if t.readers.get(raw.get(k, k))], seq)
+
+
 class _FailedLoadServed(TierSlots):
     def load_failed(self, keys, seq) -> None:
         pass  # the tier deleted what it could not read; its lookups still find it
@@ -238,7 +255,7 @@ class LeasesOutOfRefcounts(NumpyPaged):
 
 
 # (name, upstream, fault): each caught by the default run (tier-agentic, tier-races or tier-turns;
-# FailedLoadReserved on boundary-tiers-1, the committed workloads' tiers keeping failed loads)
+# FailedLoadReserved on boundary-tiers-1, PinsReleasedWithoutSalt on boundary-tiers-2, the committed workloads' tiers keeping failed loads)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -256,6 +273,8 @@ TIER_BUGS = [
     ("a load's targets hit before it completes", "kvbench #47", LoadTargetHitEarly),
     ("a failed load's blocks served again from a tier that dropped them", "vLLM #49176",
      FailedLoadReserved),
+    ("a lookup's pins released by the block key without its salt: salted entries stay pinned",
+     "LMCache #3770", PinsReleasedWithoutSalt),
 ]
 
 # (name, upstream, fault): caught by the default run on lifecycle-swap or lifecycle-preempt

@@ -9,7 +9,9 @@ pool's codes and scales alike). Eviction is LRU: a store puts a block at the rec
 touches its blocks so that the first is the most recent, the least recent stored block no load
 reads and not one of the store's own goes first. A store's source blocks get one more reference
 (the lease) until it completes; a load's target blocks stay out of the prefix cache until it
-completes. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
+completes. A lookup pins the tier run a load of its prompt would read (one reader more each,
+counted in ``loading``); the sequence's load takes the pins over until it completes, an abort or
+free before the load, or the load refused, releases them. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
 lease exists for).
 
 Preemption by swap (SPEC §13): every block of the sequence is copied to slots of the tier pinned
@@ -136,6 +138,11 @@ class TierSlots:
             if key in self.unreadable and not self.readers[key]:
                 self.drop(key)
 
+    def pin(self, keys, seq) -> None:
+        """A lookup for ``seq`` pins ``keys``: read as a load reads them, no hit, no touch."""
+        for key in keys:
+            self.readers[key] = self.readers.get(key, 0) + 1
+
     def load_failed(self, keys, seq) -> None:
         """A load of ``keys`` failed, in a tier whose ``failed_load`` is "drop" (called before its
         end_load): none of them is loaded again, each goes once no load reads it."""
@@ -170,6 +177,8 @@ class PoolTiers:
         self._transfers: dict = {}
         self._stored_last: tuple = (None, [])
         self._swapped: dict = {}  # seq -> (its tier, the slots of its blocks by position)
+        self._pins: dict = {}  # seq -> [(tier, tier key)] its lookup pinned, until its load
+        self._load_pins: dict = {}  # load id -> the pins it took over
 
     def _make_tier(self, spec, storage):
         return TierSlots(spec, self._tier_arrays(spec, storage))
@@ -231,7 +240,8 @@ class PoolTiers:
             self._copy_down(t, src, [s for *_, s in moved])
         self._transfers[tid] = ("store", seq, t, moved)
 
-    def load(self, tid, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
+    def _tier_run(self, seq, prompt) -> tuple:
+        """(the prompt's keys, its device hit L, the tier of each block of the run after it)."""
         keys = prompt_keys(prompt, self.B, self._extra_keys(prompt.salt, prompt.adapter)) \
             if self.config.prefix_caching else []
         L = self._hit_plan(keys)[0] if keys else 0
@@ -241,7 +251,27 @@ class PoolTiers:
             if t is None:
                 break
             run.append(t)
-        victims = self.prefill(seq, prompt, kv, step=step, protect=protect)
+        return keys, L, run
+
+    def lookup(self, seq, prompt, *, step=0) -> None:
+        keys, L, run = self._tier_run(seq, prompt)
+        pins = [(t, self._tier_key((0, k))) for k, t in zip(keys[L:], run)]
+        for t, tkey in pins:
+            t.pin([tkey], seq)
+        self._pins[seq] = pins
+
+    def _unpin(self, pins, seq) -> None:
+        for t, tkey in pins:
+            t.end_load([tkey], seq)
+
+    def load(self, tid, seq, prompt, kv=None, *, step=0, protect=()) -> tuple:
+        keys, L, run = self._tier_run(seq, prompt)
+        try:
+            victims = self.prefill(seq, prompt, kv, step=step, protect=protect)
+        except Exception:  # refused: the request fails, its lookup's pins go
+            self._unpin(self._pins.pop(seq, []), seq)
+            raise
+        self._load_pins[tid] = self._pins.pop(seq, [])
         table = self._row_blocks_at(self.row_of[seq], L, L + len(run))
         moved = []  # (position, device block, its prefix-cache key, tier key, tier)
         for i, t in enumerate(run):
@@ -287,6 +317,7 @@ class PoolTiers:
                 if keys and spec.failed_load == "drop":
                     t.load_failed(keys, seq)
         self._end_loads(seq, moved)
+        self._unpin(self._load_pins.pop(tid), seq)
         for i, (p, b, key, tkey, u) in enumerate(moved):
             if ok:
                 u.bytes_up += self._block_bytes_moved(1)
@@ -297,10 +328,14 @@ class PoolTiers:
                 self.hash_of[b] = key
 
     def abort(self, seq, *, step=0) -> None:
+        if seq in self._pins:  # looked up, never loaded: the request ends here
+            self._unpin(self._pins.pop(seq), seq)
+            return
         for tid, (kind, s, _, moved) in list(self._transfers.items()):
             if kind == "load" and s == seq:
                 del self._transfers[tid]
                 self._end_loads(seq, moved)
+                self._unpin(self._load_pins.pop(tid), seq)
         self.free(seq, step=step)
 
     def _end_loads(self, seq, moved) -> None:

@@ -28,6 +28,10 @@ class EngineTiers(NumpyPaged):
             raise RuntimeError(f"{self.name}: {why}")
         super().__init__(config)
 
+    # No trace lookup (SPEC §11's pins): the engine's tier pins at the load (lmcache-cpu: its
+    # connector's lookup), not at a lookup of its own; a trace with lookups is n/a here.
+    lookup = None
+
     # A preemption stays a free and a prefill (each finishing the request in the engine's tier
     # manager once), not the NumPy pool's own preempt and resume.
     preempt, resume = Backend.preempt, Backend.resume

@@ -22,7 +22,8 @@ def lifecycle(trace: Trace) -> set:
 
 def trace_uses(trace: Trace) -> set:
     """What the trace asks of a backend: its lifecycles (``lifecycle``), 'fork', 'salted' (a
-    prefill names a salt, an adapter or token ids) and 'transfers' (a store or a load)."""
+    prefill names a salt, an adapter or token ids), 'transfers' (a store or a load) and 'lookup'
+    (a lookup before a load)."""
     ops = trace.ops
     used = set()
     table = isinstance(ops, OpTable)
@@ -47,6 +48,8 @@ def trace_uses(trace: Trace) -> set:
             used.add("fork")
         elif kind in ("store", "load"):
             used.add("transfers")
+        elif kind == "lookup":
+            used.update(("transfers", "lookup"))
     return used
 
 
@@ -128,6 +131,9 @@ def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
         return Refusal(name, f"{failed} a failed load's tier entries, only "
                        f"{', '.join(modes)}", "SPEC §11",
                        f"the trace's tier {drops[0]} declares failed_load {failed!r}")
+    if "lookup" in uses and not callable(getattr(backend, "lookup", None)):
+        return Refusal(name, "look a prompt up in its tiers before its load (lookup)", "SPEC §11",
+                       "the trace looks prompts up, pinning what they find until their load or abort")
     if cfg.model.hybrid:
         return Refusal(TIER_REPLAY, "run models of more than one full-attention group", "SPEC §11",
                        f"model {cfg.model.name} has {', '.join(g.kind for g in cfg.model.kv_groups)}")

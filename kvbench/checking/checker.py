@@ -157,6 +157,8 @@ def _replay(trace, backend, oracle, verdict, *, gather, series, progress, writes
             replay.verify_kv(changed, last=index == last)
             if replay.events is not None:
                 replay.events.compare()
+            if index == last and replay.tiered is not None:
+                replay.tiered.end()
             if series:
                 replay.record(expected)
             verdict.ops = index + 1
@@ -417,8 +419,8 @@ class _Replay(Driver):
 
     def apply(self, op) -> dict:
         self.changed = {}
-        if isinstance(op, TIER_OPS):  # SPEC §11's transfers: the tier replay's
-            self.tiered.apply(op)
+        if isinstance(op, TIER_OPS) or (self.tiered and self.tiered.looked_up(op)):
+            self.tiered.apply(op)  # SPEC §11's transfers, and a looked-up request's free: the tier replay's
         else:
             super().apply(op)
         for s in self.changed:

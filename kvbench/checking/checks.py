@@ -181,6 +181,9 @@ TIERS = (  # SPEC §11
        "tier {} stored + storing + free", "SPEC §11"),
     _c("tier: loading <= stored", "tier_replay", "TierReplay.compare", "tier {} loading",
        "a load reads stored blocks"),
+    _c("tier: no pin left at the end", "tier_replay", "TierReplay.end",
+       "tier {} pins at the end of the trace", "each lookup's pins released once by the trace's "
+       "end: the pins left, named by block key and salt"),
 ) + tuple(_c(f"tier: {f}", "tier_replay", "TierReplay.compare", "tier {} {}",
              f"each tier's {f} against the oracle's") for f in TIER_FIELDS)
 

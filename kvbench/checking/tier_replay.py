@@ -9,7 +9,10 @@ A backend with tiers (``Capabilities.tiers``: the policies it runs) implements::
                                               a prefill served from the tiers; returns its victims
     complete(id, ok, kv=None, *, step)        a transfer's completion; kv: a failed load's blocks
                                               to compute again, [blocks * block_size, 2, L, H, D]
-    abort(seq, *, step)                       cancel seq's loads, free it
+    abort(seq, *, step)                       cancel seq's loads, free it (looked up, never
+                                              loaded: release its lookup's pins)
+    lookup(seq, prompt, *, step)              (a trace with lookups) pin the tier run a load of
+                                              the prompt would read, for seq's coming load
     tier_ledgers()                            [{name, capacity, stored, storing, loading, free,
                                                 bytes_down, bytes_up, hits}] tier 1 first
     read_stored(id)                           just after a store completed ok: {position: K/V of
@@ -52,7 +55,8 @@ from kvbench.model.oracle import content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.protocol import kv_tokens
 from kvbench.quant import pool as quant_pool
-from kvbench.traces.tier_ops import Abort, Done, Load, Store
+from kvbench.traces.ops import Free
+from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store
 
 TIER_FIELDS = ("capacity", "stored", "storing", "loading", "free", "bytes_down", "bytes_up", "hits")
 
@@ -71,6 +75,7 @@ class TierReplay:
         self.r = replay
         self.dropped: set = set()  # transfer ids whose begin was refused or dropped on both sides
         self.loads: dict = {}  # load id -> (seq, first position, positions loaded)
+        self.pinned: dict = {}  # (tier, key) a lookup pinned -> the block, its hash and salt, named
         if replay.backend is not None:
             if replay.backend.capabilities.block_ids:  # the oracle's block ids are the backend's
                 tiers = replay.oracle.tiers
@@ -87,14 +92,20 @@ class TierReplay:
         """Sequences whose loads are in flight: their blocks are not readable yet."""
         return self.r.oracle.loading_seqs()
 
+    def looked_up(self, op) -> bool:
+        """A free of a sequence looked up and not loaded (the request cancelled in between)."""
+        return isinstance(op, Free) and op.seq in self.r.oracle.tiers.pins
+
     def apply(self, op) -> None:
-        if isinstance(op, Load):
+        if isinstance(op, Lookup):
+            self.lookup(op)
+        elif isinstance(op, Load):
             self.load(op)
         elif isinstance(op, Store):
             self.store(op)
         elif isinstance(op, Done):
             self.done(op)
-        elif isinstance(op, Abort):
+        elif isinstance(op, Free):  # an abort, or a looked-up request's free
             self.abort(op)
         self.compare()
 
@@ -130,6 +141,18 @@ class TierReplay:
             return
         self.loads[op.id] = (op.seq, lo, hi)
         r.mark(op.seq, kv=False)  # its table is new; its K/V are read once the load completes
+
+    def lookup(self, op) -> None:
+        r = self.r
+        keys = dict(salt=op.salt, adapter=op.adapter, token_ids=op.token_ids)
+        prompt = r.oracle.prompt_keys(op.tokens, op.block_hashes, op.token_ids, op.salt, op.adapter)
+        for key, tier in r.oracle.lookup(op.seq, op.tokens, op.block_hashes, **keys):
+            p = prompt.index(key[1])
+            h = op.block_hashes[p] if op.block_hashes else f"of token ids {p * r.oracle.B}.."
+            self.pinned[(tier, key)] = f"block {p} (hash {h}, salt {op.salt!r}) looked up at step {op.step}"
+        told = r.told_prompt(op.tokens, op.tenant, r.final.get(op.seq, op.tokens), op.block_hashes,
+                             None, keys)
+        self._backend("lookup", getattr(r.backend, "lookup", None), op.seq, told, step=op.step)
 
     def store(self, op) -> None:
         r, oracle = self.r, self.r.oracle
@@ -224,6 +247,10 @@ class TierReplay:
 
     def abort(self, op) -> None:
         r, oracle = self.r, self.r.oracle
+        if op.seq in oracle.tiers.pins and op.seq not in oracle.seqs:  # looked up, not loaded
+            oracle.abort(op.seq)
+            self._backend("abort", getattr(r.backend, "abort", None), op.seq, step=op.step)
+            return
         if op.seq in r.refused:
             return
         if op.seq in oracle.preempted:  # off the backend already, and no load in flight: a free
@@ -244,7 +271,7 @@ class TierReplay:
         actual = r.ask("tier_ledgers", r.backend.tier_ledgers)
         if len(actual) != len(expected):
             r.diverge("tiers", len(expected), len(actual), "tier_ledgers() gives one per tier")
-        for e, a in zip(expected, actual):
+        for i, (e, a) in enumerate(zip(expected, actual)):
             name = e["name"]
             negative = [f for f in TIER_FIELDS if a.get(f, 0) < 0]
             if negative:
@@ -257,4 +284,24 @@ class TierReplay:
                           "a load reads stored blocks")
             for f in TIER_FIELDS:
                 if e[f] != a.get(f):
-                    r.diverge(f"tier {name} {f}", e[f], a.get(f), soft=True)
+                    r.diverge(f"tier {name} {f}", e[f], a.get(f),
+                              self.released(i) if f == "loading" else "", soft=True)
+
+    def released(self, tier: int) -> str:
+        """The lookups' pins of ``tier`` released by now, named by key and salt."""
+        entries = self.r.oracle.tiers.tiers[tier].entries
+        gone = [name for (t, key), name in self.pinned.items()
+                if t == tier and (key not in entries or not entries[key].loads)]
+        return ("pins released by now: " + "; ".join(gone[:4])
+                + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")) if gone else ""
+
+    def end(self) -> None:
+        """At the end of the trace no pin is left held but the oracle's (SPEC §11)."""
+        r = self.r
+        if r.backend is None or not self.pinned:
+            return
+        actual = r.ask("tier_ledgers", r.backend.tier_ledgers)
+        for i, (e, a) in enumerate(zip(r.oracle.tiers.ledgers(), actual)):
+            if a.get("loading") != e.loading:
+                r.diverge(f"tier {e.name} pins at the end of the trace", e.loading, a.get("loading"),
+                          self.released(i))

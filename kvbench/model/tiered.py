@@ -11,6 +11,9 @@ tiers.py, joined by leases and load targets.
   The run's device blocks are not in the prefix cache until the load completes (no hit is served
   from them); a load that fails computes them again into the same blocks.
 - Abort cancels the sequence's loads and frees it; its stores still complete.
+- A lookup pins the tier run a load of its prompt would read now (after the device hit); the load
+  of its sequence takes the pins over, to its completion; an abort or free before the load, or
+  the load refused (out of memory), releases them.
 - Preemption by swap (SPEC §13) moves every block of the sequence (its partial tail too) to a
   tier at once, in blocks of its own there (stored, never a hit nor the policy's victim; the
   policy evicts stored blocks to make room), and frees it; a tier that cannot hold them all
@@ -68,8 +71,12 @@ class TieredOracle(Oracle):
     def load(self, tid, seq, tokens, tenant, final, step, protect=(), hashes=None, *, salt=None,
              adapter=None, token_ids=None) -> list:
         L, run, keys = self.load_run(tokens, hashes, salt=salt, adapter=adapter, token_ids=token_ids)
-        victims = self.prefill(seq, tokens, tenant, final, step, protect, hashes, salt=salt,
-                               adapter=adapter, token_ids=token_ids)
+        try:
+            victims = self.prefill(seq, tokens, tenant, final, step, protect, hashes, salt=salt,
+                                   adapter=adapter, token_ids=token_ids)
+        except ModelOOM:  # the request fails: its lookup's pins go
+            self.tiers.unpin(seq)
+            raise
         table = self.seqs[seq].tables[0]
         blocks, pending = [], []
         for i, tier in enumerate(run):
@@ -85,6 +92,12 @@ class TieredOracle(Oracle):
         self.tiers.load_begin(tid, seq, blocks, [p for p, _, _ in pending])
         self.pending[tid] = pending
         return victims
+
+    def lookup(self, seq, tokens, hashes=None, *, salt=None, adapter=None, token_ids=None) -> list:
+        """Pin, for ``seq``'s coming load, the run of tier entries its load would read now;
+        returns [(key, tier)]."""
+        L, _, keys = self.load_run(tokens, hashes, salt=salt, adapter=adapter, token_ids=token_ids)
+        return self.tiers.pin(seq, [(0, k) for k in keys[L:]])
 
     # --- completion and abort --------------------------------------------------------------
 
@@ -104,7 +117,8 @@ class TieredOracle(Oracle):
         cancelled = self.tiers.abort(seq)
         for tid, _ in cancelled:
             del self.pending[tid]
-        self.free(seq)
+        if seq in self.seqs or seq in self.preempted:
+            self.free(seq)
         return cancelled
 
     # --- preemption by swap (SPEC §13) -------------------------------------------------------
@@ -129,6 +143,9 @@ class TieredOracle(Oracle):
         return victims
 
     def free(self, seq) -> None:
+        if seq not in self.seqs and seq not in self.preempted:  # looked up, never loaded
+            self.tiers.unpin(seq)
+            return
         if seq in self.swapped:
             self.tiers.swap_drop(seq)
             self.swapped.discard(seq)

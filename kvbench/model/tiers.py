@@ -8,7 +8,10 @@ the load completes). It imports no backend code.
 
 A block in a tier is ``storing`` (a store began: not loadable, not evictable) or ``stored``
 (loadable, evictable by the tier's policy unless a load reads it: then it is also ``loading``).
-A store that fails leaves no trace. A load that fails leaves the entries it read as its tier
+A request's lookup (SPEC §11's failure paths: LMCache's read locks, SGLang's sessions) pins each
+stored entry of the run its load would read, as a load reads it: counted in ``loading``, not
+evictable; its load takes the pins over and releases them at its completion (ok or failed), and an
+abort before the load releases them, each exactly once. A store that fails leaves no trace. A load that fails leaves the entries it read as its tier
 declares (``TierSpec.failed_load``): kept stored (loadable again), or dropped: not loadable from
 the failure on, removed once no load reads them, so the hit is never served again from a block the
 tier could not read (vLLM issue 49176). Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
@@ -151,6 +154,7 @@ class Transfer:
     seq: int
     tier: int = 0  # a store's tier (index into Tiers.tiers)
     blocks: list = field(default_factory=list)  # store: [(key, source)]; load: [(key, tier, target)]
+    pins: list = field(default_factory=list)  # a load's: its lookup's [(key, tier)], released with it
 
 
 class TransferError(ValueError):
@@ -177,6 +181,7 @@ class Tiers:
         self.finished: set = set()
         self.leases: dict = {}  # device block -> stores in flight copying it
         self.load_targets: dict = {}  # device block -> load id writing it
+        self.pins: dict = {}  # seq -> [(key, tier)] its lookup pinned, its load not begun
 
     def index(self, name: str) -> int:
         for i, t in enumerate(self.tiers):
@@ -207,6 +212,37 @@ class Tiers:
                 break
             run.append(i)
         return run
+
+    def _read(self, key, tier: int) -> None:
+        t = self.tiers[tier]
+        e = t.entries[key]
+        e.loads += 1
+        t.loading += e.loads == 1
+
+    def _unread(self, key, tier: int) -> None:
+        t = self.tiers[tier]
+        e = t.entries[key]
+        e.loads -= 1
+        t.loading -= not e.loads
+        if e.unreadable and not e.loads:  # the last reader gone: the entry goes
+            del t.entries[key]
+            t.policy.remove(key)
+
+    def pin(self, seq: int, keys) -> list:
+        """A lookup of ``keys`` for ``seq``: pins the run :meth:`load_run` finds; returns it as
+        [(key, tier)]."""
+        pins = list(zip(keys, self.load_run(keys)))
+        for key, tier in pins:
+            self._read(key, tier)
+        self.pins[seq] = pins
+        return pins
+
+    def unpin(self, seq: int) -> list:
+        """Release the pins of ``seq``'s lookup (none: nothing); returns them."""
+        pins = self.pins.pop(seq, [])
+        for key, tier in pins:
+            self._unread(key, tier)
+        return pins
 
     # --- store ---------------------------------------------------------------------------
 
@@ -330,7 +366,7 @@ class Tiers:
                     t.policy.on_request_access(t.access(seq).record(mine, [k for k, _ in mine]), seq)
             else:
                 t.policy.touch([k for k, _ in mine])
-        self.transfers[tid] = Transfer("load", seq, blocks=list(blocks))
+        self.transfers[tid] = Transfer("load", seq, blocks=list(blocks), pins=self.pins.pop(seq, []))
 
     def finish(self, seq) -> None:
         """``seq`` is freed: each tier's policy takes its accesses (request_recency)."""
@@ -386,10 +422,13 @@ class Tiers:
             if e.unreadable and not e.loads:  # the last reader gone: the entry goes
                 del t.entries[key]
                 t.policy.remove(key)
+        for key, tier in tr.pins:
+            self._unread(key, tier)
 
     def abort(self, seq: int) -> list:
         """Cancel the loads of ``seq`` (returned as [(id, transfer)]: their device targets are to
-        be freed); its stores stay in flight and complete or fail later."""
+        be freed) and its lookup's pins; its stores stay in flight and complete or fail later."""
+        self.unpin(seq)
         cancelled = []
         for tid, tr in list(self.transfers.items()):
             if tr.kind == "load" and tr.seq == seq:

@@ -27,7 +27,9 @@ The rules, and the edges each covers:
   reads (the tier's eviction must skip the blocks being read), while a second load reads the same
   blocks, until its abort, or until it fails, in a tier that keeps or drops what a failed load
   read (then the same prompt loaded again, and a store that fails); a store of no full block into
-  a tier of no room; a swap into a tier with exactly, and one less than, the room it needs.
+  a tier of no room; a swap into a tier with exactly, and one less than, the room it needs; the
+  load looked up first (its pins, SPEC §11's failure paths), salted or not, or a lookup aborted
+  before any load.
 - ``encodings`` (§12): the fp8 (per tensor), fp8 per token-head and NVFP4 tiny models.
 - ``returns`` (§12): a prompt A on a Mamba hybrid (tiny-mamba: three state groups and a full
   one), then a prompt that extends A by e in {1, B, B + 1} tokens (all of A, or A less its last
@@ -40,6 +42,8 @@ The rules, and the edges each covers:
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
 default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
+Over 500 lines: one builder per rule beside the covering design they share; each is read against
+the rule's paragraph above.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from typing import Callable
 from kvbench.traces.builder import _Builder
 from kvbench.traces.format import Header, Trace, validate
 from kvbench.traces.ops import Preempt
-from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
+from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store, TierSpec
 
 GENERATOR = "kvbench.traces.boundaries v1"
 
@@ -120,10 +124,21 @@ class _Ops(_Builder):
         self.next_id += 1
         return self.next_id - 1
 
-    def load(self, tokens: int, token_ids, tenant: str = "default") -> tuple[int, int]:
-        seq, tid = self.next_seq, self._tid()
+    def lookup(self, tokens: int, token_ids, tenant: str = "default", salt=None) -> int:
+        """A lookup for a request not made yet: its sequence id, for its load or abort."""
+        seq = self.next_seq
         self.next_seq += 1
-        self.ops.append(Load(len(self.ops), seq, tenant, int(tokens), None, None, None,
+        self.ops.append(Lookup(len(self.ops), seq, tenant, int(tokens), None, salt, None,
+                               tuple(int(t) for t in token_ids), None))
+        return seq
+
+    def load(self, tokens: int, token_ids, tenant: str = "default", *, salt=None,
+             seq=None) -> tuple[int, int]:
+        """A load (``seq``: of a looked-up request; None: a new one)."""
+        tid = self._tid()
+        if seq is None:
+            seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self.ops.append(Load(len(self.ops), seq, tenant, int(tokens), None, salt, None,
                              tuple(int(t) for t in token_ids), None, id=tid))
         self.length[seq] = int(tokens)
         return seq, tid
@@ -138,7 +153,7 @@ class _Ops(_Builder):
 
     def abort(self, seq: int) -> None:
         self.ops.append(Abort(len(self.ops), seq))
-        del self.length[seq]
+        self.length.pop(seq, None)  # a looked-up request has none
 
     def free_all(self) -> None:
         for s in sorted(self.length):
@@ -338,20 +353,29 @@ def _tiers(cases) -> list[Trace]:
     host declaring ``failed_load``; the device is flushed again and the prompt loaded again, a hit
     of host's 2 blocks if it keeps them, none if it dropped them; then a store of another prompt
     fails), and a swap of a sequence into a tier of ``room`` (none: a store of no full block there
-    first; exact; one short)."""
+    first; exact; one short). ``lookup`` (SPEC §11's pins): the load is looked up first
+    (``plain``; ``salted``: the prompt stored and loaded under a salt), or a lookup of the prompt
+    is aborted before any load (``aborted``), or none."""
     B = TIERS_B
     out = []
     for i, c in enumerate(cases):
         b = _Ops()
         ids = _ids(i, 2 * B + 1)
         other = _ids(i, 2 * B, start=500)
-        a = b.prefill(2 * B, token_ids=ids[:2 * B])
+        salt = "s" if c["lookup"] == "salted" else None
+        a = b.prefill(2 * B, token_ids=ids[:2 * B], salt=salt)
         sid = b.store(a, "host")
         b.done(sid)
         b.free(a)
         flush = b.prefill(8 * B)  # the device forgets the prompt: the loads read host
         b.free(flush)
-        seq, lid = b.load(2 * B + 1, ids)
+        looked = None
+        if c["lookup"] != "none":  # pins host's 2 blocks until the load's end (or the abort)
+            looked = b.lookup(2 * B + 1, ids, salt=salt)
+        if c["lookup"] == "aborted":
+            b.abort(looked)
+            looked = None
+        seq, lid = b.load(2 * B + 1, ids, salt=salt, seq=looked)
         if c["during"] == "store":
             o = b.prefill(2 * B, token_ids=other)
             oid = b.store(o, "host")
@@ -394,7 +418,8 @@ def _tiers(cases) -> list[Trace]:
 
 TIERS = Rule("tiers", "§11, §13", {"during": ("store", "load", "abort", "nothing", "fail"),
                                     "room": ("none", "exact", "short"),
-                                    "failed_load": ("keep", "drop")}, _tiers,
+                                    "failed_load": ("keep", "drop"),
+                                    "lookup": ("none", "plain", "salted", "aborted")}, _tiers,
              interactions=(("during", "failed_load"),),
              # what host does with a failed load's blocks matters where a load fails
              valid=lambda c: c["failed_load"] == "keep" or c["during"] == "fail")

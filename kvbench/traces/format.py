@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 
 from kvbench.traces import columns as C
 from kvbench.traces import tier_ops
-from kvbench.traces.ops import (OPS, PREEMPT_MODES, Abort, Accept, Append, Done, Fork, Free, Load, Op,
+from kvbench.traces.ops import (OPS, PREEMPT_MODES, Abort, Accept, Append, Done, Fork, Free, Load, Lookup, Op,
                                 Preempt, Prefill, Resume, Store, final_lengths, op_to_dict)
 
 from kvbench.outputs import staged
@@ -278,6 +278,11 @@ def _parse_load(d, step, fail) -> Load:
     return Load(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, id=_int(d, "id", fail, 0))
 
 
+def _parse_lookup(d, step, fail) -> Lookup:
+    p = _parse_prefill(d, step, fail)
+    return Lookup(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)})
+
+
 def _parse_done(d, step, fail) -> Done:
     ok = d.get("ok", True)
     if not isinstance(ok, bool):
@@ -359,6 +364,8 @@ class _Validator:
         self._new(op.seq, fail)
 
     def free(self, op, fail) -> None:
+        if self.transfers.looked_up.pop(op.seq, None) is not None:  # before its load: a cancel
+            return
         self._live(op.seq, f"{op.kind} of", fail, busy=False)  # an abort is a free that says so
         self.live.discard(op.seq)
         for state in (self.chunk_left, self.drafted):
@@ -395,6 +402,10 @@ class _Validator:
         if op.seq not in self.preempted:
             fail(f"resume of sequence {op.seq}, which is not preempted")
         self.preempted.discard(op.seq)
+
+    def lookup(self, op, fail) -> None:  # the transfer rules saw to the rest
+        if op.seq in self.seen:
+            fail(f"lookup of freed sequence {op.seq} (a lookup names the request its load makes)")
 
     load = prefill  # a prefill served from the lower tiers: a new sequence as any prefill
     abort = free  # a free that cancels its loads (the transfer rules saw to those)

@@ -126,6 +126,26 @@ class Load(Prefill):
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """A request's lookup of the lower tiers before its load (LMCache's ``lookup``, SGLang's
+    match): the tiers pin each stored entry of the run a load of this prompt would read, until
+    the load of ``seq`` completes or ``seq`` is aborted before its load. A prefill's fields; not
+    a prefill (it makes no sequence: the load does)."""
+
+    step: int
+    seq: int
+    tenant: str
+    tokens: int
+    block_hashes: tuple | None = None
+    salt: str | None = None
+    adapter: str | None = None
+    token_ids: tuple | None = None
+    prompt_tokens: int | None = None
+    kind = "lookup"
+    FIELDS = Prefill.FIELDS
+
+
+@dataclass(frozen=True)
 class Done:
     """The completion of transfer ``id``: ``ok`` false for a failure."""
 
@@ -143,8 +163,8 @@ class Abort(Free):
     kind = "abort"
 
 
-TIER_OPS = (Store, Load, Done, Abort)
-Op = Union[Prefill, Append, Fork, Free, Accept, Preempt, Resume, Store, Load, Done, Abort]
+TIER_OPS = (Store, Load, Done, Abort, Lookup)
+Op = Union[Prefill, Append, Fork, Free, Accept, Preempt, Resume, Store, Load, Done, Abort, Lookup]
 OPS = {cls.kind: cls for cls in (Prefill, Append, Fork, Free, Accept, Preempt, Resume, *TIER_OPS)}
 
 
@@ -177,7 +197,7 @@ def final_lengths(ops: Iterable) -> dict:
         elif kind == "accept":
             peak[op.seq] = max(peak.get(op.seq, 0), length[op.seq])
             length[op.seq] -= drafted.pop(op.seq) - op.n
-        elif kind in ("free", "abort"):
+        elif kind in ("free", "abort") and op.seq in length:  # else a looked-up request's
             final[op.seq] = length.pop(op.seq)
     final.update(length)
     for s, longest in peak.items():

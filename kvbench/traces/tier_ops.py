@@ -9,6 +9,7 @@ load could not read, ``"keep"`` when absent: SPEC §11's failure paths). Operati
     {"step": 7, "op": "load", "id": 3, "seq": 4, "tenant": "a", "tokens": 40, "block_hashes": [...]}
     {"step": 8, "op": "done", "id": 1, "ok": true}
     {"step": 9, "op": "abort", "seq": 4}
+    {"step": 10, "op": "lookup", "seq": 5, "tenant": "a", "tokens": 40, "salt": "s", ...}
 
 The operations themselves are in kvbench.traces.ops (``Store``, ``Load``, ``Done``, ``Abort``,
 registered with the others) and are parsed in format.py; this module holds the header's tiers and
@@ -16,12 +17,15 @@ the history rules of transfers. ``load`` is a prefill (every field of one) serve
 tiers after the device's own hit; ``done`` completes a store or a load, ``ok`` false for a failure; ``abort`` frees a
 sequence, cancelling its loads in flight (its stores still complete). A load's sequence is its
 own until the load completes: no append, fork, store or free of it (abort it instead).
+``lookup`` (a prefill's fields) is a request's lookup before its load: it names a sequence not yet
+made, once; that sequence's next operation is its ``load`` (which takes over the pins) or its
+``abort`` / ``free`` (the request cancelled between lookup and load: the pins go).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.traces.ops import TIER_OPS, Abort, Done, Load, Store  # noqa: F401 (TIER_OPS: re-exported)
+from kvbench.traces.ops import TIER_OPS, Abort, Done, Load, Lookup, Store  # noqa: F401 (TIER_OPS: re-exported)
 
 TIER_POLICIES = ("lru", "arc")
 # What a tier does with the entries a failed load read (SPEC §11): keeps them stored (a transient
@@ -93,6 +97,7 @@ class TransferHistory:
         self.begun: dict = {}  # id -> (kind, seq), in flight
         self.done: set = set()
         self.loading: dict = {}  # seq -> load id in flight
+        self.looked_up: dict = {}  # seq -> step of its lookup, its load not begun yet
 
     def _begin(self, tid, kind, seq, fail) -> None:
         if tid in self.begun or tid in self.done:
@@ -101,6 +106,22 @@ class TransferHistory:
 
     def check(self, op, live, fail) -> bool:
         seq = getattr(op, "seq", None)
+        if isinstance(op, Lookup):
+            if not self.tier_names:
+                fail("op 'lookup' in a trace whose header declares no 'tiers'")
+            if seq in self.looked_up:
+                fail(f"lookup of sequence {seq}, whose lookup at step {self.looked_up[seq]} has "
+                     f"no load yet (one lookup per request)")
+            if seq in live:
+                fail(f"lookup of live sequence {seq} (a lookup comes before its load, which "
+                     f"makes the sequence)")
+            self.looked_up[seq] = op.step
+            return False  # the validator's: a sequence id not used before
+        if seq in self.looked_up and not isinstance(op, (Load, Abort)) and op.kind != "free":
+            fail(f"{op.kind} of sequence {seq}, looked up at step {self.looked_up[seq]} (its "
+                 f"next operation is its load, or an abort)")
+        if isinstance(op, Load):
+            self.looked_up.pop(seq, None)
         if isinstance(op, Done):
             if op.id not in self.begun:
                 fail(f"completion of transfer {op.id}, which "

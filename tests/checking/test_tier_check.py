@@ -11,7 +11,8 @@ import pytest
 from conftest import make_config
 
 from impls.contiguous import Contiguous
-from impls.faults_tiers import FailedLoadReserved, HitCountedBeforeAllocation, LeaseEndsAtFree
+from impls.faults_tiers import (FailedLoadReserved, HitCountedBeforeAllocation, LeaseEndsAtFree,
+                                 PinsReleasedWithoutSalt)
 from impls.numpy_paged import NumpyPaged
 from impls.numpy_quant_paged import NumpyQuantPaged
 from impls.torch_paged import TorchPaged
@@ -19,7 +20,7 @@ from kvbench.checking.checker import check
 from kvbench.contract.protocol import Prompt, kv_tokens
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
-from kvbench.traces.tier_ops import Abort, Done, Load, Store
+from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store
 
 TIERS = (TierSpec("host", 4), TierSpec("disk", 8))
 POOLS = [NumpyPaged, pytest.param(TorchPaged, marks=pytest.mark.skipif(
@@ -284,3 +285,65 @@ def test_a_tier_without_the_scales_fails_at_the_stores_completion():
     assert v.valid is False
     d = v.divergence
     assert (d.step, d.quantity) == (4, "tier content of transfer 1")  # 4: D(1), the store's completion
+
+
+def LU(seq, tokens, hashes, salt=None):
+    return lambda s: Lookup(s, seq, "a", tokens, hashes, salt)
+
+
+PINNED = steps(
+    P(0, 40, [1, 2], salt="s"),  # blocks 0, 1 (hashed under salt s), 2
+    ST(1, 0, "host"),
+    D(1),                        # host (capacity 2) holds both: full
+    F(0),
+    P(1, 16 * 16),               # every block: the device forgets them
+    F(1),
+    LU(2, 40, [1, 2], "s"),      # step 6: pins host's 2 entries (loading 2)
+    P(3, 40, [3, 4]),
+    ST(2, 3, "host"),            # host full, both entries pinned: nothing to evict, refused
+    D(2),
+    F(3),
+    LD(3, 2, 40, [1, 2], "s"),   # the looked-up request: host's 2 blocks, the pins taken over
+    D(3),                        # step 12: the load's pins released (loading 0)
+    F(2),
+    LU(4, 40, [1, 2], "s"),      # pinned again, then the request cancelled before its load
+    AB(4),
+)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_lookup_pins_until_its_load_completes_or_its_abort(pool):
+    b = pool(make_config(num_blocks=16, prefix_caching=True))
+    try:
+        v = check(validate(Trace(Header("tiers", tiers=(TierSpec("host", 2),)), PINNED, name="t")), b)
+        assert v.valid, v.divergence
+        host = b.tier_ledgers()[0]
+        # the pinned entries survived the refused store: the load took both (2 hits), and no
+        # pin is left (the load's released at its done, the second lookup's at its abort)
+        assert (host["stored"], host["hits"], host["loading"]) == (2, 2, 0)
+    finally:
+        b.close()
+
+
+def test_pins_released_by_a_key_without_its_salt_fail_at_the_loads_completion():
+    d = run(PINNED, PinsReleasedWithoutSalt, tiers=(TierSpec("host", 2),)).divergence
+    # step 12: the load completes; its 2 salted pins are released by their unsalted keys, which
+    # no entry has: host's 2 entries stay pinned
+    assert (d.step, d.quantity, d.expected, d.actual) == (12, "tier host loading", 0, 2)
+
+
+def test_a_backend_without_lookup_is_not_applicable_to_a_trace_with_lookups():
+    class NoLookup(NumpyPaged):
+        lookup = None
+
+    v = run(PINNED, NoLookup, tiers=(TierSpec("host", 2),))
+    assert v.valid is None and "lookup" in v.not_applicable
+
+
+def test_pins_left_at_the_end_of_a_kept_going_trace_fail_naming_the_key_and_salt():
+    v = run(PINNED, PinsReleasedWithoutSalt, tiers=(TierSpec("host", 2),), keep_going=True)
+    assert v.divergence.step == 12  # the first: the load's done, kept going past it
+    d = v.divergences[-1]["first"]  # the last: the trace's end (step 15), host's 2 still pinned
+    assert v.divergences[-1]["stopped"] and (v.valid, d.step, d.quantity, d.expected, d.actual) == (
+        False, 15, "tier host pins at the end of the trace", 0, 2)
+    assert "block 0 (hash 1, salt 's') looked up at step 6" in d.detail

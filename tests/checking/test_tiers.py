@@ -374,3 +374,20 @@ def test_two_level_by_hand():
     prompts = [["a", "b"], ["c"], ["a", "b"]]
     got = replay_prompts(prompts, 2, host(2))
     assert got == {"device": 0, "host": 1, "computed": 4}  # 4 = 2 + 1 + 1
+
+
+def test_a_lookups_pins_protect_until_its_load_ends_or_its_abort():
+    t = host(2)
+    t.store_begin(1, 0, 0, [("a", 1), ("b", 2)])
+    t.complete(1, True)
+    assert t.pin(5, ["a", "b", "c"]) == [("a", 0), ("b", 0)]  # the run stored: c is nowhere
+    assert counts(t) == (2, 0, 2, 0)  # pinned entries count as read
+    plan = t.store_begin(2, 1, 0, [("d", 3)])  # full, both pinned: refused, nothing evicted
+    assert plan.refused == ["d"] and not plan.evicted
+    t.complete(2, True)
+    t.load_begin(3, 5, [("a", 0, 10)])  # the load takes over both pins, reads a once more
+    assert t.pins == {} and t.tiers[0].entries["a"].loads == 2
+    t.complete(3, False)  # failed: its read and both pins released, each once
+    assert counts(t) == (2, 0, 0, 0)
+    t.pin(6, ["b"])
+    assert t.abort(6) == [] and counts(t) == (2, 0, 0, 0)  # cancelled before its load

@@ -311,10 +311,15 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
              # step 8: agent 0's load of the 6 prefix blocks begins; their targets announced as
              # cache entries at the begin (SPEC §14), before the load completes
              T.LoadTargetHitEarly: ("tier-agentic", 8, "residency of group 0, tier 0", None, None),
-             # boundary-tiers-1 (host declares failed_load "drop"), step 7: the load of host's 2
-             # blocks fails; host drops both (0 stored), the fault keeps them (2). The committed
-             # workloads' tiers keep a failed load's blocks, where the fault is right.
-             T.FailedLoadReserved: ("boundary-tiers-1", 7, "tier host stored", 0, 2)}
+             # boundary-tiers-1 (host declares failed_load "drop"), step 8 (after its lookup at 6,
+             # the load at 7): the load of host's 2 blocks fails; host drops both (0 stored), the
+             # fault keeps them (2). The committed workloads' tiers keep a failed load's blocks,
+             # where the fault is right.
+             T.FailedLoadReserved: ("boundary-tiers-1", 8, "tier host stored", 0, 2),
+             # boundary-tiers-2 (a salted lookup at 6, its load at 7), step 11: the load's done
+             # releases its 2 pins by the keys without the salt, which pin nothing: host's 2
+             # entries stay pinned (loading 2, not 0)
+             T.PinsReleasedWithoutSalt: ("boundary-tiers-2", 11, "tier host loading", 0, 2)}
     for name, upstream, fault in T.TIER_BUGS:
         row = table[name]
         d = row["divergence"]

@@ -203,7 +203,7 @@ def test_tier_transfers_interleave_with_a_load_of_the_same_blocks():
                 order.append("store")
             elif isinstance(op, Done):
                 loading.discard(op.id)
-            elif op.kind == "abort":  # cancels the load: no longer in flight
+            elif op.kind == "abort" and loading:  # cancels the load: no longer in flight
                 order.append("abort")
                 loading.clear()
             elif isinstance(op, Preempt):
@@ -216,6 +216,22 @@ def test_tier_transfers_interleave_with_a_load_of_the_same_blocks():
     assert rooms == {"none", "exact", "short"}
     # the swapped sequence: 2B + 2 = 10 tokens, ceil(10 / 4) = 3 blocks; "exact" is a tier of 3
     assert F.blocks_needed(2 * 4 + 2, 4) == 3
+
+
+def test_tier_lookups_end_at_their_load_or_an_abort_salted_or_not():
+    paths = set()
+    for t in by_rule("tiers"):
+        looked = {}  # seq -> its lookup's salt
+        for op in t.ops:
+            if op.kind == "lookup":
+                looked[op.seq] = op.salt
+            elif op.kind in ("load", "abort") and op.seq in looked:
+                salt = looked.pop(op.seq)
+                assert op.kind == "abort" or op.salt == salt  # the load keys as its lookup did
+                paths.add((op.kind, salt))
+        assert not looked  # every lookup ends
+    # lookup, load, done (unsalted and salted); lookup, then abort before any load
+    assert paths == {("load", None), ("load", "s"), ("abort", None)}
 
 
 def test_a_failed_load_is_loaded_again_from_a_tier_that_keeps_and_one_that_drops():
@@ -304,10 +320,10 @@ CATCHES = {
     # both read by the load begun at step 6; the store at step 8 of another 2-block prompt
     # finds no block to evict (refused): host still holds 2 stored; evicting the loads' leaves 0.
     E.TierEvictsLoading: ("boundary-tiers-0", 8, "tier host stored", 2, 0),
-    # boundary-tiers-1 (a load failing, room exact): steps 7-17 fail the load begun at 6, flush
-    # the device, load the prompt again and fail a store; 18 prefills 2B + 2 = 10 tokens and 19
-    # swaps them to the swap tier of 3 blocks: ceil(10 / 4) = 3, exactly.
-    E.SwapRefusedOnExactFit: ("boundary-tiers-1", 19, "tier swap stored", 3, 0),
+    # boundary-tiers-1 (a load failing, room exact, looked up at 6): steps 8-18 fail the load
+    # begun at 7, flush the device, load the prompt again and fail a store; 19 prefills
+    # 2B + 2 = 10 tokens and 20 swaps them to the swap tier of 3 blocks: ceil(10 / 4) = 3, exactly.
+    E.SwapRefusedOnExactFit: ("boundary-tiers-1", 20, "tier swap stored", 3, 0),
     # boundary-zero-0, steps 25-29 (fork, batched): 8 prefills B + 1 = 5 tokens, ceil(5 / 4) =
     # 2 blocks; 9 is empty (none); 10 forks 9, 11 forks 8 (sharing its 2); an append of 0
     # tokens to 10 and 11 writes nothing: still 2 blocks; copying 11's shared tail makes 3.

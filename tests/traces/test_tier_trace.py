@@ -7,7 +7,7 @@ import pytest
 
 from kvbench.traces.tier_ops import TierSpec
 from kvbench.traces import format as F
-from kvbench.traces.tier_ops import Abort, Done, Load, Store
+from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store
 
 HEADER = {"kvbench_trace": 1, "family": "tiers",
           "tiers": [{"name": "host", "capacity": 8}, {"name": "disk", "capacity": 32, "policy": "arc"}]}
@@ -16,6 +16,27 @@ P0 = {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 32, "block_
 
 def text(*ops, header=HEADER):
     return "".join(json.dumps(x) + "\n" for x in (header,) + ops)
+
+
+LU1 = {"step": 1, "op": "lookup", "seq": 1, "tenant": "a", "tokens": 40, "block_hashes": [1, 2],
+       "salt": "s"}
+
+
+def test_lookup_round_trips_and_ends_at_its_load_abort_or_free():
+    t = F.loads(text(P0, LU1, {"step": 2, "op": "load", "id": 1, "seq": 1, "tenant": "a",
+                               "tokens": 40, "block_hashes": [1, 2], "salt": "s"},
+                     {"step": 3, "op": "done", "id": 1},
+                     {**LU1, "step": 4, "seq": 2}, {"step": 5, "op": "abort", "seq": 2},
+                     {**LU1, "step": 6, "seq": 3}, {"step": 7, "op": "free", "seq": 3}), "l.jsonl")
+    ops = list(t.ops)
+    assert ops[1] == Lookup(1, 1, "a", 40, (1, 2), "s")
+    assert list(F.loads(t.to_jsonl(), "again.jsonl").ops) == ops
+    assert t.final_lengths() == {0: 32, 1: 40}  # a request aborted before its load had no length
+
+
+def test_lookup_needs_declared_tiers():
+    with pytest.raises(F.TraceError, match="op 'lookup' in a trace whose header declares no 'tiers'"):
+        F.loads(text(P0, LU1, header={"kvbench_trace": 1, "family": "x"}), "n.jsonl")
 
 
 def test_round_trip_and_ops():
@@ -85,6 +106,14 @@ def test_old_trace_has_no_tiers():
     ([{"step": 1, "op": "done", "id": 1, "ok": "yes"}], 3, "field 'ok' must be true or false"),
     ([{"step": 1, "op": "store", "id": 1, "seq": 0, "tier": "host", "block": [0]}], 3,
      "unknown field 'block' of op 'store'"),
+    ([LU1, {**LU1, "step": 2}], 4, "lookup of sequence 1, whose lookup at step 1 has no load yet"),
+    ([{**LU1, "seq": 0}], 3, "lookup of live sequence 0"),
+    ([{"step": 1, "op": "free", "seq": 0}, {**LU1, "step": 2, "seq": 0}], 4,
+     "lookup of freed sequence 0"),
+    ([LU1, {"step": 2, "op": "prefill", "seq": 1, "tenant": "a", "tokens": 16}], 4,
+     "prefill of sequence 1, looked up at step 1"),
+    ([LU1, {"step": 2, "op": "abort", "seq": 1}, {"step": 3, "op": "abort", "seq": 1}], 5,
+     "abort of unknown sequence 1"),  # the lookup's abort ended the request
 ])
 def test_ill_formed_history(ops, line, reason):
     with pytest.raises(F.TraceError) as e:
