@@ -94,6 +94,21 @@ def backends(*tags: str, where=None, without=("engine",)) -> list:
     return out
 
 
+def require_sglang() -> None:
+    """Skip where SGLang is not installed (opt-in, not in CI); fail where it is but cannot run."""
+    from impls.engines.sglang_radix import NOT_INSTALLED, available
+    ok, why = available()  # imports SGLang the adapter's way (its _torchvision_importable)
+    if why == NOT_INSTALLED:
+        pytest.skip("SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe")
+    assert ok, why  # installed but broken: say so, never skip
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    """The SGLang engine tests' guard: require_sglang once a module."""
+    require_sglang()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _expectations_cache(tmp_path_factory):
     """The checks of the tests store their expectations in a folder of their own, never the

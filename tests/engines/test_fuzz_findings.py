@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from conftest import require_sglang
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
@@ -304,14 +305,6 @@ def test_vllm_a_second_fork_hits_what_a_first_computed_of_kept_drafts():
         assert v.valid is True and v.final_ledger["blocks_used"] == 10, str(v.divergence)
 
 
-def _sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()
-    if why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in): see docs/engines.md for its recipe")
-    assert ok, why
-
-
 SGLANG_SPEC_RULES = {"evicts_whole_leaves": False, "eviction_demand": "need",
                      "capped_hit_recomputed": False}
 SGLANG_FINDINGS = ["01-cached-blocks-append", "02-cached-blocks-prefill", "03-cached-blocks-fork",
@@ -327,7 +320,7 @@ def test_sglang_findings_are_its_declared_rules(finding):
     node goes whole), the capped hit's page computed again (05: a fork of 6 tokens in 6 pages is
     refused). Its whole history checks clean under them; its shrunk trace, held to SPEC's rules,
     diverges as it was found (the divergence its header records)."""
-    _sglang()
+    require_sglang()
     whole = load(str(CAMPAIGNS / "earlier" / "sglang-radix" / f"{finding}.jsonl"))
     v = _engine_check("sglang-radix", whole)
     assert v.valid is True and v.ops == len(whole.ops), str(v.divergence)
@@ -348,7 +341,7 @@ def test_a_resumed_sequence_caches_its_blocks_anew():
     B = 1, 4 pages: 1 token, preempted (cached), resumed into a new page (its token ids are
     new to the cache), freed: 2 pages cached; forked instead: the fork shares the resumed page
     (the capped hit's page computed again, then shared), 1 page in use."""
-    _sglang()
+    require_sglang()
     head = [Prefill(0, 0, "a", 1, ()), Preempt(1, 0, "recompute"), Resume(2, 0)]
     for last, quantity, value in ((Free(3, 0), "cached_blocks", 2), (Fork(3, 1, 0), "blocks_used", 1)):
         trace = validate(Trace(Header("fuzz-finding", settings={"block_size": 1, "num_blocks": 4,
@@ -370,7 +363,7 @@ def test_sglang_campaign_findings_pass_under_its_declared_rules(finding):
     """The last campaigns' SGLang findings, found before its rules were modelled (over-eviction
     by a page per request and by whole leaves, the capped hit's page, the resume's blocks):
     held to the rules its adapter declares, each minimal trace passes to its last operation."""
-    _sglang()
+    require_sglang()
     trace = load(str(CAMPAIGNS / f"{finding}.min.jsonl"))
     v = _engine_check(finding.split("/")[0], trace)
     assert v.valid is True and v.ops == len(trace.ops), str(v.divergence)

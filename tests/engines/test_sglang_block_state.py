@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from conftest import make_config
 
 from kvbench.analyses.suite import config_for, load_traces
@@ -20,15 +19,6 @@ from kvbench.checking.checker import check
 from kvbench.contract.protocol import Prompt
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
-
-
-@pytest.fixture(scope="module")
-def sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()
-    if why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe")
-    assert ok, why
 
 
 def workload(name: str):

@@ -19,15 +19,6 @@ A, B, D, C = list(range(1, 9)), list(range(11, 19)), list(range(21, 29)), [31, 3
 SIZE, WINDOW = 64, 4
 
 
-@pytest.fixture(scope="module")
-def sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()
-    if not ok and why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe")
-    assert ok, why  # installed but broken: say so, never skip
-
-
 def drive(tree, steps) -> list:
     """Each step's violations (SwaTree.violations), in order."""
     out = []

@@ -24,15 +24,6 @@ ONE_GROUP = [p for p in committed_workloads()
              if p.stem in ("prefix-reuse", "prefix-salts", "prefix-tenants", "fork-parallel", "edge-eviction")]
 
 
-@pytest.fixture(scope="module")
-def sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()
-    if why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe")
-    assert ok, why
-
-
 @pytest.mark.parametrize("tree", ["Sglang", "SglangRadix"])
 @pytest.mark.parametrize("path", ONE_GROUP, ids=lambda p: p.stem)
 def test_the_events_replay_the_tree_on_the_committed_workloads(sglang, path, tree):

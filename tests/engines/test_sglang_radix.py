@@ -28,7 +28,6 @@ from kvbench.contract.protocol import OutOfMemory, Prompt
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, validate
 from kvbench.traces.loaders import load_requests
 
-SKIP_REASON = "SGLang is not installed (opt-in, not in CI): see docs/engines.md for its recipe"
 TRACES = Path(os.environ.get("KVBENCH_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces"))
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 # RadixCache has no window groups: a workload on a hybrid model (SPEC §8) is n/a, tested apart.
@@ -37,15 +36,6 @@ HYBRID = [p for p in committed_workloads() if config_for(load_traces([p])[0], po
 ONE_GROUP = [p for p in committed_workloads() if p not in HYBRID and not load_traces([p])[0].header.tiers]
 UNHASHED = [p for p in ONE_GROUP if not any(
     getattr(op, "block_hashes", None) for op in load_traces([p])[0].ops)]
-
-
-@pytest.fixture(scope="module")
-def sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()  # imports SGLang the adapter's way (see _torchvision_importable)
-    if why == NOT_INSTALLED:
-        pytest.skip(SKIP_REASON)
-    assert ok, why  # installed but broken: say so, never skip
 
 
 def radix(block_size=16, num_blocks=8, caching=True, policy="lru"):

@@ -23,15 +23,6 @@ NAMES = ("prefix-reuse", "prefix-tenants", "prefix-salts", "fork-wide", "fork-be
          "fork-parallel", "edge-refusals", "edge-decode", "lifecycle-preempt", "tenant-late")
 
 
-@pytest.fixture(scope="module")
-def sglang():
-    from impls.engines.sglang_radix import NOT_INSTALLED, available
-    ok, why = available()
-    if why == NOT_INSTALLED:
-        pytest.skip("SGLang is not installed (opt-in): see docs/engines.md for its recipe")
-    assert ok, why
-
-
 def scanned(be) -> dict:
     """The figures from every live request's table (its KV slots, one page per ``P`` of them)."""
     P = be.page
