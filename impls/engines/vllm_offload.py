@@ -100,21 +100,14 @@ def _kv_events(tier, index: int) -> list:
     return out
 
 
-class _VllmTier:
-    """One tier run by a ``CPUOffloadingManager``; its arrays are the chunks, by chunk id."""
+class _OffloadKeys:
+    """What both tiers keep of vLLM's names: each kvbench key's ``OffloadKey`` (made at its first
+    use) and back, and each sequence's ``ReqContext`` (the manager told of it at its first use)."""
 
-    def __init__(self, spec, storage, folder, block_size: int):
-        v = self.v = _vllm()
-        self.name, self.capacity, self.B = spec.name, spec.capacity, block_size
-        # events on, as vLLM's connector turns them on when KV events are enabled
-        self.manager = v.CPUOffloadingManager(spec.capacity, cache_policy=spec.policy, enable_events=True)
-        self.arrays = tier_arrays(spec, storage, folder)
-        self.slot: dict = {}  # kvbench key -> the chunk vLLM last gave it
+    def _init_keys(self) -> None:
         self.offload_key: dict = {}  # kvbench key -> its OffloadKey
         self.key_of: dict = {}  # OffloadKey -> kvbench key
         self.contexts: dict = {}  # seq -> its ReqContext for this tier
-        self.finished: dict = {}  # seq -> its ReqContext once finished (its stores may be in flight)
-        self.bytes_down = self.bytes_up = self.hits = 0
 
     def _key(self, key):
         k = self.offload_key.get(key)
@@ -130,6 +123,21 @@ class _VllmTier:
             ctx = self.contexts[seq] = self.v.ReqContext(req_id=f"seq-{seq}")
             self.manager.on_new_request(ctx)
         return ctx
+
+
+class _VllmTier(_OffloadKeys):
+    """One tier run by a ``CPUOffloadingManager``; its arrays are the chunks, by chunk id."""
+
+    def __init__(self, spec, storage, folder, block_size: int):
+        v = self.v = _vllm()
+        self.name, self.capacity, self.B = spec.name, spec.capacity, block_size
+        # events on, as vLLM's connector turns them on when KV events are enabled
+        self.manager = v.CPUOffloadingManager(spec.capacity, cache_policy=spec.policy, enable_events=True)
+        self.arrays = tier_arrays(spec, storage, folder)
+        self.slot: dict = {}  # kvbench key -> the chunk vLLM last gave it
+        self._init_keys()
+        self.finished: dict = {}  # seq -> its ReqContext once finished (its stores may be in flight)
+        self.bytes_down = self.bytes_up = self.hits = 0
 
     def _keys(self, keys, seq, positions) -> list:
         """The OffloadKeys of ``keys``, each block's end token recorded on the request's context
@@ -217,7 +225,7 @@ def _file_spec(block_size: int):
                                  kv_events_config=types.SimpleNamespace(enable_kv_cache_events=True))
 
 
-class _VllmFileTier:
+class _VllmFileTier(_OffloadKeys):
     """A tier whose ``failed_load`` is "drop", run by vLLM's ``FileSystemTierManager``
     (``vllm/v1/kv_offload/tiering/fs/manager.py``, its pure-Python I/O: one file per block
     under a temporary folder, written by its own threads) as the tiering manager drives a
@@ -251,25 +259,9 @@ class _VllmFileTier:
         self.slot: dict = {}  # kvbench key -> its chunk while a transfer moves it
         self.readers: dict = {}  # kvbench key -> loads in flight reading it
         self.storing: set = set()
-        self.known: dict = {}  # kvbench key -> its OffloadKey (every key a store began)
-        self.key_of: dict = {}  # OffloadKey -> kvbench key
-        self.contexts: dict = {}
+        self._init_keys()  # offload_key: every key a store began
         self.jobs = 0
         self.bytes_down = self.bytes_up = self.hits = 0
-
-    def _key(self, key):
-        k = self.known.get(key)
-        if k is None:
-            k = self.known[key] = self.v.make_offload_key(len(self.known).to_bytes(8, "big"), 0)
-            self.key_of[k] = key
-        return k
-
-    def _context(self, seq):
-        ctx = self.contexts.get(seq)
-        if ctx is None:
-            ctx = self.contexts[seq] = self.v.ReqContext(req_id=f"seq-{seq}")
-            self.manager.on_new_request(ctx)
-        return ctx
 
     def _path(self, key) -> str:
         return self.manager.file_mapper.get_file_name(self._key(key))
@@ -299,7 +291,7 @@ class _VllmFileTier:
     # --- what PoolTiers asks of a tier -------------------------------------------------------
 
     def loadable(self, key, seq) -> bool:
-        if key not in self.known:
+        if key not in self.offload_key:
             return False
         ctx, deadline = self._context(seq), time.monotonic() + 10
         while True:
@@ -314,7 +306,7 @@ class _VllmFileTier:
 
     def begin_store(self, items, seq) -> list:
         new = [(p, b, key) for p, b, key in items
-               if key not in self.storing and not (key in self.known and os.path.exists(self._path(key)))]
+               if key not in self.storing and not (key in self.offload_key and os.path.exists(self._path(key)))]
         if self.stored() + len(self.storing) + len(new) > self.capacity:
             raise RuntimeError(f"vllm-offload: tier {self.name} (vLLM's file tier) evicts nothing: "
                                f"a store of {len(new)} blocks past its {self.capacity}")
@@ -390,7 +382,7 @@ class _VllmFileTier:
         return _kv_events(self, tier)
 
     def stored(self) -> int:
-        return sum(1 for key in self.known if key not in self.storing and os.path.exists(self._path(key)))
+        return sum(1 for key in self.offload_key if key not in self.storing and os.path.exists(self._path(key)))
 
     def figures(self) -> dict:
         stored = self.stored()
