@@ -129,13 +129,17 @@ def test_a_wrong_copy_down_fails_at_the_completion(pool):
     assert (d.step, d.quantity) == (4, "tier content of transfer 1")
 
 
-FAILED_RELOAD = steps(
+# Prompt [1, 2] stored to host and pushed off the device: where both traces below begin.
+OFFLOADED = (
     P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
     ST(1, 0, "host"),
     D(1),                        # host holds 1 and 2
     F(0),
     P(1, 16 * 16),               # every block: the device forgets 1 and 2
     F(1),
+)
+FAILED_RELOAD = steps(
+    *OFFLOADED,
     LD(2, 2, 40, [1, 2]),        # 2 blocks from host
     D(2, ok=False),              # the load fails: its 2 blocks computed again
     F(2),
@@ -180,12 +184,7 @@ def test_a_backend_keeping_failed_loads_only_is_not_applicable_to_a_drop_tier():
 
 
 RETRIED_LOAD = steps(
-    P(0, 40, [1, 2]),            # blocks 0, 1 (hashed), 2
-    ST(1, 0, "host"),
-    D(1),                        # host holds 1 and 2
-    F(0),
-    P(1, 16 * 16),               # every block: the device forgets 1 and 2
-    F(1),
+    *OFFLOADED,
     P(2, 14 * 16),               # 14 of the 16 blocks
     LD(2, 3, 40, [1, 2]),        # ceil(40 / 16) = 3 blocks > 16 - 14 = 2: out of memory
     F(2),
