@@ -94,6 +94,13 @@ def backends(*tags: str, where=None, without=("engine",)) -> list:
     return out
 
 
+def without_block_state(cls):
+    """``cls`` exposing no block structures (Backend's block_state: NotImplementedError), so the
+    checker holds it to its ledger, figures and events alone, as before an adapter had them."""
+    from kvbench.contract.protocol import Backend
+    return type(f"No{cls.__name__}", (cls,), {"block_state": Backend.block_state})
+
+
 def require_sglang() -> None:
     """Skip where SGLang is not installed (opt-in, not in CI); fail where it is but cannot run."""
     from impls.engines.sglang_radix import NOT_INSTALLED, available

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from conftest import make_config, without_block_state
 
 from kvbench.analyses.suite import config_for, load_traces
 from kvbench.checking.checker import check
@@ -132,7 +132,7 @@ def test_a_block_freed_twice_fails_prefix_reuse(vllm):
     d = caught(trace, VllmKVManager, VllmFreedTwice, cfg, "free")
     assert (d.step, d.expected, d.actual) == (12, "in use while a table holds it", "free"), str(d)
     assert d.detail == "sequence 3 holds it in group 0" and d.quantity.startswith("block ")
-    w = check(trace, _without_block_state(VllmFreedTwice)(cfg)).divergence
+    w = check(trace, without_block_state(VllmFreedTwice)(cfg)).divergence
     assert (w.step, w.quantity) == (12, "blocks_used") and w.actual < w.expected, str(w)
 
 
@@ -186,12 +186,6 @@ def test_a_checkpoint_the_retention_does_not_keep_zeroes_every_mamba_hit_at_vari
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
 
 
-def _without_block_state(cls):
-    """``cls`` exposing no block structures (as both vLLM adapters did before)."""
-    from kvbench.contract.protocol import Backend
-    return type(f"No{cls.__name__}", (cls,), {"block_state": Backend.block_state})
-
-
 def test_cached_blocks_appended_reversed_fail_at_the_first_free(vllm):
     """48 = 3 * 16 tokens: blocks 0, 1, 2 (vLLM's 1, 2, 3 less its null block), all hashed. The
     free gives them back tail first, 2, 1, 0 (the oracle's and vLLM's free_blocks(reversed)); the
@@ -204,7 +198,7 @@ def test_cached_blocks_appended_reversed_fail_at_the_first_free(vllm):
     d = caught(trace, VllmBlockPool, VllmCachedReversed, cfg, "free")
     assert (d.index, d.quantity, d.expected, d.actual) == (
         1, "cached blocks (next evicted first)", [2, 1, 0], [0, 1, 2])
-    assert check(trace, _without_block_state(VllmCachedReversed)(cfg)).valid is True
+    assert check(trace, without_block_state(VllmCachedReversed)(cfg)).valid is True
 
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason=f"shared trace not found: {MOONCAKE}")
@@ -222,7 +216,7 @@ def test_cached_blocks_appended_reversed_fail_mooncake_at_its_first_free(vllm):
     d = caught(trace, VllmBlockPool, VllmCachedReversed, cfg, "free")
     assert hashed == 78 and (d.index, d.quantity) == (1, "cached blocks (next evicted first)")
     assert d.expected == list(range(hashed))[::-1] and d.actual == list(range(hashed))
-    w = check(trace, _without_block_state(VllmCachedReversed)(cfg), gather="none")
+    w = check(trace, without_block_state(VllmCachedReversed)(cfg), gather="none")
     assert w.divergence.index == 12 and w.divergence.quantity.startswith("residency"), str(w.divergence)
 
 
@@ -236,7 +230,7 @@ def test_cached_blocks_appended_reversed_fail_hybrid_windows_at_step_5_not_as_a_
     d = caught(trace, VllmKVManager, VllmKVManagerCachedReversed, cfg, "append")
     assert (d.step, d.quantity) == (5, "cached blocks (next evicted first)"), str(d)
     assert d.actual != d.expected and sorted(d.actual) == sorted(d.expected)  # same blocks
-    w = check(trace, _without_block_state(VllmKVManagerCachedReversed)(cfg)).divergence
+    w = check(trace, without_block_state(VllmKVManagerCachedReversed)(cfg)).divergence
     assert w.step == 75 and "a hit across salts" in w.detail, str(w)
 
 

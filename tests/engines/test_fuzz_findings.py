@@ -6,12 +6,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import require_sglang
+from conftest import require_sglang, without_block_state
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.checking.checker import check
 from kvbench.contract.formulas import get_model, with_group_kinds
-from kvbench.contract.protocol import Backend, CacheConfig
+from kvbench.contract.protocol import CacheConfig
 from kvbench.traces.format import Append, Fork, Free, Header, Prefill, Trace, load, validate
 from kvbench.traces.ops import Preempt, Resume
 
@@ -117,7 +117,7 @@ def _engine_check(name: str, trace, structures: bool = True, **rules):
     backend.capabilities = dataclasses.replace(
         backend.capabilities, rule_params={**backend.capabilities.rule_params, **rules})
     if not structures:
-        backend.block_state = lambda *a, **k: Backend.block_state(backend, *a, **k)
+        backend.__class__ = without_block_state(type(backend))
     try:
         return check(trace, backend)
     finally:

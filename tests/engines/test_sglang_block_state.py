@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import make_config
+from conftest import make_config, without_block_state
 
 from kvbench.analyses.suite import config_for, load_traces
 from kvbench.checking.checker import check
@@ -26,12 +26,9 @@ def workload(name: str):
 
 
 def run(cls, trace, ledger_only: bool = False):
-    backend = cls(config_for(trace, policy=None, prefix_caching=True))
     if ledger_only:  # the check as it was before block_state: ledger and figures alone
-        def block_state(seqs=None):
-            raise NotImplementedError("ledger only")
-        backend.block_state = block_state
-    return check(trace, backend)
+        cls = without_block_state(cls)
+    return check(trace, cls(config_for(trace, policy=None, prefix_caching=True)))
 
 
 def test_the_structures_are_sglangs_own(sglang):
