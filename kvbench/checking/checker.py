@@ -41,7 +41,8 @@ from kvbench.checking import expectations, identities, tier_replay
 from kvbench.checking.event_replay import EventReplay
 from kvbench.checking.content import Content, LiveSet
 from kvbench.checking.driver import Driver
-from kvbench.model.oracle import ModelOOM, Oracle, content_segments
+from kvbench.contract.protocol import content_segments
+from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.checking.raised import (DEFAULT_OP_TIMEOUT, BackendRaised, BadReturn, described, guarded,
                                      shown, watching)
 from kvbench.checking.applicable import applicable

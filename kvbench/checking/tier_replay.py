@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.model.oracle import content_segments
+from kvbench.contract.protocol import content_segments
 from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.protocol import kv_tokens
 from kvbench.quant import pool as quant_pool

@@ -293,7 +293,7 @@ def print_capacity(trace, args) -> None:
     """Tokens a byte budget holds at each KV format, beside the error each makes on the K/V the
     trace's sequences write (its first CAPACITY_SAMPLE tokens' worth)."""
     from kvbench import quant
-    from kvbench.model.oracle import content_segments
+    from kvbench.contract.protocol import content_segments
     from kvbench.contract.protocol import kv_tokens
     cfg = settings(args).config(trace)
     budget = cfg.num_blocks * F.block_bytes(cfg.block_size, cfg.model)

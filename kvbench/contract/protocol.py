@@ -558,6 +558,43 @@ def hash_writer(block_hash) -> int:
     return -1 - (key % (1 << 31))
 
 
+def content_segments(seq: int, tokens: int, keys, block_size: int, start: int = 0) -> list:
+    """[(writer, start, count)]: who wrote positions ``start .. tokens-1`` of a prompt. A keyed
+    block (``keys`` by position) holds what its key determines, the same for every sequence with
+    that key, written whole or in chunks; the rest is the sequence's own."""
+    B, segments = block_size, []
+    for i in range(start // B, min(len(keys), -(-tokens // B))):
+        lo, hi = max(start, i * B), min(tokens, (i + 1) * B)
+        segments.append((hash_writer(keys[i]), lo, hi - lo))
+    done = max(start, len(keys) * B)
+    if tokens > done:
+        segments.append((seq, done, tokens - done))
+    return segments
+
+
+def appended_segments(seq: int, start: int, count: int, chunk_keys, block_size: int, draft: int = 0,
+                      step: int = 0) -> list:
+    """Who writes positions ``start .. start+count-1`` of ``seq``: a block of its chunked prompt
+    (``chunk_keys``) holds its key's K/V; of the rest, the last ``draft`` are a draft's (a writer
+    per step, so a rolled-back position written again reads differently), the others its own."""
+    stop = start + count
+    segments = content_segments(seq, stop - draft, chunk_keys, block_size, start) if chunk_keys else \
+        [(seq, start, count - draft)] if count > draft else []
+    if draft:
+        segments.append((draft_writer(seq, step), stop - draft, draft))
+    return segments
+
+
+def draft_writer(seq: int, step: int) -> int:
+    """The pseudo-writer of the draft tokens ``seq`` wrote at ``step`` (SPEC §13)."""
+    return hash_writer(("draft", seq, step))
+
+
+def cut_segments(segments, length: int) -> list:
+    """[(writer, start, count)] cut to the positions below ``length``."""
+    return [(w, start, min(count, length - start)) for w, start, count in segments if start < length]
+
+
 def group_view(kv, layers: tuple, model: ModelSpec):
     """The part of ``kv`` (``[tokens, 2, layers, ...]``) a group's blocks hold: its layers."""
     if len(layers) == model.layers:
@@ -583,5 +620,7 @@ def kv_values(writer: int, start: int, count: int, model: ModelSpec, dtype=np.fl
 __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LEDGER_FIELDS",
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
            "kv_tokens", "Refusal",
-           "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle",
+           "kv_values", "advance_state", "hash_writer", "content_segments", "appended_segments",
+           "draft_writer",
+           "cut_segments", "group_view", "gathered_range", "takes_lifecycle",
            "publishes_events"]

@@ -1,8 +1,6 @@
-"""The contiguous layout (SPEC §3): one slab per sequence and group in a first-fit arena.
-
-A sequence's slabs are placed in group order, each at the lowest offset with room for it among
-the live sequences' slabs; a slab's size is the reservation policy's (``max``, ``pow2``,
-``oracle``), capped by the group's kind (a sliding group's is a ring of at most W slots).
+"""The contiguous layout (SPEC §3): one slab per sequence and group, placed in group order at the
+lowest offset with room among the live slabs; its size the reservation policy's (``max``,
+``pow2``, ``oracle``) as the group's kind caps it (a sliding group's ring holds at most W slots).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 family, as vLLM's ``spec_manager_map`` picks a manager per KV cache spec.
 
 Each kind owns its rules of what a sequence holds, what it gives back and what a prefix hit
-needs cached; the oracle asks the kind instead of branching on it. The block arithmetic itself
+needs cached, and its group's table operations (an append's need and writes, a release, an
+accept's rollback, a fork's copy); the oracle asks the kind instead of branching on it. The block arithmetic itself
 is SPEC's, in kvbench.contract.formulas. A new kind is one class here (or anywhere) and one entry
 in :data:`KINDS` (tests/model/test_kinds_table.py adds a toy one).
 """
@@ -67,6 +68,97 @@ class Kind:
         """The contiguous layout's slab for a reservation of ``size`` slots."""
         return size
 
+    # The group's block table operations on the paged model ``m`` (kvbench.model.oracle.Oracle),
+    # as vLLM's SingleTypeKVCacheManager owns a group's: the oracle calls them group by group.
+
+    def append_need(self, m, g: int, seqs, tokens, refs: dict) -> int:
+        """Blocks a batched append takes in the group, the copies of shared tails included
+        (``refs``: per block, the references already counted away)."""
+        need = 0
+        for s, dt in zip(seqs, tokens):
+            st, room = m.seqs[s], 0
+            tail = st.tables[g][-1] if st.tables[g] else None
+            if tail is not None:
+                ref, fill = m.blocks[tail]
+                room = self.B - fill
+                if room > 0 and dt > 0 and ref + refs.get(tail, 0) > 1:
+                    need += 1  # the writer gets its own copy of the shared tail
+                    refs[tail] = refs.get(tail, 0) - 1
+            new = m._appended_blocks(g, F.append_new_blocks(dt, room, self.B))
+            need += max(0, new - (len(st.ahead[g]) if st.ahead else 0))
+        return need
+
+    def write(self, m, g: int, seqs, tokens) -> None:
+        """An append's writes: the copies of shared tails (writers in batch order), then the
+        slots, filling each tail before new blocks (positions in order)."""
+        for s, dt in zip(seqs, tokens):
+            table = m.seqs[s].tables[g]
+            if table and table[-1] is not None and dt > 0:
+                ref, fill = m.blocks[table[-1]]
+                if fill < self.B and ref > 1:  # the writer gets a private copy of the tail
+                    m._drop_ref(table[-1])
+                    table[-1] = m._new_block(fill, g)
+        for s, dt in zip(seqs, tokens):
+            table = m.seqs[s].tables[g]
+            if table and table[-1] is not None:
+                fill = m.blocks[table[-1]][1]
+                take = min(dt, self.B - fill)
+                m.blocks[table[-1]][1] += take
+                m.filled += take
+                dt -= take
+                if take and fill + take == self.B:
+                    m._completed(table[-1], g, s, len(table) - 1)
+            while dt > 0:
+                take = min(dt, self.B)
+                dt -= take
+                if m._skips_block(g, last=dt <= 0):  # align mode: a state's null position
+                    table.append(None)
+                    continue
+                table.append(m._next_block(s, take, g))
+                if take == self.B:
+                    m._completed(table[-1], g, s, len(table) - 1)
+
+    def release(self, m, st, g: int) -> None:
+        """Every reference of the sequence's table, the tail first (its kept lookahead slots
+        before it)."""
+        for b in reversed(st.tables[g] + st.ahead[g] if st.ahead else st.tables[g]):
+            if b is not None:
+                m._drop_ref(b)
+
+    def drop(self, m, st, g: int, positions) -> None:
+        """Release the table's blocks at ``positions``, in that order (a fork through the prefix
+        cache still names a cached one by its key)."""
+        for i in positions:
+            b = st.tables[g][i]
+            if b in m.hash_of:
+                st.released_keys[i] = m.hash_of[b][1]
+            m._drop_ref(b)
+            st.tables[g][i] = None
+
+    def rollback(self, m, st, g: int, seq, first_draft: int, new: int) -> None:
+        """An accept's rollback to ``new`` tokens (SPEC §13): blocks wholly past it released or
+        kept for the next drafts, the tail's fill cut, and the blocks the kept drafts filled
+        (from ``first_draft``) cached now or later."""
+        table, keep = st.tables[g], F.blocks_needed(new, self.B)
+        m._drop_drafts(st, g, table[keep:])
+        del table[keep:]
+        if keep and table[-1] is not None:
+            fill = new - (keep - 1) * self.B
+            m.filled += fill - m.blocks[table[-1]][1]
+            m.blocks[table[-1]][1] = fill
+        for i in range(first_draft // self.B, new // self.B):
+            if table[i] is not None:
+                m._drafts_filled(st, g, seq, i)
+
+    def forked(self, m, g: int, table: list) -> None:
+        """A fork's table, sharing the parent's blocks (SPEC §2): nothing of its own."""
+
+    def reservation(self, m, table: list, st) -> int:
+        """Slots the sequence's unshared tail block keeps for its remaining tokens (SPEC §2)."""
+        if not table or table[-1] is None or m.blocks[table[-1]][0] != 1:
+            return 0
+        return F.tail_reservation(self.B - m.blocks[table[-1]][1], st.final - st.tokens)
+
     def slab_held(self, tokens: int, size: int) -> int:
         """Slots of a slab of ``size`` holding a token (the slab keeps every token)."""
         return tokens
@@ -119,6 +211,12 @@ class StateKind(Kind):
 
     def released_span(self, table: list, tokens: int) -> tuple:
         return (0, tokens)
+
+    def forked(self, m, g: int, table: list) -> None:
+        """The state's block copied: the branches diverge at the next token (SPEC §12)."""
+        b = table[-1]
+        m._drop_ref(b)
+        table[-1] = m._new_block(m.blocks[b][1], g)
 
 
 class CompressedKind(Kind):

@@ -1,16 +1,8 @@
-"""The block pool of the paged model: which physical block each operation takes and gives back.
-
-A backend declaring ``block_ids`` is compared with it block by block (docs/writing-a-backend.md):
-
-- Uncached free blocks form a stack (initially 0 on top, then 1, 2, ...); cached free blocks
-  (hashed, no reference) a queue. A block is taken from the stack; when it is empty, the oldest
-  cached block is taken and its hash forgotten.
-- A released block that reaches 0 references is pushed on the stack, or appended to the cached
-  queue if it is hashed.
-
-The order in which an operation takes and releases blocks (group by group, tail first, ...) is
-the oracle's (kvbench.model.oracle); the pool keeps the structures and the sums the ledger reads
-(slots filled, blocks shared, blocks per group, each block's references) as they change.
+"""The block pool of the paged model, which a backend declaring ``block_ids`` matches block by
+block (docs/writing-a-backend.md). Uncached free blocks form a stack (0 on top, then 1, 2, ...),
+cached free blocks (hashed, no reference) a queue: a block is taken from the stack, else the
+oldest cached one, its key forgotten; a block whose last reference goes is pushed on the stack,
+or appended to the queue if hashed. It keeps the sums the ledger reads as blocks change.
 """
 from __future__ import annotations
 
@@ -60,8 +52,7 @@ class BlockPool:
         return len(self.free_stack) + self.num_blocks - self.fresh
 
     def _new_block(self, fill: int, group: int) -> int:
-        """Take a block: the top of the free stack, else the next never used, else the oldest
-        cached one (its key forgotten)."""
+        """The top of the free stack, else the next never used, else the oldest cached one."""
         if self.free_stack:
             b = self.free_stack.pop()
         elif self.fresh < self.num_blocks:
@@ -87,7 +78,7 @@ class BlockPool:
             self._cached_log.append((b, False))
 
     def _uncache(self, b: int) -> None:
-        """A cached free block forgets its key (it leaves the cache's free side)."""
+        """A cached free block forgets its key."""
         self._unqueue(b)
         key = self.hash_of.pop(b)
         self.by_hash[key].remove(b)
@@ -97,8 +88,7 @@ class BlockPool:
                 self.key_log[key] = None
 
     def _drop_ref(self, b: int) -> None:
-        """One reference less; at 0 the block goes to the end of the cached queue if hashed, on
-        top of the free stack if not."""
+        """One reference less; at 0 to the cached queue's end if hashed, else the stack's top."""
         self.edits += 1
         self.blocks[b][0] -= 1
         self.refs[b] -= 1
@@ -119,14 +109,12 @@ class BlockPool:
         self.shared += self.blocks[b][0] == 2
 
     def _taken_back(self, hits, drop) -> int:
-        """Cached blocks of ``hits`` (per group, {position: block}) a request takes back from the
-        free pool, were the references in ``drop`` gone."""
+        """Cached blocks of ``hits`` a request takes back from the free pool, ``drop`` gone."""
         return sum(1 for per in hits for b in per.values()
                    if b not in self.blocks or self.blocks[b][0] == drop.get(b, 0))
 
     def _take_hits(self, hits) -> None:
-        """One more reference to each hit, taking a freed one back out of the cached queue
-        (wherever it stands in it)."""
+        """One more reference to each hit; a freed one leaves the cached queue, wherever it is."""
         for b in (b for per in hits for b in per.values()):
             if b in self.blocks:
                 self._add_ref(b)
@@ -136,8 +124,8 @@ class BlockPool:
                 self._use(b, self.B, self.hash_of[b][0])
 
     def _cache(self, b: int, g: int, key, duplicates: bool = False) -> None:
-        """Cache block ``b`` of group ``g`` under ``key``; a key already cached gets a second
-        block only with ``duplicates`` (the first registered stays the one a hit takes)."""
+        """Cache block ``b`` of group ``g`` under ``key``; a second block only with ``duplicates``
+        (the first registered stays the one a hit takes)."""
         if (g, key) in self.by_hash and not duplicates:
             return
         if self.key_log is not None:
@@ -145,18 +133,9 @@ class BlockPool:
         self.by_hash.setdefault((g, key), []).append(b)
         self.hash_of[b] = (g, key)
 
-    def _pool_state(self) -> tuple:
-        """What an operation that fails half way restores (see ``_set_pool_state``)."""
-        return (self.blocks, self.group_of, self.free_stack, self.fresh, self.evictable,
-                self.by_hash, self.hash_of, self.filled, self.shared, self.group_used, self.refs)
-
-    def _set_pool_state(self, state: tuple) -> None:
-        (self.blocks, self.group_of, self.free_stack, self.fresh, self.evictable, self.by_hash,
-         self.hash_of, self.filled, self.shared, self.group_used, self.refs) = state
-
     def free_list(self, count: int | None = None) -> np.ndarray:
-        """The first ``count`` uncached free blocks, next taken first (None: all of them, as a
-        read-only view valid until the next call: no array as long as the pool per call)."""
+        """The first ``count`` uncached free blocks, next taken first (None: all, as a read-only
+        view valid until the next call)."""
         stack, fresh = self.free_stack, self.fresh
         if count is not None:
             top = stack[::-1] if count >= len(stack) else stack[len(stack) - count:][::-1]

@@ -45,7 +45,7 @@ class Watch:
     def __init__(self, oracle: Oracle, trace: Trace):
         self.o, self.ops, self.i = oracle, list(trace.ops), 0
         self.B, self.paged = oracle.B, oracle.layout == "paged"
-        self.sliding = [g for g, w in enumerate(oracle.windows) if w is not None]
+        self.sliding = [g for g, w in enumerate(g.window for g in oracle.groups) if w is not None]
         self.reached: set = set()
         self.tokens: dict = {}
         self.shared_tails: set = set()

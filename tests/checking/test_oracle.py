@@ -318,17 +318,17 @@ def test_first_fit_offsets_and_external_fragmentation():
     o.prefill(0, 10, "a", 10, step=0)
     o.prefill(1, 20, "a", 20, step=1)
     o.prefill(2, 30, "a", 30, step=2)
-    assert [o.seqs[s].slab for s in (0, 1, 2)] == [(0, 10), (10, 20), (30, 30)]
+    assert [o.seqs[s].slabs[0] for s in (0, 1, 2)] == [(0, 10), (10, 20), (30, 30)]
     o.free(1)                          # hole [10, 30)
     o.prefill(3, 15, "a", 15, step=3)  # first fit: the hole, at 10
     o.prefill(4, 6, "a", 6, step=4)    # [25, 30) holds only 5: after the last slab, at 60
-    assert o.seqs[3].slab == (10, 15) and o.seqs[4].slab == (60, 6)
+    assert o.seqs[3].slabs[0] == (10, 15) and o.seqs[4].slabs[0] == (60, 6)
     led = o.expected_ledger()
     assert led.capacity_slots == 10 + 30 + 15 + 6
     assert led.external_fragmentation == 5      # the hole [25, 30), below the last end 66
     assert led.free == 128 - 66
     o.prefill(5, 5, "a", 5, step=5)    # fits [25, 30) exactly
-    assert o.seqs[5].slab == (25, 5)
+    assert o.seqs[5].slabs[0] == (25, 5)
     o.free(0)                          # hole [0, 10)
     assert o.expected_ledger().external_fragmentation == 10
     assert o.blocks_used == 0          # the contiguous model has no blocks
@@ -351,7 +351,7 @@ def test_contiguous_fork_copies_the_whole_slab():
     o = contiguous(reservation="pow2")
     o.prefill(0, 12, "a", 20, step=0)      # slab 32 at 0
     o.fork(1, 0, 30, step=1)               # slab next_pow2(30) = 32 at 32
-    assert o.seqs[1].slab == (32, 32) and o.seqs[1].tokens == 12
+    assert o.seqs[1].slabs[0] == (32, 32) and o.seqs[1].tokens == 12
     assert o.expected_ledger().token_states == 24  # no sharing: 12 twice
 
 
@@ -367,7 +367,7 @@ def test_contiguous_out_of_memory_and_eviction():
     o.prefill(1, 30, "a", 30, step=1)
     # 10 slots needed: 4 free at the end; evicting 0 opens [0, 30).
     assert o.prefill(2, 10, "a", 10, step=2) == [0]
-    assert o.seqs[2].slab == (0, 10)
+    assert o.seqs[2].slabs[0] == (0, 10)
     with pytest.raises(ModelOOM):
         o.prefill(3, 65, "a", 65, step=3)
 

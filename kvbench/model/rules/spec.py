@@ -31,8 +31,15 @@ class SpecRules(RuleSet):
 
 
 class SpecSteps:
-    """The block keys, the hit, the cache entries and the fork as a request (a mixin of
+    """The block keys, the hit, the cache entries, the windows' release and the fork (a mixin of
     kvbench.model.oracle.Oracle)."""
+
+    def _init_keys(self) -> None:
+        self._nodes: dict = {}  # token-id prefixes -> node number (keys exact, never hashed)
+        self.writers: dict = {}  # untagged block content -> {extra keys: first sequence}
+        self._spec_from: dict = {}  # during an append: sequence -> its first draft position
+        self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
+        self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
 
     def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
                     tagged: bool = True) -> tuple:
@@ -192,6 +199,45 @@ class SpecSteps:
         for b, g, key in self._chunk_done:
             self._register(b, g, key)
         self._chunk_done = []
+
+    def _release_windows(self, seqs, when: str = "end_of_operation") -> None:
+        """Under the rule set's ``window_release`` ``when``: release the blocks of ``seqs`` each
+        group no longer holds at their lengths (SPEC §8): group by group, writers in batch order."""
+        for g, kind in enumerate(self.kinds) if self.rules.window_release == when else ():
+            if kind.releases:
+                self._dirty.update(seqs)
+                for st in (self.seqs[s] for s in seqs):
+                    kind.drop(self, st, g, kind.releasing(st.tables[g], st.tokens))
+
+    def fork(self, seq, src, final, step) -> list:
+        """A child with ``src``'s blocks shared (SPEC §2), or served as a new request (the rule
+        set's ``fork_via``), or with its own slabs (contiguous)."""
+        parent = self.seqs[src]
+        via = self.rules.fork_via if self.layout == "paged" else "share"
+        n = len(parent.tables[0]) if parent.tables else 0
+        sizes = self._slab_sizes(final) if self.layout == "contiguous" else []
+        copies = sum(1 for kind in self.kinds if kind.copied_at_fork and n)
+        if via != "share":
+            victims, keys = self._fork_room(seq, src, via)
+        else:
+            victims = self._make_room(("fork", lambda drop: copies, sizes), {seq, src})
+        child = type(parent)(tenant=parent.tenant, tokens=parent.tokens, final=final,
+                         segments=list(parent.segments), last_access=step, use_count=1)
+        self.seqs[seq] = child
+        self._dirty.update((seq, src))
+        if self.layout == "contiguous":
+            child.slabs = self._place(sizes)
+        elif via == "share":
+            child.tables = [list(t) for t in parent.tables]
+            for b in child.held():
+                self._add_ref(b)
+            for g, kind in enumerate(self.kinds) if n else ():
+                kind.forked(self, g, child.tables[g])
+            self.edits += 1
+            self._sharing.update((seq, src))  # a shared partial tail: each one's reservation
+        else:  # a new request with the parent's tokens: cached blocks taken, the rest computed
+            self._admit(seq, child, keys, parent.tokens, n, hit=False)
+        return victims
 
     def _fork_room(self, seq, src, via: str) -> tuple[list, list]:
         """A fork served as a new request: the engine's walks, the keys it looks up

@@ -69,6 +69,9 @@ def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, bloc
     return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
 
 
+# What an operation refused half way restores of the pool (kvbench/model/pool.py).
+POOL_STATE = ("blocks", "group_of", "free_stack", "fresh", "evictable", "by_hash", "hash_of", "filled",
+              "shared", "group_used", "refs")
 FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
 
 
@@ -127,7 +130,7 @@ class VLLMSteps:
     def _make_room_released(self, call, seqs) -> list:
         """An append's room (``_make_room``); under ``window_release`` "next_allocation" the
         request's allocation first drops what slid out of its windows, undone if it is refused."""
-        if self.layout != "paged" or not any(self.releasing) or self.window_release == "end_of_operation":
+        if self.layout != "paged" or not any(self.releasing) or self.rules.window_release == "end_of_operation":
             return self._make_room(call, set(seqs))
         snap = self._snapshot()
         self._release_windows(seqs, "next_allocation")
@@ -185,11 +188,11 @@ class VLLMSteps:
         """What ``_restore`` puts back: only this rule changes the model before a call that may
         yet be refused."""
         marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
-        return copy.deepcopy((self.seqs, self._pool_state())), marks
+        return copy.deepcopy((self.seqs, {k: getattr(self, k) for k in POOL_STATE})), marks
 
     def _restore(self, snap) -> None:
         (self.seqs, pool), (self._free_low, logged) = snap
-        self._set_pool_state(pool)
+        self.__dict__.update(pool)
         if logged is not None:  # the changes undone are no changes
             del self._cached_log[logged:]
         self._dirty.update(self.seqs)  # sequences are new objects: settle them again
@@ -278,7 +281,7 @@ class VLLMSteps:
         for start in starts:
             for g, kind in enumerate(self.kinds):
                 if kind.releases:
-                    self._drop_positions(st, g, kind.releasing(st.tables[g], start))
+                    kind.drop(self, st, g, kind.releasing(st.tables[g], start))
 
     def _appended_blocks(self, g: int, new: int) -> int:
         """Blocks an append that crosses ``new`` block boundaries takes in group ``g``: align
