@@ -4,7 +4,7 @@
 
 Writes DIR/verdicts.csv (settings label, workload, backend, its departures from the engine's
 serving default, block size, blocks, status, operations checked, refusals, peak blocks, first
-divergence or the reason it is n/a) and DIR/run.json (the records' rows without their
+divergence or the reason it is n/a, what the checker could not check on it) and DIR/run.json (the records' rows without their
 per-operation series, under their labels).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 COLUMNS = ["settings", "workload", "backend", "serving_departures", "block_size", "num_blocks",
-           "status", "ops", "ooms", "peak_blocks", "divergence"]
+           "status", "ops", "ooms", "peak_blocks", "divergence", "skipped"]
 
 
 def rows_of(label: str, record: dict) -> list[dict]:
