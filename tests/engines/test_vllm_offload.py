@@ -6,7 +6,7 @@ that needs it is skipped there with the reason. Run them from the repository roo
 
     PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/engines/test_vllm_offload.py
 
-The adapter declares the two rules where vLLM differs from SPEC §11 (``tier_rules``); each has a
+The adapter declares the rules where vLLM differs from SPEC §11 and §14 (``tier_rules``); each has a
 small trace here on which vLLM passes as declared and diverges, at the step named, when held to
 SPEC's rule instead: evidence that the declaration is what vLLM does, and that the checker holds
 vLLM to it.
