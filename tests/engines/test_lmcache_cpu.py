@@ -286,3 +286,43 @@ def test_lmcache_events_name_a_salted_entry_without_its_salt_as_declared(lmcache
     assert len(d.expected["stored"]) == len(d.actual["stored"]) == 2, str(d)
     assert all("salt" in repr(k) for k in d.expected["stored"]), str(d)
     assert not any("salt" in repr(k) for k in d.actual["stored"]), str(d)
+
+
+def test_lmcaches_controller_keeps_a_set_and_forgets_a_prefix_one_tenant_still_holds(lmcache):
+    # Host of 4 pages. Tenants s and t each store 2 blocks of hashes 1, 2 (steps 0-5): 2 copies of
+    # each, as LMCache's 4 ADMIT messages say; tenant u's store of 3, 4 (step 8) evicts s's two
+    # (LRU), 1 copy of 1 and 2 left, t's. The messages pass the checker's count per key; LMCache's
+    # own controller index (WorkerNode.handle_batched_kv_operations, cache_controller/utils.py:
+    # 124-130: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2.
+    import time
+
+    from lmcache.v1.cache_controller.utils import WorkerNode
+
+    from impls.engines.lmcache_cpu import LMCacheCPU, _LMCacheTier
+    node = WorkerNode(0, "", 0, None, None, time.time(), time.time())
+
+    class Controlled(_LMCacheTier):
+        def events(self, tier):
+            out = super().events(tier)
+            worker = self.backend.batched_msg_sender.lmcache_worker
+            if not getattr(worker, "teed", False):  # the controller's end sees each message too
+                worker.put_msg = lambda m: (self.messages.append(m), node.handle_batched_kv_operations(m))
+                worker.teed = True
+            return out
+
+    ops = [Prefill(0, 0, "s", 2 * B, (1, 2), salt="s"), Store(1, 1, 0, "host"), Done(2, 1, True),
+           Prefill(3, 1, "t", 2 * B, (1, 2), salt="t"), Store(4, 2, 1, "host"), Done(5, 2, True),
+           Prefill(6, 2, "u", 2 * B, (3, 4)), Store(7, 3, 2, "host"), Done(8, 3, True)]
+    trace = _tier_trace(*ops)
+    backend = type("ControlledLMCache", (LMCacheCPU,), {"tier_class": Controlled})(
+        make_config(block_size=B, num_blocks=8, prefix_caching=True))
+    try:
+        v = check(trace, backend)
+        assert v.valid is True and v.ops == len(ops), str(v.divergence)
+        tier = backend._tiers[0]
+        held = sorted(tier.unhashed[k.chunk_hash][1] for k in tier.backend.hot_cache)
+        assert held == [1, 2, 3, 4]  # t's copies of 1 and 2, u's 3 and 4
+        (index,) = node.kv_store.values()
+        assert sorted(tier.unhashed[h][1] for h in index) == [3, 4]  # 1 and 2 forgotten
+    finally:
+        backend.close()
