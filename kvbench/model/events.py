@@ -6,9 +6,9 @@ Tier 0 is the oracle's prefix cache (``by_hash``: the keys a hit may find; under
 tiers 1.. the keys stored in the lower tiers of kvbench.model.tiers (and, under the tier rule
 ``failed_load_drops_unannounced``, those a failed load dropped unannounced). The changes are
 net over an operation: a key that entered and left within it (a load's target, cached then held
-out of the cache until the load completes) is no change. Tier 0 is read from the pool's ``key_log`` (the keys it touched:
-O(changes) per look; a pool without one is compared whole); the lower tiers, small, are compared
-whole.
+out of the cache until the load completes) is no change. Tier 0 is read from the pool's
+``key_log`` (the keys it touched: O(changes) per look; a pool without one is compared whole);
+the lower tiers, small, are compared whole.
 """
 from __future__ import annotations
 
