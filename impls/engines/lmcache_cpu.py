@@ -31,6 +31,11 @@ lookup id; the pins are released by key (``LMCacheEngine.lookup_unpin``: ``unpin
 cancelled, by the abort's cleanup when the sequence is freed (SGLang's
 ``release_aborted_request``). The tier's ``loading`` figure counts LMCache's pinned entries, so a
 pin never released shows there; its ``hits`` are counted once the device allocation succeeded.
+
+KV events (SPEC §14): the device's are the NumPy pool's; a tier's are LMCache's messages to its
+cache controller (``ADMIT`` at ``submit_put_task``, ``EVICT`` at ``remove``), recorded by a
+``BatchedMessageSender`` whose worker end keeps them. They name an entry without its salt,
+declared as ``tier_event_keys`` "unsalted".
 """
 from __future__ import annotations
 
@@ -232,8 +237,15 @@ class LMCacheCPU(EngineTiers):
     # LRU only (LMCache's LFU, FIFO and MRU are not SPEC policies); no swap (SPEC §13): LMCache
     # stores and retrieves prefix chunks, not a preempted request's whole state.
     # LMCache's allocate evicts by its policy alone: a store's own blocks already stored go too.
+    # A stored block enters the LRU's order at its put (submit_put_task: ``hot_cache[key] =``,
+    # local_cpu_backend.py:168), the store's completion; the allocate at its begin holds a page.
+    # Its tiers' KV events are LMCache's controller messages, which name an entry by chunk_hash
+    # alone (add_kv_op(op_type=OpType.ADMIT, key=key.chunk_hash), local_cpu_backend.py:174-177;
+    # KVOpEvent.key: int, cache_controller/message.py:134): the salt never reaches them.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False,
-                                       tier_rules=("store_evicts_skipped",))
+                                       tier_rules=("store_evicts_skipped",
+                                                   "store_ranked_at_completion"),
+                                       rule_params={"tier_event_keys": "unsalted"})
     tier_skips = {"tier copies": CONNECTOR_SKIP}
     probe = staticmethod(available)
 
@@ -268,27 +280,15 @@ class LMCacheCPU(EngineTiers):
             t.cancelled.add(seq)  # its loads' retrieves never run
         super().abort(seq, step=step)
 
+    def events(self) -> list:
+        """KV events (SPEC §14): the device pool's (kvbench's NumPy pool, tier 0), then each
+        tier's as LMCache announces it to its cache controller."""
+        out = PoolEvents._device_events(self)
+        for t, tier in enumerate(getattr(self, "_tiers", ())):
+            out += tier.events(t + 1)
+        return out
+
     def close_tiers(self) -> None:
         for t in getattr(self, "_tiers", ()):
             t.close()
         super().close_tiers()
-
-
-class LMCacheCPUEvents(LMCacheCPU):
-    """``lmcache-cpu`` with SPEC §14's events: the NumPy pool's for the device, LMCache's
-    controller messages for its tiers. Not registered: the checker finds the victims of LMCache's
-    LRU differ from the tier model's, and the messages drop the salt (docs/tiers-and-lifecycles.md;
-    tests/engines/test_lmcache_cpu.py says where)."""
-
-    name = "lmcache-cpu-events"
-
-    def events(self) -> list:
-        """The device's events (the NumPy pool's), then each tier's as LMCache announces them."""
-        tiers, self._tiers = getattr(self, "_tiers", []), []  # the pool's own reads its tiers
-        try:
-            out = PoolEvents.events(self)  # EngineTiers turns it off
-        finally:
-            self._tiers = tiers
-        for t, tier in enumerate(tiers):
-            out += tier.events(t + 1)
-        return out

@@ -37,6 +37,12 @@ and the oracle holds vLLM to the declaration:
   first block most recent of all (manager.py:421-448, lru.py:314-323); an ARC block reused by the
   request moves to T2 then, not at the load (arc.py:509-532). A tier's ``"policy"`` in the trace
   names vLLM's policy of that name under these rules.
+- ``drops_failed_loads``: a tier whose ``failed_load`` is "drop" is vLLM's file tier, whose short
+  read removes the file (fs/io.py:161) and marks the lookup a miss (fs/manager.py:306).
+- ``failed_load_drops_unannounced``: that file tier's KV events announce a store job that
+  succeeded and nothing else (fs/manager.py:286-295: an ``OffloadingEvent`` only for
+  ``success and keys`` of a store job; a failed load job appends none), so the files a failed
+  load removed stay in an index fed its events until they are stored again.
 """
 from __future__ import annotations
 
@@ -378,7 +384,8 @@ class _VllmFileTier(_OffloadKeys):
             self.manager.on_request_finished(ctx)
 
     def events(self, tier: int) -> list:
-        """vLLM's file tier's events: stored when a store job succeeds; it announces no removal."""
+        """vLLM's file tier's events: stored when a store job succeeds; it announces no removal
+        (failed_load_drops_unannounced)."""
         return _kv_events(self, tier)
 
     def stored(self) -> int:
@@ -403,7 +410,8 @@ class VllmOffload(EngineTiers):
     # stores and loads prefix blocks, not a preempted request's whole state.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
                                        tier_rules=("whole_store_refused", "request_recency",
-                                                   "drops_failed_loads"), swap=False)
+                                                   "drops_failed_loads",
+                                                   "failed_load_drops_unannounced"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 

@@ -194,6 +194,12 @@ EVENTS = (  # SPEC §14, for a backend that publishes events()
     _c("events: residency", "event_replay", "EventReplay.compare_group", "residency of group {}, tier {}",
        "the keys the events stored and removed in the operation, net, are those the oracle's prefix "
        "cache gained and lost: the residency replayed from them equals the oracle's"),
+    _c("events: order rules, copies", "event_replay", "EventReplay.count_copy", "event order",
+       "tier_event_keys \"unsalted\": nothing removed of which no copy was stored"),
+    _c("events: copies per salt-less key", "event_replay", "EventReplay.compare_copies",
+       "residency of group {}, tier {}",
+       "tier_event_keys \"unsalted\": each lower tier's copies per key, replayed from the events, "
+       "are the oracle's entries per key with the salt left out"),
 )
 
 CHECKS = CALLS + LEDGER + IDENTITIES + STRUCTURES + MIRROR + ORDERS + CONTENT + TIERS + EVENTS

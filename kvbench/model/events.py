@@ -3,11 +3,12 @@ and tier since the last look, derived from the model alone.
 
 Tier 0 is the oracle's prefix cache (``by_hash``: the keys a hit may find; under the rule
 ``events_from_tree``, its radix tree's keys: SGLang announces what its tree inserts and evicts),
-tiers 1.. the keys stored in the lower tiers of kvbench.model.tiers. The changes are net over an operation: a key
-that entered and left within it (a load's target, cached then held out of the cache until the
-load completes) is no change. Tier 0 is read from the pool's ``key_log`` (the keys it touched:
-O(changes) per look; a pool without one is compared whole); the lower tiers, small, are compared
-whole.
+tiers 1.. the keys stored in the lower tiers of kvbench.model.tiers (and, under the tier rule
+``failed_load_drops_unannounced``, those a failed load dropped unannounced). The changes are
+net over an operation: a key that entered and left within it (a load's target, cached then held
+out of the cache until the load completes) is no change. Tier 0 is read from the pool's
+``key_log`` (the keys it touched: O(changes) per look; a pool without one is compared whole);
+the lower tiers, small, are compared whole.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class ExpectedEvents:
             for g, key in oracle.by_hash:
                 self.present.setdefault((g, 0), set()).add(key)
         self.tiers = getattr(oracle, "tiers", None)
+        # failed_load_drops_unannounced: per tier, the keys a failed load dropped unannounced, as
+        # of the last look (present still), and per (group, tier) those stored again since, which
+        # the backend announces stored again while an index still holds them
+        self.dropped: dict = {}
+        self.restored: dict = {}
         for t in range(len(self.tiers.tiers) if self.tiers is not None else 0):
             for g, key in self.tiers.stored_keys(t):
                 self.present.setdefault((g, t + 1), set()).add(key)
@@ -58,9 +64,16 @@ class ExpectedEvents:
             g, key = gk
             self._note(out, (g, 0), key, gk in by_hash)
         log.clear()
+        self.restored = {}
         if self.tiers is not None:
             for t in range(len(self.tiers.tiers)):
                 now = self.tiers.stored_keys(t)
+                dropped = self.tiers.tiers[t].dropped
+                if dropped or self.dropped.get(t):  # failed_load_drops_unannounced
+                    for g, key in self.dropped.get(t, set()) & now:  # stored again: said again
+                        self.restored.setdefault((g, t + 1), set()).add(key)
+                    self.dropped[t] = set(dropped)
+                    now |= dropped
                 was = {(g, k) for (g, tier), keys in self.present.items() if tier == t + 1 for k in keys}
                 for g, key in sorted(now ^ was, key=repr):
                     self._note(out, (g, t + 1), key, (g, key) in now)

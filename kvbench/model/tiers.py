@@ -30,7 +30,9 @@ request finishes, no touch at a load; the rules are in impls/engines/vllm_offloa
 the blocks of the same store it skipped as already stored; without it they are kept, as vLLM's
 ``prepare_store`` keeps a request's own blocks). ``drops_failed_loads``: it runs tiers whose
 header declares ``failed_load`` "drop" (what a failed load read is removed) besides SPEC's default
-"keep" (:func:`failed_load_modes`).
+"keep" (:func:`failed_load_modes`). ``store_ranked_at_completion`` (LMCache's put): a stored block's
+recency dates from its store's completion. ``failed_load_drops_unannounced`` (vLLM's file tier):
+KV events (SPEC §14) announce no removal of what a failed load dropped (``Tier.dropped``).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
-TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads")
+TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads",
+              "store_ranked_at_completion", "failed_load_drops_unannounced")
 
 
 def failed_load_modes(tier_rules) -> tuple:
@@ -112,6 +115,7 @@ class Tier:
     # SPEC §13's swap: sequence -> blocks of it the tier holds (stored, by no key: never a hit,
     # never a victim of the policy, dropped at the resume or the free)
     swapped: dict = field(default_factory=dict)
+    dropped: set = field(default_factory=set)  # failed_load_drops_unannounced's, till stored again
     # Counted as entries change, so that the ledger reads no entry: STORING ones, read ones.
     storing: int = 0
     loading: int = 0
@@ -175,6 +179,8 @@ class Tiers:
         self.whole_store = "whole_store_refused" in rules
         self.by_request = "request_recency" in rules
         self.own_evictable = "store_evicts_skipped" in rules
+        self.ranked_at_completion = "store_ranked_at_completion" in rules
+        self.drops_unannounced = "failed_load_drops_unannounced" in rules
         self.tiers = [Tier(s, by_request=self.by_request) for s in specs]
         self.block_bytes = block_bytes
         self.transfers: dict = {}  # id -> Transfer, in flight
@@ -225,8 +231,14 @@ class Tiers:
         e.loads -= 1
         t.loading -= not e.loads
         if e.unreadable and not e.loads:  # the last reader gone: the entry goes
-            del t.entries[key]
-            t.policy.remove(key)
+            self._drop(t, key)
+
+    def _drop(self, t: Tier, key) -> None:
+        """An entry a failed load read leaves its tier."""
+        del t.entries[key]
+        t.policy.remove(key)
+        if self.drops_unannounced:
+            t.dropped.add(key)
 
     def pin(self, seq: int, keys) -> list:
         """A lookup of ``keys`` for ``seq``: pins the run :meth:`load_run` finds; returns it as
@@ -354,8 +366,7 @@ class Tiers:
             if entry.state != STORED or entry.unreadable:
                 raise TransferError(f"load of block {key!r} from tier {self.tiers[tier].spec.name}, "
                                     f"where it is {'unreadable' if entry.unreadable else entry.state}")
-            entry.loads += 1
-            self.tiers[tier].loading += entry.loads == 1
+            self._read(key, tier)
             if target is not None:
                 self.load_targets[target] = tid
             self.tiers[tier].hits += 1
@@ -392,6 +403,10 @@ class Tiers:
             for key, block in tr.blocks:
                 if ok:
                     t.entries[key].state = STORED
+                    t.dropped.discard(key)  # announced stored again
+                    if self.ranked_at_completion:  # its place in the order is taken now
+                        t.policy.remove(key)
+                        t.policy.insert(key, tr.seq)
                     t.policy.ready(key)
                 else:
                     del t.entries[key]
@@ -412,16 +427,11 @@ class Tiers:
     def _end_load(self, tr: Transfer, moved: bool, failed: bool = False) -> None:
         for key, tier, target in tr.blocks:
             t = self.tiers[tier]
-            e = t.entries[key]
-            e.loads -= 1
-            t.loading -= not e.loads
             self.load_targets.pop(target, None)
             if moved:
                 t.bytes_up += self.block_bytes
-            e.unreadable |= failed and t.spec.failed_load == "drop"
-            if e.unreadable and not e.loads:  # the last reader gone: the entry goes
-                del t.entries[key]
-                t.policy.remove(key)
+            t.entries[key].unreadable |= failed and t.spec.failed_load == "drop"
+            self._unread(key, tier)
         for key, tier in tr.pins:
             self._unread(key, tier)
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import A, K, P, X, counting_calls, make_config, make_trace
 from planted import raising_in
+from test_events import MergedCopies, UnsaltedTierEvents, two_tenants_one_prefix
 from test_ledger_quantities import PAGED
 
 from impls.faults import CopyWithoutData, LruTiesWrongWay, StateNotZeroed
@@ -31,6 +32,7 @@ from kvbench.checking import checks
 from kvbench.checking.checker import check
 from kvbench.checking.verdict import OOM, SUCCESS
 from kvbench.contract import formulas as F
+from kvbench.contract.events import REMOVED, KVEvent
 from kvbench.contract.protocol import BlockChanges, BlockState, OutOfMemory
 from kvbench.traces.format import Append, Free, Header, Prefill, Trace, validate
 from kvbench.traces.ops import Preempt
@@ -556,7 +558,27 @@ class DropsLastStored(NumpyPaged):
         return [e for e in super().events() if e.key != 2]
 
 
+class RemovesUnheld(UnsaltedTierEvents):
+    """Announces, with its first tier store, the removal of a key no tier ever held."""
+
+    def events(self):
+        out = super().events()
+        return out + [KVEvent(REMOVED, "never", None, 0, 1)] if any(e.tier for e in out) else out
+
+
 CASES.update({
+    # two_tenants_one_prefix: the host's first store completes at op 2, the second tenant's at 5
+    "events: order rules, copies": Case(RemovesUnheld, two_tenants_one_prefix(), 2, "event order",
+                                        "nothing is removed that was not stored",
+                                        detail="removes a key of which no copy is present",
+                                        config={"prefix_caching": True, "num_blocks": 8},
+                                        control=UnsaltedTierEvents),
+    "events: copies per salt-less key": Case(MergedCopies, two_tenants_one_prefix(), 5,
+                                             "residency of group 0, tier 1",
+                                             {"stored": ["a", "b"], "removed": []},
+                                             {"stored": [], "removed": []}, "'a' 2 against 1",
+                                             config={"prefix_caching": True, "num_blocks": 8},
+                                             control=UnsaltedTierEvents),
     "events: order rules": Case(ParentNeverStored, CACHED, 0, "event order",
                                 "a stored block's parent is present or none",
                                 config={"prefix_caching": True}),

@@ -20,6 +20,7 @@ from impls.faults_events import (
     PartialBlockAnnounced,
 )
 from impls.numpy_paged import NumpyPaged
+from impls.prefix_keys import prompt_keys, tagged_extra
 from impls.torch_paged import TorchPaged
 from kvbench.checking.checker import check
 from kvbench.contract import formulas as F
@@ -27,7 +28,9 @@ from kvbench.contract.events import CLEARED, REMOVED, STORED, EventOrderError, K
 from kvbench.contract.protocol import Backend, CacheConfig, Prompt, publishes_events
 from kvbench.model.events import ExpectedEvents
 from kvbench.model.oracle import Oracle
+from kvbench.traces.format import Header, Trace, validate
 from kvbench.traces.ops import Append, Prefill
+from kvbench.traces.tier_ops import Done, Store, TierSpec
 
 
 def stored(key, parent=None, group=0, tier=0):
@@ -230,6 +233,92 @@ def test_a_sliding_groups_sparse_entries_pass():
                       stored("o1", "o0", 1), removed("h3", 0), removed("h2", 0)]
     assert got[3] == []  # a hit: nothing new
     assert check(trace, NumpyPaged(config)).valid is True
+
+
+# --- a lower tier whose events name entries without the salt (tier_event_keys "unsalted") -----
+
+class UnsaltedTierEvents(NumpyPaged):
+    """Announces its tiers' entries by their keys without the salt, one event per entry, as
+    LMCache's controller messages do (impls/engines/lmcache_cpu.py), and declares it."""
+
+    name = "unsalted-tier-events"
+    capabilities = dataclasses.replace(NumpyPaged.capabilities,
+                                       rule_params={"tier_event_keys": "unsalted"})
+
+    def prefill(self, seq, prompt, kv=None, **kw):
+        plain = prompt_keys(prompt, self.B, tagged_extra(None, prompt.adapter))
+        self.__dict__.setdefault("plain", {}).update(zip(prompt_keys(prompt, self.B), plain))
+        return super().prefill(seq, prompt, kv, **kw)
+
+    def events(self):
+        plain = self.__dict__.get("plain", {})
+        return [dataclasses.replace(e, key=plain.get(e.key, e.key), parent=None) if e.tier else e
+                for e in super().events()]
+
+
+class MergedCopies(UnsaltedTierEvents):
+    """Announces a salt-less key once while any copy is held, as an index of keys (a set)
+    would: the second tenant's copy is never said."""
+
+    def events(self):
+        held, out = self.__dict__.setdefault("held", {}), []
+        for e in super().events():
+            gk = (e.group, e.tier, e.key)
+            if e.tier and e.kind == STORED:
+                held[gk] = held.get(gk, 0) + 1
+                if held[gk] > 1:
+                    continue
+            elif e.tier and e.kind == REMOVED:
+                held[gk] -= 1
+                if held[gk]:
+                    continue
+            out.append(e)
+        return out
+
+
+def two_tenants_one_prefix():
+    """Host of 4. Tenants s and t each prefill 32 tokens of hashes a, b (2 blocks of 16) and
+    store them to the host (steps 0-5): 2 copies of a and of b, the host full. A third prompt
+    (c, d) is stored at step 7: the 2 least recent, s's a and b, are evicted, 1 copy of each
+    left."""
+    ops = [Prefill(0, 0, "s", 32, ("a", "b"), salt="s"), Store(1, 1, 0, "host"), Done(2, 1, True),
+           Prefill(3, 1, "t", 32, ("a", "b"), salt="t"), Store(4, 2, 1, "host"), Done(5, 2, True),
+           Prefill(6, 2, "u", 32, ("c", "d")), Store(7, 3, 2, "host"), Done(8, 3, True)]
+    return validate(Trace(Header("tenants", tiers=(TierSpec("host", 4),)), ops, name="tenants"))
+
+
+def test_tier_events_without_the_salt_are_counted_per_key_where_declared():
+    config = make_config(num_blocks=8, prefix_caching=True)
+    v = check(two_tenants_one_prefix(), UnsaltedTierEvents(config))
+    assert v.valid is True, v.divergence
+    # device: 3 prompts x 2 blocks stored; host: a, b twice, then a, b removed and c, d stored
+    assert v.events == 3 * 2 + (2 + 2 + 2 + 2)
+    # held to salted keys (SPEC §14), its first tier events name no salted entry
+    salted = UnsaltedTierEvents(config)
+    salted.capabilities = NumpyPaged.capabilities
+    d = check(two_tenants_one_prefix(), salted).divergence
+    assert (d.step, d.quantity) == (2, "residency of group 0, tier 1")
+
+
+def test_an_index_that_merges_two_tenants_copies_fails_at_the_second():
+    d = check(two_tenants_one_prefix(), MergedCopies(make_config(num_blocks=8, prefix_caching=True))).divergence
+    # step 5: t's copies of a and b stored, 2 of each where the events say 1
+    assert (d.step, d.quantity) == (5, "residency of group 0, tier 1")
+    assert d.expected["stored"] == ["a", "b"] and d.actual["stored"] == []
+    assert "'a' 2 against 1" in d.detail
+
+
+def test_the_oracles_unsalted_key_leaves_out_the_salt_and_keeps_the_adapter():
+    o = Oracle(make_config(block_size=4, num_blocks=8, prefix_caching=True))
+    u = lambda keys: [o.unsalted_key(k) for k in keys]  # noqa: E731
+    assert u(o.prompt_keys(8, hashes=(1, 2), salt="s")) == [1, 2]
+    assert u(o.prompt_keys(8, hashes=(1, 2), salt="s", adapter="l")) == list(o.prompt_keys(8, hashes=(1, 2), adapter="l"))
+    ids = list(range(12))
+    plain = u(o.prompt_keys(12, token_ids=ids))
+    assert u(o.prompt_keys(12, token_ids=ids, salt="s")) == u(o.prompt_keys(12, token_ids=ids, salt="t")) == plain
+    assert len(set(plain)) == 3  # 12 // 4 blocks, each its own prefix
+    lora = u(o.prompt_keys(12, token_ids=ids, salt="s", adapter="l"))
+    assert lora == u(o.prompt_keys(12, token_ids=ids, adapter="l")) and not set(lora) & set(plain)
 
 
 # --- backends without events ---------------------------------------------------------------

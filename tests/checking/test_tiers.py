@@ -144,6 +144,24 @@ def test_a_dropped_block_another_load_reads_goes_when_that_load_ends():
     assert counts(t) == (0, 0, 0, 4)  # its last reader gone, a goes too
 
 
+@pytest.mark.parametrize("rules, unannounced", [((), set()), (("failed_load_drops_unannounced",), {"a"})])
+def test_a_dropped_block_stays_unannounced_until_stored_again_only_under_the_rule(rules, unannounced):
+    t = Tiers([TierSpec("host", 4, "lru", "drop")], BB, rules)
+    t.store_begin(1, 0, 0, [("a", 10), ("b", 11)])
+    t.complete(1, True)
+    t.load_begin(2, seq=5, blocks=[("a", 0, 30)])
+    t.complete(2, ok=False)
+    # a dropped either way (1 stored = b, 3 = 4 - 1 free); vLLM's file tier says nothing of it
+    assert counts(t) == (1, 0, 0, 3) and t.tiers[0].dropped == unannounced
+    t.store_begin(3, 0, 0, [("a", 12)])
+    t.complete(3, False)  # a failed store writes nothing: still unannounced
+    assert t.tiers[0].dropped == unannounced
+    t.store_begin(4, 0, 0, [("a", 12)])
+    assert t.tiers[0].dropped == unannounced  # storing: announced at its completion
+    t.complete(4, True)
+    assert t.tiers[0].dropped == set() and counts(t) == (2, 0, 0, 2)
+
+
 def test_an_aborted_load_drops_nothing():
     t = stored_ab("drop")
     t.load_begin(2, seq=5, blocks=[("a", 0, 30)])
@@ -276,6 +294,22 @@ def test_a_store_evicts_its_own_skipped_blocks_only_under_the_rule(rules, evicte
     t.complete(2, True)
     assert sorted(t.stored_keys(0)) == stored
     assert counts(t) == (1, 0, 0, 0)  # 1 = capacity: one stored either way, 0 free
+
+
+@pytest.mark.parametrize("rules, victim", [
+    ((), "a"),  # SPEC: a store's blocks take their place at the begin: a (begun first) goes
+    (("store_ranked_at_completion",), "b"),  # LMCache's put at the completion: b completed first
+])
+def test_a_stored_blocks_recency_dates_from_its_begin_or_under_the_rule_its_completion(rules, victim):
+    t = Tiers([TierSpec("host", 2)], BB, rules)
+    t.store_begin(1, 0, 0, [("a", 10)])
+    t.store_begin(2, 1, 0, [("b", 11)])
+    t.complete(2, True)
+    t.complete(1, True)
+    assert t.tiers[0].policy.order_of() == (["a", "b"] if not rules else ["b", "a"])
+    plan = t.store_begin(3, 2, 0, [("c", 12)])  # full: the least recent goes
+    assert plan.evicted == [victim]
+    assert counts(t) == (1, 1, 0, 0)  # 2 = capacity: 1 stored + 1 storing
 
 
 def test_request_recency_ranks_and_finish():

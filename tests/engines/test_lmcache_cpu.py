@@ -53,6 +53,7 @@ def test_passes_the_tier_workloads(lmcache, path):
         return
     assert v.valid is True, str(v.divergence)
     assert v.ops == len(trace.ops)
+    assert v.events > 0  # its KV events checked at every operation: the device's and LMCache's
     assert "block structures" not in v.skipped  # its leases counted (SPEC §10 during §11)
     assert "GPU connector" in v.skipped["tier copies"]
 
@@ -239,10 +240,18 @@ def test_the_mp_l1_controller_releases_a_salted_lookups_locks_by_its_salt_only(l
 
 # --- KV events (SPEC §14): LMCache's controller messages for its tiers ---------------------------
 
-def _events_verdict(name):
-    from impls.engines.lmcache_cpu import LMCacheCPUEvents
+def _events_verdict(name, tier_rules=None, rule_params=None):
+    """The adapter on the committed workload ``name``; held to ``tier_rules`` and
+    ``rule_params`` instead of those it declares where given."""
+    import dataclasses
+
+    from impls.engines.lmcache_cpu import LMCacheCPU
     trace = load_traces([p for p in TIER_WORKLOADS if p.stem == name])[0]
-    backend = LMCacheCPUEvents(config_for(trace))
+    backend = LMCacheCPU(config_for(trace))
+    caps = backend.capabilities
+    backend.capabilities = dataclasses.replace(
+        caps, tier_rules=caps.tier_rules if tier_rules is None else tier_rules,
+        rule_params=caps.rule_params if rule_params is None else rule_params)
     try:
         v = check(trace, backend)
     finally:
@@ -251,30 +260,69 @@ def _events_verdict(name):
     return v
 
 
-def test_lmcache_events_pass_tier_agentic(lmcache):
-    v = _events_verdict("tier-agentic")
-    assert v.valid is True, str(v.divergence)
-
-
-def test_lmcache_events_show_its_lru_ranks_a_stored_block_at_its_put(lmcache):
+def test_lmcache_ranks_a_stored_block_at_its_put_as_declared(lmcache):
     # tier-races, host of 8: r0's 3 blocks stored (1 evicted at r4's store), r3's 3 stored (done
     # at step 24); r4's 3 begin at step 27 and complete at 33; the load at step 31 touches r3.
-    # The model ranks r4 at its store's begin (27, before the touch), LMCache at its put
-    # (submit_put_task at 33, after it): the store of r6's 3 at step 44 evicts r0.1, r0.2 and
-    # then r4.0 in the model, r3.2 in LMCache. The ledger's counts agree; the events name the
-    # victims. A tier rule the model does not have yet (docs/tiers-and-lifecycles.md).
-    d = _events_verdict("tier-races").divergence
+    # LMCache ranks r4 at its put (submit_put_task at 33, after the touch: local_cpu_backend.py
+    # :168), as declared (store_ranked_at_completion). Held to a rank at the store's begin (27,
+    # before the touch), the store of r6's 3 at step 44 evicts r0.1, r0.2 and then r4.0 in the
+    # model, r3.2 in LMCache: the ledger's counts agree, the events name the victims.
+    from impls.engines.lmcache_cpu import LMCacheCPU
+    assert _events_verdict("tier-races").valid is True
+    assert "store_ranked_at_completion" in LMCacheCPU.capabilities.tier_rules
+    d = _events_verdict("tier-races", tier_rules=("store_evicts_skipped",)).divergence
     assert d.index == 44 and d.quantity == "residency of group 0, tier 1", str(d)
     assert d.expected["removed"] == ["r0.1", "r0.2", "r4.0"], str(d)
     assert d.actual["removed"] == ["r0.1", "r0.2", "r3.2"], str(d)
 
 
-def test_lmcache_events_name_a_salted_entry_without_its_salt(lmcache):
+def test_lmcache_events_name_a_salted_entry_without_its_salt_as_declared(lmcache):
     # tier-turns' first store (tenant a, salt "a", 2 blocks) completes at step 5: LMCache's ADMIT
-    # messages name each entry by chunk_hash alone, so its index holds the unsalted keys where
-    # the entries are the salted ones: a controller's index merges two tenants' copies.
-    d = _events_verdict("tier-turns").divergence
+    # messages name each entry by chunk_hash alone (local_cpu_backend.py:174-177). Declared
+    # (tier_event_keys "unsalted"), the checker counts copies per salt-less key and the run
+    # passes (test_passes_the_tier_workloads); held to salted keys, the messages' keys are not the salted entries'.
+    d = _events_verdict("tier-turns", rule_params={}).divergence
     assert d.index == 5 and d.quantity == "residency of group 0, tier 1", str(d)
     assert len(d.expected["stored"]) == len(d.actual["stored"]) == 2, str(d)
     assert all("salt" in repr(k) for k in d.expected["stored"]), str(d)
     assert not any("salt" in repr(k) for k in d.actual["stored"]), str(d)
+
+
+def test_lmcaches_controller_keeps_a_set_and_forgets_a_prefix_one_tenant_still_holds(lmcache):
+    # Host of 4 pages. Tenants s and t each store 2 blocks of hashes 1, 2 (steps 0-5): 2 copies of
+    # each, as LMCache's 4 ADMIT messages say; tenant u's store of 3, 4 (step 8) evicts s's two
+    # (LRU), 1 copy of 1 and 2 left, t's. The messages pass the checker's count per key; LMCache's
+    # own controller index (WorkerNode.handle_batched_kv_operations, cache_controller/utils.py:
+    # 124-130: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2.
+    import time
+
+    from lmcache.v1.cache_controller.utils import WorkerNode
+
+    from impls.engines.lmcache_cpu import LMCacheCPU, _LMCacheTier
+    node = WorkerNode(0, "", 0, None, None, time.time(), time.time())
+
+    class Controlled(_LMCacheTier):
+        def events(self, tier):
+            out = super().events(tier)
+            worker = self.backend.batched_msg_sender.lmcache_worker
+            if not getattr(worker, "teed", False):  # the controller's end sees each message too
+                worker.put_msg = lambda m: (self.messages.append(m), node.handle_batched_kv_operations(m))
+                worker.teed = True
+            return out
+
+    ops = [Prefill(0, 0, "s", 2 * B, (1, 2), salt="s"), Store(1, 1, 0, "host"), Done(2, 1, True),
+           Prefill(3, 1, "t", 2 * B, (1, 2), salt="t"), Store(4, 2, 1, "host"), Done(5, 2, True),
+           Prefill(6, 2, "u", 2 * B, (3, 4)), Store(7, 3, 2, "host"), Done(8, 3, True)]
+    trace = _tier_trace(*ops)
+    backend = type("ControlledLMCache", (LMCacheCPU,), {"tier_class": Controlled})(
+        make_config(block_size=B, num_blocks=8, prefix_caching=True))
+    try:
+        v = check(trace, backend)
+        assert v.valid is True and v.ops == len(ops), str(v.divergence)
+        tier = backend._tiers[0]
+        held = sorted(tier.unhashed[k.chunk_hash][1] for k in tier.backend.hot_cache)
+        assert held == [1, 2, 3, 4]  # t's copies of 1 and 2, u's 3 and 4
+        (index,) = node.kv_store.values()
+        assert sorted(tier.unhashed[h][1] for h in index) == [3, 4]  # 1 and 2 forgotten
+    finally:
+        backend.close()

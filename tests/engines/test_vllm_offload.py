@@ -6,7 +6,7 @@ that needs it is skipped there with the reason. Run them from the repository roo
 
     PYTHONPATH=$PWD /work/vllm-env/bin/python -m pytest tests/engines/test_vllm_offload.py
 
-The adapter declares the two rules where vLLM differs from SPEC §11 (``tier_rules``); each has a
+The adapter declares the rules where vLLM differs from SPEC §11 and §14 (``tier_rules``); each has a
 small trace here on which vLLM passes as declared and diverges, at the step named, when held to
 SPEC's rule instead: evidence that the declaration is what vLLM does, and that the checker holds
 vLLM to it.
@@ -182,7 +182,7 @@ def failed_reload(failed_load: str) -> Trace:
     ("drop", 0, 2),      # vLLM's file tier: the short read removed both files; the reload misses
 ])
 def test_a_failed_load_leaves_vllms_tier_as_declared(vllm, failed_load, disk_stored, disk_hits):
-    backend = offload(16, events=False)  # its events: the next test
+    backend = offload(16, events=False)  # its ledgers alone; its events: the next test
     try:
         v = check(failed_reload(failed_load), backend, gather="all")
         assert v.valid is True, str(v.divergence)
@@ -192,16 +192,76 @@ def test_a_failed_load_leaves_vllms_tier_as_declared(vllm, failed_load, disk_sto
         backend.close()
 
 
-def test_vllms_file_tier_announces_no_removal_of_the_files_a_failed_load_removed(vllm):
-    """A finding, not declared: vLLM 0.33's FileSystemTierManager emits an OffloadingEvent for a
-    store job that succeeds and none when its short read removes a file (fs/io.py's _load_block,
-    fs/manager.py's get_finished_jobs), so an index fed its events still holds the 2 blocks.
-    SPEC §14 wants a removed event for each; the CPU tier, keeping them, passes."""
-    assert checked(failed_reload("keep"), offload(16)).valid is True
+def announcing_file_tier(num_blocks=16):
+    """vllm-offload whose file tier also announces a removed event for each file a failed
+    load's short read removed: what SPEC §14 asks, not what vLLM does."""
+    from impls.engines.vllm_offload import VllmOffload, _VllmFileTier
+    from impls.pool_events import _group_key
+    from kvbench.contract.events import REMOVED, KVEvent
+
+    class AnnouncingFileTier(_VllmFileTier):
+        gone: list = []
+
+        def read(self, keys, seq, ok) -> None:
+            there = [k for k in keys if os.path.exists(self._path(k))]
+            super().read(keys, seq, ok)
+            self.gone = self.gone + [k for k in there if not os.path.exists(self._path(k))]
+
+        def events(self, tier):
+            gone, self.gone = self.gone, []
+            return super().events(tier) + [KVEvent(REMOVED, _group_key(k)[1], None, _group_key(k)[0], tier)
+                                           for k in gone]
+
+    class AnnouncesDrops(VllmOffload):
+        def _make_tier(self, spec, storage):
+            if spec.failed_load == "drop":
+                return AnnouncingFileTier(spec, storage, self._tier_folder, self.B)
+            return super()._make_tier(spec, storage)
+
+    return AnnouncesDrops(make_config(block_size=B, num_blocks=num_blocks, prefix_caching=True))
+
+
+def test_vllms_file_tier_announces_no_removal_of_a_failed_loads_files_as_declared(vllm):
+    """vLLM 0.33's FileSystemTierManager emits an OffloadingEvent for a store job that succeeds
+    and none when its short read removes a file (fs/manager.py:286-295, fs/io.py:161): declared
+    as failed_load_drops_unannounced, so the checker expects no removal at the failed load
+    (step 7), and disk's blocks 1, 2 stay in the events' residency."""
+    assert "failed_load_drops_unannounced" in offload().capabilities.tier_rules
     v = checked(failed_reload("drop"), offload(16))
-    d = v.divergence
-    assert (v.valid, d.step, d.quantity) == (False, 7, "residency of group 0, tier 2")
+    assert v.valid is True, str(v.divergence)
+    assert v.ops == len(failed_reload("drop").ops)
+    # held to SPEC §14 (a removed event for each dropped entry): FAILs at the failed load
+    spec = checked(failed_reload("drop"), offload(16, rules=("whole_store_refused", "request_recency")))
+    d = spec.divergence
+    assert (spec.valid, d.step, d.quantity) == (False, 7, "residency of group 0, tier 2")
     assert (d.expected["removed"], d.actual["removed"]) == ([1, 2], [])
+    # a file tier that does announce them, held to vLLM's declared rule: FAILs there too
+    said = checked(failed_reload("drop"), announcing_file_tier())
+    d = said.divergence
+    assert (said.valid, d.step, d.quantity) == (False, 7, "residency of group 0, tier 2")
+    assert (d.expected["removed"], d.actual["removed"]) == ([], [1, 2])
+    # and passes where held to SPEC: the plant announces what SPEC asks
+    plant = announcing_file_tier()
+    plant.capabilities = dataclasses.replace(plant.capabilities, tier_rules=(
+        "whole_store_refused", "request_recency", "drops_failed_loads"))
+    assert checked(failed_reload("drop"), plant).valid is True
+
+
+def test_a_file_dropped_unannounced_then_stored_again_is_announced_again(vllm):
+    """After the failed load (step 7: its 2 blocks computed again on the device) sequence 3's
+    prompt hits them and is stored to disk (steps 9-11): vLLM writes both files again and
+    announces them stored (fs/manager.py:286-295) while an index fed its events still holds
+    them. Under the declared rule that is no second store of a present key; disk holds 2 again."""
+    ops = list(failed_reload("drop").ops[:9]) + [Prefill(9, 3, "a", 10 * B, (1, 2)),
+                                                 Store(10, 4, 3, "disk"), Done(11, 4), Free(12, 3)]
+    trace = validate(Trace(dataclasses.replace(failed_reload("drop").header), ops, name="stored-again"))
+    backend = offload(16)
+    try:
+        v = check(trace, backend)
+        assert v.valid is True, str(v.divergence)
+        assert v.ops == len(ops) and backend.tier_ledgers()[1]["stored"] == 2
+    finally:
+        backend.close()
 
 
 def test_vllm_issue_49176_a_failed_loads_hit_served_again_fails_at_the_failure(vllm):
@@ -225,8 +285,8 @@ def test_passes_random_histories_over_its_file_tier(vllm, case, host):
     # a disk tier larger than any history's blocks: vLLM's file tier evicts nothing
     tiers = (TierSpec("host", host), TierSpec("disk", 64, failed_load="drop"))
     trace = validate(Trace(Header("random", tiers=tiers), ops, name="random"))
-    # its events unread: the file tier announces no removal (the test above)
-    v = checked(trace, offload(blocks, events=False), gather="all")
+    # its events read too: a failed load's files removed unannounced, as declared
+    v = checked(trace, offload(blocks), gather="all")
     assert v.valid is True, (v.divergence, v.error)
 
 

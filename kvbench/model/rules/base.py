@@ -11,7 +11,8 @@ STATE_CHECKPOINTS = ("every_block", "align")
 LEAF_ORDERS = ("lru", "lfu", "fifo", "mru", "priority", "slru")  # SGLang's get_priority's
 CHOICES = {"fork_via": FORK_VIA, "eviction_demand": EVICTION_DEMANDS,
            "window_release": WINDOW_RELEASE_RULES, "leaf_order": LEAF_ORDERS,
-           "state_checkpoints": STATE_CHECKPOINTS, "event_keys": ("trace", "own")}
+           "state_checkpoints": STATE_CHECKPOINTS, "event_keys": ("trace", "own"),
+           "tier_event_keys": ("salted", "unsalted")}
 
 
 class RuleSet:
@@ -57,6 +58,11 @@ class RuleSet:
       prefill received, so a key equal to the oracle's is that key; "own": an engine's hash
       space, each key paired with the oracle's in the order announced whatever its value
       (vLLM's int 48 is its hash of the trace's key 0; kvbench.checking.event_replay).
+    - ``tier_event_keys``: what the KV events of its lower tiers (SPEC §11) name an entry by.
+      "salted": the block key, salt included (SPEC §14); "unsalted": the key without its salt,
+      one event per entry, so two tenants' copies of one prefix are one key announced twice and
+      the checker counts each key's copies (LMCache's controller messages carry
+      ``key.chunk_hash`` alone; impls/engines/lmcache_cpu.py).
     - ``events_from_tree``: KV events (SPEC §14) announce the radix tree's pages: stored when a
       checkpoint's insert makes their node, not when a decode fills them, removed when an
       eviction takes their leaf (SGLang; rules/sglang.py).
@@ -83,6 +89,7 @@ class RuleSet:
     capped_hit_recomputed = False
     events_from_tree = False
     event_keys = "trace"
+    tier_event_keys = "salted"
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.PARAMS))

@@ -14,7 +14,7 @@ SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
     "window_release", "lookahead_slots", "hit_drops_last_block",
     "kept_drafts_cached_at_next_append", "sparse_window_retention", "chunk_start_hit",
     "evicts_whole_leaves", "leaf_order", "eviction_demand", "capped_hit_recomputed",
-    "cached_queue_order", "event_keys")}
+    "cached_queue_order", "event_keys", "tier_event_keys")}
 
 
 def extra_keys(salt=None, adapter=None) -> tuple:
@@ -60,6 +60,39 @@ class SpecSteps:
             return tuple(keys)
         hashes = tuple(hashes or ())[:n]
         return tuple((extra, h) for h in hashes) if extra else hashes
+
+    def unsalted_key(self, key):
+        """``key`` (a key :meth:`prompt_keys` made) with its salt left out and its adapter kept:
+        what an engine whose KV events carry no salt names the entry by (the rule
+        ``tier_event_keys`` "unsalted"). A token-id key becomes a node of a trie of its own, the
+        same for every salt."""
+        memo = self.__dict__.setdefault("_unsalted_memo", {})
+        if key in memo:
+            return memo[key]
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "ids":  # a token-id trie node
+            rev = self.__dict__.setdefault("_node_of", {})
+            nodes = self.__dict__.setdefault("_unsalted_nodes", {})
+            if key[1] not in rev:  # nodes are only added, numbered in order: the new ones
+                for node, n in reversed(self._nodes.items()):
+                    if n in rev:
+                        break
+                    rev[n] = node
+            chain = [key]  # up to the root or a node projected before, then down: no recursion
+            while rev[chain[-1][1]][0][0] != "root" and rev[chain[-1][1]][0] not in memo:
+                chain.append(rev[chain[-1][1]][0])
+            for k in reversed(chain):
+                parent, tokens = rev[k[1]]
+                base = (("root", tuple(x for x in parent[1] if x[0] != "salt"))
+                        if parent[0] == "root" else memo[parent])
+                memo[k] = ("unsalted ids", nodes.setdefault((base, tokens), len(nodes)))
+            return memo[key]
+        out = key
+        if (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple) and key[0]
+                and all(isinstance(x, tuple) and x[:1] in (("salt",), ("adapter",)) for x in key[0])):
+            kept = tuple(x for x in key[0] if x[0] != "salt")  # hashed: (extra keys, hash)
+            out = key if kept == key[0] else ((kept, key[1]) if kept else key[1])
+        memo[key] = out
+        return out
 
     def _note_writers(self, seq, tokens: int, hashes, token_ids, salt, adapter) -> dict:
         """Note ``seq`` as a writer of its prompt's blocks under its extra keys; what
