@@ -252,6 +252,11 @@ class Backend(ABC):
 
     name: str = "?"
     capabilities: Capabilities = Capabilities()
+    # SPEC §11: the trace tiers' ``failed_load`` modes it runs on a tier that evicts nothing (its
+    # engine's tier has no capacity: vLLM's file tier). A trace that may store more blocks into
+    # such a tier than its capacity is n/a (kvbench.checking.applicable); `kvbench fuzz` draws
+    # those tiers large enough (kvbench.search.histories).
+    evictless_tiers: tuple = ()
 
     def __init__(self, config: CacheConfig):
         self.config = config
@@ -512,6 +517,12 @@ def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 
+def takes_lookup(backend: Backend) -> bool:
+    """Whether ``backend`` takes SPEC §11's ``lookup`` (pinning what a load of a prompt would read
+    until the load, an abort or a free): it defines ``lookup``."""
+    return callable(getattr(backend, "lookup", None))
+
+
 def publishes_events(backend: Backend) -> bool:
     """Whether ``backend`` publishes KV events (SPEC §14): it defines its own ``events()``."""
     return getattr(type(backend), "events", Backend.events) is not Backend.events
@@ -584,4 +595,4 @@ __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LE
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
            "kv_tokens", "Refusal",
            "kv_values", "advance_state", "hash_writer", "group_view", "gathered_range", "takes_lifecycle",
-           "publishes_events"]
+           "takes_lookup", "publishes_events"]
