@@ -148,7 +148,7 @@ class Campaign:
                     self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
                                             or takes_lifecycle(backend, name))
                     self.lookups = takes_lookup(backend)
-                    self.evictless = tuple(backend.evictless_tiers)
+                    self.evictless = tuple(getattr(backend, "evictless_tiers", ()))
                     self.formats = self.declared_formats()
             finally:
                 getattr(backend, "close", lambda: None)()
