@@ -170,3 +170,16 @@ def test_the_fuzzer_draws_such_tiers_large_enough_and_nothing_else_different():
             else:
                 assert after == before
     assert drops > 0
+
+
+def test_a_planted_abort_bug_takes_a_looked_up_requests_abort_as_the_pool_does():
+    """impls/faults_fuzz.py's AbortKeepsTierReaders (an aborted load's tier readers kept) took
+    the abort of a request looked up and never loaded down its own path, a free of a sequence
+    never made: a KeyError found at history 2 of seed 0 once lookups were drawn, hiding its own
+    bug (found at history 28, results/fuzz/edges.md)."""
+    from impls.faults_fuzz import AbortKeepsTierReaders
+    ops = [Prefill(0, 0, "a", 8, ("h0", "h1")), Store(1, 0, 0, "host"), Done(2, 0), Free(3, 0),
+           Lookup(4, 1, "a", 8, ("h0", "h1")), Abort(5, 1)]
+    trace = validate(Trace(Header("t", settings={"block_size": 4, "prefix_caching": True},
+                                  tiers=(TierSpec("host", 4),)), ops, name="t"))
+    assert check(trace, AbortKeepsTierReaders(make_config(4, 8, prefix_caching=True))).valid is True
