@@ -141,6 +141,8 @@ class AbortKeepsTierReaders(NumpyPaged):
     they read stay counted as read, so no store can ever evict them."""
 
     def abort(self, seq, *, step=0):
+        if seq in self._pins:  # a request looked up, never loaded: the pool's own (its pins go)
+            return super().abort(seq, step=step)
         for tid, (kind, s, _, moved) in list(self._transfers.items()):
             if kind == "load" and s == seq:
                 del self._transfers[tid]

@@ -245,8 +245,9 @@ class _VllmFileTier(_OffloadKeys):
     never submitted: no file, as vLLM's temp-file rename leaves none), a load is read at its
     completion one block a job (vLLM keeps a batch's blocks before its first bad one), a
     failed load's files cut short first (the torn file of vLLM issue 49176), and the copies
-    between the pool and the buffer. The file tier evicts nothing (it has no capacity): a
-    store past the trace tier's capacity is refused as the adapter's error."""
+    between the pool and the buffer. The file tier evicts nothing (it has no capacity): the
+    adapter declares it (tier rule ``drop_tiers_evict_nothing``), so a trace that may store more blocks into the
+    tier than its capacity is n/a; a store past it here is the adapter's error."""
 
     def __init__(self, spec, storage, folder, block_size: int):
         v = self.v = _vllm()
@@ -411,7 +412,8 @@ class VllmOffload(EngineTiers):
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru", "arc"),
                                        tier_rules=("whole_store_refused", "request_recency",
                                                    "drops_failed_loads",
-                                                   "failed_load_drops_unannounced"), swap=False)
+                                                   "failed_load_drops_unannounced",
+                                                   "drop_tiers_evict_nothing"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 

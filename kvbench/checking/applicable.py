@@ -6,10 +6,12 @@ the trace, the model or the settings need of it.
 """
 from __future__ import annotations
 
-from kvbench.contract.protocol import MODEL, TIER_REPLAY, Backend, Refusal, refuse_model, takes_lifecycle
+from kvbench.contract.protocol import (MODEL, TIER_REPLAY, Backend, Refusal, refuse_model, takes_lifecycle,
+                                       takes_lookup)
 from kvbench.model.kinds import kind_of
 from kvbench.model.rules import rule_set
-from kvbench.model.tiers import failed_load_modes
+from kvbench.model.tiers import evictless_modes, failed_load_modes
+from kvbench.traces.builder import tier_blocks
 from kvbench.traces.columns import OpTable
 from kvbench.traces.format import Trace
 
@@ -131,7 +133,13 @@ def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
         return Refusal(name, f"{failed} a failed load's tier entries, only "
                        f"{', '.join(modes)}", "SPEC §11",
                        f"the trace's tier {drops[0]} declares failed_load {failed!r}")
-    if "lookup" in uses and not callable(getattr(backend, "lookup", None)):
+    over = evictless_overflow(trace, backend)
+    if over:
+        tier, stored = over
+        return Refusal(name, f"evict from its tiers of failed_load {tier.failed_load!r}", "SPEC §11",
+                       f"the trace may store {stored} blocks into tier {tier.name}, of capacity "
+                       f"{tier.capacity}")
+    if "lookup" in uses and not takes_lookup(backend):
         return Refusal(name, "look a prompt up in its tiers before its load (lookup)", "SPEC §11",
                        "the trace looks prompts up, pinning what they find until their load or abort")
     if cfg.model.hybrid:
@@ -146,4 +154,16 @@ def _tiers(trace: Trace, uses: set, backend: Backend) -> Refusal | None:
     return None
 
 
-__all__ = ["applicable", "lifecycle", "refuse", "trace_uses"]
+def evictless_overflow(trace: Trace, backend) -> tuple | None:
+    """(the first tier, the blocks the trace may store into it) of the trace's tiers the backend
+    runs on a tier that evicts nothing (tier rule ``drop_tiers_evict_nothing``) and that the trace may
+    fill past its capacity (:func:`kvbench.traces.builder.tier_blocks`); None if none."""
+    modes = evictless_modes(backend.capabilities.tier_rules)
+    tiers = [t for t in trace.header.tiers if t.failed_load in modes]
+    if not tiers:
+        return None
+    stored = tier_blocks(trace.ops, backend.config.block_size, trace.header.tiers[0].name)
+    return next(((t, stored[t.name]) for t in tiers if stored.get(t.name, 0) > t.capacity), None)
+
+
+__all__ = ["applicable", "evictless_overflow", "lifecycle", "refuse", "trace_uses"]

@@ -514,6 +514,12 @@ def takes_lifecycle(backend: Backend, lifecycle: str) -> bool:
     raise ValueError(f"unknown lifecycle {lifecycle!r}")
 
 
+def takes_lookup(backend: Backend) -> bool:
+    """Whether ``backend`` takes SPEC §11's ``lookup`` (pinning what a load of a prompt would read
+    until the load, an abort or a free): it defines ``lookup``."""
+    return callable(getattr(backend, "lookup", None))
+
+
 def publishes_events(backend: Backend) -> bool:
     """Whether ``backend`` publishes KV events (SPEC §14): it defines its own ``events()``."""
     return getattr(type(backend), "events", Backend.events) is not Backend.events
@@ -623,6 +629,5 @@ __all__ = ["OutOfMemory", "Prompt", "CacheConfig", "Capabilities", "Ledger", "LE
            "REPORTED_FIELDS", "BlockState", "BlockChanges", "Backend",
            "kv_tokens", "Refusal",
            "kv_values", "advance_state", "hash_writer", "content_segments", "appended_segments",
-           "draft_writer",
-           "cut_segments", "group_view", "gathered_range", "takes_lifecycle",
-           "publishes_events"]
+           "draft_writer", "cut_segments", "group_view", "gathered_range", "takes_lifecycle",
+           "takes_lookup", "publishes_events"]

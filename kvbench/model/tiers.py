@@ -2,19 +2,16 @@
 to ``capacity`` full, hashed blocks by their block key (§9, with the group), and the transfers
 between them and the device (store and load, each a begin and a completion).
 
-It knows no device block but by its id: the device oracle hands it the blocks a store copies from
-(leased until the store completes) and the blocks a load writes into (the loader's alone until
-the load completes). It imports no backend code.
-
-A block in a tier is ``storing`` (a store began: not loadable, not evictable) or ``stored``
+It knows device blocks by id only: those a store copies from (leased until it completes) and
+those a load writes into (the loader's alone until it completes). A block in a tier is ``storing`` (a store began: not loadable, not evictable) or ``stored``
 (loadable, evictable by the tier's policy unless a load reads it: then it is also ``loading``).
-A request's lookup (SPEC §11's failure paths: LMCache's read locks, SGLang's sessions) pins each
-stored entry of the run its load would read, as a load reads it: counted in ``loading``, not
-evictable; its load takes the pins over and releases them at its completion (ok or failed), and an
-abort before the load releases them, each exactly once. A store that fails leaves no trace. A load that fails leaves the entries it read as its tier
-declares (``TierSpec.failed_load``): kept stored (loadable again), or dropped: not loadable from
-the failure on, removed once no load reads them, so the hit is never served again from a block the
-tier could not read (vLLM issue 49176). Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
+A request's lookup (SPEC §11: LMCache's read locks, SGLang's sessions) pins the stored entries its
+load would read, as a load does (in ``loading``, not evictable); the load takes the pins over and
+releases them at its completion, ok or failed, and an abort before it releases them, each once. A
+failed store leaves no trace; a failed load leaves what it read as its tier declares
+(``TierSpec.failed_load``): kept (loadable again), or dropped: not loadable from then on, removed
+once no load reads it, so no hit is served again from a block the tier could not read (vLLM issue
+49176). Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
 the most recent end, a load touches its blocks so that the first is the most recent, the least
 recent evictable block goes first) and ``arc`` (vLLM's ARCCachePolicy, T1/T2 with ghost lists
 B1/B2 and an adaptive T1 target; as vLLM 0.33 ships it, victims come from T1 while T1 holds at
@@ -33,6 +30,7 @@ header declares ``failed_load`` "drop" (what a failed load read is removed) besi
 "keep" (:func:`failed_load_modes`). ``store_ranked_at_completion`` (LMCache's put): a stored block's
 recency dates from its store's completion. ``failed_load_drops_unannounced`` (vLLM's file tier):
 KV events (SPEC §14) announce no removal of what a failed load dropped (``Tier.dropped``).
+``drop_tiers_evict_nothing`` (vLLM's file tier, a file a block): its "drop" tiers evict nothing.
 """
 from __future__ import annotations
 
@@ -45,12 +43,17 @@ from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
 TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads",
-              "store_ranked_at_completion", "failed_load_drops_unannounced")
+              "store_ranked_at_completion", "failed_load_drops_unannounced", "drop_tiers_evict_nothing")
 
 
 def failed_load_modes(tier_rules) -> tuple:
     """The trace tiers' ``failed_load`` values a backend declaring ``tier_rules`` runs."""
     return ("keep", "drop") if "drops_failed_loads" in tier_rules else ("keep",)
+
+
+def evictless_modes(tier_rules) -> tuple:
+    """The ``failed_load`` values whose tiers a backend declaring ``tier_rules`` never evicts from."""
+    return ("drop",) if "drop_tiers_evict_nothing" in tier_rules else ()
 
 
 @dataclass(frozen=True)

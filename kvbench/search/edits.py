@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvbench.traces.format import Append, Fork, Free, Prefill, final_lengths
-from kvbench.traces.ops import Accept, Done, Load, Store
+from kvbench.traces.ops import Accept, Done, Load, Lookup, Store
 
 SEQ_FIELDS = ("seq", "src", "seqs")
 PER_BLOCK_FIELDS = ("block_hashes",)
@@ -38,8 +38,8 @@ def sequences_of(op) -> tuple:
 
 
 def sequences(ops) -> list:
-    """Sequence ids in order of first appearance (a prefill or a fork)."""
-    return [op.seq for op in ops if isinstance(op, (Prefill, Fork))]
+    """Sequence ids in order of first appearance (a lookup, a prefill or a fork)."""
+    return list(dict.fromkeys(op.seq for op in ops if isinstance(op, (Lookup, Prefill, Fork))))
 
 
 def with_forks(ops, seqs) -> set:
@@ -103,13 +103,13 @@ def _transfer_owners(ops) -> dict:
 
 def members(ops) -> list:
     """The droppable units below whole sequences: each append member, each free, each store
-    (with its completion) and each completion, named ``(step, seq)`` (a completion's seq is
-    None; steps are unique, so a name survives other units being dropped)."""
+    (with its completion), each completion and each lookup, named ``(step, seq)`` (a
+    completion's seq is None; steps are unique, so a name survives other units being dropped)."""
     out = []
     for op in ops:
         if isinstance(op, Append):
             out.extend((op.step, s) for s in op.seqs)
-        elif isinstance(op, (Free, Store)):
+        elif isinstance(op, (Free, Store, Lookup)):
             out.append((op.step, op.seq))
         elif isinstance(op, Done):
             out.append((op.step, None))
@@ -117,7 +117,7 @@ def members(ops) -> list:
 
 
 def drop_members(ops, units) -> list:
-    """Without the append members, frees, stores and completions ``units`` (``(step, seq)``);
+    """Without the append members, frees, stores, completions and lookups ``units`` (``(step, seq)``);
     an append left with no member goes, a store takes its completion along and a member that
     wrote drafts its accept. A sequence whose
     free is dropped lives to the end of the trace; a transfer whose completion is dropped stays
@@ -136,7 +136,7 @@ def drop_members(ops, units) -> list:
             op = None
         elif isinstance(op, Done) and ((op.step, None) in units or op.id in stores):
             op = None
-        elif isinstance(op, (Free, Store)) and (op.step, op.seq) in units:
+        elif isinstance(op, (Free, Store, Lookup)) and (op.step, op.seq) in units:
             op = None
         if op is not None:
             out.append(op)

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.checking.checker import check, oracle_for
-from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle
+from kvbench.contract.protocol import CacheConfig, Capabilities, takes_lifecycle, takes_lookup
 from kvbench.contract.registry import BackendEntry, BackendUnavailable
 from kvbench.model.oracle import Oracle
+from kvbench.model.tiers import evictless_modes
 from kvbench.outputs import write_text
 from kvbench.search.histories import GENERATOR, KV_FORMATS, LIFECYCLES, OP_KINDS, random_history
 from kvbench.search.reproduce import divergence_kind, failure_trace, jsonable, settings_of
@@ -130,6 +131,8 @@ class Campaign:
     errors: list = field(default_factory=list)
     lifecycles: tuple = ()  # SPEC §13's the backend takes (read with its capabilities)
     formats: tuple = ()  # the KV formats it declares (read with its capabilities)
+    lookups: bool = False  # whether it takes SPEC §11's lookups (read with its capabilities)
+    evictless: tuple = ()  # the failed_load modes it runs on a tier evicting nothing (likewise)
     stopped: str = ""
     stop: BaseException | None = field(default=None, repr=False)  # the Ctrl-C or SIGTERM
     elapsed: float = 0.0
@@ -145,6 +148,8 @@ class Campaign:
                     # preempt by recompute is a free and a prefill: every backend takes it
                     self.lifecycles = tuple(name for name in LIFECYCLES if name == "preempt"
                                             or takes_lifecycle(backend, name))
+                    self.lookups = takes_lookup(backend)
+                    self.evictless = evictless_modes(backend.capabilities.tier_rules)
                     self.formats = self.declared_formats()
             finally:
                 getattr(backend, "close", lambda: None)()
@@ -193,7 +198,7 @@ class Campaign:
 
     def one(self, index: int, caps: Capabilities) -> None:
         trace, settings, drawn = random_history(self.seed, index, caps, self.lifecycles, self.model_shapes,
-                                                self.formats)
+                                                self.formats, self.lookups, self.evictless)
         cov = self.coverage
         cov["op kinds"].update(drawn)
         cov["ops"].update(op.kind for op in trace.ops)

@@ -30,8 +30,14 @@ continuous batching, shared prefixes, salted prompts, window edges, eviction and
 chunked prefill, speculative forks, preemption, tiered turns)
 with random parameters, under the drawn policy and budget, or the budget it was built for.
 
-Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order, so the same
-(seed, index, capabilities) gives the same trace, byte for byte.
+For a backend that takes SPEC §11's ``lookup``, lookups are added around the loads after the
+history is drawn (:func:`_with_lookups`), and a tier the backend runs on one that evicts nothing
+is made as large as what the history may store there.
+
+Every draw comes from ``numpy.random.default_rng([seed, index])`` in a fixed order (the KV
+format, what a tier does with a failed load and the lookups from generators of their own,
+``[seed, index, 1]`` to ``[seed, index, 3]``), so the same (seed, index, capabilities) gives
+the same trace, byte for byte, and the other operations are the same with lookups or without.
 
 Over 500 lines: the operation kinds share one history's state (live sequences, drafts, tiers'
 contents) and one generator's draw order, which is what makes a history reproducible by index.
@@ -46,9 +52,9 @@ import numpy as np
 from kvbench.contract.formulas import PRESETS, get_model, next_pow2, with_group_kinds
 from kvbench.contract.protocol import CacheConfig, Capabilities
 from kvbench.model.tiers import failed_load_modes
-from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks
+from kvbench.traces.builder import DEFAULT_TENANT, _Builder, peak_blocks, tier_blocks
 from kvbench.traces.format import Free, Header, Prefill, Preempt, Trace, validate
-from kvbench.traces.tier_ops import Abort, Done, Load, Store, TierSpec
+from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store, TierSpec
 from kvbench.traces.generators import generate
 from kvbench.traces.hybrid import VOCAB
 
@@ -83,6 +89,10 @@ OTHER_KEYS_RATE = 0.25  # keyed reloads under another salt or adapter: the tier 
 UNCHAINED_RATE = 0.3  # token-id prompts whose first block is another prefix's, the rest their own
 ZERO_RATE = 0.08  # prefills and append members of zero tokens (SPEC §13's operation of zero tokens)
 MLA_BASE = "tiny-mla"  # the base of MLA shapes (kv_heads 1, head_dim = the latent)
+# SPEC §11's lookups, for a backend that takes them (:func:`_with_lookups`), each drawn per load
+CANCEL_RATE = 0.3  # another request of its prompt looked up, then aborted or freed unloaded
+LOOKUP_RATE = 0.8  # the load looked up first (salted where its prompt is)
+LOOKUP_GAPS = (0, 0, 1, 2)  # operations between a lookup and its load, abort or free
 
 
 @dataclass(frozen=True)
@@ -882,14 +892,67 @@ def _family_history(rng, settings: Settings, caps: Capabilities):
                                                  "family_seed": t.header.seed}
 
 
+def _prompt_fields(op) -> dict:
+    return {f: getattr(op, f) for f in ("tenant", "tokens", "block_hashes", "salt", "adapter",
+                                        "token_ids", "prompt_tokens")}
+
+
+def _with_lookups(ops: list, rng) -> tuple[list, list]:
+    """``ops`` with SPEC §11's lookups added around their loads, and the choices drawn. Per load,
+    in this order: another request of the same prompt looked up, then aborted or freed before
+    any load, up to two operations later (the request cancelled between lookup and load: LMCache
+    issue 3770, SGLang issue 40360); the load itself looked up first, up to two operations
+    before it (a salted prompt's lookup pins its salted entries; the load takes the pins over,
+    and its completion, failing now and then, releases them, under a tier that keeps or drops a
+    failed load's entries). The history's own operations stay as they were, in their order:
+    only lookups and the cancelled requests' aborts and frees come in between. (New requests
+    loading and failing in between would change what the device and the tiers hold for every
+    operation after them: the edges a seed reaches.)"""
+    seqs = [s for op in ops for s in (getattr(op, "seq", None), getattr(op, "src", None),
+                                      *(getattr(op, "seqs", None) or ())) if s is not None]
+    next_seq = max(seqs, default=-1) + 1
+    out, later, drawn = [], [], []  # later: [operations to go, the cancel] placed after them
+    for op in ops:
+        if isinstance(op, Load):
+            prompt = _prompt_fields(op)
+            if rng.random() < CANCEL_RATE:
+                r, next_seq = next_seq, next_seq + 1
+                out.append(Lookup(0, r, **prompt))
+                end = Abort if rng.random() < 0.5 else Free
+                gap = int(rng.choice(LOOKUP_GAPS))
+                if gap:
+                    later.append([gap, end(0, r)])
+                else:
+                    out.append(end(0, r))
+                drawn.append(f"lookup cancelled by {end.kind}")
+            if rng.random() < LOOKUP_RATE:
+                gap = min(int(rng.choice(LOOKUP_GAPS)), len(out))
+                out.insert(len(out) - gap, Lookup(0, op.seq, **prompt))
+                drawn.append("lookup then load" + " (salted)" * bool(op.salt))
+        out.append(op)
+        for pending in later:
+            pending[0] -= 1
+        out += [x for n, x in later if n <= 0]
+        later = [p for p in later if p[0] > 0]
+    out += [x for _, x in later]
+    return [replace(op, step=i) for i, op in enumerate(out)], drawn
+
+
 def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple = (),
-                   model_shapes: bool = True, formats: tuple = ()) -> tuple[Trace, Settings, list]:
+                   model_shapes: bool = True, formats: tuple = (),
+                   lookups: bool = False, evictless: tuple = ()) -> tuple[Trace, Settings, list]:
     """History ``index`` of the campaign of ``seed``: (trace, its settings, the op kinds drawn);
     ``lifecycles``: those of SPEC §13 the backend takes; ``model_shapes``: see
     :func:`draw_settings`; ``formats``: the KV formats the backend declares
     (:func:`declared_formats`), one drawn per history from a generator of its own, so that the
     history is the same whichever formats the backend declares; so is what each tier does with a
-    failed load (``failed_load``, of those the backend declares). The header's settings leave
+    failed load (``failed_load``, of those the backend declares), and, for a backend that takes
+    ``lookups`` (kvbench.contract.protocol.takes_lookup), the lookups added around each load
+    (:func:`_with_lookups`): the other operations are the same either way. A tier whose
+    ``failed_load`` is one of ``evictless`` (the modes the backend runs on a tier that evicts
+    nothing: the tier rule ``drop_tiers_evict_nothing``) is made as large as the blocks the history may store
+    there (kvbench.traces.builder.tier_blocks, the bound kvbench.checking.applicable holds such a
+    tier to). The header's settings leave
     ``num_blocks`` to the caller (it is set against the peak); it names tenant weights only
     under a policy (a header with weights and no policy is replayed under every policy by
     `kvbench check`)."""
@@ -904,11 +967,19 @@ def random_history(seed: int, index: int, caps: Capabilities, lifecycles: tuple 
     if formats:
         fmt = np.random.default_rng([seed, index, 1])
         settings = replace(settings, kv_format=str(fmt.choice(list(formats))))
+    if lookups and settings.tiers:
+        ops, looked = _with_lookups(ops, np.random.default_rng([seed, index, 3]))
+        drawn = drawn + looked
     modes = failed_load_modes(caps.tier_rules)
     if settings.tiers and len(modes) > 1:  # apart too: the same history either way
         kept = np.random.default_rng([seed, index, 2])
         settings = replace(settings, tiers=tuple(
             replace(t, failed_load=str(kept.choice(list(modes)))) for t in settings.tiers))
+    if any(t.failed_load in evictless for t in settings.tiers):
+        stored = tier_blocks(ops, settings.block_size, settings.tiers[0].name)
+        settings = replace(settings, tiers=tuple(
+            replace(t, capacity=max(t.capacity, stored.get(t.name, 0))) if t.failed_load in evictless
+            else t for t in settings.tiers))
     params = {k: v for k, v in asdict(settings).items() if k not in ("tenants", "groups", "tiers")}
     header = Header(family="fuzz", generator=GENERATOR, params={"index": index, **params, **source},
                     seed=seed, tenants=dict(settings.tenants) if settings.policy else {},

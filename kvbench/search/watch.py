@@ -21,6 +21,10 @@ ABORT_LOADING = "abort of a load in flight (reading 1+ blocks from a tier)"
 ROLLBACK = "rollback releasing a block"
 SHARED_ROLLBACK = "rollback releasing a block, ending on a block shared (a fork, the prefix cache)"
 ZERO_OP = "operation of zero tokens (an empty prompt, an append member of none)"
+# SPEC §11's lookups, reached only where the lookup pinned 1+ tier entries
+LOOKUP_PINNED = "lookup pinning tier entries"
+LOOKUP_CANCELLED = "abort or free between a lookup and its load (its pins released)"
+LOOKUP_FAILED = "failed load of a looked-up prompt, its tier {} them"  # keeps, drops
 EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
@@ -32,6 +36,8 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          ABORT_LOADING, "free while its store is in flight",
          ROLLBACK, SHARED_ROLLBACK, "rollback ending on a block edge",
          "resume with a prefix hit", "preempt by swap to a tier", ZERO_OP,
+         LOOKUP_PINNED, LOOKUP_CANCELLED, LOOKUP_FAILED.format("keeping"),
+         LOOKUP_FAILED.format("dropping"),
          # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
          # copies the state, an eviction takes a cached state's block
          STATE_HIT, "fork of a state model", "eviction on a state model")
@@ -55,6 +61,8 @@ class Watch:
         self.tier_hits = 0
         self.loading: set = set()  # sequences with a load in flight of 1+ tier blocks
         self.storing: set = set()  # and with a store in flight
+        self.pinned: set = set()  # sequences looked up with 1+ pins, their load not begun
+        self.pinned_loads: dict = {}  # load in flight whose lookup pinned -> its tiers' failed_load
         self.before: list = []  # the block tables of the next operation's sequence (an accept's)
         self.states = any(g.state_bytes is not None for g in oracle.groups)
 
@@ -129,6 +137,13 @@ class Watch:
             self.reached.add(ABORT_LOADING)
         if kind in ("free", "abort") and op.seq in self.storing:
             self.reached.add("free while its store is in flight")
+        if kind == "lookup" and self.tiers.pins.get(op.seq):
+            self.reached.add(LOOKUP_PINNED)
+        if kind in ("free", "abort") and op.seq in self.pinned:
+            self.reached.add(LOOKUP_CANCELLED)
+        if kind == "done" and not op.ok:
+            for mode in self.pinned_loads.get(op.id, ()):
+                self.reached.add(LOOKUP_FAILED.format({"keep": "keeping", "drop": "dropping"}[mode]))
 
     def _rollback(self, st) -> None:
         """What an accept's rollback did, if it released a block of any group: whether the
@@ -178,6 +193,9 @@ class Watch:
             flying = self.tiers.transfers.values()
             self.loading = {tr.seq for tr in flying if tr.kind == "load" and tr.blocks}
             self.storing = {tr.seq for tr in flying if tr.kind == "store"}
+            self.pinned = {s for s, pins in self.tiers.pins.items() if pins}
+            self.pinned_loads = {tid: {self.tiers.tiers[i].spec.failed_load for _, i in tr.pins}
+                                 for tid, tr in self.tiers.transfers.items() if tr.kind == "load"}
         if not self.paged:
             return
         self.shared_tails = {s for s, st in o.seqs.items() if st.tokens % B and any(

@@ -80,7 +80,7 @@ def _walk(ops):
     length, drafted, off = {}, {}, {}
     for op in ops:
         touched = ()
-        if op.kind in ("store", "done"):  # transfers (SPEC §11) change no sequence's length
+        if op.kind in ("store", "done", "lookup"):  # transfers (SPEC §11) change no sequence's length
             pass
         elif op.kind == "accept":
             length[op.seq] -= drafted.pop(op.seq) - op.n
@@ -104,8 +104,8 @@ def _walk(ops):
         elif isinstance(op, Fork):
             length[op.seq] = length[op.src]
             touched = (op.seq,)
-        else:
-            del length[op.seq]
+        else:  # a free or abort (of a request only looked up: nothing held)
+            length.pop(op.seq, None)
             touched = ()
         yield op, length, touched
 
@@ -122,6 +122,27 @@ def peak_blocks(ops, block_size: int) -> int:
             blocks[s] = new
         peak = max(peak, total)
     return peak
+
+
+def tier_blocks(ops, block_size: int, first: str | None = None) -> dict:
+    """Per tier, the most blocks the trace's stores and swaps (SPEC §11, §13) can put into it: the
+    blocks each names (a store's positions, else its sequence's full blocks then; a swap's every
+    block, into ``first`` where it names no tier), summed, as if none were skipped, refused,
+    evicted or taken back."""
+    out: dict = {}
+    last: dict = {}  # each sequence's length after its last write (a swap takes it off)
+    for op, length, touched in _walk(ops):
+        for s in touched:
+            last[s] = length[s]
+        if op.kind == "store":
+            n = len(op.blocks) if op.blocks is not None else length.get(op.seq, 0) // block_size
+        elif op.kind == "preempt" and op.mode == "swap":
+            n = blocks_needed(last.get(op.seq, 0), block_size)
+        else:
+            continue
+        tier = op.tier or first
+        out[tier] = out.get(tier, 0) + n
+    return out
 
 
 def op_demand(ops, block_size: int) -> int:

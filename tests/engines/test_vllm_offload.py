@@ -290,6 +290,45 @@ def test_passes_random_histories_over_its_file_tier(vllm, case, host):
     assert v.valid is True, (v.divergence, v.error)
 
 
+def test_a_drop_tier_the_fuzzer_draws_is_one_vllms_file_tier_can_run(vllm, tmp_path):
+    """`kvbench fuzz --backend vllm-offload` (seed 0) drew at history 9 a host tier of capacity
+    1 dropping failed loads, and a store of a 4-token prompt's 2 full blocks (B = 2) into it:
+    vLLM's file tier, which evicts nothing, made that the adapter's RuntimeError. The adapter
+    declares it (tier rule ``drop_tiers_evict_nothing``): such a trace is n/a with the reason, and the fuzzer draws
+    the tier as large as the history may store. It could fail: the campaign's first 10 histories
+    are checked against vLLM, history 9 storing into its file tier (where it finds what the test
+    below holds)."""
+    from kvbench.contract import registry
+    from kvbench.search.fuzz import Campaign
+    ops = [Prefill(0, 0, "a", 4, ("c2.0", "c2.1"), "s1", "a1"), Store(1, 2, 0, "host")]
+    trace = validate(Trace(Header("fuzz-0-9", tiers=(TierSpec("host", 1, failed_load="drop"),)), ops,
+                           name="fuzz-0-9"))
+    v = checked(trace, offload(2, block_size=2))
+    assert v.valid is None and v.not_applicable == (
+        "vllm-offload does not evict from its tiers of failed_load 'drop' (SPEC §11), and the trace "
+        "may store 2 blocks into tier host, of capacity 1"), (v.error, v.not_applicable)
+    s = Campaign(registry.resolve("vllm-offload"), tmp_path, seed=0, max_histories=10).run().summary()
+    assert s["errors"] == [] and s["not_applicable"] == {}
+    assert [(f["history"], f["kind"], f["site"]) for f in s["findings"]] == [(9, "tier host stored", "done")]
+
+
+def test_vllms_file_tier_removes_a_failed_reads_file_while_another_load_reads_it(vllm):
+    """Not declared: two loads read disk's block, the second fails; SPEC §11 keeps a dropped
+    entry until no load reads it (the first still does), vLLM's file tier removes the file at
+    the failed (short) read (``tiering/fs/io.py`` ``_load_block``'s ``os.remove``). Seed 0's
+    history 9 of `kvbench fuzz --backend vllm-offload`, shrunk. It could pass: a tier keeping
+    the file until its last reader ends."""
+    ops = [Prefill(0, 0, "a", 2, ("c4.0",)), Store(1, 0, 0, "disk"), Done(2, 0), Free(3, 0),
+           Prefill(4, 1, "b", 27), Free(5, 1),  # the device forgets the block: the loads read disk
+           Load(6, 2, "a", 2, ("c4.0",), id=1), Load(7, 3, "a", 2, ("c4.0",), id=2), Done(8, 2, False)]
+    trace = validate(Trace(Header("t", tiers=(TierSpec("disk", 16, failed_load="drop"),)), ops, name="t"))
+    v = checked(trace, offload(14, block_size=2, events=False))
+    d = v.divergence
+    # vLLM's file of c4.0 is gone (stored 0) while load 1 still reads it (loading 1)
+    assert (v.valid, d.step, d.quantity, d.expected, d.actual) == \
+        (False, 8, "tier disk loading", "<= stored (0)", 1)
+
+
 def test_its_tier_events_are_vllms_offloading_events(vllm):
     import numpy as np
 
