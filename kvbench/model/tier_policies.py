@@ -11,8 +11,9 @@ from collections import OrderedDict
 
 
 class LRUPolicy:
-    """Least recently used first; the order of every block in the tier (storing ones included,
-    which are never chosen)."""
+    """Least recently used first (vLLM's LRUCachePolicy): a store inserts at the most recent end,
+    a load touches its blocks so that the first is the most recent; the order of every block in
+    the tier (storing ones included, which are never chosen)."""
 
     def __init__(self, capacity: int):
         self.order: OrderedDict = OrderedDict()

@@ -11,12 +11,8 @@ releases them at its completion, ok or failed, and an abort before it releases t
 failed store leaves no trace; a failed load leaves what it read as its tier declares
 (``TierSpec.failed_load``): kept (loadable again), or dropped: not loadable from then on, removed
 once no load reads it, so no hit is served again from a block the tier could not read (vLLM issue
-49176). Policies: ``lru`` (vLLM's LRUCachePolicy: a store inserts at
-the most recent end, a load touches its blocks so that the first is the most recent, the least
-recent evictable block goes first) and ``arc`` (vLLM's ARCCachePolicy, T1/T2 with ghost lists
-B1/B2 and an adaptive T1 target; as vLLM 0.33 ships it, victims come from T1 while T1 holds at
-least the target, else from T2, else from T1 after all; a store that inserts a ghost adapts the
-target first).
+49176). Policies (tier_policies.py): ``lru`` (vLLM's LRUCachePolicy) and ``arc`` (vLLM's
+ARCCachePolicy as 0.33 ships it).
 
 A backend may declare rules of its own (``Capabilities.tier_rules``, TIER_RULES), and the model
 runs them: ``whole_store_refused`` (vLLM's ``prepare_store``: the victims for every new block are
