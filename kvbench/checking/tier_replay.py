@@ -56,7 +56,7 @@ from kvbench.checking.raised import BackendRaised, guarded
 from kvbench.contract.protocol import kv_tokens
 from kvbench.quant import pool as quant_pool
 from kvbench.traces.ops import Free
-from kvbench.traces.tier_ops import Abort, Done, Load, Lookup, Store
+from kvbench.traces.tier_ops import Done, Load, Lookup, Store
 
 TIER_FIELDS = ("capacity", "stored", "storing", "loading", "free", "bytes_down", "bytes_up", "hits")
 

@@ -112,7 +112,7 @@ class Watch:
 
     def _lifecycle(self, op, hit: bool) -> None:
         """The edges of transfers and lifecycles (SPEC §11, §13) the operation reached."""
-        kind, B = op.kind, self.B
+        kind = op.kind
         if kind == "accept" and op.seq in self.o.seqs:
             self._rollback(self.o.seqs[op.seq])
         if kind == "resume" and hit:
