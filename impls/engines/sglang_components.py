@@ -132,8 +132,12 @@ class ComponentTree:
             page_size=1, sliding_window_size=window, tree_core_backend=tree_core,
             tree_components=(ct.FULL, self.second), enable_mamba_extra_buffer=False))
         self.component = self.tree.tree_core.components_by_type[self.second]
+        self.second_name = str(self.second)  # "swa" or "mamba"
         self.reqs: dict = {}  # request id -> _Request
         self.touched: list = []  # the nodes locked or unlocked since the last check
+        # what running requests hold outside the tree, per component, kept as each step changes
+        # it (held()): a sum over the running requests at every check would follow how many run
+        self._held = {"full": 0, "swa": 0, "mamba": 0}
         self.hits = 0
         self._fresh = 1 << 40  # token ids for decoded tokens, unique per request
 
@@ -203,8 +207,9 @@ class ComponentTree:
                                             mamba_value=state))
         if state is not None and result.mamba_exist:  # the tree holds this state already
             self.states.free(state)
-        self.reqs[rid] = _Request(list(tokens), value, tree.lock(result.last_device_node),
-                                  len(tokens), active, extra)
+        self.reqs[rid] = r = _Request(list(tokens), value, tree.lock(result.last_device_node),
+                                      len(tokens), active, extra)
+        self._hold(r, 1)
         tree.unlock(lock)
         self.touched += (lock.node, result.last_device_node)
         self.hits += hit
@@ -221,6 +226,7 @@ class ComponentTree:
         new = self._alloc(n)
         if new is None:
             return False
+        self._hold(r, -1)
         r.tokens += range(self._fresh, self._fresh + n)
         self._fresh += n
         r.kv = s.torch.cat([r.kv, new.to(r.kv.dtype)])
@@ -232,6 +238,7 @@ class ComponentTree:
                 r.evicted = hi
             if pre_len - self.window >= r.protected:
                 self.release_window(rid)
+        self._hold(r, 1)
         return True
 
     def _insert_params(self, r):
@@ -251,6 +258,7 @@ class ComponentTree:
         """``cache_finished_req``: the whole sequence inserted (the Mamba active state donated,
         given back where the tree holds that state already), the request's lock dropped."""
         r = self.reqs.pop(rid)
+        self._hold(r, -1)
         result = self.tree.insert(self._insert_params(r))
         if r.active is not None and result.mamba_exist:
             self.states.free(r.active)
@@ -265,15 +273,26 @@ class ComponentTree:
 
     # --- the figures ----------------------------------------------------------------------
 
-    def held(self) -> dict:
-        """Per component, the slots running requests hold outside the tree (SGLang's
-        "uncached"): the KV of tokens past ``cache_protected_len`` (for SWA, less those the
-        window has left, already freed), and each request's active Mamba state."""
-        full = sum(len(r.kv) - r.protected for r in self.reqs.values())
-        if self.states is None:
-            gone = sum(max(r.evicted - r.protected, 0) for r in self.reqs.values())
-            return {"full": full, "swa": full - gone}
-        return {"full": full, "mamba": sum(r.active is not None for r in self.reqs.values())}
+    @staticmethod
+    def _held_by(r) -> tuple:
+        """What one running request holds outside the tree (SGLang's "uncached"): the KV of its
+        tokens past ``cache_protected_len``; for SWA, less those its window has left, already
+        freed; its active Mamba state."""
+        full = len(r.tokens) - r.protected
+        return full, full - max(r.evicted - r.protected, 0), int(r.active is not None)
+
+    def _hold(self, r, sign: int) -> None:
+        for name, n in zip(("full", "swa", "mamba"), self._held_by(r)):
+            self._held[name] += sign * n
+
+    def held(self, recount: bool = False) -> dict:
+        """Per component, the slots running requests hold outside the tree, as the steps kept
+        it; ``recount``: summed over the running requests instead."""
+        held = self._held
+        if recount:
+            sums = [sum(col) for col in zip((0, 0, 0), *map(self._held_by, self.reqs.values()))]
+            held = dict(zip(("full", "swa", "mamba"), sums))
+        return {"full": held["full"], self.second_name: held[self.second_name]}
 
     def figures(self) -> dict:
         """Per component: (evictable, protected, free, pool)."""
@@ -314,6 +333,8 @@ class ComponentTree:
         check whose cost follows the step's paths, not the tree or the pool."""
         out = []
         held = self.held()
+        if full:
+            assert held == self.held(recount=True), "the adapter's tally of held slots drifted"
         figures = self.figures()
         for name, (evictable, protected, free, pool) in figures.items():
             if evictable + protected + free + held[name] != pool:
@@ -322,17 +343,18 @@ class ComponentTree:
         ct = self._v.s.ComponentType
         nodes = list(self._nodes() if full else self._paths())
         self.touched = []
-        for name, c in (("full", ct.FULL), (str(self.second), self.second)):
+        idle = not self.reqs
+        for name, c in (("full", ct.FULL), (self.second_name, self.second)):
             locked = unlocked = 0
             for node in nodes:
                 data = node.component_data[c]
-                if data.lock_ref < 0:
-                    out.append(f"{name}: node {node.id} lock_ref {data.lock_ref}")
-                if not self.reqs and data.lock_ref:
-                    out.append(f"{name}: node {node.id} lock_ref {data.lock_ref} with no request "
-                               f"running")
-                if data.value is not None:
-                    if data.lock_ref > 0:
+                ref = data.lock_ref
+                if ref < 0:
+                    out.append(f"{name}: node {node.id} lock_ref {ref}")
+                if idle and ref:
+                    out.append(f"{name}: node {node.id} lock_ref {ref} with no request running")
+                if full and data.value is not None:
+                    if ref > 0:
                         locked += len(data.value)
                     else:
                         unlocked += len(data.value)

@@ -100,6 +100,7 @@ def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sgla
         else:
             t.evict(rng.randint(1, 16))
         assert t.violations() == [], f"step {step}"
+        assert t.held() == t.held(recount=True), f"step {step}"  # the tally each step moves
     for r in running:
         t.finish(r)
     assert t.violations() == []
