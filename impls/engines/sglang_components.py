@@ -420,14 +420,14 @@ def _raised_in_sglang(e: BaseException) -> bool:
 
 
 def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, **tree_kw) -> dict:
-    """A committed trace through a ``kind`` ("swa" or "mamba") component tree, its figures
+    """A committed trace (or a ``Trace``) through a ``kind`` ("swa" or "mamba") component tree, its figures
     checked after every operation: ``{"steps", "violations": [(step, [...]), ...], "hits",
     "refused", "skipped"}``. An engine exception is a violation at its step, and ends the run.
     ``check=False``: the engine alone (what the checking costs is the difference)."""
     import itertools
 
-    from kvbench.traces.format import load
-    trace = load(str(path))
+    from kvbench.traces.format import Trace, load
+    trace = path if isinstance(path, Trace) else load(str(path))
     tree = _tree_for(kind, trace.header, **tree_kw)
     B = trace.header.settings.get("block_size") or 16
     names: dict = {}
@@ -485,3 +485,97 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
             found.append(("end", v))
     return {"steps": steps, "violations": found, "hits": tree.hits, "refused": refused,
             "skipped": skipped, "tree": tree}
+
+
+# --- seeded campaigns: kvbench fuzz's histories through a component tree -------------------------
+
+# What a component tree takes of kvbench's history generator (kvbench.search.histories): hybrid
+# models (sliding windows, or state groups for Mamba), prefix caching with salts and adapters,
+# forks and preemption; no chunked prefill, drafts or tiers (replay does not drive them).
+CAMPAIGN_CAPS = {"swa": dict(kinds=("full", "sliding")), "mamba": dict(kinds=("full", "state"))}
+
+
+def campaign(kind: str, *, seed: int = 0, minutes: float | None = None,
+             histories: int | None = None, out=None, tree_cls=None, store=None) -> dict:
+    """History after history of ``kvbench fuzz``'s generator (seed ``seed``: the same seed, the
+    same histories) through a fresh ``kind`` tree each, checked after every operation as
+    ``replay`` checks a committed trace; until ``minutes`` or ``histories``. Each history's
+    pool is the generator's budget against its peak (``num_blocks * block_size`` tokens); a
+    Mamba tree gets 3 to 16 state slots, drawn per history. A finding is a class of first
+    violation (its message, numbers left out), with the first history that showed it; ``out``:
+    a folder where each class's first history is written, replayable by ``replay``;
+    ``tree_cls``: another tree (a planted fault of impls/engines/faults_engines.py); ``store``: a
+    results store the record also goes to, as ``kvbench fuzz --store`` writes one (sweep "fuzz",
+    backend ``sglang-<kind>-components``: ``kvbench results fuzz``). Returns ``kvbench fuzz``'s
+    summary fields (histories, operations, seconds, findings, errors: the adapter's own
+    exceptions, kvbench's side)."""
+    import dataclasses
+    import re
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from kvbench.contract.protocol import Capabilities
+    from kvbench.search.fuzz import budget_for
+    from kvbench.search.histories import random_history
+    from kvbench.traces.builder import peak_blocks
+
+    assert minutes is not None or histories is not None, "a bound: minutes or histories"
+    if store is not None:  # the code the campaign runs, read before it runs
+        from kvbench.bench.grid import code_version
+        commit = code_version()
+    caps = Capabilities(holds_kv=False, prefix_caching=True, cache_salt=True, groups=True,
+                        rules="sglang", **CAMPAIGN_CAPS[kind])
+    findings, errors, ops, n, start = {}, [], 0, 0, time.monotonic()
+    reached = {"hit tokens": 0, "refused": 0, "histories with a refusal": 0}
+    while (histories is None or n < histories) and (
+            minutes is None or time.monotonic() - start < minutes * 60):
+        trace, settings, _ = random_history(seed, n, caps, ("preempt",))
+        B = settings.block_size
+        peak = peak_blocks(trace.ops, B)
+        blocks = budget_for(settings.budget, peak, settings.tight, settings.own_blocks or peak)
+        trace = dataclasses.replace(trace, header=dataclasses.replace(
+            trace.header, settings={**trace.header.settings, "num_blocks": blocks}))
+        states = int(np.random.default_rng([seed, n, 3]).integers(3, 17)) if kind == "mamba" else None
+        try:
+            r = replay(kind, trace, states=states, tree_cls=tree_cls)
+        except Exception as e:  # the adapter's (replay re-raises all but SGLang's own)
+            errors.append({"history": n, "error": f"{type(e).__name__}: {e}"})
+            r = None
+        n += 1
+        if r is None:
+            continue
+        ops += r["steps"]
+        reached["hit tokens"] += r["hits"]
+        reached["refused"] += r["refused"]
+        reached["histories with a refusal"] += bool(r["refused"])
+        if r["violations"]:
+            step, found = r["violations"][0]
+            key = re.sub(r"[0-9]+", "N", found[0])
+            if key in findings:
+                findings[key]["count"] += 1
+                continue
+            site = next((type(op).__name__.lower() for op in trace.ops if op.step == step), "end")
+            f = findings[key] = {"name": f"{len(findings) + 1:02d}-{kind}", "kind": key,
+                                 "site": site, "history": n - 1, "count": 1, "ops_after": None,
+                                 "divergence": {"step": step, "quantity": found[0].split(":")[0]},
+                                 "first": found, "pool": blocks * B, "states": states}
+            if out is not None:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                path = Path(out) / f"{f['name']}.jsonl"
+                path.write_text(trace.to_jsonl())
+                f["file"] = str(path)
+    seconds = time.monotonic() - start
+    summary = {"backend": f"sglang-{kind}-components", "seed": seed, "model_shapes": True,
+               "stopped": "max-histories" if n == histories else "time", "histories": n,
+               "operations": ops, "seconds": round(seconds, 1),
+               "histories_per_minute": round(n / seconds * 60, 1),
+               "reached": reached, "findings": list(findings.values()), "errors": errors}
+    if store is not None:
+        import types as _types
+
+        from kvbench.cli.fuzz import store_campaign
+        summary["stored"] = store_campaign(store, summary, _types.SimpleNamespace(
+            max_histories=histories), minutes, commit)
+    return summary

@@ -251,3 +251,33 @@ def test_the_swa_lock_plants_are_caught_on_committed_workloads_too(sglang):
     step, found = r["violations"][0]
     assert step == 29 and not r["tree"].reqs
     assert all(v.startswith("swa: ") and "with no request running" in v for v in found), found
+
+
+# --- seeded campaigns: kvbench fuzz's histories through each component ---------------------
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_campaign_of_the_correct_engine_finds_nothing_and_stores_its_record(sglang, kind, tmp_path):
+    """20 histories of kvbench fuzz's generator (seed 0) through each component: SGLang's
+    figures and locks hold after every operation; the record goes to the results store as
+    ``kvbench fuzz --store`` writes one."""
+    from impls.engines.sglang_components import campaign
+    r = campaign(kind, seed=0, histories=20, store=str(tmp_path))
+    assert (r["histories"], r["findings"], r["errors"]) == (20, [], [])
+    assert r["operations"] >= 20 * 8  # the generator draws 8 to 60 operations a history
+    assert r["stored"].endswith(".parquet") and f"backend=sglang-{kind}-components" in r["stored"]
+
+
+@pytest.mark.parametrize("kind, plant, says", [
+    ("swa", "SwaLockPastBoundary", "lock_ref -1"),  # PR 27038
+    ("swa", "SwaReleaseSkipped", "with no request running"),  # PR 28161
+    ("swa", "SwaWindowFloorDropped", "!= pool"),  # PR 27770
+    ("mamba", "MambaNoCheckpointHeadroom", "Can not alloc mamba cache"),  # PR 33773
+])
+def test_a_campaign_finds_the_planted_component_bugs_within_40_histories(sglang, kind, plant, says):
+    """PR 27586's stale mapping needs a tombstone's recovery over freed slots, which 40 random
+    histories do not reach (hybrid-windows does, at step 179); the other four show within 40."""
+    from impls.engines import faults_engines
+    from impls.engines.sglang_components import campaign
+    r = campaign(kind, seed=0, histories=40, tree_cls=getattr(faults_engines, plant))
+    assert r["errors"] == [] and len(r["findings"]) >= 1, r
+    assert any(says in v for v in r["findings"][0]["first"]), r["findings"][0]
