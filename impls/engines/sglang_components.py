@@ -20,11 +20,13 @@ the engine against its own ledger, after every step (``violations``):
   ``lock_ref`` is positive, the evictable size that of the unlocked ones.
 
 Everything is SGLang's: the pools and the allocator are built as SGLang's own CPU tests build them
-(``test_unified_radix_cache.py``'s ``build_fixture``, page size 1: ``SWAKVPool`` and
+(``test_unified_radix_cache.py``'s ``build_fixture``, page size 1, the SWA pool 0.8 of the full
+one as the server sizes it: ``SWAKVPool`` and
 ``SWATokenToKVPoolAllocator`` with a ``ReqToTokenPool``; or ``HybridReqToTokenPool`` with its
 ``MambaPool``, ``HybridLinearKVPool`` and a ``TokenToKVPoolAllocator``), the tree with the
 component set ``create_unified_radix_cache`` gives such a model. A request runs as the scheduler
-runs one: admitted (``match_prefix``, the rest allocated after ``evict`` for the shortfall; on a
+runs one: admitted (``match_prefix``, the rest allocated after an eviction of each pool's
+shortfall, ``evict_to_free_tokens``; on a
 Mamba model room for its active state and the checkpoint, else refused), its prompt inserted
 (``cache_unfinished_req``: a Mamba checkpoint from ``MambaComponent._alloc_mamba_slot``) and its
 node locked; decoded (``extend``: the window's old SWA slots freed as
@@ -89,6 +91,9 @@ class ComponentTree:
     # Mamba state slots admission makes room for: the request's active state and the
     # checkpoint cache_unfinished_req donates to the tree (SGLang PR #33773's headroom).
     state_headroom = 2
+    # SWA slots per full slot: --swa-full-tokens-ratio's fallback (arg_groups/fields/schedule.py),
+    # the SWA pool int(full * ratio) tokens (model_executor/pool_configurator.py's _solve_pool_sizes)
+    swa_full_tokens_ratio = 0.8
 
     def __init__(self, size: int, *, window: int | None = None, mamba: int | None = None,
                  layers=(0, 1, 2), full_layers=(3,), tree_core: str = TREE_CORE):
@@ -100,10 +105,11 @@ class ComponentTree:
         ct = s.ComponentType
         self.second = ct.SWA if window is not None else ct.MAMBA
         if window is not None:
-            kv = v.SWAKVPool(size=size, size_swa=size, page_size=1, dtype=torch.bfloat16,
+            self.size_swa = int(size * self.swa_full_tokens_ratio)
+            kv = v.SWAKVPool(size=size, size_swa=self.size_swa, page_size=1, dtype=torch.bfloat16,
                              head_num=1, head_dim=4, swa_attention_layer_ids=list(layers),
                              full_attention_layer_ids=list(full_layers), device="cpu")
-            self.alloc = v.SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=1,
+            self.alloc = v.SWATokenToKVPoolAllocator(size=size, size_swa=self.size_swa, page_size=1,
                                                      dtype=torch.bfloat16, device="cpu",
                                                      kvcache=kv, need_sort=False)
             pool = v.ReqToTokenPool(size=8, max_context_len=1 << 12, device="cpu",
@@ -159,11 +165,10 @@ class ComponentTree:
         """Evict the shortfall of ``need`` token slots (and ``states`` Mamba slots) from the tree,
         as the allocator's ``evict_to_free_tokens`` and ``ensure_mamba_capacity`` do."""
         v = self._v
-        short = need - self._free_tokens()
-        if self.states is None:
-            if short > 0:
-                self.tree.evict(v.EvictParams(num_tokens=short, swa_num_tokens=short))
+        if self.states is None:  # each pool's own shortfall (SWATokenToKVPoolAllocator's)
+            self.alloc.evict_to_free_tokens(self.tree, need)
             return
+        short = need - self._free_tokens()
         states_short = states - self.states.available_size()
         if short > 0 or states_short > 0:
             self.tree.evict(v.EvictParams(num_tokens=max(short, 0),
@@ -301,7 +306,7 @@ class ComponentTree:
             return {"full": (t.full_evictable_size(), t.full_protected_size(),
                              a.full_available_size(), self.size),
                     "swa": (t.swa_evictable_size(), t.swa_protected_size(),
-                            a.swa_available_size(), self.size)}
+                            a.swa_available_size(), self.size_swa)}
         return {"full": (t.full_evictable_size(), t.full_protected_size(), a.available_size(),
                          self.size),
                 "mamba": (t.mamba_evictable_size(), t.mamba_protected_size(),

@@ -6,8 +6,8 @@ Opt-in: needs SGLang's environment (docs/engines.md), skipped elsewhere with the
 
     PYTHONPATH=$PWD $S/bin/python -m pytest tests/engines/test_sglang_components.py
 
-Pools of 64 slots per component, page size 1, a sliding window of 4 tokens. Token runs of 8:
-A, B, D and C (2 tokens).
+A full pool of 64 slots and an SWA pool of 51 (SGLang's serving default: 0.8 SWA slots per full
+slot), page size 1, a sliding window of 4 tokens. Token runs of 8: A, B, D and C (2 tokens).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 A, B, D, C = list(range(1, 9)), list(range(11, 19)), list(range(21, 29)), [31, 32]
 SIZE, WINDOW = 64, 4
+SWA_SIZE = int(SIZE * 0.8)  # 51: --swa-full-tokens-ratio's fallback 0.8
 
 
 def drive(tree, steps) -> list:
@@ -41,9 +42,10 @@ def test_the_swa_lock_protects_the_window_and_its_early_release_frees_it(sglang)
     t = SwaTree(SIZE, WINDOW)
     assert t.run(0, A + B)
     # full: the whole 16-token path locked; SWA: only the window's 4 tokens of it
-    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE), "swa": (16 - 4, 4, SIZE - 16, SIZE)}
+    assert t.figures() == {"full": (0, 16, SIZE - 16, SIZE),
+                           "swa": (16 - 4, 4, SWA_SIZE - 16, SWA_SIZE)}
     t.release_window(0)
-    assert t.figures()["swa"] == (16, 0, SIZE - 16, SIZE)
+    assert t.figures()["swa"] == (16, 0, SWA_SIZE - 16, SWA_SIZE)
     t.finish(0)
     assert t.figures()["full"] == (16, 0, SIZE - 16, SIZE)
     assert t.violations() == []
@@ -132,7 +134,7 @@ def test_pr_28161_a_skipped_window_release_leaves_the_window_locked_when_idle(sg
     bad = SwaReleaseSkipped(SIZE, WINDOW)
     step, found = first_violation(bad, steps)
     assert step == 2 and any("with no request running" in v for v in found), found
-    assert bad.figures()["swa"] == (16 - 4, 4, SIZE - 16, SIZE)
+    assert bad.figures()["swa"] == (16 - 4, 4, SWA_SIZE - 16, SWA_SIZE)
 
 
 # --- the committed workloads through each component, and the plants they catch -------------
@@ -153,21 +155,23 @@ def test_each_component_passes_the_committed_hybrid_tier_and_lifecycle_workloads
         assert r["hits"] > 0 or name.startswith("tier") and kind == "mamba", name
 
 
-def test_pr_27586_a_stale_swa_mapping_freed_by_the_recovery_is_caught_at_hybrid_windows_179(sglang):
+def test_pr_27586_a_stale_swa_mapping_freed_by_the_recovery_is_caught_at_hybrid_windows_45(sglang):
     """The recovery of an SWA tombstone (a prompt re-inserted over a node whose SWA was evicted)
     frees the tombstone's old base through free_swa, which reads the stale mapping and gives
     back SWA slots the tombstone no longer owns: the SWA allocator's free count exceeds what the
-    tree and the requests leave, first at hybrid-windows step 179 (seq 50's prefill, the first
-    overlap with a tombstone whose slots went back to the free list)."""
+    tree and the requests leave, first at hybrid-windows step 45 (seq 13's prefill, the first
+    overlap with a tombstone whose slots went back to the free list; the SWA pool of
+    550 = int(86 x 8 x 0.8) tokens evicts SWA before full)."""
     from impls.engines.faults_engines import SwaStaleMappingFreed
     from impls.engines.sglang_components import replay
     assert replay("swa", "workloads/hybrid-windows.jsonl")["violations"] == []
     r = replay("swa", "workloads/hybrid-windows.jsonl", tree_cls=SwaStaleMappingFreed)
     step, found = r["violations"][0]
-    assert step == 179 and found[0].startswith("swa: "), found
+    assert step == 45 and found[0].startswith("swa: "), found
     evictable, protected, free, pool = r["tree"].figures()["swa"]
     assert evictable + protected + free + r["tree"].held()["swa"] > pool  # slots freed twice
     assert r["tree"].figures()["full"][3] == 86 * 8  # the pool: num_blocks 86 x block_size 8
+    assert r["tree"].figures()["swa"][3] == int(86 * 8 * 0.8)
 
     class StaleOnly(SwaStaleMappingFreed):  # the stale half alone: SGLang's own recovery
         def __init__(self, *args, **kw):
@@ -181,19 +185,19 @@ def test_pr_27770_the_window_floor_dropped_at_insert_is_caught_when_a_request_en
     """Request 0 (A, 8 tokens) decodes 8 more: at pre_len 15 the window of 4 has left
     positions 8..10 (11 = 15 - 4; the prompt's 8 are the tree's), whose SWA slots go back.
     Its finish inserts the 16 tokens; without the floor the tree takes those 3 freed slots
-    as live SWA: idle, SWA's evictable + free = 64 + 3."""
+    as live SWA: idle, SWA's evictable + free = 51 + 3."""
     from impls.engines.faults_engines import SwaWindowFloorDropped
     from impls.engines.sglang_components import SwaTree
     steps = [("run", 0, A), ("extend", 0, 8), ("finish", 0)]
     good = SwaTree(SIZE, WINDOW)
     assert first_violation(good, steps) is None
     # 13 = 8 (A) + 5 (positions 11..15): what SWA keeps of the 16 tokens
-    assert good.figures()["swa"] == (13, 0, SIZE - 13, SIZE)
+    assert good.figures()["swa"] == (13, 0, SWA_SIZE - 13, SWA_SIZE)
     bad = SwaWindowFloorDropped(SIZE, WINDOW)
     step, found = first_violation(bad, steps)
     assert step == 2 and any(v.startswith("swa: ") for v in found), found
     evictable, protected, free, pool = bad.figures()["swa"]
-    assert (evictable + free, protected) == (SIZE + 3, 0)  # 3 = 15 - 4 - 8
+    assert (evictable + free, protected) == (SWA_SIZE + 3, 0)  # 3 = 15 - 4 - 8
 
 
 def test_pr_27770_caught_at_hybrid_decode_step_20(sglang):
