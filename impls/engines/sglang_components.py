@@ -246,6 +246,25 @@ class ComponentTree:
         self._hold(r, 1)
         return True
 
+    def accept(self, rid, n: int, drafted: int) -> None:
+        """Speculative decoding's verify: of the ``drafted`` draft tokens the last ``extend``
+        wrote (the request's last ones) the first ``n`` kept, the rejected ones' slots freed as
+        the EAGLE worker frees ``out_cache_loc[evict_mask]`` (page size 1); on an SWA model the
+        full slot alone of a rejected position whose SWA slot the window already freed."""
+        r = self.reqs[rid]
+        keep = len(r.tokens) - (drafted - n)
+        if keep >= len(r.tokens):
+            return
+        assert keep >= r.protected, "drafts are written after the prompt"
+        self._hold(r, -1)
+        live = keep
+        if self.window is not None and r.evicted > keep:
+            self.alloc.free_full(r.kv[keep:r.evicted])
+            live, r.evicted = r.evicted, keep
+        self.alloc.free(r.kv[live:])
+        r.kv, r.tokens = r.kv[:keep], r.tokens[:keep]
+        self._hold(r, 1)
+
     def _insert_params(self, r):
         s = self._v.s
         params = s.InsertParams(key=self._key(r.tokens, r.extra), value=r.kv,
@@ -386,7 +405,7 @@ class MambaTree(ComponentTree):
 
 # --- committed workloads through a component tree -------------------------------------------
 
-SKIPPED_OPS = ("store", "done", "accept")  # no host tier driven; drafts kept (no rollback)
+SKIPPED_OPS = ("store", "done", "lookup")  # no host tier driven
 
 
 def _tree_for(kind: str, header, size: int | None = None, window: int | None = None,
@@ -438,6 +457,7 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
     names: dict = {}
     fresh = itertools.count(1 << 30)
     live, refused, skipped, found, steps = {}, 0, 0, [], 0
+    drafts: dict = {}  # seq -> the draft tokens its last append wrote
     for op in trace.ops:
         name = type(op).__name__.lower()
         steps += 1
@@ -459,11 +479,17 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
                 else:
                     refused += 1
             elif name == "append":
-                for seq, n in zip(op.seqs, op.tokens):
+                for i, (seq, n) in enumerate(zip(op.seqs, op.tokens)):
+                    drafts.pop(seq, None)
                     if seq in live and not tree.extend(seq, n):
                         refused += 1  # retracted: cached and released
                         tree.finish(seq)
                         del live[seq]
+                    elif seq in live and op.draft:
+                        drafts[seq] = op.draft[i]
+            elif name == "accept":
+                if op.seq in drafts and op.seq in live:
+                    tree.accept(op.seq, op.n, drafts.pop(op.seq))
             elif name in ("free", "abort"):
                 if live.pop(op.seq, None):
                     tree.finish(op.seq)
@@ -496,7 +522,8 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
 
 # What a component tree takes of kvbench's history generator (kvbench.search.histories): hybrid
 # models (sliding windows, or state groups for Mamba), prefix caching with salts and adapters,
-# forks and preemption; no chunked prefill, drafts or tiers (replay does not drive them).
+# forks, preemption and drafts (the generator draws none beside sliding windows); no chunked
+# prefill or tiers (replay does not drive them).
 CAMPAIGN_CAPS = {"swa": dict(kinds=("full", "sliding")), "mamba": dict(kinds=("full", "state"))}
 
 
@@ -536,7 +563,7 @@ def campaign(kind: str, *, seed: int = 0, minutes: float | None = None,
     reached = {"hit tokens": 0, "refused": 0, "histories with a refusal": 0}
     while (histories is None or n < histories) and (
             minutes is None or time.monotonic() - start < minutes * 60):
-        trace, settings, _ = random_history(seed, n, caps, ("preempt",))
+        trace, settings, _ = random_history(seed, n, caps, ("preempt", "speculative"))
         B = settings.block_size
         peak = peak_blocks(trace.ops, B)
         blocks = budget_for(settings.budget, peak, settings.tight, settings.own_blocks or peak)

@@ -110,6 +110,26 @@ def test_a_request_stream_keeps_every_components_figures_and_locks_balanced(sgla
     assert t.hits > 0
 
 
+def test_an_accept_frees_the_rejected_drafts_slots_the_window_kept_or_not(sglang):
+    """Request 0 (A, 8 tokens) decodes 5 tokens, 4 of them drafts, and keeps 1: the 3 rejected
+    slots go back to both pools (the window of 4 freed none: pre_len 12 - 4 = 8, the prompt's
+    end). Request 1 (B) decodes 8 drafts and keeps none: at pre_len 15 the window had freed
+    positions 8..10's SWA slots (11 = 15 - 4), so those give back their full slot alone."""
+    from impls.engines.sglang_components import SwaTree
+    t = SwaTree(SIZE, WINDOW)
+    assert t.run(0, A) and t.extend(0, 5)
+    t.accept(0, 1, drafted=4)
+    # 10 = 8 + 5 - 3 tokens: 8 in the tree, 2 held by the request; the window has passed the
+    # prompt (12 - 4 >= 8), so the SWA lock went: the prompt's 8 SWA slots evictable
+    assert t.figures() == {"full": (0, 8, SIZE - 10, SIZE), "swa": (8, 0, SWA_SIZE - 10, SWA_SIZE)}
+    assert t.held() == {"full": 2, "swa": 2} and t.violations() == []
+    assert t.run(1, B) and t.extend(1, 8)
+    assert t.held()["swa"] == 2 + 8 - 3  # positions 8..10 of B left the window
+    t.accept(1, 0, drafted=8)
+    assert t.held() == {"full": 2, "swa": 2} and t.violations() == []
+    assert t.figures()["swa"][2] == SWA_SIZE - 10 - 8  # B's 8 prompt slots, nothing of its drafts
+
+
 # --- planted SGLang bugs ------------------------------------------------------------------------
 
 def test_pr_27038_a_release_past_the_swa_boundary_is_caught_at_its_first_unlock(sglang):
@@ -147,7 +167,8 @@ WORKLOADS = ("hybrid-windows", "hybrid-decode", "hybrid-cut-hits", "tier-agentic
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
 def test_each_component_passes_the_committed_hybrid_tier_and_lifecycle_workloads(sglang, kind):
     """Every operation of each workload (the tier ops' device side: a load runs as a prefill;
-    store, done and a draft's accept are not driven), SGLang's figures checked after each."""
+    store and done are not driven; an accept frees the rejected drafts), SGLang's figures
+    checked after each."""
     from impls.engines.sglang_components import replay
     for name in WORKLOADS:
         r = replay(kind, f"workloads/{name}.jsonl")
