@@ -37,7 +37,12 @@ The Mamba component reads its caching granularity from the model
 config (``mamba_cache_chunk_size``); with no model here it is set to FLA's chunk of 64, the value a
 model config without ``mamba_chunk_size`` gives. The tree core is SGLang's Python ``UnifiedTreeCore`` (``"python"``, one of
 the two it registers; the server picks the Rust one where it can): its component code is Python,
-so a fault can be planted in it (impls/engines/faults_engines.py).
+so a fault can be planted in it (impls/engines/faults_engines.py). ``campaign`` runs kvbench
+fuzz's seeded histories through the trees, checked the same way: the components are no kvbench
+backend (docs/engines.md says why), so ``kvbench fuzz`` cannot drive them.
+
+Over 500 lines: one adapter, the scheduler's glue for both component sets, with the two ways
+traces reach it (a committed trace, a seeded campaign) beside the checks they share.
 """
 from __future__ import annotations
 
