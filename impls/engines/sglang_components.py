@@ -20,11 +20,13 @@ the engine against its own ledger, after every step (``violations``):
   ``lock_ref`` is positive, the evictable size that of the unlocked ones.
 
 Everything is SGLang's: the pools and the allocator are built as SGLang's own CPU tests build them
-(``test_unified_radix_cache.py``'s ``build_fixture``, page size 1: ``SWAKVPool`` and
+(``test_unified_radix_cache.py``'s ``build_fixture``, page size 1, the SWA pool 0.8 of the full
+one as the server sizes it: ``SWAKVPool`` and
 ``SWATokenToKVPoolAllocator`` with a ``ReqToTokenPool``; or ``HybridReqToTokenPool`` with its
 ``MambaPool``, ``HybridLinearKVPool`` and a ``TokenToKVPoolAllocator``), the tree with the
 component set ``create_unified_radix_cache`` gives such a model. A request runs as the scheduler
-runs one: admitted (``match_prefix``, the rest allocated after ``evict`` for the shortfall; on a
+runs one: admitted (``match_prefix``, the rest allocated after an eviction of each pool's
+shortfall, ``evict_to_free_tokens``; on a
 Mamba model room for its active state and the checkpoint, else refused), its prompt inserted
 (``cache_unfinished_req``: a Mamba checkpoint from ``MambaComponent._alloc_mamba_slot``) and its
 node locked; decoded (``extend``: the window's old SWA slots freed as
@@ -35,7 +37,12 @@ The Mamba component reads its caching granularity from the model
 config (``mamba_cache_chunk_size``); with no model here it is set to FLA's chunk of 64, the value a
 model config without ``mamba_chunk_size`` gives. The tree core is SGLang's Python ``UnifiedTreeCore`` (``"python"``, one of
 the two it registers; the server picks the Rust one where it can): its component code is Python,
-so a fault can be planted in it (impls/engines/faults_engines.py).
+so a fault can be planted in it (impls/engines/faults_engines.py). ``campaign`` runs kvbench
+fuzz's seeded histories through the trees, checked the same way: the components are no kvbench
+backend (docs/engines.md says why), so ``kvbench fuzz`` cannot drive them.
+
+Over 500 lines: one adapter, the scheduler's glue for both component sets, with the two ways
+traces reach it (a committed trace, a seeded campaign) beside the checks they share.
 """
 from __future__ import annotations
 
@@ -89,6 +96,9 @@ class ComponentTree:
     # Mamba state slots admission makes room for: the request's active state and the
     # checkpoint cache_unfinished_req donates to the tree (SGLang PR #33773's headroom).
     state_headroom = 2
+    # SWA slots per full slot: --swa-full-tokens-ratio's fallback (arg_groups/fields/schedule.py),
+    # the SWA pool int(full * ratio) tokens (model_executor/pool_configurator.py's _solve_pool_sizes)
+    swa_full_tokens_ratio = 0.8
 
     def __init__(self, size: int, *, window: int | None = None, mamba: int | None = None,
                  layers=(0, 1, 2), full_layers=(3,), tree_core: str = TREE_CORE):
@@ -100,10 +110,11 @@ class ComponentTree:
         ct = s.ComponentType
         self.second = ct.SWA if window is not None else ct.MAMBA
         if window is not None:
-            kv = v.SWAKVPool(size=size, size_swa=size, page_size=1, dtype=torch.bfloat16,
+            self.size_swa = int(size * self.swa_full_tokens_ratio)
+            kv = v.SWAKVPool(size=size, size_swa=self.size_swa, page_size=1, dtype=torch.bfloat16,
                              head_num=1, head_dim=4, swa_attention_layer_ids=list(layers),
                              full_attention_layer_ids=list(full_layers), device="cpu")
-            self.alloc = v.SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=1,
+            self.alloc = v.SWATokenToKVPoolAllocator(size=size, size_swa=self.size_swa, page_size=1,
                                                      dtype=torch.bfloat16, device="cpu",
                                                      kvcache=kv, need_sort=False)
             pool = v.ReqToTokenPool(size=8, max_context_len=1 << 12, device="cpu",
@@ -132,8 +143,12 @@ class ComponentTree:
             page_size=1, sliding_window_size=window, tree_core_backend=tree_core,
             tree_components=(ct.FULL, self.second), enable_mamba_extra_buffer=False))
         self.component = self.tree.tree_core.components_by_type[self.second]
+        self.second_name = str(self.second)  # "swa" or "mamba"
         self.reqs: dict = {}  # request id -> _Request
         self.touched: list = []  # the nodes locked or unlocked since the last check
+        # what running requests hold outside the tree, per component, kept as each step changes
+        # it (held()): a sum over the running requests at every check would follow how many run
+        self._held = {"full": 0, "swa": 0, "mamba": 0}
         self.hits = 0
         self._fresh = 1 << 40  # token ids for decoded tokens, unique per request
 
@@ -155,11 +170,10 @@ class ComponentTree:
         """Evict the shortfall of ``need`` token slots (and ``states`` Mamba slots) from the tree,
         as the allocator's ``evict_to_free_tokens`` and ``ensure_mamba_capacity`` do."""
         v = self._v
-        short = need - self._free_tokens()
-        if self.states is None:
-            if short > 0:
-                self.tree.evict(v.EvictParams(num_tokens=short, swa_num_tokens=short))
+        if self.states is None:  # each pool's own shortfall (SWATokenToKVPoolAllocator's)
+            self.alloc.evict_to_free_tokens(self.tree, need)
             return
+        short = need - self._free_tokens()
         states_short = states - self.states.available_size()
         if short > 0 or states_short > 0:
             self.tree.evict(v.EvictParams(num_tokens=max(short, 0),
@@ -203,8 +217,9 @@ class ComponentTree:
                                             mamba_value=state))
         if state is not None and result.mamba_exist:  # the tree holds this state already
             self.states.free(state)
-        self.reqs[rid] = _Request(list(tokens), value, tree.lock(result.last_device_node),
-                                  len(tokens), active, extra)
+        self.reqs[rid] = r = _Request(list(tokens), value, tree.lock(result.last_device_node),
+                                      len(tokens), active, extra)
+        self._hold(r, 1)
         tree.unlock(lock)
         self.touched += (lock.node, result.last_device_node)
         self.hits += hit
@@ -221,6 +236,7 @@ class ComponentTree:
         new = self._alloc(n)
         if new is None:
             return False
+        self._hold(r, -1)
         r.tokens += range(self._fresh, self._fresh + n)
         self._fresh += n
         r.kv = s.torch.cat([r.kv, new.to(r.kv.dtype)])
@@ -232,7 +248,27 @@ class ComponentTree:
                 r.evicted = hi
             if pre_len - self.window >= r.protected:
                 self.release_window(rid)
+        self._hold(r, 1)
         return True
+
+    def accept(self, rid, n: int, drafted: int) -> None:
+        """Speculative decoding's verify: of the ``drafted`` draft tokens the last ``extend``
+        wrote (the request's last ones) the first ``n`` kept, the rejected ones' slots freed as
+        the EAGLE worker frees ``out_cache_loc[evict_mask]`` (page size 1); on an SWA model the
+        full slot alone of a rejected position whose SWA slot the window already freed."""
+        r = self.reqs[rid]
+        keep = len(r.tokens) - (drafted - n)
+        if keep >= len(r.tokens):
+            return
+        assert keep >= r.protected, "drafts are written after the prompt"
+        self._hold(r, -1)
+        live = keep
+        if self.window is not None and r.evicted > keep:
+            self.alloc.free_full(r.kv[keep:r.evicted])
+            live, r.evicted = r.evicted, keep
+        self.alloc.free(r.kv[live:])
+        r.kv, r.tokens = r.kv[:keep], r.tokens[:keep]
+        self._hold(r, 1)
 
     def _insert_params(self, r):
         s = self._v.s
@@ -251,6 +287,7 @@ class ComponentTree:
         """``cache_finished_req``: the whole sequence inserted (the Mamba active state donated,
         given back where the tree holds that state already), the request's lock dropped."""
         r = self.reqs.pop(rid)
+        self._hold(r, -1)
         result = self.tree.insert(self._insert_params(r))
         if r.active is not None and result.mamba_exist:
             self.states.free(r.active)
@@ -265,15 +302,26 @@ class ComponentTree:
 
     # --- the figures ----------------------------------------------------------------------
 
-    def held(self) -> dict:
-        """Per component, the slots running requests hold outside the tree (SGLang's
-        "uncached"): the KV of tokens past ``cache_protected_len`` (for SWA, less those the
-        window has left, already freed), and each request's active Mamba state."""
-        full = sum(len(r.kv) - r.protected for r in self.reqs.values())
-        if self.states is None:
-            gone = sum(max(r.evicted - r.protected, 0) for r in self.reqs.values())
-            return {"full": full, "swa": full - gone}
-        return {"full": full, "mamba": sum(r.active is not None for r in self.reqs.values())}
+    @staticmethod
+    def _held_by(r) -> tuple:
+        """What one running request holds outside the tree (SGLang's "uncached"): the KV of its
+        tokens past ``cache_protected_len``; for SWA, less those its window has left, already
+        freed; its active Mamba state."""
+        full = len(r.tokens) - r.protected
+        return full, full - max(r.evicted - r.protected, 0), int(r.active is not None)
+
+    def _hold(self, r, sign: int) -> None:
+        for name, n in zip(("full", "swa", "mamba"), self._held_by(r)):
+            self._held[name] += sign * n
+
+    def held(self, recount: bool = False) -> dict:
+        """Per component, the slots running requests hold outside the tree, as the steps kept
+        it; ``recount``: summed over the running requests instead."""
+        held = self._held
+        if recount:
+            sums = [sum(col) for col in zip((0, 0, 0), *map(self._held_by, self.reqs.values()))]
+            held = dict(zip(("full", "swa", "mamba"), sums))
+        return {"full": held["full"], self.second_name: held[self.second_name]}
 
     def figures(self) -> dict:
         """Per component: (evictable, protected, free, pool)."""
@@ -282,7 +330,7 @@ class ComponentTree:
             return {"full": (t.full_evictable_size(), t.full_protected_size(),
                              a.full_available_size(), self.size),
                     "swa": (t.swa_evictable_size(), t.swa_protected_size(),
-                            a.swa_available_size(), self.size)}
+                            a.swa_available_size(), self.size_swa)}
         return {"full": (t.full_evictable_size(), t.full_protected_size(), a.available_size(),
                          self.size),
                 "mamba": (t.mamba_evictable_size(), t.mamba_protected_size(),
@@ -314,6 +362,8 @@ class ComponentTree:
         check whose cost follows the step's paths, not the tree or the pool."""
         out = []
         held = self.held()
+        if full:
+            assert held == self.held(recount=True), "the adapter's tally of held slots drifted"
         figures = self.figures()
         for name, (evictable, protected, free, pool) in figures.items():
             if evictable + protected + free + held[name] != pool:
@@ -322,17 +372,18 @@ class ComponentTree:
         ct = self._v.s.ComponentType
         nodes = list(self._nodes() if full else self._paths())
         self.touched = []
-        for name, c in (("full", ct.FULL), (str(self.second), self.second)):
+        idle = not self.reqs
+        for name, c in (("full", ct.FULL), (self.second_name, self.second)):
             locked = unlocked = 0
             for node in nodes:
                 data = node.component_data[c]
-                if data.lock_ref < 0:
-                    out.append(f"{name}: node {node.id} lock_ref {data.lock_ref}")
-                if not self.reqs and data.lock_ref:
-                    out.append(f"{name}: node {node.id} lock_ref {data.lock_ref} with no request "
-                               f"running")
-                if data.value is not None:
-                    if data.lock_ref > 0:
+                ref = data.lock_ref
+                if ref < 0:
+                    out.append(f"{name}: node {node.id} lock_ref {ref}")
+                if idle and ref:
+                    out.append(f"{name}: node {node.id} lock_ref {ref} with no request running")
+                if full and data.value is not None:
+                    if ref > 0:
                         locked += len(data.value)
                     else:
                         unlocked += len(data.value)
@@ -359,7 +410,7 @@ class MambaTree(ComponentTree):
 
 # --- committed workloads through a component tree -------------------------------------------
 
-SKIPPED_OPS = ("store", "done", "accept")  # no host tier driven; drafts kept (no rollback)
+SKIPPED_OPS = ("store", "done", "lookup")  # no host tier driven
 
 
 def _tree_for(kind: str, header, size: int | None = None, window: int | None = None,
@@ -398,19 +449,20 @@ def _raised_in_sglang(e: BaseException) -> bool:
 
 
 def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, **tree_kw) -> dict:
-    """A committed trace through a ``kind`` ("swa" or "mamba") component tree, its figures
+    """A committed trace (or a ``Trace``) through a ``kind`` ("swa" or "mamba") component tree, its figures
     checked after every operation: ``{"steps", "violations": [(step, [...]), ...], "hits",
     "refused", "skipped"}``. An engine exception is a violation at its step, and ends the run.
     ``check=False``: the engine alone (what the checking costs is the difference)."""
     import itertools
 
-    from kvbench.traces.format import load
-    trace = load(str(path))
+    from kvbench.traces.format import Trace, load
+    trace = path if isinstance(path, Trace) else load(str(path))
     tree = _tree_for(kind, trace.header, **tree_kw)
     B = trace.header.settings.get("block_size") or 16
     names: dict = {}
     fresh = itertools.count(1 << 30)
     live, refused, skipped, found, steps = {}, 0, 0, [], 0
+    drafts: dict = {}  # seq -> the draft tokens its last append wrote
     for op in trace.ops:
         name = type(op).__name__.lower()
         steps += 1
@@ -432,11 +484,17 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
                 else:
                     refused += 1
             elif name == "append":
-                for seq, n in zip(op.seqs, op.tokens):
+                for i, (seq, n) in enumerate(zip(op.seqs, op.tokens)):
+                    drafts.pop(seq, None)
                     if seq in live and not tree.extend(seq, n):
                         refused += 1  # retracted: cached and released
                         tree.finish(seq)
                         del live[seq]
+                    elif seq in live and op.draft:
+                        drafts[seq] = op.draft[i]
+            elif name == "accept":
+                if op.seq in drafts and op.seq in live:
+                    tree.accept(op.seq, op.n, drafts.pop(op.seq))
             elif name in ("free", "abort"):
                 if live.pop(op.seq, None):
                     tree.finish(op.seq)
@@ -463,3 +521,98 @@ def replay(kind: str, path, *, stop_at_first: bool = True, check: bool = True, *
             found.append(("end", v))
     return {"steps": steps, "violations": found, "hits": tree.hits, "refused": refused,
             "skipped": skipped, "tree": tree}
+
+
+# --- seeded campaigns: kvbench fuzz's histories through a component tree -------------------------
+
+# What a component tree takes of kvbench's history generator (kvbench.search.histories): hybrid
+# models (sliding windows, or state groups for Mamba), prefix caching with salts and adapters,
+# forks, preemption and drafts (the generator draws none beside sliding windows); no chunked
+# prefill or tiers (replay does not drive them).
+CAMPAIGN_CAPS = {"swa": dict(kinds=("full", "sliding")), "mamba": dict(kinds=("full", "state"))}
+
+
+def campaign(kind: str, *, seed: int = 0, minutes: float | None = None,
+             histories: int | None = None, out=None, tree_cls=None, store=None) -> dict:
+    """History after history of ``kvbench fuzz``'s generator (seed ``seed``: the same seed, the
+    same histories) through a fresh ``kind`` tree each, checked after every operation as
+    ``replay`` checks a committed trace; until ``minutes`` or ``histories``. Each history's
+    pool is the generator's budget against its peak (``num_blocks * block_size`` tokens); a
+    Mamba tree gets 3 to 16 state slots, drawn per history. A finding is a class of first
+    violation (its message, numbers left out), with the first history that showed it; ``out``:
+    a folder where each class's first history is written, replayable by ``replay``;
+    ``tree_cls``: another tree (a planted fault of impls/engines/faults_engines.py); ``store``: a
+    results store the record also goes to, as ``kvbench fuzz --store`` writes one (sweep "fuzz",
+    backend ``sglang-<kind>-components``: ``kvbench results fuzz``). Returns ``kvbench fuzz``'s
+    summary fields (histories, operations, seconds, findings, errors: the adapter's own
+    exceptions, kvbench's side)."""
+    import dataclasses
+    import re
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from kvbench.contract.protocol import Capabilities
+    from kvbench.search.fuzz import budget_for
+    from kvbench.search.histories import random_history
+    from kvbench.traces.builder import peak_blocks
+
+    assert minutes is not None or histories is not None, "a bound: minutes or histories"
+    if store is not None:  # the code the campaign runs, read before it runs
+        from kvbench.bench.grid import code_version
+        commit = code_version()
+    caps = Capabilities(holds_kv=False, prefix_caching=True, cache_salt=True, groups=True,
+                        rules="sglang", **CAMPAIGN_CAPS[kind])
+    findings, errors, ops, n, start = {}, [], 0, 0, time.monotonic()
+    reached = {"hit tokens": 0, "refused": 0, "histories with a refusal": 0}
+    while (histories is None or n < histories) and (
+            minutes is None or time.monotonic() - start < minutes * 60):
+        trace, settings, _ = random_history(seed, n, caps, ("preempt", "speculative"))
+        B = settings.block_size
+        peak = peak_blocks(trace.ops, B)
+        blocks = budget_for(settings.budget, peak, settings.tight, settings.own_blocks or peak)
+        trace = dataclasses.replace(trace, header=dataclasses.replace(
+            trace.header, settings={**trace.header.settings, "num_blocks": blocks}))
+        states = int(np.random.default_rng([seed, n, 3]).integers(3, 17)) if kind == "mamba" else None
+        try:
+            r = replay(kind, trace, states=states, tree_cls=tree_cls)
+        except Exception as e:  # the adapter's (replay re-raises all but SGLang's own)
+            errors.append({"history": n, "error": f"{type(e).__name__}: {e}"})
+            r = None
+        n += 1
+        if r is None:
+            continue
+        ops += r["steps"]
+        reached["hit tokens"] += r["hits"]
+        reached["refused"] += r["refused"]
+        reached["histories with a refusal"] += bool(r["refused"])
+        if r["violations"]:
+            step, found = r["violations"][0]
+            key = re.sub(r"[0-9]+", "N", found[0])
+            if key in findings:
+                findings[key]["count"] += 1
+                continue
+            site = next((type(op).__name__.lower() for op in trace.ops if op.step == step), "end")
+            f = findings[key] = {"name": f"{len(findings) + 1:02d}-{kind}", "kind": key,
+                                 "site": site, "history": n - 1, "count": 1, "ops_after": None,
+                                 "divergence": {"step": step, "quantity": found[0].split(":")[0]},
+                                 "first": found, "pool": blocks * B, "states": states}
+            if out is not None:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                path = Path(out) / f"{f['name']}.jsonl"
+                path.write_text(trace.to_jsonl())
+                f["file"] = str(path)
+    seconds = time.monotonic() - start
+    summary = {"backend": f"sglang-{kind}-components", "seed": seed, "model_shapes": True,
+               "stopped": "max-histories" if n == histories else "time", "histories": n,
+               "operations": ops, "seconds": round(seconds, 1),
+               "histories_per_minute": round(n / seconds * 60, 1),
+               "reached": reached, "findings": list(findings.values()), "errors": errors}
+    if store is not None:
+        import types as _types
+
+        from kvbench.cli.fuzz import store_campaign
+        summary["stored"] = store_campaign(store, summary, _types.SimpleNamespace(
+            max_histories=histories), minutes, commit)
+    return summary
