@@ -344,7 +344,7 @@ HYBRID_EVICTION = Rule("hybrid-eviction", "§5, §8", {"w": (1, 2, 9), "d": (Edg
 TIERS_B = 4
 
 
-def _tiers(cases) -> list[Trace]:
+def _tiers(cases, rule: str = "tiers") -> list[Trace]:
     """One trace a case. A prompt of 2 blocks is stored to host (capacity 2: full) and freed; an
     unhashed prefill takes the device; a load of the prompt begins (it reads both host blocks);
     then, before its completion, ``during``: a store of another 2-block prompt to host (LRU would
@@ -409,7 +409,7 @@ def _tiers(cases) -> list[Trace]:
         b.resume(s)
         b.append([s], [1])
         b.free_all()
-        out.append(_trace("tiers", i, b, [c], {"block_size": B, "num_blocks": 8,
+        out.append(_trace(rule, i, b, [c], {"block_size": B, "num_blocks": 8,
                                                 "prefix_caching": True},
                           tiers=(TierSpec("host", 2, failed_load=c["failed_load"]),
                                  TierSpec("swap", room))))
@@ -423,6 +423,16 @@ TIERS = Rule("tiers", "§11, §13", {"during": ("store", "load", "abort", "nothi
              interactions=(("during", "failed_load"),),
              # what host does with a failed load's blocks matters where a load fails
              valid=lambda c: c["failed_load"] == "keep" or c["during"] == "fail")
+
+
+def _lookups(cases) -> list[Trace]:
+    """The tiers rule's failing load (room exact), looked up first: the pins the lookup took pass
+    to the load and go at its failed completion, whether host keeps what it read or drops it."""
+    return _tiers([{"during": "fail", "room": "exact", **c} for c in cases], "lookups")
+
+
+LOOKUPS = Rule("lookups", "§11", {"lookup": ("plain", "salted"), "failed_load": ("keep", "drop")},
+               _lookups, interactions=(("lookup", "failed_load"),))
 
 
 ENCODINGS_B = 8
@@ -513,7 +523,7 @@ ZERO = Rule("zero", "§13", {"op": ("prefill", "append", "fork"), "beside": ("al
             interactions=(("op", "beside", "cache"),))
 
 
-RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, ENCODINGS, RETURNS, ZERO]
+RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, LOOKUPS, ENCODINGS, RETURNS, ZERO]
 
 
 def boundary_traces(rules=None) -> list[Trace]:

@@ -249,6 +249,18 @@ def test_a_failed_load_is_loaded_again_from_a_tier_that_keeps_and_one_that_drops
     assert seen == {"keep", "drop"}
 
 
+def test_a_looked_up_load_fails_under_a_tier_that_keeps_and_one_that_drops_salted_or_not():
+    seen = set()
+    for t in by_rule("lookups"):
+        looked = {op.seq: op.salt for op in t.ops if op.kind == "lookup"}
+        loads = {op.id: op for op in t.ops if isinstance(op, Load)}
+        failed = [loads[op.id] for op in t.ops if isinstance(op, Done) and not op.ok and op.id in loads]
+        # the first load is the looked-up one, keyed as its lookup was, and it fails
+        assert failed and failed[0].seq in looked and failed[0].salt == looked[failed[0].seq]
+        seen.add((looked[failed[0].seq], t.header.tiers[0].failed_load))
+    assert seen == {(None, "keep"), (None, "drop"), ("s", "keep"), ("s", "drop")}
+
+
 def test_encodings_are_every_float_format():
     encodings = {F.get_model(t.header.settings["model"]).kv_encoding for t in by_rule("encodings")}
     assert encodings == {"fp8", "fp8-per-token-head", "nvfp4"}
