@@ -893,8 +893,7 @@ def _family_history(rng, settings: Settings, caps: Capabilities):
 
 
 def _prompt_fields(op) -> dict:
-    return {f: getattr(op, f) for f in ("tenant", "tokens", "block_hashes", "salt", "adapter",
-                                        "token_ids", "prompt_tokens")}
+    return {f: getattr(op, f) for f in Prefill.FIELDS if f != "seq"}
 
 
 def _with_lookups(ops: list, rng) -> tuple[list, list]:

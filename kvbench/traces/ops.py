@@ -14,7 +14,9 @@ from typing import Iterable, Union
 
 
 @dataclass(frozen=True)
-class Prefill:
+class PromptOp:
+    """A prompt's fields: a prefill's, and a lookup's of the prompt it will load."""
+
     step: int
     seq: int
     tenant: str
@@ -26,9 +28,13 @@ class Prefill:
     # Chunked prefill (SPEC §13): the whole prompt's length, when this writes only its first
     # chunk of ``tokens``; block_hashes / token_ids then cover the whole prompt.
     prompt_tokens: int | None = None
-    kind = "prefill"
     FIELDS = ("seq", "tenant", "tokens", "block_hashes", "token_ids", "salt", "adapter",
               "prompt_tokens")
+
+
+@dataclass(frozen=True)
+class Prefill(PromptOp):
+    kind = "prefill"
 
 
 @dataclass(frozen=True)
@@ -126,23 +132,13 @@ class Load(Prefill):
 
 
 @dataclass(frozen=True)
-class Lookup:
+class Lookup(PromptOp):
     """A request's lookup of the lower tiers before its load (LMCache's ``lookup``, SGLang's
     match): the tiers pin each stored entry of the run a load of this prompt would read, until
     the load of ``seq`` completes or ``seq`` is aborted before its load. A prefill's fields; not
     a prefill (it makes no sequence: the load does)."""
 
-    step: int
-    seq: int
-    tenant: str
-    tokens: int
-    block_hashes: tuple | None = None
-    salt: str | None = None
-    adapter: str | None = None
-    token_ids: tuple | None = None
-    prompt_tokens: int | None = None
     kind = "lookup"
-    FIELDS = Prefill.FIELDS
 
 
 @dataclass(frozen=True)
