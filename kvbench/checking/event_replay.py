@@ -180,7 +180,8 @@ class EventReplay:
         for gt in sorted(gts):
             want = Counter(unsalted(k) for k in self.expected.keys(*gt))
             order = [unsalted(k) for k in expected.get(gt, ([], set()))[0]]
-            self.pair_copies(self.fresh_copies.get(gt, []), list(dict.fromkeys(order)))
+            self.pair(self.fresh_copies.get(gt, []), list(dict.fromkeys(order)),
+                      self.copy_to_model, self.copy_to_backend)
             got = Counter()
             for a, n in self.copies.get(gt, {}).items():
                 got[self.copy_to_model.get(a, Unpaired(a))] += n
@@ -198,26 +199,18 @@ class EventReplay:
                 "copies per key without its salt, the model's against the events': "
                 + ", ".join(f"{k!r} {want[k]} against {got[k]}" for k in differ[:SHOWN]))
 
-    def pair_copies(self, fresh, order) -> None:
-        """Pair the backend keys first stored now with the oracle's unsalted keys stored now
-        (``order``), as :meth:`pair` does."""
-        open_ = [o for o in order if o not in self.copy_to_backend]
-        for a in fresh if self.trace_keys else ():
-            if a in open_:
-                self.copy_to_model[a], self.copy_to_backend[a] = a, a
-                open_.remove(a)
-        for a, o in zip([a for a in fresh if a not in self.copy_to_model], open_):
-            self.copy_to_model[a], self.copy_to_backend[o] = o, a
-
-    def pair(self, stored, want_stored) -> dict:
+    def pair(self, stored, want_stored, to_model=None, to_backend=None) -> dict:
         """The oracle key of each backend key ``stored`` names: known ones from before, new ones
         paired with the oracle's new keys (equal keys first where both are the trace's, then in
-        order)."""
-        out = {a: self.to_model[a] for a in stored if a in self.to_model}
-        fresh = [a for a in stored if a not in self.to_model]
+        order). ``to_model``, ``to_backend``: the pairs to read and extend (the residency's by
+        default; the unsalted copies' for tier_event_keys "unsalted")."""
+        to_model = self.to_model if to_model is None else to_model
+        to_backend = self.to_backend if to_backend is None else to_backend
+        out = {a: to_model[a] for a in stored if a in to_model}
+        fresh = [a for a in stored if a not in to_model]
         if not fresh:
             return out
-        open_ = [o for o in want_stored if o not in self.to_backend]
+        open_ = [o for o in want_stored if o not in to_backend]
         left = set(open_)
         for a in fresh if self.trace_keys else ():
             if a in left:
@@ -228,7 +221,7 @@ class EventReplay:
             out[a] = o
         for a in fresh:
             if a in out:
-                self.to_model[a], self.to_backend[out[a]] = out[a], a
+                to_model[a], to_backend[out[a]] = out[a], a
         return out
 
 
