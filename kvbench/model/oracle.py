@@ -24,8 +24,6 @@ from kvbench.model.rules.spec import SpecSteps
 from kvbench.model.rules.vllm import VLLMSteps
 from kvbench.quant import pool as quant_pool
 
-__all__ = ["ModelOOM", "Oracle", "SeqState", "step"]
-
 
 @dataclass
 class SeqState:
@@ -188,8 +186,7 @@ class Oracle(BlockPool, Arena, Eviction, SpecSteps, VLLMSteps, SGLangSteps):
         return []
 
     def free(self, seq) -> None:
-        if seq in self.preempted:
-            del self.preempted[seq]
+        if self.preempted.pop(seq, None) is not None:
             return
         self._dirty.add(seq)
         self._tree_checkpoint(seq, release=True)

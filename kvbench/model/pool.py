@@ -2,7 +2,7 @@
 block (docs/writing-a-backend.md). Uncached free blocks form a stack (0 on top, then 1, 2, ...),
 cached free blocks (hashed, no reference) a queue: a block is taken from the stack, else the
 oldest cached one, its key forgotten; a block whose last reference goes is pushed on the stack,
-or appended to the queue if hashed. It keeps the sums the ledger reads as blocks change.
+or appended to the queue if hashed. ``BlockPool.STATE``: what a refused operation restores.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import numpy as np
 
 class BlockPool:
     """The free stack, the cached queue, the prefix cache's keys and every block's references."""
+    STATE = ("blocks", "group_of", "free_stack", "fresh", "evictable", "by_hash", "hash_of",
+             "filled", "shared", "group_used", "refs")
 
     def _init_pool(self, num_blocks: int, block_size: int, groups: int) -> None:
         self.num_blocks, self.B = num_blocks, block_size

@@ -69,9 +69,6 @@ def retained_positions(prompt_tokens: int, junction: int, group: F.KVGroup, bloc
     return frozenset(i for end in ends for i in F.held_blocks(end * block_size, group, block_size))
 
 
-# What an operation refused half way restores of the pool (kvbench/model/pool.py).
-POOL_STATE = ("blocks", "group_of", "free_stack", "fresh", "evictable", "by_hash", "hash_of", "filled",
-              "shared", "group_used", "refs")
 FULL_SPECS = ("full", "mla")  # vLLM's FullAttentionSpec and its subclass MLAAttentionSpec
 
 
@@ -188,7 +185,7 @@ class VLLMSteps:
         """What ``_restore`` puts back: only this rule changes the model before a call that may
         yet be refused."""
         marks = (self._free_low, None if self._cached_log is None else len(self._cached_log))
-        return copy.deepcopy((self.seqs, {k: getattr(self, k) for k in POOL_STATE})), marks
+        return copy.deepcopy((self.seqs, {k: getattr(self, k) for k in self.STATE})), marks
 
     def _restore(self, snap) -> None:
         (self.seqs, pool), (self._free_low, logged) = snap
