@@ -40,6 +40,8 @@ class SpecSteps:
         self._spec_from: dict = {}  # during an append: sequence -> its first draft position
         self._chunk_done: list = []  # during an append: (block, group, key) its chunks completed
         self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
+        # unsalted_key's: key -> its unsalted key, trie node number -> its node, unsalted nodes
+        self._unsalted_memo, self._node_of, self._unsalted_nodes = {}, {}, {}
 
     def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
                     tagged: bool = True) -> tuple:
@@ -66,12 +68,11 @@ class SpecSteps:
         what an engine whose KV events carry no salt names the entry by (the rule
         ``tier_event_keys`` "unsalted"). A token-id key becomes a node of a trie of its own, the
         same for every salt."""
-        memo = self.__dict__.setdefault("_unsalted_memo", {})
+        memo = self._unsalted_memo
         if key in memo:
             return memo[key]
         if isinstance(key, tuple) and len(key) == 2 and key[0] == "ids":  # a token-id trie node
-            rev = self.__dict__.setdefault("_node_of", {})
-            nodes = self.__dict__.setdefault("_unsalted_nodes", {})
+            rev, nodes = self._node_of, self._unsalted_nodes
             if key[1] not in rev:  # nodes are only added, numbered in order: the new ones
                 for node, n in reversed(self._nodes.items()):
                     if n in rev:
