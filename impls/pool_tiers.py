@@ -11,8 +11,8 @@ reads and not one of the store's own goes first. A store's source blocks get one
 (the lease) until it completes; a load's target blocks stay out of the prefix cache until it
 completes. A lookup pins the tier run a load of its prompt would read (one reader more each,
 counted in ``loading``); the sequence's load takes the pins over until it completes, an abort or
-free before the load, or the load refused, releases them. The data moves at ``TRANSFER_AT``: "begin" or "completion" (the default: the copy a
-lease exists for).
+free before the load, or the load refused, releases them. The data moves at ``TRANSFER_AT``:
+"begin" or "completion" (the default: the copy a lease exists for).
 
 Preemption by swap (SPEC §13): every block of the sequence is copied to slots of the tier pinned
 to it (keyed ("swap", seq, position): stored, never a hit nor a victim; LRU makes room by

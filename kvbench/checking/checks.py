@@ -127,8 +127,8 @@ ORDERS = (  # a backend declaring block_ids: its ids one by one against the orac
     _c("order: cached, whole", "identities", "compare_structures", "{name}",
        "the cached queue, next evicted first, at the sweeps"),
     _c("order: cached, by the rule set", "identities", "compare_cached_order",
-       "cached blocks (next evicted first)", "a backend with ids of its own, whole states only or evicts_whole_leaves: its cached blocks "
-       "in its rule set's eviction order, its ids paired with the oracle's through the tables, "
+       "cached blocks (next evicted first)", "a backend with ids of its own, whole states only or "
+       "evicts_whole_leaves: its cached blocks in its rule set's eviction order, its ids paired with the oracle's through the tables, "
        "after every operation"),
     _c("order: free, at the step", "identities", "Mirror._differs", "free blocks (next taken first)",
        "the free list's changed entries at the operation that changed them"),

@@ -3,9 +3,9 @@ family, as vLLM's ``spec_manager_map`` picks a manager per KV cache spec.
 
 Each kind owns its rules of what a sequence holds, what it gives back and what a prefix hit
 needs cached, and its group's table operations (an append's need and writes, a release, an
-accept's rollback, a fork's copy); the oracle asks the kind instead of branching on it. The block arithmetic itself
-is SPEC's, in kvbench.contract.formulas. A new kind is one class here (or anywhere) and one entry
-in :data:`KINDS` (tests/model/test_kinds_table.py adds a toy one).
+accept's rollback, a fork's copy); the oracle asks the kind instead of branching on it. The
+block arithmetic itself is SPEC's, in kvbench.contract.formulas. A new kind is one class here
+(or anywhere) and one entry in :data:`KINDS` (tests/model/test_kinds_table.py adds a toy one).
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ to ``capacity`` full, hashed blocks by their block key (§9, with the group), an
 between them and the device (store and load, each a begin and a completion).
 
 It knows device blocks by id only: those a store copies from (leased until it completes) and
-those a load writes into (the loader's alone until it completes). A block in a tier is ``storing`` (a store began: not loadable, not evictable) or ``stored``
-(loadable, evictable by the tier's policy unless a load reads it: then it is also ``loading``).
+those a load writes into (the loader's alone until it completes). A block in a tier is
+``storing`` (a store began: not loadable, not evictable) or ``stored`` (loadable, evictable by
+the tier's policy unless a load reads it: then it is also ``loading``).
 A request's lookup (SPEC §11: LMCache's read locks, SGLang's sessions) pins the stored entries its
 load would read, as a load does (in ``loading``, not evictable); the load takes the pins over and
 releases them at its completion, ok or failed, and an abort before it releases them, each once. A
