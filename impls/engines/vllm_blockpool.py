@@ -293,15 +293,29 @@ class FreeQueueState:
     adapter's tally recounted are read: the uncached ones among them are at most the queue's
     changed head (the uncached part is pushed and popped at the head alone), and the hashed
     ones freed since are the queue's tail, in order (an append goes to the tail; a hit or an
-    eviction only takes out)."""
+    eviction only takes out).
+
+    A whole state (a sweep) reads the blocks some operation took, not the pool: vLLM builds
+    its queue 1 .. n and hands blocks out from the head, so the blocks no operation ever took
+    are one run of the queue, ``top + 1 .. n`` ascending (``top``: the highest id the tally ever
+    recounted), between the freed uncached blocks and the cached ones. The read walks the head
+    up to the run and the cached tail, checks that the run starts and ends where it must and
+    that the three parts add up to the queue's count, and reads the ``ref_cnt`` of the blocks
+    ever taken (the run's are 0: never handed out). Where any of that does not hold, it walks
+    the whole queue and reads every ``ref_cnt``, as it always did."""
 
     def __init__(self, pool, tally):
         self.pool, self.tally = pool, tally
         self.mark = None
+        self.taken: set = set()  # vLLM ids of every block the tally recounted: all others never left the queue
+        self.top = 0  # the highest of them
 
     def state(self, tables: dict, changed_since=None) -> BlockState:
         """``tables``: sequence -> its tables (vLLM's blocks), one per group."""
         moved = self.tally.take_moved()
+        if moved:
+            self.taken.update(moved)
+            self.top = max(self.top, max(moved))
         ids = {s: [[-1 if b.is_null else b.block_id - 1 for b in t] for t in per]
                for s, per in tables.items()}
         fresh = changed_since is not None and changed_since is self.mark
@@ -309,12 +323,52 @@ class FreeQueueState:
         if fresh:
             return BlockState(None, None, _RefCounts(self.pool.blocks), ids, self.mark,
                               self._changes(moved))
+        split = self._split_at_untaken()
+        if split is not None:
+            free, cached = split
+            refs = np.zeros(len(self.pool.blocks) - 1, dtype=np.int64)
+            taken = np.fromiter(self.taken, dtype=np.int64, count=len(self.taken))
+            refs[taken - 1] = np.fromiter((self.pool.blocks[i].ref_cnt for i in taken.tolist()),
+                                          dtype=np.int64, count=len(taken))
+            return BlockState(free, cached, refs, ids, self.mark)
         free, cached = [], []
         for b in self._queue():
             (free if b.block_hash is None else cached).append(b.block_id - 1)
         refs = np.fromiter((b.ref_cnt for b in self.pool.blocks[1:]), dtype=np.int64,
                            count=len(self.pool.blocks) - 1)
         return BlockState(free, cached, refs, ids, self.mark)
+
+    def _split_at_untaken(self):
+        """The queue's free and cached ids, walking only past the blocks some operation took
+        (the class's docstring); None where the queue is not laid out so."""
+        q, blocks = self.pool.free_block_queue, self.pool.blocks
+        n, top, cached = len(blocks) - 1, self.top, self.tally.cached
+        head_count = q.num_free_blocks - cached - (n - top)
+        if head_count < 0:
+            return None
+        head, b = [], q.fake_free_list_head.next_free_block
+        for _ in range(head_count):
+            if b is q.fake_free_list_tail or b.block_hash is not None:
+                return None
+            head.append(b.block_id - 1)
+            b = b.next_free_block
+        tail, t = [], q.fake_free_list_tail.prev_free_block
+        for _ in range(cached):
+            if t is q.fake_free_list_head or t.block_hash is None:
+                return None
+            tail.append(t.block_id - 1)
+            t = t.prev_free_block
+        after = t.next_free_block  # the first cached block, or the queue's end
+        if top < n:  # the untaken run: top + 1 .. n, right after the head, right before the cached
+            if b is not blocks[top + 1] or blocks[n].next_free_block is not after \
+                    or blocks[n].block_hash is not None:
+                return None
+            free = np.concatenate([np.asarray(head, dtype=np.int64), np.arange(top, n)])
+        elif b is not after:
+            return None
+        else:
+            free = head
+        return free, tail[::-1]
 
     def _queue(self):
         q = self.pool.free_block_queue
