@@ -354,20 +354,25 @@ class _VllmFileTier(_OffloadKeys):
             self.readers[key] = self.readers.get(key, 0) + 1
         self.hits += len(keys)
 
-    def read(self, keys, seq, ok) -> None:
+    def read(self, keys, seq, ok) -> list:
         """A load's completion: vLLM reads each block into its chunk (a failed load's files cut
-        short first, so that vLLM's read is the one that fails). After a failure vLLM's
+        short first, so that vLLM's read is the one that fails); returns the keys vLLM failed.
+        An ok load fails where a failed load's short read removed the file under it (its
+        ``os.open`` finds none, fs/io.py:156: failed_read_removes_at_once). After a failure vLLM's
         scheduler puts the request back to wait and looks its blocks up again at its next step
         (``get_num_new_matched_tokens``), recomputing only what that lookup misses: a block it
         still finds is a hit served again (counted here; vLLM would load it again, forever:
         issue 49176)."""
+        failed = []
         for key in keys:
             if not ok and os.path.exists(self._path(key)):
                 os.truncate(self._path(key), 0)
             if self._run([key], seq, promotion=True):
                 self._unpack(key)
-        if not ok:
-            self.hits += sum(1 for key in keys if self.loadable(key, seq))
+            else:
+                failed.append(key)
+        self.hits += sum(1 for key in failed if self.loadable(key, seq))
+        return failed
 
     def end_load(self, keys, seq) -> None:
         for key in keys:
@@ -393,9 +398,11 @@ class _VllmFileTier(_OffloadKeys):
         return sum(1 for key in self.offload_key if key not in self.storing and os.path.exists(self._path(key)))
 
     def figures(self) -> dict:
+        """Its files: a block a load reads whose file a failed load removed is not loading."""
         stored = self.stored()
+        loading = sum(1 for key in self.readers if os.path.exists(self._path(key)))
         return {"name": self.name, "capacity": self.capacity, "stored": stored,
-                "storing": len(self.storing), "loading": len(self.readers),
+                "storing": len(self.storing), "loading": loading,
                 "free": self.capacity - stored - len(self.storing), "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
@@ -413,7 +420,8 @@ class VllmOffload(EngineTiers):
                                        tier_rules=("whole_store_refused", "request_recency",
                                                    "drops_failed_loads",
                                                    "failed_load_drops_unannounced",
-                                                   "drop_tiers_evict_nothing"), swap=False)
+                                                   "drop_tiers_evict_nothing",
+                                                   "failed_read_removes_at_once"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 
@@ -424,12 +432,25 @@ class VllmOffload(EngineTiers):
 
     def complete(self, tid, ok, kv=None, *, step=0):
         kind, seq, _, moved = self._transfers[tid]
+        lost = set()  # an ok load's blocks vLLM's file tier failed to read
         if kind == "load":  # vLLM's file tiers read at the completion, before the copy up
             for t in self._tiers:
                 keys = [tkey for *_, tkey, u in moved if u is t]
                 if keys and isinstance(t, _VllmFileTier):
-                    t.read(keys, seq, ok)
+                    failed = t.read(keys, seq, ok)
+                    if ok:
+                        lost.update(failed)
         super().complete(tid, ok, kv, step=step)
+        for i, (p, b, key, tkey, u) in enumerate(moved if lost else ()):
+            if tkey not in lost:
+                continue
+            if kv is None and self.pool is not None:
+                raise RuntimeError(f"vllm-offload: tier {u.name}: vLLM's file tier failed the read of "
+                                   f"position {p} of an ok load, with no K/V to compute it again")
+            # vLLM's connector recomputes it (failed_read_removes_at_once): nothing moved up
+            u.bytes_up -= self._block_bytes_moved(1)
+            if self.pool is not None:
+                self._rewrite_block(b, kv[i * self.B:(i + 1) * self.B])
 
     def events(self) -> list:
         """KV events (SPEC §14): the device pool's (kvbench's NumPy pool, tier 0), then each
