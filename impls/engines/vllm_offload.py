@@ -43,6 +43,9 @@ and the oracle holds vLLM to the declaration:
   succeeded and nothing else (fs/manager.py:286-295: an ``OffloadingEvent`` only for
   ``success and keys`` of a store job; a failed load job appends none), so the files a failed
   load removed stay in an index fed its events until they are stored again.
+- ``failed_read_removes_at_once``: that short read removes the file while other loads of the
+  block are in flight (fs/io.py:161; the tier counts no readers), and each of them that opens it
+  after gets ``FileNotFoundError`` (:156): its job fails and the block is computed again.
 """
 from __future__ import annotations
 
@@ -244,10 +247,12 @@ class _VllmFileTier(_OffloadKeys):
     its files. The adapter's part: the store is submitted at its completion (a failed one is
     never submitted: no file, as vLLM's temp-file rename leaves none), a load is read at its
     completion one block a job (vLLM keeps a batch's blocks before its first bad one), a
-    failed load's files cut short first (the torn file of vLLM issue 49176), and the copies
-    between the pool and the buffer. The file tier evicts nothing (it has no capacity): the
-    adapter declares it (tier rule ``drop_tiers_evict_nothing``), so a trace that may store more blocks into the
-    tier than its capacity is n/a; a store past it here is the adapter's error."""
+    failed load's files cut short first (the torn file of vLLM issue 49176), the copies between
+    the pool and the buffer, and, for a block vLLM failed to read under an ok load
+    (failed_read_removes_at_once), the K/V the checker gives to compute it again. The file tier
+    evicts nothing (it has no capacity): the adapter declares it (tier rule
+    ``drop_tiers_evict_nothing``), so a trace that may store more blocks into the tier than its
+    capacity is n/a; a store past it here is the adapter's error."""
 
     def __init__(self, spec, storage, folder, block_size: int):
         v = self.v = _vllm()
