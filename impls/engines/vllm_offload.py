@@ -43,6 +43,9 @@ and the oracle holds vLLM to the declaration:
   succeeded and nothing else (fs/manager.py:286-295: an ``OffloadingEvent`` only for
   ``success and keys`` of a store job; a failed load job appends none), so the files a failed
   load removed stay in an index fed its events until they are stored again.
+- ``failed_read_removes_at_once``: that short read removes the file while other loads of the
+  block are in flight (fs/io.py:161; the tier counts no readers), and each of them that opens it
+  after gets ``FileNotFoundError`` (:156): its job fails and the block is computed again.
 """
 from __future__ import annotations
 
@@ -244,10 +247,12 @@ class _VllmFileTier(_OffloadKeys):
     its files. The adapter's part: the store is submitted at its completion (a failed one is
     never submitted: no file, as vLLM's temp-file rename leaves none), a load is read at its
     completion one block a job (vLLM keeps a batch's blocks before its first bad one), a
-    failed load's files cut short first (the torn file of vLLM issue 49176), and the copies
-    between the pool and the buffer. The file tier evicts nothing (it has no capacity): the
-    adapter declares it (tier rule ``drop_tiers_evict_nothing``), so a trace that may store more blocks into the
-    tier than its capacity is n/a; a store past it here is the adapter's error."""
+    failed load's files cut short first (the torn file of vLLM issue 49176), the copies between
+    the pool and the buffer, and, for a block vLLM failed to read under an ok load
+    (failed_read_removes_at_once), the K/V the checker gives to compute it again. The file tier
+    evicts nothing (it has no capacity): the adapter declares it (tier rule
+    ``drop_tiers_evict_nothing``), so a trace that may store more blocks into the tier than its
+    capacity is n/a; a store past it here is the adapter's error."""
 
     def __init__(self, spec, storage, folder, block_size: int):
         v = self.v = _vllm()
@@ -354,20 +359,25 @@ class _VllmFileTier(_OffloadKeys):
             self.readers[key] = self.readers.get(key, 0) + 1
         self.hits += len(keys)
 
-    def read(self, keys, seq, ok) -> None:
+    def read(self, keys, seq, ok) -> list:
         """A load's completion: vLLM reads each block into its chunk (a failed load's files cut
-        short first, so that vLLM's read is the one that fails). After a failure vLLM's
+        short first, so that vLLM's read is the one that fails); returns the keys vLLM failed.
+        An ok load fails where a failed load's short read removed the file under it (its
+        ``os.open`` finds none, fs/io.py:156: failed_read_removes_at_once). After a failure vLLM's
         scheduler puts the request back to wait and looks its blocks up again at its next step
         (``get_num_new_matched_tokens``), recomputing only what that lookup misses: a block it
         still finds is a hit served again (counted here; vLLM would load it again, forever:
         issue 49176)."""
+        failed = []
         for key in keys:
             if not ok and os.path.exists(self._path(key)):
                 os.truncate(self._path(key), 0)
             if self._run([key], seq, promotion=True):
                 self._unpack(key)
-        if not ok:
-            self.hits += sum(1 for key in keys if self.loadable(key, seq))
+            else:
+                failed.append(key)
+        self.hits += sum(1 for key in failed if self.loadable(key, seq))
+        return failed
 
     def end_load(self, keys, seq) -> None:
         for key in keys:
@@ -393,9 +403,11 @@ class _VllmFileTier(_OffloadKeys):
         return sum(1 for key in self.offload_key if key not in self.storing and os.path.exists(self._path(key)))
 
     def figures(self) -> dict:
+        """Its files: a block a load reads whose file a failed load removed is not loading."""
         stored = self.stored()
+        loading = sum(1 for key in self.readers if os.path.exists(self._path(key)))
         return {"name": self.name, "capacity": self.capacity, "stored": stored,
-                "storing": len(self.storing), "loading": len(self.readers),
+                "storing": len(self.storing), "loading": loading,
                 "free": self.capacity - stored - len(self.storing), "bytes_down": self.bytes_down,
                 "bytes_up": self.bytes_up, "hits": self.hits}
 
@@ -413,7 +425,8 @@ class VllmOffload(EngineTiers):
                                        tier_rules=("whole_store_refused", "request_recency",
                                                    "drops_failed_loads",
                                                    "failed_load_drops_unannounced",
-                                                   "drop_tiers_evict_nothing"), swap=False)
+                                                   "drop_tiers_evict_nothing",
+                                                   "failed_read_removes_at_once"), swap=False)
     tier_skips = {"tier copies": WORKER_SKIP}
     probe = staticmethod(available)
 
@@ -424,12 +437,25 @@ class VllmOffload(EngineTiers):
 
     def complete(self, tid, ok, kv=None, *, step=0):
         kind, seq, _, moved = self._transfers[tid]
+        lost = set()  # an ok load's blocks vLLM's file tier failed to read
         if kind == "load":  # vLLM's file tiers read at the completion, before the copy up
             for t in self._tiers:
                 keys = [tkey for *_, tkey, u in moved if u is t]
                 if keys and isinstance(t, _VllmFileTier):
-                    t.read(keys, seq, ok)
+                    failed = t.read(keys, seq, ok)
+                    if ok:
+                        lost.update(failed)
         super().complete(tid, ok, kv, step=step)
+        for i, (p, b, key, tkey, u) in enumerate(moved if lost else ()):
+            if tkey not in lost:
+                continue
+            if kv is None and self.pool is not None:
+                raise RuntimeError(f"vllm-offload: tier {u.name}: vLLM's file tier failed the read of "
+                                   f"position {p} of an ok load, with no K/V to compute it again")
+            # vLLM's connector recomputes it (failed_read_removes_at_once): nothing moved up
+            u.bytes_up -= self._block_bytes_moved(1)
+            if self.pool is not None:
+                self._rewrite_block(b, kv[i * self.B:(i + 1) * self.B])
 
     def events(self) -> list:
         """KV events (SPEC §14): the device pool's (kvbench's NumPy pool, tier 0), then each

@@ -9,6 +9,8 @@ A backend with tiers (``Capabilities.tiers``: the policies it runs) implements::
                                               a prefill served from the tiers; returns its victims
     complete(id, ok, kv=None, *, step)        a transfer's completion; kv: a failed load's blocks
                                               to compute again, [blocks * block_size, 2, L, H, D]
+                                              (also an ok load's, one of whose tier entries a
+                                              failed load removed under it: failed_read_removes_at_once)
     abort(seq, *, step)                       cancel seq's loads, free it (looked up, never
                                               loaded: release its lookup's pins)
     lookup(seq, prompt, *, step)              (a trace with lookups) pin the tier run a load of
@@ -172,7 +174,8 @@ class TierReplay:
         kv = None
         if plan is None:
             seq, lo, hi = self.loads.pop(op.id)
-            if not op.ok and r.writes_kv:  # computed again: the values the prompt has there
+            lost = oracle.tiers.transfers[op.id].lost  # tier rule failed_read_removes_at_once's
+            if (not op.ok or lost) and r.writes_kv:  # computed again: the values the prompt has there
                 kv = segment_kv(oracle.seqs[seq].segments, lo, hi, r.model, r.dtype)
         tr = oracle.done(op.id, op.ok)
         self._backend("complete", getattr(r.backend, "complete", None), op.id, op.ok, kv, step=op.step)

@@ -1,13 +1,38 @@
 """The eviction policies of a lower tier (SPEC §11), as vLLM ships them
 (``vllm/v1/kv_offload/cpu/policies/``): ``lru`` and ``arc``, and vLLM's LRU as its connector
-drives it (``request_recency``: RequestLRUPolicy). A policy orders a tier's keys and picks
-victims among those the tier says are evictable; the tier model (tiers.py) keeps their states.
+drives it (``request_recency``: RequestLRUPolicy, over each request's ``Access``). A policy
+orders a tier's keys and picks victims among those the tier says are evictable; the tier model
+(tiers.py) keeps their states.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Access:
+    """A request's accesses of one tier, as vLLM's manager records them (request_recency)."""
+
+    positions: dict = field(default_factory=dict)  # key -> position, in the order first seen
+    inserted: set = field(default_factory=set)  # keys its stores put here
+    reused: set = field(default_factory=set)  # stored keys it loaded or offered, not its own
+    store_misses: set = field(default_factory=set)  # keys its stores offered absent
+
+    def record(self, items, reused=()) -> list:
+        """Note [(key, position)] accessed; returns those first seen now."""
+        new = [(k, p) for k, p in items if k not in self.positions]
+        self.positions.update(new)
+        self.reused.update(k for k in reused if k not in self.inserted)
+        return new
+
+    def ordered(self) -> list:
+        keys = list(self.positions)
+        if all(p is not None for p in self.positions.values()):
+            keys.sort(key=self.positions.__getitem__)
+        return keys
 
 
 class LRUPolicy:

@@ -28,6 +28,8 @@ header declares ``failed_load`` "drop" (what a failed load read is removed) besi
 recency dates from its store's completion. ``failed_load_drops_unannounced`` (vLLM's file tier):
 KV events (SPEC §14) announce no removal of what a failed load dropped (``Tier.dropped``).
 ``drop_tiers_evict_nothing`` (vLLM's file tier, a file a block): its "drop" tiers evict nothing.
+``failed_read_removes_at_once`` (vLLM's file tier): a failed load removes what it read from its
+"drop" tiers at its completion, lost to the other loads reading it (tier_removal.py).
 """
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES
+from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES, Access
+from kvbench.model.tier_removal import remove_at_once
 from kvbench.traces.tier_ops import TierSpec
 
 STORING, STORED = "storing", "stored"
 TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads",
-              "store_ranked_at_completion", "failed_load_drops_unannounced", "drop_tiers_evict_nothing")
+              "store_ranked_at_completion", "failed_load_drops_unannounced", "drop_tiers_evict_nothing",
+              "failed_read_removes_at_once")
 
 
 def failed_load_modes(tier_rules) -> tuple:
@@ -70,29 +74,6 @@ class TierLedger:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-@dataclass
-class Access:
-    """A request's accesses of one tier, as vLLM's manager records them (request_recency)."""
-
-    positions: dict = field(default_factory=dict)  # key -> position, in the order first seen
-    inserted: set = field(default_factory=set)  # keys its stores put here
-    reused: set = field(default_factory=set)  # stored keys it loaded or offered, not its own
-    store_misses: set = field(default_factory=set)  # keys its stores offered absent
-
-    def record(self, items, reused=()) -> list:
-        """Note [(key, position)] accessed; returns those first seen now."""
-        new = [(k, p) for k, p in items if k not in self.positions]
-        self.positions.update(new)
-        self.reused.update(k for k in reused if k not in self.inserted)
-        return new
-
-    def ordered(self) -> list:
-        keys = list(self.positions)
-        if all(p is not None for p in self.positions.values()):
-            keys.sort(key=self.positions.__getitem__)
-        return keys
 
 
 @dataclass
@@ -159,6 +140,7 @@ class Transfer:
     tier: int = 0  # a store's tier (index into Tiers.tiers)
     blocks: list = field(default_factory=list)  # store: [(key, source)]; load: [(key, tier, target)]
     pins: list = field(default_factory=list)  # a load's: its lookup's [(key, tier)], released with it
+    lost: set = field(default_factory=set)  # a load's (key, tier) removed under it (tier_removal.py)
 
 
 class TransferError(ValueError):
@@ -181,6 +163,7 @@ class Tiers:
         self.own_evictable = "store_evicts_skipped" in rules
         self.ranked_at_completion = "store_ranked_at_completion" in rules
         self.drops_unannounced = "failed_load_drops_unannounced" in rules
+        self.removes_at_once = "failed_read_removes_at_once" in rules
         self.tiers = [Tier(s, by_request=self.by_request) for s in specs]
         self.block_bytes = block_bytes
         self.transfers: dict = {}  # id -> Transfer, in flight
@@ -425,9 +408,13 @@ class Tiers:
             del self.leases[block]
 
     def _end_load(self, tr: Transfer, moved: bool, failed: bool = False) -> None:
+        if failed and self.removes_at_once:
+            remove_at_once(self, tr)
         for key, tier, target in tr.blocks:
             t = self.tiers[tier]
             self.load_targets.pop(target, None)
+            if (key, tier) in tr.lost:  # removed under it: it read none of it
+                continue
             if moved:
                 t.bytes_up += self.block_bytes
             t.entries[key].unreadable |= failed and t.spec.failed_load == "drop"

@@ -25,6 +25,9 @@ ZERO_OP = "operation of zero tokens (an empty prompt, an append member of none)"
 LOOKUP_PINNED = "lookup pinning tier entries"
 LOOKUP_CANCELLED = "abort or free between a lookup and its load (its pins released)"
 LOOKUP_FAILED = "failed load of a looked-up prompt, its tier {} them"  # keeps, drops
+# SPEC §11's drop: the failed load's entry read by another load in flight (held till it ends;
+# vLLM's file tier removes it at once: failed_read_removes_at_once)
+SHARED_DROP = "failed load of a block another load reads, its tier dropping it"
 EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          "recompute after eviction", "prefix hit", "hit on a block-aligned prompt",
          "cached block reused for new content", "window release", "copy-on-write",
@@ -37,7 +40,7 @@ EDGES = ("exact fit (every block in use)", REFUSAL, POLICY_REFUSAL, "eviction",
          ROLLBACK, SHARED_ROLLBACK, "rollback ending on a block edge",
          "resume with a prefix hit", "preempt by swap to a tier", ZERO_OP,
          LOOKUP_PINNED, LOOKUP_CANCELLED, LOOKUP_FAILED.format("keeping"),
-         LOOKUP_FAILED.format("dropping"),
+         LOOKUP_FAILED.format("dropping"), SHARED_DROP,
          # SPEC §12's state groups: a hit needs the state cached at its block boundary, a fork
          # copies the state, an eviction takes a cached state's block
          STATE_HIT, "fork of a state model", "eviction on a state model")
@@ -63,6 +66,7 @@ class Watch:
         self.storing: set = set()  # and with a store in flight
         self.pinned: set = set()  # sequences looked up with 1+ pins, their load not begun
         self.pinned_loads: dict = {}  # load in flight whose lookup pinned -> its tiers' failed_load
+        self.drop_reads: dict = {}  # load in flight -> the (key, tier) it reads in "drop" tiers
         self.before: list = []  # the block tables of the next operation's sequence (an accept's)
         self.states = any(g.state_bytes is not None for g in oracle.groups)
 
@@ -144,6 +148,9 @@ class Watch:
         if kind == "done" and not op.ok:
             for mode in self.pinned_loads.get(op.id, ()):
                 self.reached.add(LOOKUP_FAILED.format({"keep": "keeping", "drop": "dropping"}[mode]))
+            mine = self.drop_reads.get(op.id, set())
+            if any(mine & self.drop_reads.get(tid, set()) for tid in self.tiers.transfers):
+                self.reached.add(SHARED_DROP)
 
     def _rollback(self, st) -> None:
         """What an accept's rollback did, if it released a block of any group: whether the
@@ -196,6 +203,9 @@ class Watch:
             self.pinned = {s for s, pins in self.tiers.pins.items() if pins}
             self.pinned_loads = {tid: {self.tiers.tiers[i].spec.failed_load for _, i in tr.pins}
                                  for tid, tr in self.tiers.transfers.items() if tr.kind == "load"}
+            self.drop_reads = {tid: {(k, i) for k, i, _ in tr.blocks
+                                     if self.tiers.tiers[i].spec.failed_load == "drop"}
+                               for tid, tr in self.tiers.transfers.items() if tr.kind == "load"}
         if not self.paged:
             return
         self.shared_tails = {s for s, st in o.seqs.items() if st.tokens % B and any(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 MODEL = Path(__file__).resolve().parents[2] / "kvbench" / "model"
 CORE = ("oracle.py", "pool.py", "arena.py", "__init__.py")
-NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py", "tiered.py",
-            "events.py")  # SPEC §14: the events the cache's changes announce, derived beside it
+NOT_CORE = ("kinds.py", "rules/", "eviction.py", "tiers.py", "tier_policies.py", "tier_removal.py",
+            "tiered.py", "events.py")  # SPEC §14: the events the cache's changes announce, derived beside it
 # Issue 46's bound. Each group's table operations are its kind's (kinds.py, as vLLM's
 # SingleTypeKVCacheManager owns a group's), eviction and preemption eviction.py's, the fork and
 # the windows' release the rule set's, the content's writers the contract's.

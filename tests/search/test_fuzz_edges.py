@@ -71,6 +71,25 @@ def test_an_abort_counts_only_where_the_load_read_tier_blocks():
     assert F.ABORT_LOADING not in idle and "load served from a tier" not in idle
 
 
+@pytest.mark.parametrize("failed_load, second_load, reached", [
+    ("drop", True, True),    # load 1 still reads h0 when load 2's failure drops it
+    ("drop", False, False),  # the failed load its only reader
+    ("keep", True, False),   # nothing dropped
+])
+def test_a_failed_load_sharing_a_dropped_block_counts_only_where_another_load_reads_it(
+        failed_load, second_load, reached):
+    # h0 stored to the host, pushed off the device (4 blocks of 4) by an unhashed prompt; a load
+    # does not put it in the prefix cache before it completes, so both loads read the host's h0
+    ops = [Prefill(0, 0, "a", 4, ("h0",)), Store(1, 0, 0, "host"), Done(2, 0, True), Free(3, 0),
+           Prefill(4, 1, "a", 16), Free(5, 1), Load(6, 2, "a", 4, ("h0",), id=1),
+           *[Load(7, 3, "a", 4, ("h0",), id=2)] * second_load, Done(8, 2 if second_load else 1, False)]
+    trace = validate(Trace(Header("t", tenants={"a": 1}, tiers=(TierSpec("host", 4, failed_load=failed_load),)),
+                           ops, name="t"))
+    watch = Watch(oracle_for(trace, NumpyPaged(make_config(4, 4, prefix_caching=True))), trace)
+    check(trace, None, model=watch.o, progress=watch)
+    assert (F.SHARED_DROP in watch.reached) is reached and "failed transfer" in watch.reached
+
+
 def _watched(ops, num_blocks=8, block_size=4):
     trace = validate(Trace(Header("t", tenants={"a": 1}), ops, name="t"))
     watch = Watch(oracle_for(trace, NumpyPaged(make_config(block_size, num_blocks))), trace)
