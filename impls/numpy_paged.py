@@ -416,9 +416,9 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
         """Release the blocks of ``rows`` a group no longer holds at T tokens (T from
         ``lengths``; F.released_blocks: below ``T - W + 1``, below the current chunk, or between
         the sinks and the window): group by group, rows in order, each row's highest first."""
-        if self.chunking:  # blocks a chunk completed are cached before the window passes them
-            moved = set(rows.tolist())
-            self._cache_chunks([s for s in list(self.chunking) if self.row_of[s] in moved])
+        if self.chunking:  # blocks a chunk completed are cached before the window passes them,
+            # writers in batch order (two completing one key: the first one's block is the entry)
+            self._cache_chunks(self.seq_of_row[rows].tolist())
         for g, group in enumerate(self.groups):
             if not group.releases:
                 continue

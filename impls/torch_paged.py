@@ -340,9 +340,9 @@ class TorchPaged(TorchTiers, StackChanges, PoolEvents, Backend):
         """Release the blocks of ``rows_h`` a group no longer holds at T tokens (T from
         ``lengths``: below ``T - W + 1``, or below the current chunk): group by group, rows in
         order, each row's highest position first."""
-        if self.chunking:  # blocks a chunk completed are cached before the window passes them
-            moved = set(rows_h.tolist())
-            self._cache_chunks([s for s in list(self.chunking) if self.row_of[s] in moved])
+        if self.chunking:  # blocks a chunk completed are cached before the window passes them,
+            # writers in batch order (two completing one key: the first one's block is the entry)
+            self._cache_chunks(self.seq_of_row[rows_h].tolist())
         for g, group in enumerate(self.groups):
             if not group.releases:
                 continue

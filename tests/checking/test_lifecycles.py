@@ -173,3 +173,37 @@ def test_a_backend_without_accept_is_not_applicable_with_the_reason():
     # Preemption asks nothing new of a backend: free, then prefill again.
     preempt_only = make_trace(P(0, 20), Preempt(0, 0), Resume(0, 0), X(0))
     assert check(preempt_only, NoAccept(make_config(num_blocks=32))).valid is True
+
+
+# Two chunked prompts complete one key in one batched append, in the order the cache learnt of
+# them reversed; a window then releases the later writer's block (seq 0 first, batch [1, 0]).
+TWO_WRITERS_ONE_KEY = "\n".join(json.dumps(line) for line in [
+    {"kvbench_trace": 1, "family": "test", "generator": "tests", "groups": ["sliding(2)"],
+     "settings": {"model": "tiny", "block_size": 1, "num_blocks": 8, "prefix_caching": True}},
+    {"step": 0, "op": "prefill", "seq": 0, "tenant": "a", "tokens": 1,
+     "block_hashes": ["k0", "k1", "k2"], "prompt_tokens": 3},
+    {"step": 1, "op": "prefill", "seq": 1, "tenant": "a", "tokens": 1,
+     "block_hashes": ["k0", "k1", "k2"], "prompt_tokens": 3},  # hits k0
+    {"step": 2, "op": "append", "seqs": [1, 0], "tokens": [1, 1]},  # both write k1: 1's is cached
+    {"step": 3, "op": "append", "seqs": [0], "tokens": [1]}]) + "\n"
+
+
+def test_two_writers_of_one_key_cache_the_first_in_batch_order():
+    """The first writer in the batch keeps the key (SPEC §13, docs/writing-a-backend.md); the
+    other's copy is freed uncached when the window passes it. At step 3 sliding(2) holds
+    positions from max(0, 3 - 2 + 1) // 1 = 2 on, so 0 releases its position 1: uncached, the
+    cache holds k0 alone (both released it at step 2: max(0, 2 - 2 + 1) = 1). It could be
+    false: a backend caching its writers in the order it learnt of their prompts (0 before 1)
+    keeps 0's block of k1 cached as well, 2 cached blocks."""
+    from kvbench.analyses.settings import RunSettings as Settings
+    trace = loads(TWO_WRITERS_ONE_KEY)
+    o = Oracle(Settings().config(trace))
+    v = check(trace, None, model=o)
+    assert v.valid is None or v.valid, v
+    assert o.expected_ledger().cached_blocks == 1  # k0's block alone
+    for name in ("numpy", "torch"):
+        entry = registry.resolve(name)
+        if not entry.available()[0]:
+            continue
+        v = check(trace, entry.create(Settings().config(trace)), gather="all")
+        assert v.valid is True, (name, str(v.divergence))
