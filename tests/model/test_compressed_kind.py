@@ -254,3 +254,18 @@ def test_a_preempted_sequence_resumes_with_the_hit_of_its_whole_compressed_block
     assert o.hit_blocks == 4 + 1
     led = o.expected_ledger()
     assert led.group_blocks == (5, 2) and led.token_states == 20 + 5
+
+
+def test_a_trace_header_names_the_kind():
+    m = F.with_group_kinds(F.get_model("tiny"), ["full", "compressed(128)"])
+    assert [g.kind for g in m.kv_groups] == ["full", "compressed(128)"]
+    with pytest.raises(ValueError, match="a compressed entry covers at least 1 token"):
+        F.parse_kind("compressed(0)")
+
+
+def test_backends_are_not_applicable_to_a_compressed_model():
+    t = Trace(Header(family="compressed"), [Prefill(0, 0, "t", 70)], name="compressed")
+    row = suite.run_one(t, "numpy", CacheConfig(model=MODEL, block_size=B, num_blocks=32))
+    assert row["status"] == "n/a"
+    assert row["not_applicable"] == ("numpy does not run compressed groups (SPEC §12), and model "
+                                     "tiny-compressed has full, compressed(4)")

@@ -173,7 +173,8 @@ class SpecSteps:
         if (self.rules.keeps_duplicate_blocks or self.rules.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
-        return L, hits, sum(1 for per, kind in zip(hits, self.kinds) for i in per if (i + 1) * kind.r <= counted)
+        return L, hits, sum(1 for per, kind in zip(hits, self.kinds) for i in per
+                            if (i + 1) * kind.r <= counted)
 
     def _most_hit_tokens(self, tokens: int) -> int:
         """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
