@@ -39,6 +39,10 @@ The rules, and the edges each covers:
 - ``zero`` (§13): an operation of zero tokens: an empty prompt, an append of 0 tokens (alone or
   as one member of a batch), a fork of the empty sequence, and the first append filling a block
   of it, with and without prefix caching.
+- ``compressed`` (§12): tiny-compressed (full beside compressed(4), S = B * r = 16 tokens a
+  compressed block): prompts of T in {S - 1, S, S + 1, 2S - 1, 2S, 2S + 1}, a fork, appends
+  across an entry's first token and a block's last, drafts rolled back, requests sharing S - 1,
+  S or S + B tokens, and every cached block evicted by a prompt of the whole pool.
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
 default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
