@@ -28,6 +28,7 @@ from kvbench.contract.protocol import BlockState, Refusal
 
 
 def _ceil(a, b):
+    """ceil(a / b) of ints or NumPy arrays (formulas.blocks_needed takes one int)."""
     return -(-a // b)
 
 

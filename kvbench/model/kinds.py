@@ -34,8 +34,8 @@ class Kind:
         return self.B * self.r
 
     def entries(self, tokens: int) -> int:
-        """Slots the group writes for ``tokens`` tokens: ceil(T / r)."""
-        return -(-tokens // self.r)
+        """Slots the group writes for ``tokens`` tokens: ceil(T / r) (formulas.entries)."""
+        return F.entries(tokens, self.group)
 
     def cached_tokens(self, tokens: int) -> int:
         """The prefix of ``tokens`` written tokens whose blocks are full (cached, and can be
