@@ -22,6 +22,7 @@ from impls.contiguous import Contiguous
 from impls.faults_edges import BOUNDARY_BUGS, EDGE_BUGS
 from impls.faults_events import EVENT_BUGS, EVENT_SLIPS
 from impls.faults_tiers import SWAP_BUGS, TIER_BUGS
+from impls.numpy_compressed import NumpyCompressed
 from impls.numpy_float_paged import NumpyFp8Tensor, NumpyNvfp4
 from impls.numpy_lookahead import NumpyEagle
 from impls.numpy_paged import NumpyPaged
@@ -689,6 +690,16 @@ class StateOneBoundaryEarly(NumpyPaged):
         return L, hits
 
 
+class CompressedKeysAtBlockSize(NumpyCompressed):
+    """vLLM-Ascend #10296, planted in kvbench's own pool: a compressed(r) group's block is stored
+    under the key of its B * r tokens (the prompt's key at B-block (i + 1) * r - 1) but looked
+    up under the key at B granularity (B-block i), so a lookup misses its own prompt's blocks
+    and may take a block stored for another prompt's longer prefix."""
+
+    def _lookup_key(self, keys, g, i):
+        return keys[i]
+
+
 # --- the catalogue ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -738,6 +749,8 @@ CATALOGUE = [
         True),
     Bug("a hit's state read at the block boundary before (index in the wrong block units)",
         "vLLM #55600", StateOneBoundaryEarly, True),
+    Bug("compressed-group blocks stored keyed by B * r tokens, looked up keyed by B",
+        "vLLM-Ascend #10296", CompressedKeysAtBlockSize, True),
     Bug("a chunked group held to a sliding window of its chunk", "kvbench #25", ChunkSlidesAsWindow,
         False),
     Bug("a one-token hybrid decode step never slides its windows", "kvbench #30", DecodeNeverSlides,

@@ -103,7 +103,7 @@ BACKENDS = {
 PAGED = ["numpy", "torch-cpu", "torch-cuda", "object"]  # the time_ grids
 REPLAYED = ["numpy", "torch-cpu", "torch-cuda", "object",
             "contiguous-max", "contiguous-pow2", "contiguous-oracle",
-            "numpy-eagle"]
+            "numpy-eagle", "numpy-compressed"]
 
 # Committed workloads (workloads/<name>.jsonl); a tenant mix runs under each eviction policy.
 WORKLOADS = ["decode-stream", "fork-beam", "fork-parallel", "prefill-alpaca", "prefill-sharegpt",

@@ -88,6 +88,7 @@ class Content:
         self.runs: dict = {}  # sequence -> Runs
         self.hybrid = any(g.releases for g in self.model.kv_groups)  # positions a window released
         self.state_groups = [g for g in self.model.kv_groups if g.state_bytes is not None]
+        self.compressed = [g for g in self.model.kv_groups if g.ratio > 1]
 
     def _runs(self, seq) -> Runs:
         runs = self.runs.get(seq)
@@ -120,6 +121,8 @@ class Content:
                          self.dtype)
         if self.hybrid:
             self._mask_released(want, todo, lengths)
+        if self.compressed:
+            self._entries(want, todo, lengths)
         token_shape = want.shape[1:]
         plain = todo[:-1] if buffered else todo
         if not self.quantized:  # one call and one comparison; the ranges apart only to say where
@@ -212,6 +215,22 @@ class Content:
                     want[offset + lo - start:offset + hi - start, :, list(group.layers)] = 0
             offset += n
 
+    def _entries(self, want, todo, lengths) -> None:
+        """A compressed(r) group's layers at position p hold its entry's K/V, written with the
+        entry's first token: position p - p % r's (docs/cache-kinds.md)."""
+        offset = 0
+        for (seq, start, stop), n in zip(todo, lengths.tolist()):
+            for group in self.compressed:
+                r, lo = group.ratio, start - start % group.ratio
+                ws, counts = [], []
+                self._runs(seq).over(lo, stop, ws, counts)
+                writers = np.repeat(np.asarray(ws, dtype=np.int64), counts)
+                first = np.arange(start, stop) // r * r
+                kv = kv_tokens(writers[first - lo], first, self.model, self.dtype)
+                layers = list(group.layers)
+                want[offset:offset + n, :, layers] = kv[:, :, layers]
+            offset += n
+
     def _wrong(self, seq, start, want, got):
         if self.quantized:  # within SPEC §4's bound of what was written
             why = quant_pool.bound_violation(want, got, self.kv_format, start)
@@ -227,8 +246,10 @@ class Content:
             return ("what it wrote or inherited", "different values",
                     f"first wrong position {p} (should hold what sequence {writer} wrote there, "
                     f"and zeros in the layers of group(s) {released}, whose window released it)")
+        entries = "".join(f"; group {g.kind}'s layers: its entry's, written with token "
+                          f"{p - p % g.ratio}" for g in self.compressed)
         return ("what it wrote or inherited", "different values",
-                f"first wrong position {p} (should hold what sequence {writer} wrote there)")
+                f"first wrong position {p} (should hold what sequence {writer} wrote there{entries})")
 
 
 class LiveSet:

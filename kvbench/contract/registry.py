@@ -125,6 +125,9 @@ def _builtin(name, target, *tags, asv_name="", default_workloads=(), **overrides
                         default_workloads=default_workloads)
 
 
+# The default run's traces on a model of compressed groups (kvbench.traces.boundaries).
+COMPRESSED_WORKLOADS = ("boundary-compressed-0", "boundary-compressed-1")
+
 BUILTIN = [
     _builtin("numpy", "impls.numpy_paged:NumpyPaged", "default", "paged", "gated"),
     _builtin("torch", "impls.torch_paged:TorchPaged", "default", "paged", "gated", asv_name="torch-cpu"),
@@ -162,6 +165,10 @@ BUILTIN = [
     _builtin("numpy-eagle", "impls.numpy_lookahead:NumpyEagle", "default", "paged",
              default_workloads=("lifecycle-speculative", "lifecycle-chunked", "prefix-reuse",
                                 "boundary-rollback-0", "boundary-chunks-0")),
+    # SPEC §12's compressed(r) groups (DeepSeek-V4): NumpyPaged with a table position per B * r
+    # tokens in such a group; on the workloads of compressed models only.
+    _builtin("numpy-compressed", "impls.numpy_compressed:NumpyCompressed", "default", "paged",
+             default_workloads=COMPRESSED_WORKLOADS),
     _builtin("vllm-blockpool", "impls.engines.vllm_blockpool:VllmBlockPool", "engine", "paged"),
     _builtin("vllm-kvmanager", "impls.engines.vllm_kvmanager:VllmKVManager", "engine", "paged"),
     _builtin("vllm-kvmanager-dense", "impls.engines.vllm_kvmanager:VllmKVManagerDense", "engine",

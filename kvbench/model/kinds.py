@@ -21,16 +21,21 @@ class Kind:
     # What an accept's rollback of drafts (SPEC §13) would need that the model does not keep
     # (None: the group rolls back; the checker says n/a to a trace that accepts otherwise).
     rollback_needs: str | None = None
-    oracle_runs = True  # the oracle's block tables (a position per B tokens) model the group
 
     def __init__(self, group: F.KVGroup, block_size: int):
         self.group = group
         self.B = block_size
+        self.r = group.ratio  # tokens per entry: a table position covers B * r tokens
 
     @property
     def key_tokens(self) -> int:
-        """Tokens a block covers, so the granularity of its prefix-cache keys: B."""
-        return self.B
+        """Tokens a table position (a block of B entries) covers, so the granularity of its
+        prefix-cache keys: B * r (B but for compressed(r))."""
+        return self.B * self.r
+
+    def entries(self, tokens: int) -> int:
+        """Slots the group writes for ``tokens`` tokens: ceil(T / r) (formulas.entries)."""
+        return F.entries(tokens, self.group)
 
     def cached_tokens(self, tokens: int) -> int:
         """The prefix of ``tokens`` written tokens whose blocks are full (cached, and can be
@@ -71,51 +76,67 @@ class Kind:
     # The group's block table operations on the paged model ``m`` (kvbench.model.oracle.Oracle),
     # as vLLM's SingleTypeKVCacheManager owns a group's: the oracle calls them group by group.
 
+    def admitted(self, m, st, g: int, hits: dict, L: int, n: int) -> list:
+        """A new request's table: the hit's cached blocks (``hits`` by position) below L * B
+        tokens, then new blocks up to its n * B tokens' positions (ceil(n / r) of them: the
+        nested ceilings of ceil(ceil(T/B) / r) = ceil(T / (B * r))), each filled with the
+        entries of its tokens."""
+        E, top = self.entries(st.tokens), -(-n // self.r)
+        return ([hits.get(i) for i in range(L // self.r)]
+                + [m._new_block(min(self.B, E - i * self.B), g) if m._allocates(st, g, i, top) else None
+                   for i in range(L // self.r, top)])
+
     def append_need(self, m, g: int, seqs, tokens, refs: dict) -> int:
         """Blocks a batched append takes in the group, the copies of shared tails included
         (``refs``: per block, the references already counted away)."""
         need = 0
         for s, dt in zip(seqs, tokens):
             st, room = m.seqs[s], 0
+            de = self.entries(st.tokens + dt) - self.entries(st.tokens) if self.r > 1 else dt
             tail = st.tables[g][-1] if st.tables[g] else None
             if tail is not None:
                 ref, fill = m.blocks[tail]
                 room = self.B - fill
-                if room > 0 and dt > 0 and ref + refs.get(tail, 0) > 1:
+                if room > 0 and de > 0 and ref + refs.get(tail, 0) > 1:
                     need += 1  # the writer gets its own copy of the shared tail
                     refs[tail] = refs.get(tail, 0) - 1
-            new = m._appended_blocks(g, F.append_new_blocks(dt, room, self.B))
+            new = m._appended_blocks(g, F.append_new_blocks(de, room, self.B))
             need += max(0, new - (len(st.ahead[g]) if st.ahead else 0))
         return need
 
     def write(self, m, g: int, seqs, tokens) -> None:
-        """An append's writes: the copies of shared tails (writers in batch order), then the
-        slots, filling each tail before new blocks (positions in order)."""
+        """An append's writes: the copies of shared tails it writes entries into (writers in
+        batch order), then the entries, filling each tail before new blocks (positions in
+        order). A block is complete (cached, where its key is) once its B * r tokens are
+        written, whether or not the append wrote one of its entries."""
+        span = self.B * self.r
         for s, dt in zip(seqs, tokens):
-            table = m.seqs[s].tables[g]
-            if table and table[-1] is not None and dt > 0:
+            st = m.seqs[s]
+            table = st.tables[g]
+            if table and table[-1] is not None and self.entries(st.tokens + dt) > self.entries(st.tokens):
                 ref, fill = m.blocks[table[-1]]
                 if fill < self.B and ref > 1:  # the writer gets a private copy of the tail
                     m._drop_ref(table[-1])
                     table[-1] = m._new_block(fill, g)
         for s, dt in zip(seqs, tokens):
-            table = m.seqs[s].tables[g]
+            T, table = m.seqs[s].tokens, m.seqs[s].tables[g]
+            de = self.entries(T + dt) - self.entries(T) if self.r > 1 else dt
             if table and table[-1] is not None:
                 fill = m.blocks[table[-1]][1]
-                take = min(dt, self.B - fill)
+                take = min(de, self.B - fill)
                 m.blocks[table[-1]][1] += take
                 m.filled += take
-                dt -= take
-                if take and fill + take == self.B:
+                de -= take
+                if T < len(table) * span <= T + dt:
                     m._completed(table[-1], g, s, len(table) - 1)
-            while dt > 0:
-                take = min(dt, self.B)
-                dt -= take
-                if m._skips_block(g, last=dt <= 0):  # align mode: a state's null position
+            while de > 0:
+                take = min(de, self.B)
+                de -= take
+                if m._skips_block(g, last=de <= 0):  # align mode: a state's null position
                     table.append(None)
                     continue
                 table.append(m._next_block(s, take, g))
-                if take == self.B:
+                if len(table) * span <= T + dt:
                     m._completed(table[-1], g, s, len(table) - 1)
 
     def release(self, m, st, g: int) -> None:
@@ -139,14 +160,15 @@ class Kind:
         """An accept's rollback to ``new`` tokens (SPEC §13): blocks wholly past it released or
         kept for the next drafts, the tail's fill cut, and the blocks the kept drafts filled
         (from ``first_draft``) cached now or later."""
-        table, keep = st.tables[g], F.blocks_needed(new, self.B)
+        span = self.B * self.r
+        table, keep = st.tables[g], F.blocks_needed(new, span)
         m._drop_drafts(st, g, table[keep:])
         del table[keep:]
         if keep and table[-1] is not None:
-            fill = new - (keep - 1) * self.B
+            fill = self.entries(new) - (keep - 1) * self.B
             m.filled += fill - m.blocks[table[-1]][1]
             m.blocks[table[-1]][1] = fill
-        for i in range(first_draft // self.B, new // self.B):
+        for i in range(first_draft // span, new // span):
             if table[i] is not None:
                 m._drafts_filled(st, g, seq, i)
 
@@ -157,7 +179,8 @@ class Kind:
         """Slots the sequence's unshared tail block keeps for its remaining tokens (SPEC §2)."""
         if not table or table[-1] is None or m.blocks[table[-1]][0] != 1:
             return 0
-        return F.tail_reservation(self.B - m.blocks[table[-1]][1], st.final - st.tokens)
+        return F.tail_reservation(self.B - m.blocks[table[-1]][1],
+                                  self.entries(st.final) - self.entries(st.tokens))
 
     def slab_held(self, tokens: int, size: int) -> int:
         """Slots of a slab of ``size`` holding a token (the slab keeps every token)."""
@@ -222,26 +245,24 @@ class StateKind(Kind):
 class CompressedKind(Kind):
     """compressed(r): one entry per r tokens (DeepSeek-V4's compressed KV, compress_ratio = r),
     kept as long as the sequence lives. A block holds B entries covering B * r tokens, so a
-    sequence of T tokens holds ceil(ceil(T / r) / B) blocks of the group (formulas.kind_blocks).
+    sequence of T tokens holds ceil(ceil(T / r) / B) blocks of the group (formulas.kind_blocks),
+    a table position per B * r tokens (``key_tokens``).
 
-    Its prefix-cache keys are taken at every B * r tokens (``key_tokens``; SPEC §12): a block
-    is cached, and can be hit, only once its B * r tokens are written, and lookup keys it as
-    store does, or another session's block is served (vLLM-Ascend issue 10296). A hit on the
-    model is the longest prefix every group hits (``hit_tokens``).
-
-    The oracle's block tables are by B tokens a position, so it refuses these groups
-    (``oracle_runs``): the group has its formulas and the kind's arithmetic, and a backend
-    declaring it has no model to be checked against yet."""
-
-    oracle_runs = False
-
-    @property
-    def key_tokens(self) -> int:
-        return F.key_tokens(self.group, self.B)
+    Entry k is written when token k * r is (an append that writes no entry's first token writes
+    nothing in the group: no copy of a shared tail), and reads back that token's K/V at each of
+    its r positions (docs/cache-kinds.md). Its prefix-cache keys are taken at every B * r
+    tokens (SPEC §12): block j is keyed by the prompt's key at token (j + 1) * B * r, cached,
+    and can be hit, only once those tokens are written, and lookup keys it as store does, or
+    another session's block is served (vLLM-Ascend issue 10296). A hit on the model is the
+    longest prefix every group hits (``hit_tokens``): a multiple of B * r tokens."""
 
     def blocks(self, tokens: int) -> int:
         """ceil(ceil(T / r) / B): the blocks a sequence of T tokens holds in the group."""
         return F.blocks_needed(F.entries(tokens, self.group), self.B)
+
+    def slab(self, size: int) -> int:
+        raise ValueError(f"the contiguous layout has no slabs of {self.group.kind} groups (SPEC §12: "
+                         f"paged only)")
 
 
 KINDS: dict[str, type[Kind]] = {
@@ -266,12 +287,16 @@ def kind_of(group: F.KVGroup, block_size: int) -> Kind:
     return cls(group, block_size)
 
 
-def oracle_kinds(model: F.ModelSpec, block_size: int) -> list:
-    """The kinds of a model's groups for the oracle, refusing those its block tables (a
-    position per B tokens) do not model, by name."""
+def oracle_kinds(model: F.ModelSpec, block_size: int, rules=None) -> list:
+    """The kinds of a model's groups for the oracle. Compressed groups run under SPEC's rules
+    as they are (``rules``: the rule set); an engine rule that moves a hit or a cache entry
+    (a capped hit, a fork through the prefix cache, every full block cached) is not modelled
+    at B * r tokens a position, and such a model is refused, naming what."""
     out = [kind_of(g, block_size) for g in model.kv_groups]
-    unmodelled = [k.group.kind for k in out if not k.oracle_runs]
-    if unmodelled:
-        raise ValueError(f"model {model.name}: the oracle has no block tables of "
-                         f"{', '.join(unmodelled)} groups (SPEC §12; formulas only)")
+    compressed = [k.group.kind for k in out if k.r > 1]
+    changed = [] if rules is None else [k for k, v in rules.PARAMS.items() if getattr(rules, k) != v]
+    if compressed and rules is not None and (rules.name != "spec" or changed):
+        raise ValueError(f"model {model.name}: the oracle runs {', '.join(compressed)} groups under "
+                         f"SPEC's rules only, not rule set {rules.name!r}"
+                         + (f" with {', '.join(changed)}" if changed else ""))
     return out

@@ -57,7 +57,7 @@ class Oracle(BlockPool, Arena, Eviction, SpecSteps, VLLMSteps, SGLangSteps):
         self.config, self.layout, self.caps = config, layout, capabilities or Capabilities()
         self.rules = rule_set(self.caps)  # the engine's rules, SPEC's by default
         self.groups = config.model.kv_groups
-        self.kinds = oracle_kinds(config.model, config.block_size)
+        self.kinds = oracle_kinds(config.model, config.block_size, self.rules)
         self.releasing = [kind.releases for kind in self.kinds]  # sliding, chunked, sinks, state
         self._init_pool(config.num_blocks, config.block_size, len(self.groups))
         self.seqs: dict[int, SeqState] = {}
@@ -127,10 +127,7 @@ class Oracle(BlockPool, Arena, Eviction, SpecSteps, VLLMSteps, SGLangSteps):
         self._take_hits(hits)
         self.hit_blocks += counted if hit else 0
         self._evict_before_alloc(self._new_blocks(keys, prompt_tokens, T, L, n), [T - L * self.B])
-        st.tables = [[hits[g].get(i) for i in range(L)]
-                     + [self._new_block(min(self.B, T - i * self.B), g)
-                        if self._allocates(st, g, i, n) else None for i in range(L, n)]
-                     for g in range(len(self.groups))]
+        st.tables = [kind.admitted(self, st, g, hits[g], L, n) for g, kind in enumerate(self.kinds)]
         self.seqs[seq] = st  # first: a full block's caching reads its retention
         self._cache_prompt(seq, st, keys, L, n)
         self._settle_states(seq, T, L)

@@ -39,6 +39,10 @@ The rules, and the edges each covers:
 - ``zero`` (§13): an operation of zero tokens: an empty prompt, an append of 0 tokens (alone or
   as one member of a batch), a fork of the empty sequence, and the first append filling a block
   of it, with and without prefix caching.
+- ``compressed`` (§12): tiny-compressed (full beside compressed(4), S = B * r = 16 tokens a
+  compressed block): prompts of T in {S - 1, S, S + 1, 2S - 1, 2S, 2S + 1}, a fork, appends
+  across an entry's first token and a block's last, drafts rolled back, requests sharing S - 1,
+  S or S + B tokens, and every cached block evicted by a prompt of the whole pool.
 
 Every trace is a pure function of the rules (no seed is drawn), named ``boundary-<rule>-<i>``; the
 default run generates them at run time (:func:`boundary_traces`), after the committed workloads.
@@ -523,7 +527,65 @@ ZERO = Rule("zero", "§13", {"op": ("prefill", "append", "fork"), "beside": ("al
             interactions=(("op", "beside", "cache"),))
 
 
-RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, LOOKUPS, ENCODINGS, RETURNS, ZERO]
+COMPRESSED_B, COMPRESSED_R = 4, 4  # tiny-compressed: full beside compressed(4); a block of it covers 16
+
+
+@dataclass(frozen=True)
+class SpanEdge(Edge):
+    """``a * S + c``, S = B * r: the tokens one block of a compressed(r) group covers."""
+
+    def __str__(self) -> str:
+        return super().__str__().replace("B", "S")
+
+
+def _compressed(cases) -> list[Trace]:
+    """Two traces, with and without prefix caching: per case a prompt A of T tokens, a fork of
+    it, an append of 1 to A and of d to the fork (d = 1, r - 1, r, S: across an entry's first
+    token, a block's last, or neither), r + 1 drafts by the fork of which the accept keeps 1, a
+    request sharing A's first ``hit`` tokens and one more of its own, freed or preempted and
+    resumed; then the frees. With caching, last: a prompt as large as the pool (every cached
+    block evicted, the compressed ones with the full) and the first case's prompt again."""
+    B, r = COMPRESSED_B, COMPRESSED_R
+    S = B * r
+    out = []
+    for cache in (True, False):
+        b = _Ops()
+        for i, c in enumerate(cases):
+            T, hit, d = c["T"](S), c["hit"](S), c["d"](B)
+            ids = _ids(i, T)
+            a = b.prefill(T, token_ids=ids)
+            f = b.fork(a)
+            b.append([a, f], [1, d])
+            b.append([f], [r + 1], [r + 1])
+            b.accept(f, r + 1, 1)
+            h = b.prefill(hit + 1, token_ids=ids[:hit] + _ids(i, 1, start=500))
+            if c["then"] == "preempt":
+                b.preempt(h)
+                b.resume(h)
+            b.free_all()
+        if cache:  # ceil(204 / 4) + ceil(204 / 16) = 51 + 13 = 64: the whole pool
+            b.free(b.prefill(204, token_ids=_ids(len(cases), 204)))
+            b.free(b.prefill(cases[0]["T"](S), token_ids=_ids(0, cases[0]["T"](S))))
+        out.append(_trace("compressed", len(out), b, cases, {
+            "model": "tiny-compressed", "block_size": B, "num_blocks": 64, "prefix_caching": cache}))
+    return out
+
+
+def _compressed_valid(c) -> bool:
+    """The request shares no more of A than A has."""
+    return c["hit"](COMPRESSED_B * COMPRESSED_R) <= c["T"](COMPRESSED_B * COMPRESSED_R)
+
+
+R_EDGES = (Edge(0, 1), Edge(0, COMPRESSED_R - 1), Edge(0, COMPRESSED_R), Edge(COMPRESSED_R))
+COMPRESSED = Rule("compressed", "§12", {
+    "T": tuple(SpanEdge(k, c) for k in (1, 2) for c in (-1, 0, 1)),
+    "hit": (SpanEdge(1, -1), SpanEdge(1), SpanEdge(1, COMPRESSED_B)),
+    "d": R_EDGES, "then": ("free", "preempt")},
+    _compressed, interactions=(("T", "d"), ("T", "hit")), valid=_compressed_valid)
+
+
+RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, LOOKUPS, ENCODINGS, RETURNS, ZERO,
+         COMPRESSED]
 
 
 def boundary_traces(rules=None) -> list[Trace]:

@@ -283,6 +283,25 @@ def test_zero_token_operations_come_alone_and_batched_with_and_without_prefix_ca
                    for o in ops)
 
 
+def test_compressed_prompts_hits_and_appends_fall_on_and_beside_b_times_r():
+    from kvbench.traces.format import op_to_dict
+    traces = by_rule("compressed")
+    assert [t.header.settings["prefix_caching"] for t in traces] == [True, False]
+    assert {t.header.settings["model"] for t in traces} == {"tiny-compressed"}
+    S, B, r = 16, bd.COMPRESSED_B, bd.COMPRESSED_R  # 16 = 4 * 4: a compressed block's tokens
+    ops = [op_to_dict(o) for o in traces[0].ops]
+    prefills = [o["tokens"] for o in ops if o["op"] == "prefill"]
+    # T = k * B * r - 1, k * B * r, k * B * r + 1 for k = 1, 2
+    assert {S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1} <= set(prefills)
+    # requests sharing S - 1, S, S + B tokens of a prompt, and one of their own: one more
+    assert {S - 1 + 1, S + 1, S + B + 1} <= set(prefills)
+    # a fork's appends of 1, r - 1, r and S tokens: across an entry's first token and a block's last
+    assert {o["tokens"][1] for o in ops if o["op"] == "append" and len(o["seqs"]) == 2} == {1, r - 1, r, S}
+    assert any(o["op"] == "preempt" for o in ops) and any(o["op"] == "accept" for o in ops)
+    # the last prompt but one takes the whole pool: ceil(204 / 4) + ceil(204 / 16) = 51 + 13 = 64
+    assert prefills[-2] == 204 and traces[0].header.settings["num_blocks"] == 51 + 13
+
+
 def test_the_default_run_checks_the_boundary_workloads_after_the_committed_ones():
     traces = suite.default_traces()
     names = [t.name for t in traces]

@@ -7,6 +7,8 @@ caps both engines' rule sets put on them where a backend declares them (``hit_le
 """
 from __future__ import annotations
 
+import math
+
 from kvbench.model.rules.base import RuleSet
 
 SPEC_PARAMS = {k: getattr(RuleSet, k) for k in (
@@ -42,6 +44,9 @@ class SpecSteps:
         self._lives: dict = {}  # sequence -> times preempted (its resume writes blocks anew)
         # unsalted_key's: key -> its unsalted key, trie node number -> its node, unsalted nodes
         self._unsalted_memo, self._node_of, self._unsalted_nodes = {}, {}, {}
+        # B-token blocks a hit comes in multiples of: a compressed(r) group's r (its blocks are
+        # B * r tokens), 1 without one
+        self._hit_unit = math.lcm(*(kind.r for kind in self.kinds))
 
     def prompt_keys(self, tokens: int, hashes=None, token_ids=None, salt=None, adapter=None,
                     tagged: bool = True) -> tuple:
@@ -125,27 +130,30 @@ class SpecSteps:
         """The hit (SPEC §8, §12): the longest prefix of L blocks such that every full group has
         its blocks below L cached and every releasing group those it would hold at LB tokens
         (its kind's ``held``: sliding, covering [max(0, LB - W + 1), LB); chunked, the current
-        chunk's; sinks, the sinks' and the window's). Returns L and, per group, {position:
-        cached block}."""
+        chunk's; sinks, the sinks' and the window's); L a multiple of each compressed(r)
+        group's r, whose block j is keyed by the prompt's key ``(j + 1) * r - 1``. Returns L
+        and, per group, {position: cached block}."""
         if not keys:
             return 0, [{} for _ in self.groups]
-        for L in range(self.full_run(keys), 0, -1):
+        unit = self._hit_unit
+        for L in range(self.full_run(keys) // unit * unit, 0, -unit):
             need = [kind.held(L * self.B) for kind in self.kinds]
             if all((g, keys[i]) in self.by_hash for g, kind in enumerate(self.kinds) if kind.releases
                    for i in need[g]):
-                return L, [{i: self.by_hash[(g, keys[i])][0] for i in need[g]}
-                           for g in range(len(self.groups))]
+                return L, [{i: self.by_hash[(g, keys[(i + 1) * kind.r - 1])][0] for i in need[g]}
+                           for g, kind in enumerate(self.kinds)]
         return 0, [{} for _ in self.groups]
 
     def full_run(self, keys) -> int:
-        """How many of the prompt's blocks, from the first, every full group has cached."""
+        """How many of the prompt's blocks, from the first, every full group has cached (a
+        compressed(r) group's block j covers the prompt's blocks below (j + 1) * r)."""
         top = len(keys)
         for g, kind in enumerate(self.kinds):
             if not kind.releases:
-                run = 0
-                while run < top and (g, keys[run]) in self.by_hash:
+                run, r = 0, kind.r
+                while (run + 1) * r <= top and (g, keys[(run + 1) * r - 1]) in self.by_hash:
                     run += 1
-                top = run
+                top = run * r
         return top
 
     def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
@@ -165,7 +173,8 @@ class SpecSteps:
         if (self.rules.keeps_duplicate_blocks or self.rules.capped_hit_recomputed) and counted < L:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
-        return L, hits, sum(1 for per in hits for i in per if i < counted)
+        return L, hits, sum(1 for per, kind in zip(hits, self.kinds) for i in per
+                            if (i + 1) * kind.r <= counted)
 
     def _most_hit_tokens(self, tokens: int) -> int:
         """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
@@ -201,17 +210,19 @@ class SpecSteps:
         key's cache entry where the group keeps it; a full one past the keys is ``_filled``. The
         keys of its blocks a group does not keep, or may release (below L), name them for its
         own fork."""
-        for g, table in enumerate(st.tables):
-            for i in range(L, n):
+        for g, (table, kind) in enumerate(zip(st.tables, self.kinds)):
+            r = kind.r  # a compressed(r) group's position i is keyed by the prompt's key (i + 1) * r - 1
+            for i in range(L // r, len(table)):
                 if table[i] is None:  # a state group's position align mode skips
                     continue
-                if i < len(keys):
+                if (i + 1) * r <= len(keys):
+                    key = keys[(i + 1) * r - 1]
                     if self._keeps(st, g, i):
-                        self._share_cached(table, g, i, keys[i])
-                        self._register(table[i], g, keys[i])
+                        self._share_cached(table, g, i, key)
+                        self._register(table[i], g, key)
                     else:
-                        st.released_keys[i] = keys[i]
-                elif self.blocks[table[i]][1] == self.B:
+                        st.released_keys[i] = key
+                elif (i + 1) * kind.key_tokens <= st.tokens:
                     self._filled(table[i], g, seq, i)
         st.released_keys.update({i: keys[i] for i in range(min(L, len(keys)))})
 
@@ -220,11 +231,11 @@ class SpecSteps:
         a block of a chunked prompt becomes the cache entry of its key once the append has taken
         its blocks (as an engine caches after allocating); a block holding a draft
         token is cached by no engine (its accept may still roll it back)."""
-        chunk = self.seqs[seq].prompt.get("chunk_keys")
-        if chunk is not None and i < len(chunk):
+        chunk, r = self.seqs[seq].prompt.get("chunk_keys"), self.kinds[g].r
+        if chunk is not None and (i + 1) * r <= len(chunk):  # keyed as _cache_prompt keys it
             if self.caching and self._keeps(self.seqs[seq], g, i):
-                self._chunk_done.append((b, g, chunk[i]))
-        elif (i + 1) * self.B <= self._spec_from.get(seq, (i + 1) * self.B):
+                self._chunk_done.append((b, g, chunk[(i + 1) * r - 1]))
+        elif (i + 1) * self.B * r <= self._spec_from.get(seq, (i + 1) * self.B * r):
             self._filled(b, g, seq, i)
 
     def _cache_chunks(self) -> None:

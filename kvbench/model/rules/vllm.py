@@ -256,8 +256,8 @@ class VLLMSteps:
 
     def _new_blocks(self, keys, prompt_tokens: int, tokens: int, L: int, n: int) -> int:
         """Blocks a request of ``tokens`` tokens (n blocks, a hit of L) takes new, every group's."""
-        if not self._align_states():
-            return len(self.groups) * (n - L)
+        if not self._align_states():  # a compressed group's positions: ceil(n / r) - L / r
+            return sum(-(-n // kind.r) - L // kind.r for kind in self.kinds)
         retained = self._retention(keys, prompt_tokens, tokens, L)
         return sum(n - L if group.family != "state"
                    else sum(1 for i in range(L, n) if i == n - 1 or i in retained[g])
