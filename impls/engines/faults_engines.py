@@ -34,8 +34,8 @@ tests/engines/test_engine_faults.py builds them and says at which workload and s
 - ``VllmCompressedKeys``: vLLM-Ascend issue #10296 (DeepSeek-V4's compressed groups: blocks
   written keyed by one granularity, looked up by another). vLLM 0.33 has no compressed
   manager (a compressed spec, ``tokens_per_state > 1``, is managed as full attention, one block
-  size for writes and lookups), and kvbench's model no compressed kind; planted in the nearest
-  real class: ``FullAttentionManager.find_longest_cache_hit`` given the group's spec with the
+  size for writes and lookups); planted in the nearest real class (and in kvbench's own pool,
+  where the model runs compressed groups: ``CompressedKeysAtBlockSize`` in impls/faults.py): ``FullAttentionManager.find_longest_cache_hit`` given the group's spec with the
   logical block size (``block_size * compress_ratio``, ratio 4) while ``cache_full_blocks``
   keys each block by its own ``block_size``. A logical block's hash (vLLM's
   ``BlockHashListWithBlockSize``: the last physical hash within it) then names the physical
