@@ -63,8 +63,17 @@ def group_kinds(config) -> set:
 
 def reached(trace, config, reference: str = "numpy") -> set:
     """The conditions of CONDITIONS one run reaches: the oracle replayed alone, as check()
-    would hold ``reference`` to it."""
-    backend = registry.create(reference, config)
+    would hold ``reference`` to it (or, where ``reference`` runs no such model, the first
+    default backend that does: numpy-compressed on a compressed model)."""
+    backend = None
+    for name in (reference, *registry.DEFAULT_BACKENDS):
+        try:
+            backend = registry.create(name, config)
+            break
+        except registry.BackendUnavailable:
+            continue
+    if backend is None:
+        return set()
     try:
         if applicable(trace, backend):
             return set()
