@@ -104,6 +104,37 @@ def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
         backend.close()
 
 
+def test_a_store_checks_each_block_when_it_reaches_it_as_lmcache_declares(lmcache):
+    # Found by test_passes_random_histories. Host tier of 2 pages: sequence 0 (salt x) stores its
+    # blocks at positions 1, 2 (keys x.2, x.3; x.2 the least recent). Sequence 1's store offers
+    # x.1, x.2: LMCache's allocate for x.1 evicts x.2, and x.2, not held when the store reaches
+    # it (contains, then allocate, chunk by chunk: cache_engine.py:696-706, storage_manager.py:
+    # 89-92), is allocated again, evicting x.3: 0 stored + 2 storing. As declared
+    # (store_skips_when_reached) the run passes; held to SPEC's skip at the store's begin, x.2 is
+    # skipped: 1 stored (x.3) + 1 storing (x.1), and the ledger differs at the store (step 5).
+    import dataclasses
+    ops = [Prefill(0, 0, "t", 3 * B, (1, 2, 3), "x"), Store(1, 0, 0, "host", (1, 2)), Done(2, 0, True),
+           Free(3, 0), Prefill(4, 1, "t", 2 * B, (1, 2), "x"), Store(5, 1, 1, "host"),
+           Done(6, 1, True), Free(7, 1)]
+    trace = validate(Trace(Header("restored", tiers=(TierSpec("host", 2), TierSpec("disk", 4))), ops,
+                           name="restored"))
+    verdicts = []
+    for declared in (True, False):
+        backend = adapter(4)
+        if not declared:
+            rules = tuple(r for r in backend.capabilities.tier_rules if r != "store_skips_when_reached")
+            backend.capabilities = dataclasses.replace(backend.capabilities, tier_rules=rules)
+        try:
+            verdicts.append(check(trace, backend, gather="all"))
+        finally:
+            backend.close()
+    ok, held = verdicts
+    assert ok.valid is True and ok.ops == len(ops), str(ok.divergence)
+    d = held.divergence
+    assert held.valid is False and d.index == 5, str(d)
+    assert (d.quantity, d.expected, d.actual) == ("tier host stored", 1, 0), str(d)
+
+
 # --- planted upstream bugs (impls/engines/faults_lmcache.py) -------------------
 
 def _tier_trace(*ops):
@@ -293,7 +324,8 @@ def test_lmcaches_controller_keeps_a_set_and_forgets_a_prefix_one_tenant_still_h
     # each, as LMCache's 4 ADMIT messages say; tenant u's store of 3, 4 (step 8) evicts s's two
     # (LRU), 1 copy of 1 and 2 left, t's. The messages pass the checker's count per key; LMCache's
     # own controller index (WorkerNode.handle_batched_kv_operations, cache_controller/utils.py:
-    # 124-130: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2.
+    # 118-124: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2:
+    # an LMCache bug, reported in docs/upstream-reports.md.
     import time
 
     from lmcache.v1.cache_controller.utils import WorkerNode
