@@ -230,6 +230,12 @@ class _LMCacheTier:
 
     def close(self) -> None:
         self.backend.close()
+        # LMCache's closed allocator keeps its pages valid, and a collected page frees itself
+        # under LMCache's shared observability lock, which the collecting thread may hold: a
+        # self-deadlock (docs/upstream-reports.md). Closed, they free nothing.
+        in_flight = [*self.storing.values(), *(o for objs in self.reading.values() for o in objs)]
+        for obj in [*self.allocator.free_blocks, *self.held_out, *in_flight]:
+            obj.invalidate()
 
 
 class LMCacheCPU(EngineTiers):

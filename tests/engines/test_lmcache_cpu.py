@@ -135,6 +135,39 @@ def test_a_store_checks_each_block_when_it_reaches_it_as_lmcache_declares(lmcach
     assert (d.quantity, d.expected, d.actual) == ("tier host stored", 1, 0), str(d)
 
 
+def test_a_closed_tier_frees_nothing_when_collected(lmcache):
+    # Found by test_passes_random_histories run long: a hang. LMCache 0.5.6's paged allocator
+    # keeps its pages valid after the backend's close (MemoryAllocatorInterface.close does
+    # nothing, memory_management.py:1284-1289); a collected page frees itself (MemoryObj.__del__,
+    # :700-713), and the free takes LMCache's shared observability lock (update_local_cache_usage
+    # is @thread_safe, observability.py:518; a threading.Lock, utils.py:715), so a collection
+    # inside a @thread_safe call waited on itself. Here a thread collects a closed adapter while
+    # this one holds the lock: it must end without the lock (before the fix it waited for it).
+    import gc
+    import threading
+    import weakref
+
+    from lmcache.utils import _shared_observability_lock
+    ops = [Prefill(0, 0, "a", 2 * B, (1, 2)), Store(1, 1, 0, "host"), Done(2, 1, True)]
+    backend = adapter()
+    assert check(_tier_trace(*ops), backend, gather="all").valid is True  # its events asked too
+    allocator = weakref.ref(backend._tiers[0].allocator)
+    backend.close()
+    gc.disable()  # collected by the thread below, not before
+    try:
+        del backend
+        collector = threading.Thread(target=gc.collect, daemon=True)
+        with _shared_observability_lock:
+            collector.start()
+            collector.join(10)
+            ended = not collector.is_alive()
+        collector.join()
+    finally:
+        gc.enable()
+    assert allocator() is None  # the tier was collected: the check is not vacuous
+    assert ended, "a collected page of a closed tier waited for LMCache's observability lock"
+
+
 # --- planted upstream bugs (impls/engines/faults_lmcache.py) -------------------
 
 def _tier_trace(*ops):
