@@ -17,7 +17,9 @@ allocator's buffer, page by page, so the content checks read back what LMCache h
 The adapter's own part, as LMCache's storage manager does it: a store is ``allocate`` at its
 begin and ``submit_put_task`` at its completion (a failed store gives its pages back, never put:
 LMCache issue 4991's rule), so a block is ``storing`` between the two; the keys; the nearest tier
-first for a load.
+first for a load. A block is checked (``contains``) when the store reaches it, after the
+allocations for the blocks before it, as LMCache's ``store_layer`` and
+``allocate_and_copy_objects`` check each chunk.
 
 Keys: a block's ``CacheEngineKey`` names its prefix without the salt (``chunk_hash``) and carries
 the salt as a tag (``request_configs={"lmcache.tag.cache_salt": salt}``; a key's tags take part in
@@ -228,6 +230,12 @@ class _LMCacheTier:
 
     def close(self) -> None:
         self.backend.close()
+        # LMCache's closed allocator keeps its pages valid, and a collected page frees itself
+        # under LMCache's shared observability lock, which the collecting thread may hold: a
+        # self-deadlock (docs/upstream-reports.md). Closed, they free nothing.
+        in_flight = [*self.storing.values(), *(o for objs in self.reading.values() for o in objs)]
+        for obj in [*self.allocator.free_blocks, *self.held_out, *in_flight]:
+            obj.invalidate()
 
 
 class LMCacheCPU(EngineTiers):
@@ -236,7 +244,9 @@ class LMCacheCPU(EngineTiers):
     name = "lmcache-cpu"
     # LRU only (LMCache's LFU, FIFO and MRU are not SPEC policies); no swap (SPEC §13): LMCache
     # stores and retrieves prefix chunks, not a preempted request's whole state.
-    # LMCache's allocate evicts by its policy alone: a store's own blocks already stored go too.
+    # LMCache's allocate evicts by its policy alone: a store's own blocks already stored go too,
+    # and as it checks each chunk when it reaches it (contains, then allocate: cache_engine.py
+    # :696-706, storage_manager.py:89-92), one its own allocation evicted is stored again.
     # A stored block enters the LRU's order at its put (submit_put_task: ``hot_cache[key] =``,
     # local_cpu_backend.py:168), the store's completion; the allocate at its begin holds a page.
     # Its tiers' KV events are LMCache's controller messages, which name an entry by chunk_hash
@@ -244,7 +254,8 @@ class LMCacheCPU(EngineTiers):
     # KVOpEvent.key: int, cache_controller/message.py:134): the salt never reaches them.
     capabilities = dataclasses.replace(NumpyPaged.capabilities, tiers=("lru",), swap=False,
                                        tier_rules=("store_evicts_skipped",
-                                                   "store_ranked_at_completion"),
+                                                   "store_ranked_at_completion",
+                                                   "store_skips_when_reached"),
                                        rule_params={"tier_event_keys": "unsalted"})
     tier_skips = {"tier copies": CONNECTOR_SKIP}
     probe = staticmethod(available)

@@ -20,9 +20,12 @@ tiers.py, joined by leases and load targets.
   leaves it preempted by recompute instead. Its resume is a prefill of its tokens (device hits
   first), the blocks past the hit copied up; a free drops its blocks from the tier.
 
-Models of one full-attention group only (the keys carry group 0).
+Models of one full-attention group only (the keys carry group 0). ``replay_prompts`` is the
+plainer model of a device LRU over the tiers, every transfer completed at once: hits by tier.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from kvbench.model.oracle import ModelOOM, Oracle
 from kvbench.model.tiers import Tiers
@@ -156,4 +159,42 @@ class TieredOracle(Oracle):
         return {tr.seq for tr in self.tiers.transfers.values() if tr.kind == "load"}
 
 
-__all__ = ["TieredOracle", "ModelOOM"]
+__all__ = ["TieredOracle", "ModelOOM", "replay_prompts"]
+
+
+def replay_prompts(prompts, device_blocks: int, tiers: Tiers, tier: int = 0) -> dict:
+    """Hits by tier of a stream of prompts (each a list of block keys) over a device LRU of
+    ``device_blocks`` blocks above ``tiers``: a prompt hits the longest prefix held on the device,
+    then loads the longest following run stored in a tier, and computes the rest; the device
+    then holds all its blocks, most recent last, and each block the device evicts (least recent
+    first, never one of the prompt's) is stored down to tier ``tier``. Every transfer completes
+    at once. Returns {"device": blocks, <tier name>: blocks, ..., "computed": blocks}."""
+    device: OrderedDict = OrderedDict()
+    hits = {"device": 0, **{t.spec.name: 0 for t in tiers.tiers}, "computed": 0}
+    tid = 0
+    for keys in prompts:
+        if len(keys) > device_blocks:
+            raise ValueError(f"a prompt of {len(keys)} blocks does not fit {device_blocks} device blocks")
+        d = 0
+        while d < len(keys) and keys[d] in device:
+            d += 1
+        run = tiers.load_run(keys[d:])
+        if run:
+            tiers.load_begin(tid, 0, [(k, i, None) for k, i in zip(keys[d:], run)])
+            tiers.complete(tid, True)
+            tid += 1
+        hits["device"] += d
+        for i in run:
+            hits[tiers.tiers[i].spec.name] += 1
+        hits["computed"] += len(keys) - d - len(run)
+        for k in keys:
+            device[k] = None
+            device.move_to_end(k)
+        mine = set(keys)
+        while len(device) > device_blocks:
+            victim = next(k for k in device if k not in mine)
+            del device[victim]
+            tiers.store_begin(tid, 0, tier, [(victim, None)])
+            tiers.complete(tid, True)
+            tid += 1
+    return hits

@@ -19,13 +19,13 @@ A backend may declare rules of its own (``Capabilities.tier_rules``, TIER_RULES)
 runs them: ``whole_store_refused`` (vLLM's ``prepare_store``: the victims for every new block are
 found first, together, or the store is refused whole), ``request_recency`` (vLLM's connector:
 recency per request, LRU ranks ``(request, -position)`` and ARC promotions applied when the
-request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py) and
-``store_evicts_skipped`` (LMCache's ``allocate``: the policy may evict, for a store's new blocks,
-the blocks of the same store it skipped as already stored; without it they are kept, as vLLM's
-``prepare_store`` keeps a request's own blocks). ``drops_failed_loads``: it runs tiers whose
-header declares ``failed_load`` "drop" (what a failed load read is removed) besides SPEC's default
-"keep" (:func:`failed_load_modes`). ``store_ranked_at_completion`` (LMCache's put): a stored block's
-recency dates from its store's completion. ``failed_load_drops_unannounced`` (vLLM's file tier):
+request finishes, no touch at a load; the rules are in impls/engines/vllm_offload.py);
+LMCache's ``store_evicts_skipped`` (the policy may evict a store's skipped blocks for its new ones:
+vLLM keeps them), ``store_ranked_at_completion`` (a block's recency dates from its store's
+completion) and ``store_skips_when_reached`` (a block is skipped if held when the store reaches it,
+so one its own store evicted is stored again). ``drops_failed_loads``: it runs tiers whose header
+declares ``failed_load`` "drop" (what a failed load read is removed) besides SPEC's default "keep"
+(:func:`failed_load_modes`). ``failed_load_drops_unannounced`` (vLLM's file tier):
 KV events (SPEC §14) announce no removal of what a failed load dropped (``Tier.dropped``).
 ``drop_tiers_evict_nothing`` (vLLM's file tier, a file a block): its "drop" tiers evict nothing.
 ``failed_read_removes_at_once`` (vLLM's file tier): a failed load removes what it read from its
@@ -34,7 +34,6 @@ KV events (SPEC §14) announce no removal of what a failed load dropped (``Tier.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvbench.model.tier_policies import POLICY_CLASSES, REQUEST_POLICY_CLASSES, Access
@@ -44,7 +43,7 @@ from kvbench.traces.tier_ops import TierSpec
 STORING, STORED = "storing", "stored"
 TIER_RULES = ("whole_store_refused", "request_recency", "store_evicts_skipped", "drops_failed_loads",
               "store_ranked_at_completion", "failed_load_drops_unannounced", "drop_tiers_evict_nothing",
-              "failed_read_removes_at_once")
+              "failed_read_removes_at_once", "store_skips_when_reached")
 
 
 def failed_load_modes(tier_rules) -> tuple:
@@ -161,6 +160,7 @@ class Tiers:
         self.whole_store = "whole_store_refused" in rules
         self.by_request = "request_recency" in rules
         self.own_evictable = "store_evicts_skipped" in rules
+        self.when_reached = "store_skips_when_reached" in rules
         self.ranked_at_completion = "store_ranked_at_completion" in rules
         self.drops_unannounced = "failed_load_drops_unannounced" in rules
         self.removes_at_once = "failed_read_removes_at_once" in rules
@@ -243,19 +243,19 @@ class Tiers:
 
     def store_begin(self, tid, seq: int, tier: int, blocks, positions=None) -> StorePlan:
         """Begin copying ``blocks`` = [(key, device block)] (at ``positions`` of ``seq``) down to
-        tier ``tier``, block by block: a key held there (stored or storing) is skipped; without
-        room the policy evicts a stored block that no load reads and that is not one of this
-        store's; if none, the block is refused (whole_store_refused: every victim the new blocks
-        need is found first, or all of them are refused). Each begun block's device block is
-        leased until completion."""
+        tier ``tier``, block by block: a key held there (stored or storing) at the begin is skipped
+        (store_skips_when_reached: held when the store reaches it); without room the policy evicts
+        a stored block that no load reads and that is not one of this store's; if none, the block
+        is refused (whole_store_refused: every victim the new blocks need is found first, or all of
+        them are refused). Each begun block's device block is leased until completion."""
         self._new_id(tid)
         t = self.tiers[tier]
         plan = StorePlan()
         mine = {k for k, _ in blocks if not (self.own_evictable and k in t.entries)}
         where = dict(zip([k for k, _ in blocks], positions or [None] * len(blocks)))
-        new = [(k, b) for k, b in blocks if k not in t.entries]
-        plan.skipped = [k for k, _ in blocks if k in t.entries]
-        misses = [k for k, _ in new]
+        new = [(k, b) for k, b in blocks if k not in t.entries or self.when_reached]
+        plan.skipped = [k for k, _ in blocks if k in t.entries and not self.when_reached]
+        misses = [k for k, _ in new if k not in t.entries]
         if self.by_request:  # a request's misses adapt ARC once; its offers are accesses
             acc = t.access(seq)
             misses = [k for k in misses if k not in acc.store_misses]
@@ -276,6 +276,9 @@ class Tiers:
             for victim in victims:
                 self._evict(t, victim, plan)
         for key, block in new:
+            if key in t.entries:  # store_skips_when_reached: held when the store reaches it
+                plan.skipped.append(key)
+                continue
             if t.held() >= t.spec.capacity:
                 victim = t.policy.victims(1, evictable)
                 if victim is None:
@@ -447,40 +450,3 @@ class Tiers:
     def stored_keys(self, tier: int) -> set:
         return {k for k, e in self.tiers[tier].entries.items() if e.state == STORED}
 
-
-def replay_prompts(prompts, device_blocks: int, tiers: Tiers, tier: int = 0) -> dict:
-    """Hits by tier of a stream of prompts (each a list of block keys) over a device LRU of
-    ``device_blocks`` blocks above ``tiers``: a prompt hits the longest prefix held on the device,
-    then loads the longest following run stored in a tier, and computes the rest; the device
-    then holds all its blocks, most recent last, and each block the device evicts (least recent
-    first, never one of the prompt's) is stored down to tier ``tier``. Every transfer completes
-    at once. Returns {"device": blocks, <tier name>: blocks, ..., "computed": blocks}."""
-    device: OrderedDict = OrderedDict()
-    hits = {"device": 0, **{t.spec.name: 0 for t in tiers.tiers}, "computed": 0}
-    tid = 0
-    for keys in prompts:
-        if len(keys) > device_blocks:
-            raise ValueError(f"a prompt of {len(keys)} blocks does not fit {device_blocks} device blocks")
-        d = 0
-        while d < len(keys) and keys[d] in device:
-            d += 1
-        run = tiers.load_run(keys[d:])
-        if run:
-            tiers.load_begin(tid, 0, [(k, i, None) for k, i in zip(keys[d:], run)])
-            tiers.complete(tid, True)
-            tid += 1
-        hits["device"] += d
-        for i in run:
-            hits[tiers.tiers[i].spec.name] += 1
-        hits["computed"] += len(keys) - d - len(run)
-        for k in keys:
-            device[k] = None
-            device.move_to_end(k)
-        mine = set(keys)
-        while len(device) > device_blocks:
-            victim = next(k for k in device if k not in mine)
-            del device[victim]
-            tiers.store_begin(tid, 0, tier, [(victim, None)])
-            tiers.complete(tid, True)
-            tid += 1
-    return hits

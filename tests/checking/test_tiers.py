@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.model.tiers import Tiers, TransferError, replay_prompts
+from kvbench.model.tiered import replay_prompts
+from kvbench.model.tiers import Tiers, TransferError
 from kvbench.traces.tier_ops import TierSpec
 
 BB = 1024  # block bytes
@@ -294,6 +295,22 @@ def test_a_store_evicts_its_own_skipped_blocks_only_under_the_rule(rules, evicte
     t.complete(2, True)
     assert sorted(t.stored_keys(0)) == stored
     assert counts(t) == (1, 0, 0, 0)  # 1 = capacity: one stored either way, 0 free
+
+
+@pytest.mark.parametrize("rules, begun, skipped, evicted, ledger", [
+    # SPEC: "b", held at the begin, is skipped though "a" evicts it: 1 stored (c) + 1 storing (a)
+    (("store_evicts_skipped",), ["a"], ["b"], ["b"], (1, 1, 0, 0)),
+    # LMCache: "b" not held when the store reaches it, stored again: 0 stored + 2 storing (a, b)
+    (("store_evicts_skipped", "store_skips_when_reached"), ["a", "b"], [], ["b", "c"], (0, 2, 0, 0)),
+])
+def test_a_store_skips_what_its_tier_held_at_its_begin_or_under_the_rule_when_it_reaches_it(
+        rules, begun, skipped, evicted, ledger):
+    t = Tiers([TierSpec("host", 2)], BB, rules)
+    t.store_begin(1, 0, 0, [("b", 1), ("c", 2)])
+    t.complete(1, True)  # b, then c: b the least recent
+    plan = t.store_begin(2, 1, 0, [("a", 3), ("b", 4)])  # no room for a: b goes
+    assert [k for k, _ in plan.begun] == begun and plan.skipped == skipped
+    assert plan.evicted == evicted and counts(t) == ledger
 
 
 @pytest.mark.parametrize("rules, victim", [

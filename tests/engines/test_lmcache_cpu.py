@@ -104,6 +104,70 @@ def test_a_store_evicts_its_own_stored_block_as_lmcache_declares(lmcache):
         backend.close()
 
 
+def test_a_store_checks_each_block_when_it_reaches_it_as_lmcache_declares(lmcache):
+    # Found by test_passes_random_histories. Host tier of 2 pages: sequence 0 (salt x) stores its
+    # blocks at positions 1, 2 (keys x.2, x.3; x.2 the least recent). Sequence 1's store offers
+    # x.1, x.2: LMCache's allocate for x.1 evicts x.2, and x.2, not held when the store reaches
+    # it (contains, then allocate, chunk by chunk: cache_engine.py:696-706, storage_manager.py:
+    # 89-92), is allocated again, evicting x.3: 0 stored + 2 storing. As declared
+    # (store_skips_when_reached) the run passes; held to SPEC's skip at the store's begin, x.2 is
+    # skipped: 1 stored (x.3) + 1 storing (x.1), and the ledger differs at the store (step 5).
+    import dataclasses
+    ops = [Prefill(0, 0, "t", 3 * B, (1, 2, 3), "x"), Store(1, 0, 0, "host", (1, 2)), Done(2, 0, True),
+           Free(3, 0), Prefill(4, 1, "t", 2 * B, (1, 2), "x"), Store(5, 1, 1, "host"),
+           Done(6, 1, True), Free(7, 1)]
+    trace = validate(Trace(Header("restored", tiers=(TierSpec("host", 2), TierSpec("disk", 4))), ops,
+                           name="restored"))
+    verdicts = []
+    for declared in (True, False):
+        backend = adapter(4)
+        if not declared:
+            rules = tuple(r for r in backend.capabilities.tier_rules if r != "store_skips_when_reached")
+            backend.capabilities = dataclasses.replace(backend.capabilities, tier_rules=rules)
+        try:
+            verdicts.append(check(trace, backend, gather="all"))
+        finally:
+            backend.close()
+    ok, held = verdicts
+    assert ok.valid is True and ok.ops == len(ops), str(ok.divergence)
+    d = held.divergence
+    assert held.valid is False and d.index == 5, str(d)
+    assert (d.quantity, d.expected, d.actual) == ("tier host stored", 1, 0), str(d)
+
+
+def test_a_closed_tier_frees_nothing_when_collected(lmcache):
+    # Found by test_passes_random_histories run long: a hang. LMCache 0.5.6's paged allocator
+    # keeps its pages valid after the backend's close (MemoryAllocatorInterface.close does
+    # nothing, memory_management.py:1284-1289); a collected page frees itself (MemoryObj.__del__,
+    # :700-713), and the free takes LMCache's shared observability lock (update_local_cache_usage
+    # is @thread_safe, observability.py:518; a threading.Lock, utils.py:715), so a collection
+    # inside a @thread_safe call waited on itself. Here a thread collects a closed adapter while
+    # this one holds the lock: it must end without the lock (before the fix it waited for it).
+    import gc
+    import threading
+    import weakref
+
+    from lmcache.utils import _shared_observability_lock
+    ops = [Prefill(0, 0, "a", 2 * B, (1, 2)), Store(1, 1, 0, "host"), Done(2, 1, True)]
+    backend = adapter()
+    assert check(_tier_trace(*ops), backend, gather="all").valid is True  # its events asked too
+    allocator = weakref.ref(backend._tiers[0].allocator)
+    backend.close()
+    gc.disable()  # collected by the thread below, not before
+    try:
+        del backend
+        collector = threading.Thread(target=gc.collect, daemon=True)
+        with _shared_observability_lock:
+            collector.start()
+            collector.join(10)
+            ended = not collector.is_alive()
+        collector.join()
+    finally:
+        gc.enable()
+    assert allocator() is None  # the tier was collected: the check is not vacuous
+    assert ended, "a collected page of a closed tier waited for LMCache's observability lock"
+
+
 # --- planted upstream bugs (impls/engines/faults_lmcache.py) -------------------
 
 def _tier_trace(*ops):
@@ -293,7 +357,8 @@ def test_lmcaches_controller_keeps_a_set_and_forgets_a_prefix_one_tenant_still_h
     # each, as LMCache's 4 ADMIT messages say; tenant u's store of 3, 4 (step 8) evicts s's two
     # (LRU), 1 copy of 1 and 2 left, t's. The messages pass the checker's count per key; LMCache's
     # own controller index (WorkerNode.handle_batched_kv_operations, cache_controller/utils.py:
-    # 124-130: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2.
+    # 118-124: a set per location, add at admit, discard at evict) fed them holds neither 1 nor 2:
+    # an LMCache bug, reported in docs/upstream-reports.md.
     import time
 
     from lmcache.v1.cache_controller.utils import WorkerNode
