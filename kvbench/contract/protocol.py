@@ -127,13 +127,8 @@ class Capabilities:
     # it chooses between the begin and the completion; the checker puts frees, evictions,
     # loads and aborts in between, and a store's lease must make the moment not matter.
     tiers: tuple = ()
-    # SPEC §11 rules of those tiers that differ from SPEC's (kvbench.model.tiers.TIER_RULES):
-    # "whole_store_refused" (a store without room for all its blocks is refused whole),
-    # "request_recency" (vLLM's connector: recency per request, applied when it finishes),
-    # "store_evicts_skipped" (LMCache: a store may evict its own blocks that were already stored),
-    # "drops_failed_loads" (runs a trace tier's failed_load "drop" too, not SPEC's "keep" only),
-    # "store_ranked_at_completion" (LMCache: a stored block's recency dates from its completion),
-    # "failed_load_drops_unannounced" (vLLM's file tier: no removed event for a failed load's drops).
+    # SPEC §11 rules of those tiers that differ from SPEC's, by name: kvbench.model.tiers.TIER_RULES
+    # (its docstring says what each one is; docs/engines.md, who declares it and why).
     tier_rules: tuple = ()
     # SPEC §13: preempts by swap through those tiers (swap_out and swap_in, or its own preempt
     # and resume where it has them: tier_replay names them).
