@@ -128,7 +128,7 @@ class Capabilities:
     # loads and aborts in between, and a store's lease must make the moment not matter.
     tiers: tuple = ()
     # SPEC §11 rules of those tiers that differ from SPEC's, by name: kvbench.model.tiers.TIER_RULES
-    # (its docstring says what each one is; docs/engines.md, who declares it and why).
+    # (its docstring says what each one is; docs/tiers-and-lifecycles.md, who declares it and why).
     tier_rules: tuple = ()
     # SPEC §13: preempts by swap through those tiers (swap_out and swap_in, or its own preempt
     # and resume where it has them: tier_replay names them).
