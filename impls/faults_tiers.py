@@ -193,6 +193,24 @@ class FailedLoadReserved(NumpyPaged):
         return _FailedLoadServed(spec, self._tier_arrays(spec, storage))
 
 
+class _DroppedUnderReaders(TierSlots):
+    def load_failed(self, keys, seq) -> None:
+        for key in keys:  # removed at the failure, whoever else still reads it
+            self.drop(key)
+
+    def end_load(self, keys, seq) -> None:
+        super().end_load([k for k in keys if k in self.slot], seq)
+
+
+class FailedLoadDropsUnderReaders(NumpyPaged):
+    """vLLM's file tier's removal (docs/upstream-reports.md) in kvbench's pool: a tier that drops
+    what a failed load could not read removes it at the failure, while another load still reads
+    it, where SPEC §11 removes it once no load reads it."""
+
+    def _make_tier(self, spec, storage):
+        return _DroppedUnderReaders(spec, self._tier_arrays(spec, storage))
+
+
 class HitCountedBeforeAllocation(NumpyPaged):
     """LMCache PR 4520's behaviour in kvbench's pool: a load counts its tier hits at the lookup,
     before the device allocation, so a load that runs out of memory and is retried counts the
@@ -255,7 +273,8 @@ class LeasesOutOfRefcounts(NumpyPaged):
 
 
 # (name, upstream, fault): each caught by the default run (tier-agentic, tier-races or tier-turns;
-# FailedLoadReserved on boundary-tiers-1, PinsReleasedWithoutSalt on boundary-tiers-2, the committed workloads' tiers keeping failed loads)
+# FailedLoadReserved on boundary-tiers-1, PinsReleasedWithoutSalt on boundary-tiers-2,
+# FailedLoadDropsUnderReaders on boundary-shared-reads-1: the committed workloads' tiers keep failed loads)
 TIER_BUGS = [
     ("a store's lease ends at the free: the copy at completion reads a reused block",
      "vLLM #45704, PR #46278", LeaseEndsAtFree),
@@ -275,6 +294,8 @@ TIER_BUGS = [
      FailedLoadReserved),
     ("a lookup's pins released by the block key without its salt: salted entries stay pinned",
      "LMCache #3770", PinsReleasedWithoutSalt),
+    ("a failed load's blocks removed from a dropping tier while another load reads them",
+     "vLLM file tier (kvbench #48)", FailedLoadDropsUnderReaders),
 ]
 
 # (name, upstream, fault): caught by the default run on lifecycle-swap or lifecycle-preempt

@@ -385,16 +385,20 @@ def _tiers(cases, rule: str = "tiers") -> list[Trace]:
             oid = b.store(o, "host")
             b.done(oid)
             b.free(o)
-        elif c["during"] == "load":
+        elif c["during"] in ("load", "shared-fail"):  # a second load of the same blocks
             seq2, lid2 = b.load(2 * B + 1, ids)
-            b.done(lid2)
-            b.free(seq2)
+            if c["during"] == "load":
+                b.done(lid2)
+                b.free(seq2)
         if c["during"] == "abort":
             b.abort(seq)
         else:
-            b.done(lid, ok=c["during"] != "fail")
+            b.done(lid, ok=c["during"] not in ("fail", "shared-fail"))
             b.free(seq)
-        if c["during"] == "fail":
+        if c["during"] == "shared-fail":  # the other reader ends after the failure, having read
+            b.done(lid2)
+            b.free(seq2)
+        if c["during"] in ("fail", "shared-fail"):
             b.free(b.prefill(8 * B))  # the device forgets the recomputed prompt again
             again, aid = b.load(2 * B + 1, ids)
             b.done(aid)
@@ -437,6 +441,18 @@ def _lookups(cases) -> list[Trace]:
 
 LOOKUPS = Rule("lookups", "§11", {"lookup": ("plain", "salted"), "failed_load": ("keep", "drop")},
                _lookups, interactions=(("lookup", "failed_load"),))
+
+
+def _shared_reads(cases) -> list[Trace]:
+    """The tiers rule's failing load (room exact) while a second load reads the same host
+    blocks, which completes after the failure: a tier that drops what a failed load read
+    removes it once no load reads it (SPEC §11), so the second load is served whole, and the
+    load after it finds host's blocks only if host keeps them."""
+    return _tiers([{"during": "shared-fail", "room": "exact", "lookup": "none", **c} for c in cases],
+                  "shared-reads")
+
+
+SHARED_READS = Rule("shared-reads", "§11", {"failed_load": ("keep", "drop")}, _shared_reads)
 
 
 ENCODINGS_B = 8
@@ -585,7 +601,7 @@ COMPRESSED = Rule("compressed", "§12", {
 
 
 RULES = [WINDOWS, ROLLBACK, CHUNKS, CHAINS, HYBRID_EVICTION, TIERS, LOOKUPS, ENCODINGS, RETURNS, ZERO,
-         COMPRESSED]
+         COMPRESSED, SHARED_READS]
 
 
 def boundary_traces(rules=None) -> list[Trace]:

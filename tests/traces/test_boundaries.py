@@ -261,6 +261,21 @@ def test_a_looked_up_load_fails_under_a_tier_that_keeps_and_one_that_drops_salte
     assert seen == {(None, "keep"), (None, "drop"), ("s", "keep"), ("s", "drop")}
 
 
+def test_a_load_fails_while_another_load_of_its_blocks_reads_them_under_keep_and_drop():
+    seen = set()
+    for t in by_rule("shared-reads"):
+        loads = {op.id: (i, op) for i, op in enumerate(t.ops) if isinstance(op, Load)}
+        ends = {op.id: (i, op.ok) for i, op in enumerate(t.ops) if isinstance(op, Done) and op.id in loads}
+        failed = [lid for lid, (_, ok) in ends.items() if not ok]
+        first = failed[0]
+        # another load of the same 2B + 1 = 9 token ids begins before the failure and ends after it, ok
+        other = [lid for lid, (i, op) in loads.items() if lid != first and i < ends[first][0] < ends[lid][0]
+                 and op.token_ids == loads[first][1].token_ids and ends[lid][1]]
+        assert other and len(loads[first][1].token_ids) == 2 * 4 + 1
+        seen.add(t.header.tiers[0].failed_load)
+    assert seen == {"keep", "drop"}
+
+
 def test_encodings_are_every_float_format():
     encodings = {F.get_model(t.header.settings["model"]).kv_encoding for t in by_rule("encodings")}
     assert encodings == {"fp8", "fp8-per-token-head", "nvfp4"}
