@@ -357,7 +357,7 @@ def _tiers(cases, rule: str = "tiers") -> list[Trace]:
     host declaring ``failed_load``; the device is flushed again and the prompt loaded again, a hit
     of host's 2 blocks if it keeps them, none if it dropped them; then a store of another prompt
     fails), and a swap of a sequence into a tier of ``room`` (none: a store of no full block there
-    first; exact; one short). ``lookup`` (SPEC §11's pins): the load is looked up first
+    first; exact; one short; None: no swap, no swap tier). ``lookup`` (SPEC §11's pins): the load is looked up first
     (``plain``; ``salted``: the prompt stored and loaded under a salt), or a lookup of the prompt
     is aborted before any load (``aborted``), or none."""
     B = TIERS_B
@@ -406,21 +406,22 @@ def _tiers(cases, rule: str = "tiers") -> list[Trace]:
             o = b.prefill(2 * B, token_ids=other)
             b.done(b.store(o, "host"), ok=False)
             b.free(o)
-        need = 3  # the swapped sequence's blocks: ceil((2B + 2) / B)
-        room = {"none": 0, "exact": need, "short": need - 1}[c["room"]]
-        s = b.prefill(2 * B + 2)
-        if room == 0:  # a store of no full block (B - 1 tokens) to a tier of no room
-            short = b.prefill(B - 1)
-            b.done(b.store(short, "swap"))
-            b.free(short)
-        b.ops.append(Preempt(len(b.ops), s, "swap", "swap"))
-        b.resume(s)
-        b.append([s], [1])
+        tiers = (TierSpec("host", c.get("host", 2), failed_load=c["failed_load"]),)
+        if c["room"] is not None:
+            need = 3  # the swapped sequence's blocks: ceil((2B + 2) / B)
+            room = {"none": 0, "exact": need, "short": need - 1}[c["room"]]
+            s = b.prefill(2 * B + 2)
+            if room == 0:  # a store of no full block (B - 1 tokens) to a tier of no room
+                short = b.prefill(B - 1)
+                b.done(b.store(short, "swap"))
+                b.free(short)
+            b.ops.append(Preempt(len(b.ops), s, "swap", "swap"))
+            b.resume(s)
+            b.append([s], [1])
+            tiers += (TierSpec("swap", room),)
         b.free_all()
         out.append(_trace(rule, i, b, [c], {"block_size": B, "num_blocks": 8,
-                                                "prefix_caching": True},
-                          tiers=(TierSpec("host", 2, failed_load=c["failed_load"]),
-                                 TierSpec("swap", room))))
+                                                "prefix_caching": True}, tiers=tiers))
     return out
 
 
@@ -444,12 +445,13 @@ LOOKUPS = Rule("lookups", "§11", {"lookup": ("plain", "salted"), "failed_load":
 
 
 def _shared_reads(cases) -> list[Trace]:
-    """The tiers rule's failing load (room exact) while a second load reads the same host
-    blocks, which completes after the failure: a tier that drops what a failed load read
-    removes it once no load reads it (SPEC §11), so the second load is served whole, and the
-    load after it finds host's blocks only if host keeps them."""
-    return _tiers([{"during": "shared-fail", "room": "exact", "lookup": "none", **c} for c in cases],
-                  "shared-reads")
+    """The tiers rule's failing load while a second load reads the same host blocks, which
+    completes after the failure: a tier that drops what a failed load read removes it once no
+    load reads it (SPEC §11), so the second load is served whole, and the load after it finds
+    host's blocks only if host keeps them. No swap after it, and a host of 4 with room for every
+    store, so that a tier evicting nothing (vLLM's file tier) runs it too."""
+    return _tiers([{"during": "shared-fail", "room": None, "lookup": "none", "host": 4, **c}
+                   for c in cases], "shared-reads")
 
 
 SHARED_READS = Rule("shared-reads", "§11", {"failed_load": ("keep", "drop")}, _shared_reads)

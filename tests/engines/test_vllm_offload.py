@@ -344,6 +344,25 @@ def test_vllms_file_tier_removes_a_failed_reads_file_while_another_load_reads_it
     assert (spec.valid, d.step, d.quantity, d.expected, d.actual) == (False, 8, "tier disk stored", 1, 0)
 
 
+def test_the_shared_reads_boundary_passes_as_declared_and_fails_held_to_spec(vllm):
+    """The default run's shared-reads traces (a load fails while another load of its host blocks
+    is in flight): both pass under vLLM's rules; under a dropping host (its file tier) held to
+    SPEC §11 (the entry kept for the other reader) it FAILs at the failure, step 8 (the traces'
+    steps: store 1, its done 2, the loads 6 and 7, the failed one's done 8). It could pass held
+    to SPEC: a tier keeping the file until its last reader ends."""
+    from kvbench.traces.boundaries import SHARED_READS
+    for trace in SHARED_READS.build(SHARED_READS.cases()):
+        v = checked(trace, offload(8, block_size=4))
+        assert v.valid is True, (trace.name, v.divergence, v.error, v.not_applicable)
+        if trace.header.tiers[0].failed_load == "drop":
+            spec = checked(trace, offload(8, block_size=4, rules=(
+                "whole_store_refused", "request_recency", "failed_load_drops_unannounced",
+                "drop_tiers_evict_nothing")))
+            d = spec.divergence
+            # SPEC's host keeps the 2 blocks for the second load; vLLM's files are gone
+            assert (spec.valid, d.step, d.quantity, d.expected, d.actual) == (False, 8, "tier host stored", 2, 0)
+
+
 def test_its_tier_events_are_vllms_offloading_events(vllm):
     import numpy as np
 
