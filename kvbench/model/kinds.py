@@ -37,11 +37,6 @@ class Kind:
         """Slots the group writes for ``tokens`` tokens: ceil(T / r) (formulas.entries)."""
         return F.entries(tokens, self.group)
 
-    def cached_tokens(self, tokens: int) -> int:
-        """The prefix of ``tokens`` written tokens whose blocks are full (cached, and can be
-        hit): floor(T / key_tokens) * key_tokens."""
-        return tokens // self.key_tokens * self.key_tokens
-
     def released(self, tokens: int) -> range:
         """Positions of the blocks the group no longer holds at ``tokens`` tokens."""
         return F.released_blocks(tokens, self.group, self.B)
@@ -254,11 +249,7 @@ class CompressedKind(Kind):
     tokens (SPEC §12): block j is keyed by the prompt's key at token (j + 1) * B * r, cached,
     and can be hit, only once those tokens are written, and lookup keys it as store does, or
     another session's block is served (vLLM-Ascend issue 10296). A hit on the model is the
-    longest prefix every group hits (``hit_tokens``): a multiple of B * r tokens."""
-
-    def blocks(self, tokens: int) -> int:
-        """ceil(ceil(T / r) / B): the blocks a sequence of T tokens holds in the group."""
-        return F.blocks_needed(F.entries(tokens, self.group), self.B)
+    longest prefix every group hits: a multiple of B * r tokens."""
 
     def slab(self, size: int) -> int:
         raise ValueError(f"the contiguous layout has no slabs of {self.group.kind} groups (SPEC §12: "
@@ -269,12 +260,6 @@ KINDS: dict[str, type[Kind]] = {
     "full": FullKind, "mla": MLAKind, "sliding": SlidingKind, "chunked": ChunkedKind,
     "sinks": SinksKind, "state": StateKind, "compressed": CompressedKind,
 }
-
-
-def hit_tokens(kinds: list, hit_blocks: list) -> int:
-    """A model's prefix hit in tokens (SPEC §8, §12): the longest prefix every group hits, group
-    ``g`` having hit its first ``hit_blocks[g]`` blocks of ``kinds[g].key_tokens`` tokens each."""
-    return min((n * kind.key_tokens for kind, n in zip(kinds, hit_blocks)), default=0)
 
 
 def kind_of(group: F.KVGroup, block_size: int) -> Kind:

@@ -319,7 +319,11 @@ def test_each_tier_fault_fails_the_default_run_at_its_step(table):
              # boundary-tiers-2 (a salted lookup at 6, its load at 7), step 11: the load's done
              # releases its 2 pins by the keys without the salt, which pin nothing: host's 2
              # entries stay pinned (loading 2, not 0)
-             T.PinsReleasedWithoutSalt: ("boundary-tiers-2", 11, "tier host loading", 0, 2)}
+             T.PinsReleasedWithoutSalt: ("boundary-tiers-2", 11, "tier host loading", 0, 2),
+             # boundary-shared-reads-1 (host drops failed loads), step 8: the load begun at 6
+             # fails while the load begun at 7 still reads host's 2 blocks; SPEC keeps both
+             # until that reader ends (stored 2), the fault removes them at once (0)
+             T.FailedLoadDropsUnderReaders: ("boundary-shared-reads-1", 8, "tier host stored", 2, 0)}
     for name, upstream, fault in T.TIER_BUGS:
         row = table[name]
         d = row["divergence"]

@@ -35,7 +35,6 @@ def test_the_preset_is_full_beside_compressed_4():
 ])
 def test_a_compressed_group_holds_ceil_of_ceil_t_over_r_over_b_blocks(tokens, blocks):
     kind = kinds.kind_of(COMPRESSED, B)
-    assert kind.blocks(tokens) == blocks
     assert F.kind_blocks(tokens, COMPRESSED, B, F.block_bytes(B, MODEL)) == blocks
     assert F.held_blocks(tokens, COMPRESSED, B) == list(range(blocks))
     assert list(kind.released(tokens)) == []  # kept as long as the sequence lives
@@ -63,29 +62,9 @@ def test_bytes_per_token_of_a_compressed_group_are_its_entrys_over_r():
     assert F.kv_bytes(10, three) == 896
 
 
-@pytest.mark.parametrize("tokens,cached", [
-    (63, 0),  # B * r - 1: the first block's 64 tokens are not all written
-    (64, 64),  # B * r: its block is cached
-    (65, 64),  # B * r + 1: the second block holds one entry
-    (127, 64), (128, 128),
-])
-def test_keys_are_taken_at_every_b_times_r_tokens(tokens, cached):
-    kind = kinds.kind_of(COMPRESSED, B)
-    assert kind.key_tokens == F.key_tokens(COMPRESSED, B) == 64  # 16 * 4
-    assert kind.cached_tokens(tokens) == cached
-    # the full group beside it keys every 16 tokens: floor(T/16) * 16
-    assert kinds.kind_of(FULL, B).cached_tokens(tokens) == tokens // 16 * 16
-
-
-def test_a_hit_is_the_longest_prefix_every_group_hits():
-    model_kinds = [kinds.kind_of(g, B) for g in MODEL.kv_groups]
-    # full hits 5 blocks (80 tokens), compressed 1 block (64 tokens): 64
-    assert kinds.hit_tokens(model_kinds, [5, 1]) == 64
-    # full hits 3 blocks (48 tokens), compressed 1 (64): 48
-    assert kinds.hit_tokens(model_kinds, [3, 1]) == 48
-    # keyed by B instead of B * r (issue 10296), one compressed block would claim 16 tokens of
-    # entries that cover 64: the hit a correct pool reports differs
-    assert kinds.hit_tokens(model_kinds, [5, 1]) != min(5 * 16, 1 * 16)
+def test_a_compressed_table_position_covers_b_times_r_tokens():
+    assert kinds.kind_of(COMPRESSED, B).key_tokens == F.key_tokens(COMPRESSED, B) == 64  # 16 * 4
+    assert kinds.kind_of(FULL, B).key_tokens == 16  # B
 
 
 def test_the_oracle_refuses_compressed_groups_under_engine_rules_naming_them():
