@@ -24,7 +24,7 @@ import numpy as np
 
 from impls.numpy_paged import NumpyPaged
 from kvbench.contract import formulas as F
-from kvbench.contract.protocol import BlockState, Refusal
+from kvbench.contract.protocol import Refusal
 
 
 def _ceil(a, b):
@@ -93,17 +93,7 @@ class NumpyCompressed(NumpyPaged):
         r = self._new_row(seq)
         self._grow_cols(n)
         L, hits = self._hit_plan(keys)
-        for h in hits:
-            back = h[self.refcount[h] == 0]  # cached blocks back in use, full
-            for b in back.tolist():
-                del self.evictable[b]
-            self.n_used += len(back)
-            self.filled += int(self.fill[back].sum())
-            if len(back):
-                self.group_used += np.bincount(self.block_group[back], minlength=self.G)
-            self.n_shared += int(np.count_nonzero(self.refcount[h] == 1))
-            self.refcount[h] += 1
-            self.hit_blocks += len(h)
+        self._take_hits(hits)
         B, skip = self.B, L * self.B
         for g, (h, p, ratio) in enumerate(zip(hits, npos, self.ratio)):
             fresh = self._take(p - len(h))
@@ -280,31 +270,12 @@ class NumpyCompressed(NumpyPaged):
             return super().scanned_ledger()
         return dataclasses.replace(super().scanned_ledger(), reservation=self._reservation())
 
-    def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
-        if self.plain:
-            return super().block_state(seqs, changed_since=changed_since)
-        rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
-                                                               if s in self.row_of]
-        tables = {int(self.seq_of_row[r]): [t[r, :self._positions(g, int(self.nblocks[r]))]
-                                            for g, t in enumerate(self.tables)] for r in rows}
-        mark, changes = self._changes(changed_since, lambda low: self.free_stack[low:self.free_top][::-1])
-        if changes is not None:
-            return BlockState(None, None, self.refcount, tables, mark, changes)
-        return BlockState(free=self.free_stack[:self.free_top][::-1], cached=list(self.evictable),
-                          refcount=self.refcount, tables=tables, mark=mark)
-
     def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
         """Positions ``start .. stop-1``: per group, position p reads entry p // r (a full
         group's entry is its token)."""
         if self.plain:
             return super().gather(seq, start, stop, out=out)
-        if self.pool is None:
-            raise NotImplementedError(f"{self.name} was built with store_kv=False")
-        r = self._row(seq)
-        T = int(self.tokens[r])
-        stop = T if stop is None else stop
-        if not 0 <= start <= stop <= T:
-            raise IndexError(f"{self.name}: positions {start}..{stop} of sequence {seq} ({T} tokens)")
+        r, stop = self._gather_row(seq, start, stop)
         result = np.zeros((stop - start,) + self.kv_shape, dtype=self.slots.dtype)
         p = np.arange(start, stop)
         for g, (group, ratio) in enumerate(zip(self.groups, self.ratio)):

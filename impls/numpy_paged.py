@@ -575,17 +575,7 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
         r = self._new_row(seq)
         self._grow_cols(n)
         L, hits = self._hit_plan(keys)
-        for h in hits:
-            back = h[self.refcount[h] == 0]  # cached blocks back in use, full
-            for b in back.tolist():
-                del self.evictable[b]
-            self.n_used += len(back)
-            self.filled += int(self.fill[back].sum())
-            if len(back):
-                self.group_used += np.bincount(self.block_group[back], minlength=self.G)
-            self.n_shared += int(np.count_nonzero(self.refcount[h] == 1))
-            self.refcount[h] += 1
-            self.hit_blocks += len(h)
+        self._take_hits(hits)
         fresh = self._take(self.G * (n - L)).reshape(self.G, n - L)
         ids = [np.concatenate([np.full(L - len(h), -1, np.intp), h, f]) for h, f in zip(hits, fresh)]
         first = [L - len(h) for h in hits]
@@ -600,6 +590,20 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
                     self.by_hash[(g, keys[i])] = int(ids[g][i])
                     self.hash_of[int(ids[g][i])] = (g, keys[i])
         return self._fill_row(r, ids, first, tokens, kv, tenant, final_tokens, step, L, victims)
+
+    def _take_hits(self, hits) -> None:
+        """A prefix hit's blocks (per group) referenced by the new row: cached ones back in use."""
+        for h in hits:
+            back = h[self.refcount[h] == 0]  # cached blocks back in use, full
+            for b in back.tolist():
+                del self.evictable[b]
+            self.n_used += len(back)
+            self.filled += int(self.fill[back].sum())
+            if len(back):
+                self.group_used += np.bincount(self.block_group[back], minlength=self.G)
+            self.n_shared += int(np.count_nonzero(self.refcount[h] == 1))
+            self.refcount[h] += 1
+            self.hit_blocks += len(h)
 
     def _prefill_small(self, seq, tokens, kv, tenant, final_tokens, step, n):
         """_prefill's row of a few blocks of one group from the free stack, nothing to look up or
@@ -1023,19 +1027,24 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
             shared_blocks=int((self.refcount > 1).sum()),
             group_blocks=tuple(np.bincount(self.block_group[used], minlength=self.G).tolist()))
 
+    def _positions(self, g: int, nblocks: int) -> int:
+        """Table positions of group ``g`` for ``nblocks`` blocks of B tokens (one each here)."""
+        return nblocks
+
     def block_state(self, seqs=None, *, changed_since=None) -> BlockState:
         rows = np.flatnonzero(self.live) if seqs is None else [self.row_of[s] for s in seqs
                                                                if s in self.row_of]
-        tables = {int(self.seq_of_row[r]): [t[r, :self.nblocks[r]] for t in self.tables] for r in rows}
+        tables = {int(self.seq_of_row[r]): [t[r, :self._positions(g, int(self.nblocks[r]))]
+                                            for g, t in enumerate(self.tables)] for r in rows}
         mark, changes = self._changes(changed_since, lambda low: self.free_stack[low:self.free_top][::-1])
         if changes is not None:
             return BlockState(None, None, self.refcount, tables, mark, changes)
         return BlockState(free=self.free_stack[:self.free_top][::-1], cached=list(self.evictable),
                           refcount=self.refcount, tables=tables, mark=mark)
 
-    def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
-        """Positions ``start .. stop-1`` of the sequence: the blocks that hold them and no
-        others (a range costs what it holds), into ``out`` when given."""
+    def _gather_row(self, seq, start: int, stop):
+        """The row of ``seq`` and the end of a read of ``start .. stop-1`` (None: its length),
+        the range checked against its tokens."""
         if self.pool is None:
             raise NotImplementedError(f"{self.name} was built with store_kv=False")
         r = self._row(seq)
@@ -1043,6 +1052,12 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
         stop = T if stop is None else stop
         if not 0 <= start <= stop <= T:
             raise IndexError(f"{self.name}: positions {start}..{stop} of sequence {seq} ({T} tokens)")
+        return r, stop
+
+    def gather(self, seq, start=0, stop=None, *, out=None) -> np.ndarray:
+        """Positions ``start .. stop-1`` of the sequence: the blocks that hold them and no
+        others (a range costs what it holds), into ``out`` when given."""
+        r, stop = self._gather_row(seq, start, stop)
         if self.G == 1 and int(self.first[0][r]) * self.B <= start:
             return self._read_range(self.tables[0][r], start, stop, out)
         result = out if out is not None else None
