@@ -59,9 +59,21 @@ class NumpyCompressed(NumpyPaged):
         ceil(T / (B * r))."""
         return _ceil(nblocks, self.ratio[g])
 
+    def _store_key(self, keys, g: int, i: int):
+        """The key position ``i`` of group g is cached under: the prompt's key of its B * r_g
+        tokens, B-block (i + 1) * r_g - 1's (None: the prompt keys no such block)."""
+        k = (i + 1) * self.ratio[g] - 1
+        return keys[k] if k < len(keys) else None
+
     def _lookup_key(self, keys, g: int, i: int):
         """The key a lookup takes for position ``i`` of group g: the one its store took."""
-        return keys[(i + 1) * self.ratio[g] - 1]
+        return self._store_key(keys, g, i)
+
+    def _cache_at(self, g: int, key, b: int) -> None:
+        """Block ``b`` of group g becomes ``key``'s cache entry, unless another block is."""
+        if key is not None and (g, key) not in self.by_hash and b >= 0:
+            self.by_hash[(g, key)] = b
+            self.hash_of[b] = (g, key)
 
     # --- prefix hit and prefill ------------------------------------------------------------
 
@@ -88,12 +100,7 @@ class NumpyCompressed(NumpyPaged):
             return (sum(p - L // r for p, r in zip(npos, self.ratio))
                     + sum(int(np.count_nonzero(refcount[h] == 0)) for h in hits))
 
-        protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
-        victims = self._make_room(need, protect_rows)
-        r = self._new_row(seq)
-        self._grow_cols(n)
-        L, hits = self._hit_plan(keys)
-        self._take_hits(hits)
+        r, victims, L, hits = self._admit_row(seq, n, need, protect, keys)
         B, skip = self.B, L * self.B
         for g, (h, p, ratio) in enumerate(zip(hits, npos, self.ratio)):
             fresh = self._take(p - len(h))
@@ -104,12 +111,7 @@ class NumpyCompressed(NumpyPaged):
             E = _ceil(tokens, ratio)
             self._set_fill(fresh, np.minimum(B, E - np.arange(len(h), p) * B))
             for i in range(len(h), p):
-                if (i + 1) * ratio <= len(keys):
-                    key = keys[(i + 1) * ratio - 1]  # the key of its B * r tokens
-                    if (g, key) not in self.by_hash:
-                        b = int(self.tables[g][r, i])
-                        self.by_hash[(g, key)] = b
-                        self.hash_of[b] = (g, key)
+                self._cache_at(g, self._store_key(keys, g, i), int(self.tables[g][r, i]))
             if self.pool is not None and tokens > skip:
                 e = np.arange(skip // ratio, E)  # the entries past the hit, each its first token's K/V
                 self._write_group(g, self.tables[g][r, e // B] * B + e % B, kv[e * ratio])
@@ -133,10 +135,7 @@ class NumpyCompressed(NumpyPaged):
             upto = min(len(keys), int(self.tokens[r]) // self.B)
             for g, ratio in enumerate(self.ratio):
                 for i in range(done // ratio, upto // ratio):
-                    key, b = keys[(i + 1) * ratio - 1], int(self.tables[g][r, i])
-                    if (g, key) not in self.by_hash and b >= 0:
-                        self.by_hash[(g, key)] = b
-                        self.hash_of[b] = (g, key)
+                    self._cache_at(g, self._store_key(keys, g, i), int(self.tables[g][r, i]))
             if upto == len(keys):
                 del self.chunking[s]
             else:

@@ -570,12 +570,7 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
             L, hits = self._hit_plan(keys)
             return self.G * (n - L) + sum(int(np.count_nonzero(refcount[h] == 0)) for h in hits)
 
-        protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
-        victims = self._make_room(need, protect_rows)
-        r = self._new_row(seq)
-        self._grow_cols(n)
-        L, hits = self._hit_plan(keys)
-        self._take_hits(hits)
+        r, victims, L, hits = self._admit_row(seq, n, need, protect, keys)
         fresh = self._take(self.G * (n - L)).reshape(self.G, n - L)
         ids = [np.concatenate([np.full(L - len(h), -1, np.intp), h, f]) for h, f in zip(hits, fresh)]
         first = [L - len(h) for h in hits]
@@ -591,8 +586,15 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
                     self.hash_of[int(ids[g][i])] = (g, keys[i])
         return self._fill_row(r, ids, first, tokens, kv, tenant, final_tokens, step, L, victims)
 
-    def _take_hits(self, hits) -> None:
-        """A prefix hit's blocks (per group) referenced by the new row: cached ones back in use."""
+    def _admit_row(self, seq, n: int, need, protect, keys) -> tuple:
+        """A prefill's room (``need(refcount)``: the blocks it takes; victims evicted, ``protect``
+        spared), its new row of ``n`` columns and its prefix hit's blocks referenced, cached ones
+        back in use: (row, victims, L, hits)."""
+        protect_rows = np.array([self.row_of[s] for s in protect if s in self.row_of], dtype=np.int64)
+        victims = self._make_room(need, protect_rows)
+        r = self._new_row(seq)
+        self._grow_cols(n)
+        L, hits = self._hit_plan(keys)
         for h in hits:
             back = h[self.refcount[h] == 0]  # cached blocks back in use, full
             for b in back.tolist():
@@ -604,6 +606,7 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
             self.n_shared += int(np.count_nonzero(self.refcount[h] == 1))
             self.refcount[h] += 1
             self.hit_blocks += len(h)
+        return r, victims, L, hits
 
     def _prefill_small(self, seq, tokens, kv, tenant, final_tokens, step, n):
         """_prefill's row of a few blocks of one group from the free stack, nothing to look up or
