@@ -33,6 +33,11 @@ class Kind:
         prefix-cache keys: B * r (B but for compressed(r))."""
         return self.B * self.r
 
+    def key_index(self, i: int) -> int:
+        """The prompt's B-block whose key names table position ``i``: the last it covers,
+        (i + 1) * r - 1 (i but for compressed(r))."""
+        return (i + 1) * self.r - 1
+
     def entries(self, tokens: int) -> int:
         """Slots the group writes for ``tokens`` tokens: ceil(T / r) (formulas.entries)."""
         return F.entries(tokens, self.group)

@@ -140,7 +140,7 @@ class SpecSteps:
             need = [kind.held(L * self.B) for kind in self.kinds]
             if all((g, keys[i]) in self.by_hash for g, kind in enumerate(self.kinds) if kind.releases
                    for i in need[g]):
-                return L, [{i: self.by_hash[(g, keys[(i + 1) * kind.r - 1])][0] for i in need[g]}
+                return L, [{i: self.by_hash[(g, keys[kind.key_index(i)])][0] for i in need[g]}
                            for g, kind in enumerate(self.kinds)]
         return 0, [{} for _ in self.groups]
 
@@ -150,10 +150,10 @@ class SpecSteps:
         top = len(keys)
         for g, kind in enumerate(self.kinds):
             if not kind.releases:
-                run, r = 0, kind.r
-                while (run + 1) * r <= top and (g, keys[(run + 1) * r - 1]) in self.by_hash:
+                run = 0
+                while kind.key_index(run) < top and (g, keys[kind.key_index(run)]) in self.by_hash:
                     run += 1
-                top = run * r
+                top = run * kind.r
         return top
 
     def _cache_hits(self, keys, tokens: int) -> tuple[int, list, int]:
@@ -174,7 +174,7 @@ class SpecSteps:
             L, hits = self._hit_plan(keys[:counted])
             counted = L
         return L, hits, sum(1 for per, kind in zip(hits, self.kinds) for i in per
-                            if (i + 1) * kind.r <= counted)
+                            if kind.key_index(i) < counted)
 
     def _most_hit_tokens(self, tokens: int) -> int:
         """The most tokens of a ``tokens``-token prompt a hit may cover (``hit_leaves_last_token``:
@@ -211,12 +211,11 @@ class SpecSteps:
         keys of its blocks a group does not keep, or may release (below L), name them for its
         own fork."""
         for g, (table, kind) in enumerate(zip(st.tables, self.kinds)):
-            r = kind.r  # a compressed(r) group's position i is keyed by the prompt's key (i + 1) * r - 1
-            for i in range(L // r, len(table)):
+            for i in range(L // kind.r, len(table)):
                 if table[i] is None:  # a state group's position align mode skips
                     continue
-                if (i + 1) * r <= len(keys):
-                    key = keys[(i + 1) * r - 1]
+                if kind.key_index(i) < len(keys):
+                    key = keys[kind.key_index(i)]
                     if self._keeps(st, g, i):
                         self._share_cached(table, g, i, key)
                         self._register(table[i], g, key)
@@ -231,11 +230,11 @@ class SpecSteps:
         a block of a chunked prompt becomes the cache entry of its key once the append has taken
         its blocks (as an engine caches after allocating); a block holding a draft
         token is cached by no engine (its accept may still roll it back)."""
-        chunk, r = self.seqs[seq].prompt.get("chunk_keys"), self.kinds[g].r
-        if chunk is not None and (i + 1) * r <= len(chunk):  # keyed as _cache_prompt keys it
+        chunk, kind = self.seqs[seq].prompt.get("chunk_keys"), self.kinds[g]
+        if chunk is not None and kind.key_index(i) < len(chunk):  # keyed as _cache_prompt keys it
             if self.caching and self._keeps(self.seqs[seq], g, i):
-                self._chunk_done.append((b, g, chunk[(i + 1) * r - 1]))
-        elif (i + 1) * self.B * r <= self._spec_from.get(seq, (i + 1) * self.B * r):
+                self._chunk_done.append((b, g, chunk[kind.key_index(i)]))
+        elif (i + 1) * kind.key_tokens <= self._spec_from.get(seq, (i + 1) * kind.key_tokens):
             self._filled(b, g, seq, i)
 
     def _cache_chunks(self) -> None:
