@@ -17,11 +17,11 @@ from __future__ import annotations
 def remove_at_once(tiers, failed) -> None:
     """``failed``: a load just completed failed (no longer among ``tiers.transfers``). Each
     entry it read in a "drop" tier leaves at once, lost to every load that read it."""
+    others = [tr for tr in tiers.transfers.values() if tr.kind == "load"]
     for key, tier, _ in failed.blocks:
         t = tiers.tiers[tier]
         if t.spec.failed_load != "drop" or (key, tier) in failed.lost:
             continue
-        others = [tr for tr in tiers.transfers.values() if tr.kind == "load"]
         for tr in others:
             if any((k, i) == (key, tier) for k, i, _ in tr.blocks):
                 tr.lost.add((key, tier))
