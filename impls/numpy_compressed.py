@@ -115,12 +115,7 @@ class NumpyCompressed(NumpyPaged):
             if self.pool is not None and tokens > skip:
                 e = np.arange(skip // ratio, E)  # the entries past the hit, each its first token's K/V
                 self._write_group(g, self.tables[g][r, e // B] * B + e % B, kv[e * ratio])
-        self.dirty.add(r)
-        self.nblocks[r] = n
-        self.tokens[r] = tokens
-        self.final[r] = final_tokens if final_tokens is not None else tokens
-        self.last_access[r], self.use_count[r] = step, 1
-        self.tenant_idx[r] = self._tenant(tenant)
+        self._row_figures(r, n, tokens, tenant, final_tokens, step)
         return tuple(victims)
 
     def _cache_chunks(self, seqs) -> None:

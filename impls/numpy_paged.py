@@ -652,15 +652,19 @@ class NumpyPaged(NumpyTiers, StackChanges, PoolEvents, Backend):
                 self._set_fill(held, fills)
         return self._row_filled(r, n, ids, tokens, kv, tenant, final_tokens, step, n_hit, victims)
 
-    def _row_filled(self, r, n, ids, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
-        """A new row of ``n`` blocks: its figures, and its K/V written into its blocks ``ids``
-        (per group; None when the pool keeps no K/V)."""
+    def _row_figures(self, r, n, tokens, tenant, final_tokens, step) -> None:
+        """A new row's figures: ``n`` blocks of ``tokens`` tokens, its tenant, final length and clock."""
         self.dirty.add(r)
         self.nblocks[r] = n
         self.tokens[r] = tokens
         self.final[r] = final_tokens if final_tokens is not None else tokens
         self.last_access[r], self.use_count[r] = step, 1
         self.tenant_idx[r] = self._tenant(tenant)
+
+    def _row_filled(self, r, n, ids, tokens, kv, tenant, final_tokens, step, n_hit=0, victims=()):
+        """A new row of ``n`` blocks: its figures, and its K/V written into its blocks ``ids``
+        (per group; None when the pool keeps no K/V)."""
+        self._row_figures(r, n, tokens, tenant, final_tokens, step)
         if self.pool is not None and tokens > n_hit * self.B:  # hits hold their prefix's K/V
             skip = n_hit * self.B
             for g in range(self.G):
